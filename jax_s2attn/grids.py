@@ -1,0 +1,125 @@
+"""Latitude grids and quadrature on the sphere (float64 numpy, host only).
+
+Conventions follow torch-harmonics: the latitude axis is colatitude ``theta`` in
+``[0, pi]`` stored ascending (index 0 is the north pole or the node nearest to
+it); longitudes are ``2*pi*j/nlon``. Quadrature weights integrate over
+``x = cos(theta)`` on ``[-1, 1]`` and therefore sum to 2.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "GRIDS",
+    "precompute_latitudes",
+    "precompute_longitudes",
+    "latitude_spacing",
+    "validate_grid",
+]
+
+#: Canonical grid names (torch-harmonics spelling). ``"equiangular"`` is
+#: Clenshaw-Curtis with both poles; ``"equiangular-trapezoidal"`` is equispaced
+#: in ``cos(theta)``, not in ``theta``, despite its name.
+GRIDS = ("equiangular", "legendre-gauss", "lobatto", "equiangular-trapezoidal")
+
+
+def validate_grid(grid: str, argname: str = "grid") -> str:
+    if grid not in GRIDS:
+        raise ValueError(
+            f"Unknown {argname}={grid!r}; valid grids are: {', '.join(repr(g) for g in GRIDS)}."
+        )
+    return grid
+
+
+def _legendre(n: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``(P_n(x), P_{n-1}(x))`` by the three-term recurrence."""
+    p_prev, p = np.ones_like(x), x.copy()
+    if n == 0:
+        return p_prev, np.zeros_like(x)
+    for k in range(1, n):
+        p_prev, p = p, ((2 * k + 1) * x * p - k * p_prev) / (k + 1)
+    return p, p_prev
+
+
+def _clenshaw_curtis(n: int) -> tuple[np.ndarray, np.ndarray]:
+    big_n = n - 1
+    k = np.arange(n)
+    theta = np.arccos(np.cos(np.pi * k / big_n))
+    c = np.full(n, 2.0)
+    c[0] = c[-1] = 1.0
+    j = np.arange(1, big_n // 2 + 1)
+    b = np.where(2 * j == big_n, 1.0, 2.0)
+    series = (b[None, :] * np.cos(2.0 * np.pi * np.outer(k, j) / big_n) / (4.0 * j**2 - 1.0)).sum(axis=1)
+    weights = c / big_n * (1.0 - series)
+    return theta, weights
+
+
+def _legendre_gauss(n: int) -> tuple[np.ndarray, np.ndarray]:
+    x, w = np.polynomial.legendre.leggauss(n)
+    return np.arccos(x)[::-1].copy(), w[::-1].copy()
+
+
+def _lobatto(n: int) -> tuple[np.ndarray, np.ndarray]:
+    x = -np.cos(np.pi * np.arange(n) / (n - 1))
+    for _ in range(100):
+        p, p_prev = _legendre(n - 1, x)
+        step = (x * p - p_prev) / (n * p)
+        x = x - step
+        if np.max(np.abs(step)) <= 1e-16:
+            break
+    p, _ = _legendre(n - 1, x)
+    w = 2.0 / (n * (n - 1) * p**2)
+    return np.arccos(x)[::-1].copy(), w[::-1].copy()
+
+
+def _trapezoidal(n: int) -> tuple[np.ndarray, np.ndarray]:
+    x = np.linspace(-1.0, 1.0, n)
+    w = np.full(n, 2.0 / (n - 1))
+    w[0] = w[-1] = 1.0 / (n - 1)
+    return np.arccos(x)[::-1].copy(), w[::-1].copy()
+
+
+_BUILDERS = {
+    "equiangular": _clenshaw_curtis,
+    "legendre-gauss": _legendre_gauss,
+    "lobatto": _lobatto,
+    "equiangular-trapezoidal": _trapezoidal,
+}
+
+
+def precompute_latitudes(nlat: int, grid: str = "equiangular") -> tuple[np.ndarray, np.ndarray]:
+    """Colatitude nodes and quadrature weights of a latitude grid.
+
+    Args:
+      nlat: number of latitude rings, at least 2 (``"legendre-gauss"`` accepts 1).
+      grid: one of :data:`GRIDS`.
+
+    Returns:
+      ``(colatitudes, weights)``: float64 arrays of shape ``[nlat]``; colatitudes
+      ascend from the north pole, weights are positive and sum to 2.
+    """
+    validate_grid(grid)
+    nlat = int(nlat)
+    min_nlat = 1 if grid == "legendre-gauss" else 2
+    if nlat < min_nlat:
+        raise ValueError(f"nlat={nlat} is too small for grid {grid!r}; it needs at least {min_nlat} rings.")
+    theta, weights = _BUILDERS[grid](nlat)
+    return np.ascontiguousarray(theta, dtype=np.float64), np.ascontiguousarray(weights, dtype=np.float64)
+
+
+def precompute_longitudes(nlon: int) -> np.ndarray:
+    """Longitudes ``2*pi*j/nlon`` for ``j = 0..nlon-1`` (float64)."""
+    return np.linspace(0.0, 2.0 * np.pi, int(nlon) + 1, dtype=np.float64)[:-1]
+
+
+def latitude_spacing(nlat: int, grid: str = "equiangular") -> float:
+    """Largest gap between neighbouring colatitude nodes (radians).
+
+    This is the default neighbourhood radius of torch-harmonics 0.9.3; for the
+    equiangular grid it equals ``pi / (nlat - 1)``.
+    """
+    theta, _ = precompute_latitudes(nlat, grid)
+    if theta.size < 2:
+        return float(np.pi)
+    return float(np.max(np.diff(theta)))

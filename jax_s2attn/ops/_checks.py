@@ -1,0 +1,68 @@
+"""Trace-time validation of user inputs: every user-facing message lives here."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..plan import NeighborhoodPlan
+
+IMPLEMENTATIONS = ("reference", "ffi")
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def check_implementation(implementation) -> None:
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is not supported; use None (pick the fastest available), "
+            + " or ".join(repr(i) for i in IMPLEMENTATIONS)
+            + "."
+        )
+
+
+def check_inputs(query, key, value, plan) -> tuple[tuple[int, ...], int, int, int]:
+    """Validate shapes and dtypes; return ``(batch_shape, heads, Dk, Dv)``."""
+    if not isinstance(plan, NeighborhoodPlan):
+        raise TypeError(f"plan must be a jax_s2attn.NeighborhoodPlan, got {type(plan).__name__}.")
+    arrays = {"query": query, "key": key, "value": value}
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
+        if x.ndim < 4:
+            raise ValueError(
+                f"{name} must have shape [..., nlat, nlon, heads, head_dim] (rank >= 4), got shape {tuple(x.shape)}."
+            )
+        if not any(x.dtype == d for d in _FLOAT_DTYPES):
+            raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are float16, bfloat16, float32, float64.")
+    dtypes = {name: x.dtype for name, x in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(
+            "query, key and value must share one dtype, got "
+            + ", ".join(f"{n}={d}" for n, d in dtypes.items())
+            + "; cast them first (e.g. key.astype(query.dtype))."
+        )
+    batch = tuple(query.shape[:-4])
+    heads, dk = query.shape[-2], query.shape[-1]
+    dv = value.shape[-1]
+    expected = {
+        "query": (*batch, plan.nlat_out, plan.nlon_out, heads, dk),
+        "key": (*batch, plan.nlat_in, plan.nlon_in, heads, dk),
+        "value": (*batch, plan.nlat_in, plan.nlon_in, heads, dv),
+    }
+    for name, shape in expected.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ValueError(
+                f"{name} has shape {tuple(arrays[name].shape)} but this plan (in_shape={plan.in_shape}, "
+                f"out_shape={plan.out_shape}) and query {tuple(query.shape)} need {name} of shape {shape} "
+                "([batch..., nlat, nlon, heads, head_dim]; key/value on the input grid, query on the output grid)."
+            )
+    return batch, heads, dk, dv
+
+
+def check_scale(scale, dk: int) -> float:
+    if scale is None:
+        return 1.0 / float(np.sqrt(dk))
+    try:
+        return float(scale)
+    except TypeError:
+        raise TypeError(f"scale must be a Python or numpy scalar, got {type(scale).__name__}.") from None

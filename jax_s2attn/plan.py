@@ -1,0 +1,393 @@
+"""The neighbourhood plan: which input points each output point attends to.
+
+Built once on the host in float64 numpy and cached. The plan holds three views
+of the same sparsity:
+
+* ``csr_offsets`` / ``csr_columns``: torch-harmonics' ``psi`` in its own layout
+  (gather: one row per output latitude, columns ``hi*nlon_in + wi`` for the output
+  at longitude 0; scatter: one row per input latitude, columns ``ho*nlon_out + wo``).
+* ``forward_arcs``: for every query *pattern* the contiguous longitude arcs it
+  reads on each key row. Output ``(ho, wo)`` uses pattern ``ho*R + wo % R``
+  with every arc start shifted by ``S*(wo // R)`` key longitudes (``R``/``S`` are
+  the table's ``residues``/``shift``). This is the gather walk of the forward
+  pass and of dQ, for every direction.
+* ``backward_arcs``: the transpose, keyed by input point, walked by dK/dV.
+
+Arcs are ``(row, lo, len)`` int32 triples: the ``len`` longitudes
+``(lo + j) mod nlon`` for ``j < len`` (one wrap at most; a full ring has
+``lo = 0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from .grids import latitude_spacing, precompute_latitudes, precompute_longitudes, validate_grid
+
+__all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "THETA_CUTOFF_EPS"]
+
+#: Relative widening of the cutoff used by the membership test (torch-harmonics).
+THETA_CUTOFF_EPS = 1e-3
+
+# Bounds the float64 temporaries of the membership test to ~16 MB each.
+_MEMBERSHIP_CHUNK = 1 << 21
+
+
+class ArcTable(NamedTuple):
+    """Arc-segment form of one walk direction (host numpy, int32).
+
+    Attributes:
+      offsets: ``[num_patterns + 1]`` CSR offsets into ``arcs``.
+      arcs: ``[num_arcs, 3]`` rows of ``(row, lo, len)``, rows ascending per pattern.
+      order: ``[num_patterns]`` patterns sorted by neighbour count, longest first.
+      residues: ``R``; pattern of point ``(h, w)`` is ``h*R + w % R``.
+      shift: ``S``; arcs of point ``(h, w)`` start ``S*(w // R)`` longitudes later.
+      nlon: longitudes of the grid the arcs run on.
+    """
+
+    offsets: np.ndarray
+    arcs: np.ndarray
+    order: np.ndarray
+    residues: int
+    shift: int
+    nlon: int
+
+    @property
+    def pattern_lengths(self) -> np.ndarray:
+        """Neighbour count of every pattern (int64)."""
+        return np.add.reduceat(
+            np.append(self.arcs[:, 2].astype(np.int64), 0), self.offsets[:-1]
+        ) * (np.diff(self.offsets) > 0)
+
+    def expand(self, pattern: int, position: int = 0) -> np.ndarray:
+        """Flat neighbour indices ``row*nlon + lon`` of one point (for tests/debugging).
+
+        ``pattern`` is ``h*R + w % R`` and ``position`` is ``w // R``.
+        """
+        arcs = self.arcs[self.offsets[pattern] : self.offsets[pattern + 1]].astype(np.int64)
+        start = arcs[:, 1] + self.shift * position
+        lon = (start[:, None] + np.arange(self.nlon)[None, :]) % self.nlon
+        mask = np.arange(self.nlon)[None, :] < arcs[:, 2:3]
+        return (arcs[:, 0:1] * self.nlon + lon)[mask]
+
+
+class PlanTables(NamedTuple):
+    """Device-side tables the kernels read; the pytree leaves of a plan.
+
+    All int32 except ``quad_weights`` (float32 ``[nlat_in]``, ``2*pi*w/nlon_in``).
+    """
+
+    forward_offsets: object
+    forward_arcs: object
+    forward_order: object
+    backward_offsets: object
+    backward_arcs: object
+    backward_order: object
+    quad_weights: object
+
+
+def _membership(theta_out, theta_in, lon_in, eff):
+    """Band pairs ``(t, h)`` and boolean masks ``[pairs, nlon_in]`` of the rule.
+
+    Input point ``(theta_in[h], lon_in[j])`` belongs to output ``(theta_out[t], 0)``
+    iff its geodesic distance is ``<= eff``, evaluated literally as
+    torch-harmonics does (rotation into the output's frame, normalisation,
+    arccos), so the sparsity matches it bit for bit.
+    """
+    lo = np.searchsorted(theta_in, theta_out - eff, side="left")
+    hi = np.searchsorted(theta_in, theta_out + eff, side="right")
+    counts = hi - lo
+    t_idx = np.repeat(np.arange(theta_out.size), counts)
+    h_idx = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(lo, counts)
+    masks = np.empty((t_idx.size, lon_in.size), dtype=bool)
+    cos_l, sin_l = np.cos(lon_in)[None, :], np.sin(lon_in)[None, :]
+    step = max(1, _MEMBERSHIP_CHUNK // max(1, lon_in.size))
+    for s in range(0, t_idx.size, step):
+        to = theta_out[t_idx[s : s + step]][:, None]
+        ti = theta_in[h_idx[s : s + step]][:, None]
+        x = np.cos(to) * cos_l * np.sin(ti) - np.cos(ti) * np.sin(to)
+        y = sin_l * np.sin(ti)
+        z = cos_l * np.sin(to) * np.sin(ti) + np.cos(to) * np.cos(ti)
+        norm = np.sqrt(x * x + y * y + z * z)
+        masks[s : s + step] = np.arccos(z / norm) <= eff
+    keep = masks.any(axis=1)
+    return t_idx[keep], h_idx[keep], masks[keep]
+
+
+def _arcs_of(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(lo, len)`` of cyclic masks ``[n, nlon]`` that are each a single arc."""
+    count = masks.sum(axis=1)
+    starts = masks & ~np.roll(masks, 1, axis=1)
+    full = count == masks.shape[1]
+    bad = ~full & (starts.sum(axis=1) != 1)
+    if bad.any():  # Impossible for geodesic balls; guards the construction itself.
+        raise RuntimeError("neighbourhood is not one contiguous longitude arc per row")
+    lo = np.where(full, 0, np.argmax(starts, axis=1))
+    return lo, count
+
+
+def _arc_table(pattern, row, masks, num_patterns, residues, shift) -> ArcTable:
+    """Pack per-(pattern, row) masks into an :class:`ArcTable`."""
+    nonempty = masks.any(axis=1)
+    pattern, row, masks = pattern[nonempty], row[nonempty], masks[nonempty]
+    lo, length = _arcs_of(masks)
+    perm = np.lexsort((row, pattern))
+    arcs = np.stack([row[perm], lo[perm], length[perm]], axis=1).astype(np.int32)
+    offsets = np.zeros(num_patterns + 1, dtype=np.int64)
+    np.cumsum(np.bincount(pattern, minlength=num_patterns), out=offsets[1:])
+    lengths = np.bincount(pattern, weights=length, minlength=num_patterns)
+    order = np.argsort(-lengths, kind="stable")
+    return ArcTable(
+        offsets=offsets.astype(np.int32),
+        arcs=np.ascontiguousarray(arcs),
+        order=order.astype(np.int32),
+        residues=int(residues),
+        shift=int(shift),
+        nlon=int(masks.shape[1]),
+    )
+
+
+def _residue_masks(masks: np.ndarray, factor: int) -> np.ndarray:
+    """Re-index masks over a fine axis to ``[n, factor, nlon_fine // factor]``.
+
+    Entry ``[:, r, w]`` is ``masks[:, (r - factor*w) mod nlon_fine]``: membership of
+    coarse longitude ``w`` seen from fine residue ``r``.
+    """
+    nlon = masks.shape[1]
+    r = np.arange(factor)[:, None]
+    w = np.arange(nlon // factor)[None, :]
+    return masks[:, (r - factor * w) % nlon]
+
+
+def _split_residues(pattern_rows, other_rows, res_masks, factor):
+    n = pattern_rows.size
+    pattern = (pattern_rows[:, None] * factor + np.arange(factor)[None, :]).reshape(-1)
+    rows = np.repeat(other_rows, factor)
+    return pattern, rows, res_masks.reshape(n * factor, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanKey:
+    in_shape: tuple[int, int]
+    out_shape: tuple[int, int]
+    grid_in: str
+    grid_out: str
+    theta_cutoff: float | None
+
+
+def _as_shape(shape, name) -> tuple[int, int]:
+    try:
+        nlat, nlon = (int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a pair (nlat, nlon) of integers, got {shape!r}.") from None
+    if nlat < 2 or nlon < 2:
+        raise ValueError(f"{name}={shape!r} is too small: nlat and nlon must both be at least 2.")
+    return nlat, nlon
+
+
+class NeighborhoodPlan:
+    """Neighbourhood sparsity of attention from ``in_shape`` to ``out_shape`` on the sphere.
+
+    Output point ``o`` attends to every input point ``i`` with geodesic distance
+    ``d(o, i) <= (1 + 1e-3) * theta_cutoff`` (inclusive, float64), exactly as
+    torch-harmonics builds its ``psi``.
+
+    Args:
+      in_shape: ``(nlat_in, nlon_in)`` of keys/values.
+      out_shape: ``(nlat_out, nlon_out)`` of queries/outputs.
+      grid_in, grid_out: latitude grids (see :data:`jax_s2attn.grids.GRIDS`).
+      theta_cutoff: neighbourhood radius in radians. Default: the largest
+        latitude spacing of the output grid (of the input grid when upsampling).
+
+    Plans are immutable, hashable and cached on their arguments, so they can be
+    static arguments of ``jax.jit``. Direction: ``"gather"`` when ``nlon_in`` is a
+    multiple of ``nlon_out`` (self-attention, downsampling), ``"scatter"`` when
+    ``nlon_out`` is a proper multiple of ``nlon_in`` (upsampling).
+    """
+
+    def __new__(cls, in_shape, out_shape, grid_in="equiangular", grid_out="equiangular", theta_cutoff=None):
+        in_shape = _as_shape(in_shape, "in_shape")
+        out_shape = _as_shape(out_shape, "out_shape")
+        validate_grid(grid_in, "grid_in")
+        validate_grid(grid_out, "grid_out")
+        if theta_cutoff is not None:
+            theta_cutoff = float(theta_cutoff)
+            if not theta_cutoff > 0 or not math.isfinite(theta_cutoff):
+                raise ValueError(f"theta_cutoff must be a positive finite angle in radians, got {theta_cutoff!r}.")
+        return _build_plan(_PlanKey(in_shape, out_shape, grid_in, grid_out, theta_cutoff))
+
+    def __init__(self, *args, **kwargs):  # All work happens in the cached builder.
+        pass
+
+    def __setattr__(self, name, value):
+        raise AttributeError("NeighborhoodPlan is immutable")
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, NeighborhoodPlan) and self._key == other._key
+
+    def __repr__(self) -> str:
+        return (
+            f"NeighborhoodPlan(in_shape={self.in_shape}, out_shape={self.out_shape}, "
+            f"grid_in={self.grid_in!r}, grid_out={self.grid_out!r}, theta_cutoff={self.theta_cutoff!r}, "
+            f"direction={self.direction!r}, nnz={self.nnz}, num_pairs={self.num_pairs})"
+        )
+
+    def __reduce__(self):
+        k = self._key
+        return (NeighborhoodPlan, (k.in_shape, k.out_shape, k.grid_in, k.grid_out, k.theta_cutoff))
+
+    # Shapes -------------------------------------------------------------------
+    @property
+    def nlat_in(self) -> int:
+        return self.in_shape[0]
+
+    @property
+    def nlon_in(self) -> int:
+        return self.in_shape[1]
+
+    @property
+    def nlat_out(self) -> int:
+        return self.out_shape[0]
+
+    @property
+    def nlon_out(self) -> int:
+        return self.out_shape[1]
+
+    @property
+    def tables(self) -> PlanTables:
+        """The kernel tables as ``jax.Array`` s, uploaded once per plan.
+
+        A plan is a pytree whose leaves are these tables: pass it as an ordinary
+        (non-static) argument of ``jax.jit`` and the tables enter the computation as
+        operands instead of constants baked into the program.
+        """
+        tables = self.__dict__.get("_tables")
+        if tables is None:
+            import jax  # Deferred: building a plan must not start a backend.
+
+            f, b = self.forward_arcs, self.backward_arcs
+            host = (f.offsets, f.arcs, f.order, b.offsets, b.arcs, b.order, self.quad_weights)
+            tables = PlanTables(*(jax.device_put(t) for t in host))
+            object.__setattr__(self, "_tables", tables)
+        return tables
+
+    @property
+    def max_neighbors(self) -> int:
+        """Largest neighbourhood of any output point."""
+        return int(self.forward_arcs.pattern_lengths.max())
+
+
+def _set(obj, **values):
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+
+
+@functools.lru_cache(maxsize=64)
+def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
+    (nlat_in, nlon_in), (nlat_out, nlon_out) = key.in_shape, key.out_shape
+    if nlon_in % nlon_out == 0:
+        direction = "gather"
+    elif nlon_out % nlon_in == 0:
+        direction = "scatter"
+    else:
+        raise ValueError(
+            f"nlon_in={nlon_in} and nlon_out={nlon_out}: one longitude count must be an integer multiple "
+            "of the other (e.g. nlon_in = 2*nlon_out for downsampling)."
+        )
+    theta_in, w_in = precompute_latitudes(nlat_in, key.grid_in)
+    theta_out, _ = precompute_latitudes(nlat_out, key.grid_out)
+    theta_cutoff = key.theta_cutoff
+    if theta_cutoff is None:
+        theta_cutoff = (
+            latitude_spacing(nlat_out, key.grid_out)
+            if direction == "gather"
+            else latitude_spacing(nlat_in, key.grid_in)
+        )
+    eff = (1.0 + THETA_CUTOFF_EPS) * theta_cutoff
+
+    if direction == "gather":
+        pscale = nlon_in // nlon_out
+        rows, cols, masks = _membership(theta_out, theta_in, precompute_longitudes(nlon_in), eff)
+        psi_rows, psi_nlon, nrows = rows, nlon_in, nlat_out
+        forward = _arc_table(rows, cols, masks, nlat_out, residues=1, shift=pscale)
+        pattern, other, res = _split_residues(cols, rows, _residue_masks(masks, pscale), pscale)
+        backward = _arc_table(pattern, other, res, nlat_in * pscale, residues=pscale, shift=1)
+    else:
+        pscale = nlon_out // nlon_in
+        # torch-harmonics builds the upsampling psi with the grids swapped.
+        rows, cols, masks = _membership(theta_in, theta_out, precompute_longitudes(nlon_out), eff)
+        psi_rows, psi_nlon, nrows = rows, nlon_out, nlat_in
+        backward = _arc_table(rows, cols, masks, nlat_in, residues=1, shift=pscale)
+        pattern, other, res = _split_residues(cols, rows, _residue_masks(masks, pscale), pscale)
+        forward = _arc_table(pattern, other, res, nlat_out * pscale, residues=pscale, shift=1)
+
+    counts = masks.sum(axis=1)
+    csr_offsets = np.zeros(nrows + 1, dtype=np.int64)
+    np.cumsum(np.bincount(psi_rows, weights=counts, minlength=nrows).astype(np.int64), out=csr_offsets[1:])
+    pair_r, pair_lon = np.nonzero(masks)
+    csr_columns = cols[pair_r].astype(np.int64) * psi_nlon + pair_lon
+
+    lengths = forward.pattern_lengths
+    if (lengths == 0).any():
+        p = int(np.flatnonzero(lengths == 0)[0])
+        raise ValueError(
+            f"theta_cutoff={theta_cutoff!r} leaves output latitude {p // forward.residues} with no input "
+            f"neighbour; use a cutoff of at least the input grid's latitude spacing "
+            f"({latitude_spacing(nlat_in, key.grid_in):.6g} rad)."
+        )
+
+    quad_weights = (np.float32(2.0 * np.pi) * w_in.astype(np.float32) / np.float32(nlon_in)).astype(np.float32)
+    plan = object.__new__(NeighborhoodPlan)
+    _set(
+        plan,
+        _key=key,
+        _tables=None,
+        in_shape=key.in_shape,
+        out_shape=key.out_shape,
+        grid_in=key.grid_in,
+        grid_out=key.grid_out,
+        theta_cutoff=float(theta_cutoff),
+        direction=direction,
+        pscale=pscale,
+        theta_in=theta_in,
+        theta_out=theta_out,
+        quad_weights=quad_weights,
+        csr_offsets=csr_offsets,
+        csr_columns=csr_columns,
+        nnz=int(csr_columns.size),
+        num_pairs=int(lengths.sum() * (nlon_out // forward.residues)),
+        forward_arcs=forward,
+        backward_arcs=backward,
+    )
+    _set(plan, _host=plan)
+    for table in (csr_offsets, csr_columns, quad_weights, theta_in, theta_out, *forward[:3], *backward[:3]):
+        table.setflags(write=False)
+    return plan
+
+
+def _flatten_plan(plan: NeighborhoodPlan):
+    return tuple(plan.tables), plan._host
+
+
+def _unflatten_plan(host: NeighborhoodPlan, leaves) -> NeighborhoodPlan:
+    plan = object.__new__(NeighborhoodPlan)
+    plan.__dict__.update(host.__dict__)
+    object.__setattr__(plan, "_tables", PlanTables(*leaves))
+    return plan
+
+
+def _register_pytree():
+    import jax
+
+    jax.tree_util.register_pytree_node(NeighborhoodPlan, _flatten_plan, _unflatten_plan)
+
+
+_register_pytree()
