@@ -44,7 +44,8 @@ class ArcTable(NamedTuple):
     Attributes:
       offsets: ``[num_patterns + 1]`` CSR offsets into ``arcs``.
       arcs: ``[num_arcs, 3]`` rows of ``(row, lo, len)``, rows ascending per pattern.
-      order: ``[num_patterns]`` patterns sorted by neighbour count, longest first.
+      row_order: ``[rows]`` rows of the walking grid, most neighbours first
+        (summed over the row's residues): the kernels' schedule.
       residues: ``R``; pattern of point ``(h, w)`` is ``h*R + w % R``.
       shift: ``S``; arcs of point ``(h, w)`` start ``S*(w // R)`` longitudes later.
       nlon: longitudes of the grid the arcs run on.
@@ -52,7 +53,7 @@ class ArcTable(NamedTuple):
 
     offsets: np.ndarray
     arcs: np.ndarray
-    order: np.ndarray
+    row_order: np.ndarray
     residues: int
     shift: int
     nlon: int
@@ -84,10 +85,10 @@ class PlanTables(NamedTuple):
 
     forward_offsets: object
     forward_arcs: object
-    forward_order: object
+    forward_row_order: object
     backward_offsets: object
     backward_arcs: object
-    backward_order: object
+    backward_row_order: object
     quad_weights: object
 
 
@@ -140,12 +141,11 @@ def _arc_table(pattern, row, masks, num_patterns, residues, shift) -> ArcTable:
     arcs = np.stack([row[perm], lo[perm], length[perm]], axis=1).astype(np.int32)
     offsets = np.zeros(num_patterns + 1, dtype=np.int64)
     np.cumsum(np.bincount(pattern, minlength=num_patterns), out=offsets[1:])
-    lengths = np.bincount(pattern, weights=length, minlength=num_patterns)
-    order = np.argsort(-lengths, kind="stable")
+    row_lengths = np.bincount(pattern // residues, weights=length, minlength=num_patterns // residues)
     return ArcTable(
         offsets=offsets.astype(np.int32),
         arcs=np.ascontiguousarray(arcs),
-        order=order.astype(np.int32),
+        row_order=np.argsort(-row_lengths, kind="stable").astype(np.int32),
         residues=int(residues),
         shift=int(shift),
         nlon=int(masks.shape[1]),
@@ -274,7 +274,7 @@ class NeighborhoodPlan:
             import jax  # Deferred: building a plan must not start a backend.
 
             f, b = self.forward_arcs, self.backward_arcs
-            host = (f.offsets, f.arcs, f.order, b.offsets, b.arcs, b.order, self.quad_weights)
+            host = (f.offsets, f.arcs, f.row_order, b.offsets, b.arcs, b.row_order, self.quad_weights)
             tables = PlanTables(*(jax.device_put(t) for t in host))
             object.__setattr__(self, "_tables", tables)
         return tables

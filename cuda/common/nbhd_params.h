@@ -1,0 +1,122 @@
+// Sizes of one neighbourhood-attention call, decoded and validated from FFI buffers.
+// Shared by the CPU and CUDA handlers (plain C++; never compiled by nvcc).
+#pragma once
+
+#include <cstdint>
+
+#include "common/ffi_check.h"
+
+namespace s2attn {
+
+// The element types activations may have. Accumulation is always float32.
+enum class ElementType { kF32, kBF16, kF16 };
+
+// Every size is in elements. "q grid" = query/output grid, "k grid" = key/input grid.
+struct NbhdParams {
+  int64_t batch = 0;        // product of all leading dims (vmap, user batch, shards)
+  int64_t heads = 0;        // H
+  int64_t dk = 0;           // query/key head dim
+  int64_t dv = 0;           // value head dim
+  int64_t nq_lat = 0;       // local rows of the query-grid arrays
+  int64_t nq_lon = 0;       // local columns of the query-grid arrays
+  int64_t nk_lat = 0;       // local rows of the key-grid arrays
+  int64_t nk_lon = 0;       // local columns of the key-grid arrays
+  int64_t nlat_q = 0;       // global query grid
+  int64_t nlon_q = 0;
+  int64_t nlat_k = 0;       // global key grid
+  int64_t nlon_k = 0;
+  int64_t residues = 1;     // R of the arc table being walked
+  int64_t shift = 1;        // S of the arc table being walked
+  int64_t num_patterns = 0; // rows of the walking grid * residues
+  float scale = 1.0f;
+  ElementType dtype = ElementType::kF32;
+
+  int64_t q_points() const { return nq_lat * nq_lon; }
+  int64_t k_points() const { return nk_lat * nk_lon; }
+};
+
+// Attributes common to all targets, in binding order.
+struct NbhdAttrs {
+  float scale;
+  int64_t residues, shift, nlat_q, nlon_q, nlat_k, nlon_k;
+};
+
+inline ffi::Error ToElementType(ffi::DataType t, ElementType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = ElementType::kF32; return ffi::Error::Success();
+    case ffi::DataType::BF16: *out = ElementType::kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: *out = ElementType::kF16; return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("activations must be float32, bfloat16 or float16");
+  }
+}
+
+// Splits dims [..., nlat, nlon, H, D] into (batch, nlat, nlon, H, D).
+inline ffi::Error SplitActivation(const char* name, ffi::Span<const int64_t> dims, int64_t* batch,
+                                  int64_t* nlat, int64_t* nlon, int64_t* heads, int64_t* d) {
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  S2ATTN_CHECK(rank >= 4, name << " must have rank >= 4 ([..., nlat, nlon, H, D]), got rank " << rank);
+  int64_t b = 1;
+  for (int64_t i = 0; i + 4 < rank; ++i) b *= dims[i];
+  *batch = b;
+  *nlat = dims[rank - 4];
+  *nlon = dims[rank - 3];
+  *heads = dims[rank - 2];
+  *d = dims[rank - 1];
+  return ffi::Error::Success();
+}
+
+// A table operand holding `copies >= 1` identical copies of `expected` elements.
+inline ffi::Error CheckTable(const char* name, int64_t count, int64_t expected) {
+  S2ATTN_CHECK(expected > 0 && count > 0 && count % expected == 0,
+               name << " has " << count << " elements; expected a multiple of " << expected);
+  return ffi::Error::Success();
+}
+
+// Decodes q [..., nq_lat, nq_lon, H, Dk], k [..., nk_lat, nk_lon, H, Dk],
+// v [..., nk_lat, nk_lon, H, Dv] and checks them against each other and the attributes.
+// `walk_rows` is the row count of the walking grid (query rows for the forward table,
+// key rows for the backward table); `num_offsets` the element count of arc_offsets.
+inline ffi::Error DecodeParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                               const NbhdAttrs& attrs, bool walk_keys, int64_t window_count,
+                               int64_t order_count, int64_t offsets_count, int64_t arcs_count,
+                               int64_t weights_count, NbhdParams* p) {
+  int64_t bq, bk, bv, hk, hv, dk2, nv_lat, nv_lon;
+  S2ATTN_RETURN_IF_ERROR(SplitActivation("q", q.dimensions(), &bq, &p->nq_lat, &p->nq_lon, &p->heads, &p->dk));
+  S2ATTN_RETURN_IF_ERROR(SplitActivation("k", k.dimensions(), &bk, &p->nk_lat, &p->nk_lon, &hk, &dk2));
+  S2ATTN_RETURN_IF_ERROR(SplitActivation("v", v.dimensions(), &bv, &nv_lat, &nv_lon, &hv, &p->dv));
+  S2ATTN_CHECK(bq == bk && bq == bv, "q, k, v must have the same leading (batch) dims; flattened sizes "
+                                         << bq << ", " << bk << ", " << bv);
+  S2ATTN_CHECK(hk == p->heads && hv == p->heads,
+               "q, k, v must have the same number of heads, got " << p->heads << ", " << hk << ", " << hv);
+  S2ATTN_CHECK(dk2 == p->dk, "q and k must have the same head dim, got " << p->dk << " and " << dk2);
+  S2ATTN_CHECK(nv_lat == p->nk_lat && nv_lon == p->nk_lon,
+               "k and v must cover the same grid block, got " << p->nk_lat << "x" << p->nk_lon << " and " << nv_lat
+                                                              << "x" << nv_lon);
+  S2ATTN_CHECK(k.element_type() == q.element_type() && v.element_type() == q.element_type(),
+               "q, k, v must share one dtype");
+  S2ATTN_RETURN_IF_ERROR(ToElementType(q.element_type(), &p->dtype));
+  p->batch = bq;
+  p->scale = attrs.scale;
+  p->residues = attrs.residues;
+  p->shift = attrs.shift;
+  p->nlat_q = attrs.nlat_q;
+  p->nlon_q = attrs.nlon_q;
+  p->nlat_k = attrs.nlat_k;
+  p->nlon_k = attrs.nlon_k;
+  S2ATTN_CHECK(p->residues >= 1 && p->shift >= 1, "residues and shift must be >= 1");
+  S2ATTN_CHECK(p->nq_lat <= p->nlat_q && p->nq_lon <= p->nlon_q && p->nk_lat <= p->nlat_k && p->nk_lon <= p->nlon_k,
+               "local blocks exceed the global grids");
+  const int64_t walk_rows = walk_keys ? p->nlat_k : p->nlat_q;
+  const int64_t walk_lon = walk_keys ? p->nlon_k : p->nlon_q;
+  S2ATTN_CHECK(walk_lon % p->residues == 0, "residues must divide the walking grid's longitudes");
+  p->num_patterns = walk_rows * p->residues;
+  S2ATTN_RETURN_IF_ERROR(CheckTable("window", window_count, 8));
+  S2ATTN_RETURN_IF_ERROR(CheckTable("row_order", order_count, walk_keys ? p->nk_lat : p->nq_lat));
+  S2ATTN_RETURN_IF_ERROR(CheckTable("arc_offsets", offsets_count, p->num_patterns + 1));
+  S2ATTN_CHECK(arcs_count % 3 == 0, "arcs must hold (row, lo, len) triples, got " << arcs_count << " elements");
+  S2ATTN_RETURN_IF_ERROR(CheckTable("quad_weights", weights_count, p->nlat_k));
+  return ffi::Error::Success();
+}
+
+}  // namespace s2attn
