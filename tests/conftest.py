@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 # Eight virtual CPU devices for the sharded tests; must precede the first backend use.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -22,7 +23,7 @@ def pytest_addoption(parser):
 def rng(request):
     """A numpy Generator seeded per test (so tests are independent and reproducible)."""
     seed = request.config.getoption("--seed")
-    return np.random.default_rng([seed, abs(hash(request.node.nodeid)) % (2**32)])
+    return np.random.default_rng([seed, zlib.crc32(request.node.nodeid.encode())])
 
 
 def has_gpu() -> bool:
