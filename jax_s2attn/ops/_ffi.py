@@ -29,6 +29,7 @@ __all__ = [
     "native_backends",
     "native_status",
     "serial_window",
+    "unavailable_reason",
 ]
 
 # XLA keys handlers by (target name, platform); these are jax's platform spellings.
@@ -70,6 +71,14 @@ def native_backends() -> dict[str, bool]:
 def native_status() -> str:
     """One line per native module saying whether it is available, and if not why."""
     return "\n".join(f"{platform}: {reason}" for platform, (_, reason) in _MODULES.items())
+
+
+def unavailable_reason(platform: str) -> str | None:
+    """Why the native module of ``platform`` ("cpu" or "cuda") cannot be used; None if it can."""
+    if platform not in _MODULES:
+        return f"jax_s2attn has no native kernels for platform {platform!r} (only for cpu and cuda)"
+    module, reason = _MODULES[platform]
+    return None if module is not None else reason
 
 
 def ensure_registered() -> None:
