@@ -168,7 +168,7 @@ def _split_residues(pattern_rows, other_rows, res_masks, factor):
     n = pattern_rows.size
     pattern = (pattern_rows[:, None] * factor + np.arange(factor)[None, :]).reshape(-1)
     rows = np.repeat(other_rows, factor)
-    return pattern, rows, res_masks.reshape(n * factor, -1)
+    return pattern, rows, res_masks.reshape(n * factor, res_masks.shape[-1])
 
 
 @dataclasses.dataclass(frozen=True)

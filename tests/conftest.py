@@ -40,3 +40,68 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _dense_membership(plan) -> np.ndarray:
+    """Boolean ``[out points, in points]``: geodesic distance <= (1 + 1e-3) * cutoff.
+
+    Independent of the library: spherical law of cosines on the actual longitudes.
+    """
+    th_o = np.repeat(plan.theta_out, plan.nlon_out)
+    ph_o = np.tile(2 * np.pi * np.arange(plan.nlon_out) / plan.nlon_out, plan.nlat_out)
+    th_i = np.repeat(plan.theta_in, plan.nlon_in)
+    ph_i = np.tile(2 * np.pi * np.arange(plan.nlon_in) / plan.nlon_in, plan.nlat_in)
+    cos_d = np.cos(th_o)[:, None] * np.cos(th_i)[None, :] + np.sin(th_o)[:, None] * np.sin(th_i)[None, :] * np.cos(
+        ph_o[:, None] - ph_i[None, :]
+    )
+    return np.arccos(np.clip(cos_d, -1.0, 1.0)) <= (1 + 1e-3) * plan.theta_cutoff
+
+
+def _dense_attention(query, key, value, plan, scale):
+    """Float64 masked softmax over all (output, input) pairs: ``(out, lse)``.
+
+    Arrays are ``[B, nlat, nlon, H, D]``; weights are ``2*pi*w/nlon_in`` recomputed
+    from the grid's quadrature, not read from the plan.
+    """
+    from jax_s2attn import precompute_latitudes
+
+    q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+    b, h = q.shape[0], q.shape[-2]
+    qf = q.reshape(b, -1, h, q.shape[-1])
+    kf = k.reshape(b, -1, h, k.shape[-1])
+    vf = v.reshape(b, -1, h, v.shape[-1])
+    _, w = precompute_latitudes(plan.nlat_in, plan.grid_in)
+    logw = np.repeat(np.log(2 * np.pi * w / plan.nlon_in), plan.nlon_in)
+    logits = np.einsum("bohd,bihd->bhoi", qf, kf) * scale + logw
+    logits = np.where(_dense_membership(plan), logits, -np.inf)
+    peak = logits.max(-1, keepdims=True)
+    p = np.exp(logits - peak)
+    total = p.sum(-1, keepdims=True)
+    out = np.einsum("bhoi,bihd->bohd", p / total, vf)
+    lse = np.moveaxis((peak + np.log(total))[..., 0], 1, -1)
+    return out.reshape(*q.shape[:-1], -1), lse.reshape(q.shape[:-1])
+
+
+@pytest.fixture
+def dense_membership():
+    return _dense_membership
+
+
+@pytest.fixture
+def dense_attention():
+    """Independent float64 oracle: ``dense_attention(q, k, v, plan, scale) -> (out, lse)``."""
+    return _dense_attention
+
+
+def relative_error(actual, expected) -> float:
+    """max |actual - expected| / max |expected|; NaN anywhere fails (returns inf)."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    if not np.all(np.isfinite(actual)):
+        return float("inf")
+    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-300))
+
+
+@pytest.fixture
+def rel_error():
+    return relative_error
