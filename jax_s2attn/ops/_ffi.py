@@ -28,7 +28,6 @@ __all__ = [
     "ffi_forward",
     "native_backends",
     "native_status",
-    "serial_window",
     "unavailable_reason",
 ]
 
@@ -104,11 +103,6 @@ FORWARD_TARGET = "jax_s2attn_nbhd_fwd"
 BACKWARD_DQ_TARGET = "jax_s2attn_nbhd_bwd_dq"
 BACKWARD_DKV_TARGET = "jax_s2attn_nbhd_bwd_dkv"
 TARGETS = (FORWARD_TARGET, BACKWARD_DQ_TARGET, BACKWARD_DKV_TARGET)
-
-
-def serial_window(plan) -> np.ndarray:
-    """The ``window`` operand of an unsharded call: both grids whole (int32[8])."""
-    return np.array([0, 0, plan.nlat_out, plan.nlon_out, 0, 0, plan.nlat_in, plan.nlon_in], np.int32)
 
 
 def _attributes(plan, table, scale) -> dict:

@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from ..plan import NeighborhoodPlan
 from . import _checks, _ffi
+from .local import full_window
 from .reference import reference_attention
 
 __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
@@ -141,7 +142,7 @@ def _native_attention(query, key, value, plan, scale):
 
 def _native_forward(query, key, value, plan, scale):
     out, lse = _ffi.ffi_forward(
-        query, key, value, plan, _ffi.serial_window(plan), plan.tables.forward_row_order, scale=scale
+        query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale
     )
     saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
     return (out.astype(query.dtype), lse), (saved, plan)
@@ -153,7 +154,7 @@ def _native_backward(scale, residuals, cotangents):
     # delta from the float32 output, never from a rounded one. A cotangent of lse adds
     # dlse * p_j to every score gradient, exactly as lowering delta by dlse does.
     delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1) - dlse
-    window = _ffi.serial_window(plan)
+    window = full_window(plan)
     tables = plan.tables
     dq = _ffi.ffi_backward_dq(
         query, key, value, dout, lse, delta, plan, window, tables.forward_row_order, scale=scale
