@@ -57,19 +57,18 @@ def _dense_membership(plan) -> np.ndarray:
     return np.arccos(np.clip(cos_d, -1.0, 1.0)) <= (1 + 1e-3) * plan.theta_cutoff
 
 
-def _dense_attention(query, key, value, plan, scale):
-    """Float64 masked softmax over all (output, input) pairs: ``(out, lse)``.
+def _dense_probabilities(query, key, plan, scale):
+    """Float64 attention weights ``[B, H, out points, in points]`` and ``lse [B, H, out points]``.
 
     Arrays are ``[B, nlat, nlon, H, D]``; weights are ``2*pi*w/nlon_in`` recomputed
     from the grid's quadrature, not read from the plan.
     """
     from jax_s2attn import precompute_latitudes
 
-    q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+    q, k = (np.asarray(x, np.float64) for x in (query, key))
     b, h = q.shape[0], q.shape[-2]
     qf = q.reshape(b, -1, h, q.shape[-1])
     kf = k.reshape(b, -1, h, k.shape[-1])
-    vf = v.reshape(b, -1, h, v.shape[-1])
     _, w = precompute_latitudes(plan.nlat_in, plan.grid_in)
     logw = np.repeat(np.log(2 * np.pi * w / plan.nlon_in), plan.nlon_in)
     logits = np.einsum("bohd,bihd->bhoi", qf, kf) * scale + logw
@@ -77,9 +76,43 @@ def _dense_attention(query, key, value, plan, scale):
     peak = logits.max(-1, keepdims=True)
     p = np.exp(logits - peak)
     total = p.sum(-1, keepdims=True)
-    out = np.einsum("bhoi,bihd->bohd", p / total, vf)
-    lse = np.moveaxis((peak + np.log(total))[..., 0], 1, -1)
-    return out.reshape(*q.shape[:-1], -1), lse.reshape(q.shape[:-1])
+    return p / total, (peak + np.log(total))[..., 0]
+
+
+def _heads_first(x):
+    """``[B, nlat, nlon, H, D] -> [B, H, points, D]`` in float64."""
+    x = np.asarray(x, np.float64)
+    return np.moveaxis(x.reshape(x.shape[0], -1, *x.shape[-2:]), 2, 1)
+
+
+def _heads_last(x, grid_shape):
+    """``[B, H, points, D] -> [*grid_shape, D]`` with ``grid_shape = (B, nlat, nlon, H)``."""
+    return np.moveaxis(x, 1, -2).reshape(*grid_shape, x.shape[-1])
+
+
+def _dense_attention(query, key, value, plan, scale):
+    """Float64 masked softmax over all (output, input) pairs: ``(out, lse)``."""
+    p, lse = _dense_probabilities(query, key, plan, scale)
+    grid_shape = np.shape(query)[:-1]
+    return _heads_last(p @ _heads_first(value), grid_shape), np.moveaxis(lse, 1, -1).reshape(grid_shape)
+
+
+def _dense_attention_vjp(query, key, value, plan, scale, dout, dlse):
+    """Float64 ``(dq, dk, dv)`` pulling ``(dout, dlse)`` back through ``(out, lse)``.
+
+    With ``P`` the attention weights: ``dv = P^T dout``, ``dS = P * (dout.v - (dout.out - dlse))``,
+    ``dq = scale * dS k``, ``dk = scale * dS^T q``.
+    """
+    p, _ = _dense_probabilities(query, key, plan, scale)
+    q, k, v, g = (_heads_first(x) for x in (query, key, value, dout))
+    gl = _heads_first(np.asarray(dlse)[..., None])[..., 0]  # [B, H, out]
+    delta = np.sum(g * (p @ v), axis=-1) - gl
+    ds = p * (g @ np.swapaxes(v, -1, -2) - delta[..., None])
+    return (
+        _heads_last(scale * ds @ k, np.shape(query)[:-1]),
+        _heads_last(scale * np.swapaxes(ds, -1, -2) @ q, np.shape(key)[:-1]),
+        _heads_last(np.swapaxes(p, -1, -2) @ g, np.shape(value)[:-1]),
+    )
 
 
 @pytest.fixture
@@ -91,6 +124,12 @@ def dense_membership():
 def dense_attention():
     """Independent float64 oracle: ``dense_attention(q, k, v, plan, scale) -> (out, lse)``."""
     return _dense_attention
+
+
+@pytest.fixture
+def dense_attention_vjp():
+    """Float64 gradients: ``dense_attention_vjp(q, k, v, plan, scale, dout, dlse) -> (dq, dk, dv)``."""
+    return _dense_attention_vjp
 
 
 def relative_error(actual, expected) -> float:
@@ -105,3 +144,28 @@ def relative_error(actual, expected) -> float:
 @pytest.fixture
 def rel_error():
     return relative_error
+
+
+@pytest.fixture
+def exact_random(rng):
+    """``exact_random(*shape)``: float64 values in (-2, 2) exactly representable in float16,
+    bfloat16 and float32, so one float64 oracle serves every input dtype."""
+    return lambda *shape: np.clip(np.round(rng.uniform(-2, 2, shape) * 128), -255, 255) / 128
+
+
+#: Bounds on relative_error against float64 per input dtype (README, "Quality bar").
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+@pytest.fixture
+def tolerance():
+    """``tolerance(dtype) -> float``: the standard relative-error bound for that input dtype."""
+    return lambda dtype: TOLERANCE[np.dtype(dtype).name]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def platform(request):
+    """Runs the test once per platform, with that platform's first device as the default."""
+    device = jax.devices("gpu" if request.param == "cuda" else request.param)[0]
+    with jax.default_device(device):
+        yield request.param
