@@ -144,7 +144,10 @@ def _native_forward(query, key, value, plan, scale):
     out, lse = _ffi.ffi_forward(
         query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale
     )
+    # The outputs are computed from the named values so that a checkpoint policy saving
+    # the names can rebuild them too (they feed the caller's own backward pass).
     saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
+    out, lse = saved[3:]
     return (out.astype(query.dtype), lse), (saved, plan)
 
 
