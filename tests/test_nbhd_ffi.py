@@ -104,6 +104,39 @@ def test_default_implementation_is_native(platform, exact_random):
         assert not np.array_equal(a, r)  # the reference differs in rounding: the check above can fail
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_16bit_values_are_widened_exactly(platform, dtype):
+    """Values that are the same at every key come out unchanged (up to float32 rounding):
+    every finite float16 pattern (subnormals included) and a spread of bfloat16 ones."""
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    exponent = 0x7C00 if dtype == jnp.float16 else 0x7F80
+    values = bits[(bits & exponent) != exponent].view(dtype).astype(np.float64)  # every finite value
+    if dtype == jnp.float16:
+        values = values[::7]  # ~9000 values, ~290 of them subnormal
+    else:  # float32 arithmetic on float32 subnormals is not relative-exact; stay normal
+        values = values[((np.abs(values) > 1e-30) & (np.abs(values) < 1e30)) | (values == 0)][::97]
+    plan = _plan(CASES[0])
+    q = jnp.asarray(np.cos(0.7 * np.arange(8 * 16 * 4)).reshape(1, 8, 16, 1, 4), dtype)
+    k = jnp.asarray(np.sin(0.3 * np.arange(8 * 16 * 4)).reshape(1, 8, 16, 1, 4), dtype)
+    v = jnp.asarray(np.broadcast_to(values, (1, *plan.in_shape, 1, values.size)), dtype)
+    out, _ = _ffi.ffi_forward(q, k, v, plan, full_window(plan), plan.tables.forward_row_order, scale=1.0)
+    assert np.all(np.abs(np.asarray(out) - values) <= 1e-5 * np.abs(values))
+
+
+def test_empty_batch(platform):
+    """Zero-size activations run (nothing to write) and keep their shapes through grad."""
+    plan = _plan(CASES[9])
+    q = jnp.zeros((0, *plan.out_shape, 2, 5), jnp.bfloat16)
+    k = jnp.zeros((0, *plan.in_shape, 2, 5), jnp.bfloat16)
+    v = jnp.zeros((0, *plan.in_shape, 2, 3), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(neighborhood_attention(q, k, v, plan, implementation="ffi").astype(jnp.float32))
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
 # ----------------------------------------------------------------------------- windows
 
 # One case per walk kind: self-attention, downsampling (shift), upsampling (residues),

@@ -173,6 +173,14 @@ def _index(x):
     return jnp.asarray(x, jnp.int32)
 
 
+def _grid_dims(name, x) -> tuple:
+    """``(leading dims, nlat, nlon, heads)`` of an activation ``[..., nlat, nlon, H, D]``."""
+    if len(x.shape) < 4:
+        raise ValueError(f"{name} must have shape [..., nlat, nlon, heads, head_dim], got shape {tuple(x.shape)}.")
+    *lead, nlat, nlon, heads, _ = x.shape
+    return tuple(lead), nlat, nlon, heads
+
+
 def ffi_forward(query, key, value, plan, window, row_order, *, scale, poison_results=False):
     """Forward target: ``(out, lse)`` in float32 over the keys inside ``window``.
 
@@ -185,7 +193,7 @@ def ffi_forward(query, key, value, plan, window, row_order, *, scale, poison_res
     """
     ensure_registered()
     tables = plan.tables
-    *lead, nq_lat, nq_lon, heads, _ = query.shape
+    lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     operands = (query, key, value, _index(window), _index(row_order), tables.forward_offsets, tables.forward_arcs,
                 tables.quad_weights)
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]

@@ -75,6 +75,7 @@ def neighborhood_attention(
     _checks.check_implementation(implementation)
     _, _, dk, _ = _checks.check_inputs(query, key, value, plan)
     scale = _checks.check_scale(scale, dk)
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
     if implementation == "ffi":
         _check_native_runnable(query)
         attention = _native_attention
