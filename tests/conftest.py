@@ -57,62 +57,31 @@ def _dense_membership(plan) -> np.ndarray:
     return np.arccos(np.clip(cos_d, -1.0, 1.0)) <= (1 + 1e-3) * plan.theta_cutoff
 
 
-def _dense_probabilities(query, key, plan, scale):
-    """Float64 attention weights ``[B, H, out points, in points]`` and ``lse [B, H, out points]``.
+def _dense_attention(query, key, value, plan, scale):
+    """Float64 masked softmax over all (output, input) pairs: ``(out, lse)``.
 
-    Arrays are ``[B, nlat, nlon, H, D]``; weights are ``2*pi*w/nlon_in`` recomputed
-    from the grid's quadrature, not read from the plan.
+    Arrays are ``[B, nlat, nlon, H, D]``; written with ``jax.numpy`` so tests can
+    differentiate it. Weights are recomputed from the grid's quadrature, not read
+    from the plan.
     """
+    import jax.numpy as jnp
+
     from jax_s2attn import precompute_latitudes
 
-    q, k = (np.asarray(x, np.float64) for x in (query, key))
+    q, k, v = (jnp.asarray(x, jnp.float64) for x in (query, key, value))
     b, h = q.shape[0], q.shape[-2]
     qf = q.reshape(b, -1, h, q.shape[-1])
     kf = k.reshape(b, -1, h, k.shape[-1])
+    vf = v.reshape(b, -1, h, v.shape[-1])
     _, w = precompute_latitudes(plan.nlat_in, plan.grid_in)
-    logw = np.repeat(np.log(2 * np.pi * w / plan.nlon_in), plan.nlon_in)
-    logits = np.einsum("bohd,bihd->bhoi", qf, kf) * scale + logw
-    logits = np.where(_dense_membership(plan), logits, -np.inf)
-    peak = logits.max(-1, keepdims=True)
-    p = np.exp(logits - peak)
-    total = p.sum(-1, keepdims=True)
-    return p / total, (peak + np.log(total))[..., 0]
-
-
-def _heads_first(x):
-    """``[B, nlat, nlon, H, D] -> [B, H, points, D]`` in float64."""
-    x = np.asarray(x, np.float64)
-    return np.moveaxis(x.reshape(x.shape[0], -1, *x.shape[-2:]), 2, 1)
-
-
-def _heads_last(x, grid_shape):
-    """``[B, H, points, D] -> [*grid_shape, D]`` with ``grid_shape = (B, nlat, nlon, H)``."""
-    return np.moveaxis(x, 1, -2).reshape(*grid_shape, x.shape[-1])
-
-
-def _dense_attention(query, key, value, plan, scale):
-    """Float64 masked softmax over all (output, input) pairs: ``(out, lse)``."""
-    p, lse = _dense_probabilities(query, key, plan, scale)
-    grid_shape = np.shape(query)[:-1]
-    return _heads_last(p @ _heads_first(value), grid_shape), np.moveaxis(lse, 1, -1).reshape(grid_shape)
-
-
-def _dense_attention_vjp(query, key, value, plan, scale, dout, dlse):
-    """Float64 ``(dq, dk, dv)`` pulling ``(dout, dlse)`` back through ``(out, lse)``.
-
-    With ``P`` the attention weights: ``dv = P^T dout``, ``dS = P * (dout.v - (dout.out - dlse))``,
-    ``dq = scale * dS k``, ``dk = scale * dS^T q``.
-    """
-    p, _ = _dense_probabilities(query, key, plan, scale)
-    q, k, v, g = (_heads_first(x) for x in (query, key, value, dout))
-    gl = _heads_first(np.asarray(dlse)[..., None])[..., 0]  # [B, H, out]
-    delta = np.sum(g * (p @ v), axis=-1) - gl
-    ds = p * (g @ np.swapaxes(v, -1, -2) - delta[..., None])
-    return (
-        _heads_last(scale * ds @ k, np.shape(query)[:-1]),
-        _heads_last(scale * np.swapaxes(ds, -1, -2) @ q, np.shape(key)[:-1]),
-        _heads_last(np.swapaxes(p, -1, -2) @ g, np.shape(value)[:-1]),
-    )
+    # float32 weights by definition (torch-harmonics parity): 2*pi*float32(w)/nlon_in in float32.
+    weights = np.float32(2 * np.pi) * w.astype(np.float32) / np.float32(plan.nlon_in)
+    logw = np.repeat(np.log(weights.astype(np.float64)), plan.nlon_in)
+    logits = jnp.einsum("bohd,bihd->bhoi", qf, kf) * scale + logw
+    logits = jnp.where(_dense_membership(plan), logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    out = jnp.einsum("bhoi,bihd->bohd", jnp.exp(logits - lse), vf)
+    return out.reshape(*q.shape[:-1], -1), jnp.moveaxis(lse[..., 0], 1, -1).reshape(q.shape[:-1])
 
 
 @pytest.fixture
@@ -124,12 +93,6 @@ def dense_membership():
 def dense_attention():
     """Independent float64 oracle: ``dense_attention(q, k, v, plan, scale) -> (out, lse)``."""
     return _dense_attention
-
-
-@pytest.fixture
-def dense_attention_vjp():
-    """Float64 gradients: ``dense_attention_vjp(q, k, v, plan, scale, dout, dlse) -> (dq, dk, dv)``."""
-    return _dense_attention_vjp
 
 
 def relative_error(actual, expected) -> float:
