@@ -195,8 +195,8 @@ ffi::Error ReadWalk(const NbhdParams& p, bool walk_keys, const I32Buffer& window
                     const I32Buffer& offsets, const I32Buffer& arcs, Walk* walk) {
   constexpr int64_t kMaxExtent = int64_t{1} << 29;  // keeps every int32 in arc_walk.h from overflowing
   S2ATTN_CHECK(p.nlat_q < kMaxExtent && p.nlon_q < kMaxExtent && p.nlat_k < kMaxExtent && p.nlon_k < kMaxExtent &&
-                   p.num_patterns < kMaxExtent,
-               "grid sizes must be below 2^29");
+                   p.num_patterns < kMaxExtent && p.residues < kMaxExtent && p.shift < kMaxExtent,
+               "grid sizes, residues and shift must be below 2^29");
   const Windows win = ReadWindows(window.typed_data());
   S2ATTN_CHECK(win.q.Fits(p.nq_lat, p.nq_lon, p.nlat_q, p.nlon_q),
                "window: query block (lat0, lon0, nlat, nlon) = (" << win.q.lat0 << ", " << win.q.lon0 << ", "

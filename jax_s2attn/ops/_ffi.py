@@ -189,7 +189,10 @@ def ffi_forward(query, key, value, plan, window, row_order, *, scale, poison_res
     ``window`` int32[8] (cuda/README.md); ``row_order`` int32 local query rows, longest
     first. Returns ``out [..., nq_lat, nq_lon, H, Dv]`` and ``lse [..., nq_lat, nq_lon, H]``;
     a query without neighbours in the window gets ``out = 0``, ``lse = -inf``.
-    Shapes are checked by the handler (``INVALID_ARGUMENT``), not here.
+
+    Beyond the query's rank, shapes and dtypes are checked by the handler
+    (``INVALID_ARGUMENT``). ``poison_results`` (all three targets) is a test aid:
+    results start as NaN, so any element a kernel leaves unwritten shows.
     """
     ensure_registered()
     tables = plan.tables
