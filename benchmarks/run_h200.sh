@@ -23,7 +23,7 @@ echo "build: $(( $(date +%s) - start )) s"
 
 status=0
 if has tests; then
-  PYTHONUNBUFFERED=1 timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests -k "cuda or gpu" \
+  PYTHONUNBUFFERED=1 timeout 420 python3 -P -m pytest -q -x -p no:cacheprovider tests -k "cuda or gpu" \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
