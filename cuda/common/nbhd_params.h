@@ -3,10 +3,16 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/ffi_check.h"
 
 namespace s2attn {
+
+// Target names, identical on CPU and CUDA (jax_s2attn/ops/_ffi.py holds the Python twins).
+inline constexpr char kTargetForward[] = "jax_s2attn_nbhd_fwd";
+inline constexpr char kTargetBackwardDq[] = "jax_s2attn_nbhd_bwd_dq";
+inline constexpr char kTargetBackwardDkv[] = "jax_s2attn_nbhd_bwd_dkv";
 
 // The element types activations may have. Accumulation is always float32.
 enum class ElementType { kF32, kBF16, kF16 };
@@ -63,6 +69,23 @@ inline ffi::Error SplitActivation(const char* name, ffi::Span<const int64_t> dim
   *nlon = dims[rank - 3];
   *heads = dims[rank - 2];
   *d = dims[rank - 1];
+  return ffi::Error::Success();
+}
+
+// Checks that `dims` is [leading..., nlat, nlon, heads, d] with the leading dims
+// flattening to `batch`; d < 0 means there is no trailing head-dim axis (lse, delta).
+inline ffi::Error CheckGridArray(const char* name, ffi::Span<const int64_t> dims, int64_t batch, int64_t nlat,
+                                 int64_t nlon, int64_t heads, int64_t d) {
+  const int64_t trailing = d < 0 ? 3 : 4;
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  S2ATTN_CHECK(rank >= trailing, name << " has rank " << rank << "; expected at least " << trailing);
+  int64_t b = 1;
+  for (int64_t i = 0; i + trailing < rank; ++i) b *= dims[i];
+  const int64_t* tail = dims.begin() + (rank - trailing);
+  const bool ok = b == batch && tail[0] == nlat && tail[1] == nlon && tail[2] == heads && (d < 0 || tail[3] == d);
+  S2ATTN_CHECK(ok, name << " has the wrong shape: expected [batch..., " << nlat << ", " << nlon << ", " << heads
+                        << (d < 0 ? std::string() : ", " + std::to_string(d)) << "] with the batch dims of q (" << batch
+                        << " in all)");
   return ffi::Error::Success();
 }
 
