@@ -53,19 +53,17 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
           const T* v_run = v + first * dv;
           const int64_t k_stride = heads * dk, v_stride = heads * dv;
           const float bias = log2f(__ldg(p.quad_weights + win.k.lat0 + row)) - lse2;
-          ForEachGroup<kNeighbourGroup>(count, [&](auto group, int32_t t, int32_t valid) {
-            constexpr bool kMasked = decltype(group)::kMasked;
-            const auto kt = ch.template LoadRows<kNeighbourGroup, kMasked>(k_run + t * k_stride, k_stride, valid);
-            const auto vt = ch.template LoadRows<kNeighbourGroup, kMasked>(v_run + t * v_stride, v_stride, valid);
-            float s[kNeighbourGroup], dp[kNeighbourGroup];
+          ForEachGroup<kNeighbourGroup>(count, [&](auto group, int32_t t) {
+            constexpr int kRows = decltype(group)::kRows;
+            const auto kt = ch.template LoadRows<kRows>(k_run + t * k_stride, k_stride);
+            const auto vt = ch.template LoadRows<kRows>(v_run + t * v_stride, v_stride);
+            float s[kRows], dp[kRows];
             ch.Dots(qv, kt, s);
             ch.Dots(gv, vt, dp);
             ch.Sum(s);
             ch.Sum(dp);
 #pragma unroll
-            for (int u = 0; u < kNeighbourGroup; ++u) {
-              s[u] = (kMasked && u >= valid) ? 0.f : Exp2(s[u] + bias) * (dp[u] - delta);
-            }
+            for (int u = 0; u < kRows; ++u) s[u] = Exp2(s[u] + bias) * (dp[u] - delta);
             ch.Accumulate(acc, s, kt);
           });
         });
@@ -114,25 +112,24 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
           const float* lse_run = p.lse + first;
           const float* delta_run = p.delta + first;
           const int64_t q_stride = heads * dk, g_stride = heads * dv;
-          ForEachGroup<kNeighbourGroup>(count, [&](auto group, int32_t t, int32_t valid) {
-            constexpr bool kMasked = decltype(group)::kMasked;
-            const auto qt = ch.template LoadRows<kNeighbourGroup, kMasked>(q_run + t * q_stride, q_stride, valid);
-            const auto gt = ch.template LoadRows<kNeighbourGroup, kMasked>(g_run + t * g_stride, g_stride, valid);
-            float lse[kNeighbourGroup], delta[kNeighbourGroup];
+          ForEachGroup<kNeighbourGroup>(count, [&](auto group, int32_t t) {
+            constexpr int kRows = decltype(group)::kRows;
+            const auto qt = ch.template LoadRows<kRows>(q_run + t * q_stride, q_stride);
+            const auto gt = ch.template LoadRows<kRows>(g_run + t * g_stride, g_stride);
+            float lse[kRows], delta[kRows];
 #pragma unroll
-            for (int u = 0; u < kNeighbourGroup; ++u) {
-              const bool in_run = !kMasked || u < valid;
-              lse[u] = in_run ? __ldg(lse_run + (t + u) * heads) : kNegInf;
-              delta[u] = in_run ? __ldg(delta_run + (t + u) * heads) : 0.f;
+            for (int u = 0; u < kRows; ++u) {
+              lse[u] = __ldg(lse_run + (t + u) * heads);
+              delta[u] = __ldg(delta_run + (t + u) * heads);
             }
-            float s[kNeighbourGroup], dp[kNeighbourGroup];
+            float s[kRows], dp[kRows];
             ch.Dots(kv, qt, s);
             ch.Dots(vv, gt, dp);
             ch.Sum(s);
             ch.Sum(dp);
 #pragma unroll
-            for (int u = 0; u < kNeighbourGroup; ++u) {
-              // lse = -inf: that query has no neighbour at all (or u is past the run): p = 0.
+            for (int u = 0; u < kRows; ++u) {
+              // lse = -inf: that query has no neighbour at all, so p = 0 (and never inf * 0).
               const bool live = lse[u] != kNegInf;
               s[u] = live ? Exp2(s[u] + log2w - lse[u] * kLog2e) : 0.f;
               dp[u] = live ? s[u] * (dp[u] - delta[u]) : 0.f;

@@ -34,9 +34,10 @@ constexpr int kNeighbourGroup = 4;
 // Threads per block of the vector kernels; the general kernels use up to kGeneralMaxWarps.
 constexpr int kVectorBlockThreads = 256;
 // Resident 256-thread blocks per SM the launch bounds ask for, i.e. register caps of 80 for
-// the forward vector kernels and 128 for the rest (the backward holds four head vectors and
-// two tiles per lane). ptxas -v (sm_90): no spills except 4 bytes in the float32 Dk = 128
-// forward; left to itself ptxas picks counts that spill or waste occupancy.
+// the forward vector kernels (24 warps per SM; ptxas -v, sm_90: at most 24 bytes of spills,
+// against 96-118 registers and 16 warps uncapped) and 128 for the rest (the backward holds
+// four head vectors and two tiles per lane; no spills). Left to itself ptxas picks counts
+// that spill or waste occupancy. Worth re-measuring 2 vs 3 for the forward on the H200.
 constexpr int kFwdVectorBlocksPerSm = 3;
 constexpr int kBlocksPerSm = 2;
 constexpr int kGeneralMaxWarps = 4;
@@ -107,13 +108,54 @@ struct Pack4<__half> {
   }
 };
 
+// Which lane of a team holds total j after the reduce-scatter of TeamAllReduce.
+template <int kLanes, int kCount>
+__host__ __device__ constexpr int ReducedLane(int j) {
+  int lane = 0;
+  for (int width = kCount, offset = kLanes / 2; width > 1; width /= 2, offset /= 2) {
+    if (j >= width / 2) {
+      lane += offset;
+      j -= width / 2;
+    }
+  }
+  return lane;
+}
+
+// Sums kCount per-lane partials over a team of kLanes lanes (`lane` = index in the team,
+// `base` = the team's first lane in the warp) and leaves every total, bitwise equal, in
+// every lane. Reduce-scatter first: each step sends the half of the values the partner keeps,
+// so kCount values cost log2(kLanes) + kCount - 1 + kCount shuffles (4 values over 16 lanes:
+// 9 instead of 16), then the totals are gathered from the lanes that hold them.
+template <int kLanes, int kCount>
+__device__ __forceinline__ void TeamAllReduce(float (&v)[kCount], unsigned mask, int lane, int base) {
+  static_assert((kCount & (kCount - 1)) == 0 && kCount <= kLanes, "a power of two of at most kLanes values");
+  float a[kCount];
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) a[i] = v[i];
+#pragma unroll
+  for (int step = 0; (kCount >> step) > 1; ++step) {
+    const int half = (kCount >> step) / 2;
+    const int offset = kLanes >> (step + 1);
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? a[i] : a[i + half];
+      const float keep = upper ? a[i + half] : a[i];
+      a[i] = keep + __shfl_xor_sync(mask, send, offset);
+    }
+  }
+#pragma unroll
+  for (int offset = kLanes / (2 * kCount); offset > 0; offset /= 2) a[0] += __shfl_xor_sync(mask, a[0], offset);
+#pragma unroll
+  for (int j = 0; j < kCount; ++j) v[j] = __shfl_sync(mask, a[0], base + ReducedLane<kLanes, kCount>(j));
+}
+
 // ------------------------------------------------------------------ channel layouts
 //
 // Both layouts offer the same operations on this lane's slice of a head vector:
 //   Vec NewVec(dim)                 zeroed accumulator / register copy of one head vector
 //   Load(vec, row, scale)           vec = scale * row (row = first element of the head vector)
-//   LoadRows<kRows, kMasked>(...)   a Tile of kRows rows `stride` elements apart (rows >= valid
-//                                   are not read when kMasked)
+//   LoadRows<kRows>(first, stride)  a Tile of kRows rows `stride` elements apart
 //   Dots(a, tile, s)                s[u] = partial dot of a with row u (this lane's channels)
 //   Sum(s)                          all-reduce partials over the team (bitwise equal in all lanes)
 //   Accumulate(acc, w, tile)        acc += sum_u w[u] * row u
@@ -139,11 +181,11 @@ class VectorChannels {
   };
 
   __device__ explicit VectorChannels(float* /*warp_shared*/)
-      : first_(static_cast<int>(threadIdx.x % kLanes) * kPerLane),
-        mask_(kLanes == 32 ? 0xffffffffu
-                           : ((1u << (kLanes % 32)) - 1u) << (static_cast<int>(threadIdx.x % 32) / kLanes * kLanes)) {}
+      : lane_(static_cast<int>(threadIdx.x % kLanes)),
+        base_(static_cast<int>(threadIdx.x % 32) / kLanes * kLanes),
+        mask_(kLanes == 32 ? 0xffffffffu : ((1u << (kLanes % 32)) - 1u) << base_) {}
 
-  __device__ bool Leader() const { return first_ == 0; }
+  __device__ bool Leader() const { return lane_ == 0; }
 
   __device__ Vec NewVec(int64_t /*dim*/) const {
     Vec v;
@@ -159,17 +201,11 @@ class VectorChannels {
     for (int i = 0; i < kPerLane; ++i) v.x[i] = x[i] * scale;
   }
 
-  template <int kRows, bool kMasked>
-  __device__ Tile<kRows> LoadRows(const T* first_row, int64_t stride, int valid) const {
+  template <int kRows>
+  __device__ Tile<kRows> LoadRows(const T* first_row, int64_t stride) const {
     Tile<kRows> t;
 #pragma unroll
-    for (int u = 0; u < kRows; ++u) {
-      if (!kMasked || u < valid) {
-        t.raw[u] = LoadRaw(first_row + u * stride);
-      } else {
-        t.raw[u] = Pack4<T>::Zero();
-      }
-    }
+    for (int u = 0; u < kRows; ++u) t.raw[u] = LoadRaw(first_row + u * stride);
     return t;
   }
 
@@ -199,11 +235,7 @@ class VectorChannels {
 
   template <int kCount>
   __device__ void Sum(float (&s)[kCount]) const {
-#pragma unroll
-    for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-#pragma unroll
-      for (int i = 0; i < kCount; ++i) s[i] += __shfl_xor_sync(mask_, s[i], offset);
-    }
+    TeamAllReduce<kLanes>(s, mask_, lane_, base_);
   }
 
   __device__ void Scale(Vec& v, float f) const {
@@ -212,17 +244,18 @@ class VectorChannels {
   }
 
   __device__ void Store(float* row, const Vec& v, float scale) const {
-    *reinterpret_cast<float4*>(row + first_) = make_float4(v.x[0] * scale, v.x[1] * scale, v.x[2] * scale, v.x[3] * scale);
+    *reinterpret_cast<float4*>(row + lane_ * kPerLane) = make_float4(v.x[0] * scale, v.x[1] * scale, v.x[2] * scale, v.x[3] * scale);
   }
 
   __device__ void StoreZero(float* row, int64_t /*dim*/) const { Store(row, NewVec(0), 0.f); }
 
  private:
   __device__ typename Pack4<T>::Raw LoadRaw(const T* row) const {
-    return __ldg(reinterpret_cast<const typename Pack4<T>::Raw*>(row + first_));
+    return __ldg(reinterpret_cast<const typename Pack4<T>::Raw*>(row + lane_ * kPerLane));
   }
 
-  int first_;      // first channel of this lane
+  int lane_;       // index in the team: this lane owns channels [4 * lane_, 4 * lane_ + 4)
+  int base_;       // the team's first lane in the warp
   unsigned mask_;  // the team's lanes
 };
 
@@ -243,7 +276,6 @@ class GeneralChannels {
   struct Tile {
     const T* first_row;
     int64_t stride;
-    int valid;
   };
 
   __device__ explicit GeneralChannels(float* warp_shared)
@@ -263,9 +295,9 @@ class GeneralChannels {
     for (int64_t c = lane_; c < v.dim; c += 32) v.x[c] = ToFloat(__ldg(row + c)) * scale;
   }
 
-  template <int kRows, bool kMasked>
-  __device__ Tile<kRows> LoadRows(const T* first_row, int64_t stride, int valid) const {
-    return Tile<kRows>{first_row, stride, kMasked ? valid : kRows};
+  template <int kRows>
+  __device__ Tile<kRows> LoadRows(const T* first_row, int64_t stride) const {
+    return Tile<kRows>{first_row, stride};
   }
 
   template <int kRows>
@@ -276,7 +308,7 @@ class GeneralChannels {
       const float x = a.x[c];
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
-        if (u < t.valid) s[u] = fmaf(x, ToFloat(__ldg(t.first_row + u * t.stride + c)), s[u]);
+        s[u] = fmaf(x, ToFloat(__ldg(t.first_row + u * t.stride + c)), s[u]);
       }
     }
   }
@@ -287,7 +319,7 @@ class GeneralChannels {
       float y = acc.x[c];
 #pragma unroll
       for (int u = 0; u < kRows; ++u) {
-        if (u < t.valid) y = fmaf(w[u], ToFloat(__ldg(t.first_row + u * t.stride + c)), y);
+        y = fmaf(w[u], ToFloat(__ldg(t.first_row + u * t.stride + c)), y);
       }
       acc.x[c] = y;
     }
@@ -295,11 +327,7 @@ class GeneralChannels {
 
   template <int kCount>
   __device__ void Sum(float (&s)[kCount]) const {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-#pragma unroll
-      for (int i = 0; i < kCount; ++i) s[i] += __shfl_xor_sync(0xffffffffu, s[i], offset);
-    }
+    TeamAllReduce<kLanes>(s, 0xffffffffu, lane_, 0);
   }
 
   __device__ void Scale(Vec& v, float f) const {
@@ -356,20 +384,33 @@ __device__ __forceinline__ void ForEachRun(const NbhdAttnGpuParams& p, const Gri
   }
 }
 
-struct FullGroup {
-  static constexpr bool kMasked = false;
-};
-struct TailGroup {
-  static constexpr bool kMasked = true;
+template <int kCount>
+struct Group {
+  static constexpr int kRows = kCount;
 };
 
-// Splits a run of `count` neighbours into groups of kRows: step(FullGroup{}, first, kRows)
-// for the full ones, then step(TailGroup{}, first, valid) for the remainder, if any.
+// The remainder of a run, fewer than 2 * kRows neighbours from `first`: at most one group
+// of each power of two from kRows down.
 template <int kRows, typename Step>
+__device__ __forceinline__ void ForEachTailGroup(int32_t remaining, int32_t first, Step& step) {
+  if constexpr (kRows > 0) {
+    if (remaining >= kRows) {
+      step(Group<kRows>{}, first);
+      first += kRows;
+      remaining -= kRows;
+    }
+    ForEachTailGroup<kRows / 2>(remaining, first, step);
+  }
+}
+
+// Splits a run of `count` neighbours into groups whose rows are loaded together:
+// step(Group<kMaxRows>{}, first) while kMaxRows are left, then exact smaller groups, so short
+// runs (1 to 3 neighbours near the equator) compute no padding slots.
+template <int kMaxRows, typename Step>
 __device__ __forceinline__ void ForEachGroup(int32_t count, Step&& step) {
   int32_t t = 0;
-  for (; t + kRows <= count; t += kRows) step(FullGroup{}, t, kRows);
-  if (t < count) step(TailGroup{}, t, count - t);
+  for (; t + kMaxRows <= count; t += kMaxRows) step(Group<kMaxRows>{}, t);
+  ForEachTailGroup<kMaxRows / 2>(count - t, t, step);
 }
 
 // Calls body(local_row, local_col, batch_head) for the walking point of this team. Blocks

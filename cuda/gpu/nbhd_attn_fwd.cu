@@ -43,17 +43,17 @@ __global__ void __launch_bounds__(kVectorBlockThreads, Ch::kUsesShared ? kBlocks
           const T* v_run = v + first * dv;
           const int64_t k_stride = heads * dk, v_stride = heads * dv;
           const float log2w = log2f(__ldg(p.quad_weights + win.k.lat0 + row));
-          ForEachGroup<kNeighbourGroup>(count, [&](auto group, int32_t t, int32_t valid) {
-            constexpr bool kMasked = decltype(group)::kMasked;
-            const auto kt = ch.template LoadRows<kNeighbourGroup, kMasked>(k_run + t * k_stride, k_stride, valid);
-            const auto vt = ch.template LoadRows<kNeighbourGroup, kMasked>(v_run + t * v_stride, v_stride, valid);
-            float s[kNeighbourGroup];
+          ForEachGroup<kNeighbourGroup>(count, [&](auto group, int32_t t) {
+            constexpr int kRows = decltype(group)::kRows;
+            const auto kt = ch.template LoadRows<kRows>(k_run + t * k_stride, k_stride);
+            const auto vt = ch.template LoadRows<kRows>(v_run + t * v_stride, v_stride);
+            float s[kRows];
             ch.Dots(qv, kt, s);
             ch.Sum(s);
             float m_new = m;
 #pragma unroll
-            for (int u = 0; u < kNeighbourGroup; ++u) {
-              s[u] = (kMasked && u >= valid) ? kNegInf : s[u] + log2w;
+            for (int u = 0; u < kRows; ++u) {
+              s[u] += log2w;
               m_new = fmaxf(m_new, s[u]);
             }
             // All scores so far -inf (zero weights): keep everything at zero, never inf - inf.
@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kVectorBlockThreads, Ch::kUsesShared ? kBlocks
             const float decay = Exp2(m - base);
             float group_sum = 0.f;
 #pragma unroll
-            for (int u = 0; u < kNeighbourGroup; ++u) {
+            for (int u = 0; u < kRows; ++u) {
               s[u] = Exp2(s[u] - base);
               group_sum += s[u];
             }

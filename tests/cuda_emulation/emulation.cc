@@ -151,12 +151,13 @@ cudaError_t g_last_error = cudaSuccess;
 
 }  // namespace
 
-float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width) {
+namespace {
+
+float Shuffle(unsigned mask, float value, unsigned source, int width) {
   const unsigned lane = threadIdx.x % 32;
-  const unsigned partner = lane ^ static_cast<unsigned>(lane_mask);
-  if (width != 32) Fail("__shfl_xor_sync: only width 32 is emulated");
-  if (partner >= 32 || !((mask >> lane) & 1u) || !((mask >> partner) & 1u)) {
-    Fail("__shfl_xor_sync: lane or partner not in the mask");
+  if (width != 32) Fail("shuffle: only width 32 is emulated");
+  if (source >= 32 || !((mask >> lane) & 1u) || !((mask >> source) & 1u)) {
+    Fail("shuffle: lane or source lane not in the mask");
   }
   Warp& warp = g_warps[threadIdx.x / 32];
   auto& gate = warp.gates[mask];
@@ -170,7 +171,17 @@ float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width) {
     while (gate.second == generation) SwitchToScheduler(/*dying=*/false);
   }
   ++g_scheduler.progress;
-  return slots[partner];
+  return slots[source];
+}
+
+}  // namespace
+
+float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width) {
+  return Shuffle(mask, value, (threadIdx.x % 32) ^ static_cast<unsigned>(lane_mask), width);
+}
+
+float __shfl_sync(unsigned mask, float value, int src_lane, int width) {
+  return Shuffle(mask, value, static_cast<unsigned>(src_lane), width);
 }
 
 cudaError_t CUDARTAPI cudaGetLastError(void) {

@@ -34,6 +34,8 @@ inline float __uint_as_float(unsigned int bits) {
   return f;
 }
 
-// Blocks until every lane named in `mask` has called it with the same mask (aborts on a
-// deadlock or when the caller or its partner is not in `mask`, which CUDA leaves undefined).
+// Both block until every lane named in `mask` has called a shuffle with the same mask (they
+// abort on a deadlock or when the caller or its source lane is not in `mask`, which CUDA
+// leaves undefined).
 float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width = 32);
+float __shfl_sync(unsigned mask, float value, int src_lane, int width = 32);
