@@ -226,7 +226,8 @@ def _check_case(
         expected = block(grid(expected, nlat, nlon), win)
         error = _relative(actual, expected)
         assert error <= TOLERANCE, f"{name}: relative error {error:.2e} against float64"
-    for name, result, win in (("out", out, q_window), ("dq", dq, q_window), ("dk", dk_, k_window), ("dv", dv_, k_window)):
+    results = (("out", out, q_window), ("dq", dq, q_window), ("dk", dk_, k_window), ("dv", dv_, k_window))
+    for name, result, win in results:
         assert (padding_of(result, win) == 0).all(), f"{name}: padding points must be zero"
     assert (padding_of(lse, q_window) == -np.inf).all(), "lse: padding points must be -inf"
 

@@ -74,7 +74,6 @@ struct Pack4;
 template <>
 struct Pack4<float> {
   using Raw = uint4;
-  static __device__ __forceinline__ Raw Zero() { return make_uint4(0u, 0u, 0u, 0u); }
   static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
     x[0] = __uint_as_float(r.x);
     x[1] = __uint_as_float(r.y);
@@ -86,7 +85,6 @@ struct Pack4<float> {
 template <>
 struct Pack4<__nv_bfloat16> {
   using Raw = uint2;
-  static __device__ __forceinline__ Raw Zero() { return make_uint2(0u, 0u); }
   static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
     // bfloat16 is the upper half of a float32.
     x[0] = __uint_as_float(r.x << 16);
@@ -99,7 +97,6 @@ struct Pack4<__nv_bfloat16> {
 template <>
 struct Pack4<__half> {
   using Raw = uint2;
-  static __device__ __forceinline__ Raw Zero() { return make_uint2(0u, 0u); }
   static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
     x[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.x & 0xffffu)));
     x[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.x >> 16)));
@@ -123,9 +120,10 @@ __host__ __device__ constexpr int ReducedLane(int j) {
 
 // Sums kCount per-lane partials over a team of kLanes lanes (`lane` = index in the team,
 // `base` = the team's first lane in the warp) and leaves every total, bitwise equal, in
-// every lane. Reduce-scatter first: each step sends the half of the values the partner keeps,
-// so kCount values cost log2(kLanes) + kCount - 1 + kCount shuffles (4 values over 16 lanes:
-// 9 instead of 16), then the totals are gathered from the lanes that hold them.
+// every lane. Reduce-scatter first (each step sends the half of the values the partner keeps),
+// butterfly once one value is left, then gather the totals from the lanes that hold them:
+// (kCount - 1) + log2(kLanes / kCount) + kCount shuffles, e.g. 9 instead of 16 for 4 values
+// over 16 lanes.
 template <int kLanes, int kCount>
 __device__ __forceinline__ void TeamAllReduce(float (&v)[kCount], unsigned mask, int lane, int base) {
   static_assert((kCount & (kCount - 1)) == 0 && kCount <= kLanes, "a power of two of at most kLanes values");
@@ -244,7 +242,8 @@ class VectorChannels {
   }
 
   __device__ void Store(float* row, const Vec& v, float scale) const {
-    *reinterpret_cast<float4*>(row + lane_ * kPerLane) = make_float4(v.x[0] * scale, v.x[1] * scale, v.x[2] * scale, v.x[3] * scale);
+    *reinterpret_cast<float4*>(row + lane_ * kPerLane) =
+        make_float4(v.x[0] * scale, v.x[1] * scale, v.x[2] * scale, v.x[3] * scale);
   }
 
   __device__ void StoreZero(float* row, int64_t /*dim*/) const { Store(row, NewVec(0), 0.f); }

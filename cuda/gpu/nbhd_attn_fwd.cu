@@ -12,7 +12,8 @@ __host__ __device__ constexpr int64_t FwdWarpWords(int64_t dk, int64_t dv) { ret
 // weight folded in, s = log2(e) * scale * q.k + log2(w): then p = exp2(s - m) and
 // lse = ln(2) * (m + log2(l)). The running max m and sum l are rescaled once per group.
 template <typename T, typename Ch>
-__global__ void __launch_bounds__(kVectorBlockThreads, Ch::kUsesShared ? kBlocksPerSm : kFwdVectorBlocksPerSm) NbhdAttnFwdKernel(const NbhdAttnGpuParams p) {
+__global__ void __launch_bounds__(kVectorBlockThreads, Ch::kUsesShared ? kBlocksPerSm : kFwdVectorBlocksPerSm)
+    NbhdAttnFwdKernel(const NbhdAttnGpuParams p) {
   const Windows win = ReadDeviceWindows(p);
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
