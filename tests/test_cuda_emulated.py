@@ -331,3 +331,13 @@ def test_corrupted_tables_stay_in_bounds(emulator, rng):
         _launch(emulator, FORWARD, "float32", sizes, 0.125, q, q, q, None, None, None,
                 np.asarray(window, np.int32), table.row_order, broken, plan.quad_weights, out, lse)  # fmt: skip
         assert not np.isnan(out).any() and not np.isnan(lse).any()
+
+
+def test_blocks_stride_over_batch_heads_and_rows(emulator, rng):
+    """Past 65535 (batch x head) blocks or rows the grid is capped and blocks stride over the rest."""
+    emulator.EmuCapGrid(2, 3)
+    try:
+        _check_case(emulator, rng, PLANS["down"](), 3, 3, 32, 32, "float32")
+        _check_case(emulator, rng, PLANS["down"](), 2, 1, 5, 7, "bfloat16")
+    finally:
+        emulator.EmuCapGrid(65535, 65535)

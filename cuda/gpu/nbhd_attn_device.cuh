@@ -15,7 +15,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <initializer_list>
 
@@ -412,24 +411,24 @@ __device__ __forceinline__ void ForEachGroup(int32_t count, Step&& step) {
   ForEachTailGroup<kMaxRows / 2>(count - t, t, step);
 }
 
-// Calls body(local_row, local_col, batch_head) for the walking point of this team. Blocks
-// enumerate (row rank, batch*head, longitude tile) with the rank slowest, so the longest rows
-// (row_order is sorted longest first) of every head run first and short rows fill the tail;
-// the teams of a block take consecutive longitudes of one row, so they read nearly the same
-// neighbours (shared in L1). Padding points are passed too (the body writes their zeros).
+// Calls body(local_row, local_col, batch, head) for the walking point of this team. The grid is
+// (longitude tile, batch * head, row rank) and blocks start in that order (x fastest), so the
+// longest rows (row_order is sorted longest first) of every head run first and short rows fill
+// the tail; the teams of a block take consecutive longitudes of one row and so read nearly the
+// same neighbours (shared through L1). y and z stride past the 65535 grid limit. Padding points
+// are passed too (the body writes their zeros).
 template <typename Body>
 __device__ __forceinline__ void ForEachTeamPoint(const int32_t* row_order, int32_t rows, int32_t cols,
-                                                 int64_t batch_heads, int team, int teams, Body&& body) {
-  const int64_t tiles = (cols + teams - 1) / teams;
-  const int64_t items = int64_t{rows} * batch_heads * tiles;
-  for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
-    const int64_t tile = item % tiles;
-    const int64_t rest = item / tiles;
-    const int64_t batch_head = rest % batch_heads;
-    const int32_t row = __ldg(row_order + rest / batch_heads);
-    const int64_t col = tile * teams + team;
-    if (row < 0 || row >= rows || col >= cols) continue;  // a bad row_order entry is skipped
-    body(row, static_cast<int32_t>(col), batch_head);
+                                                 int32_t batch_heads, int32_t heads, int team, int teams,
+                                                 Body&& body) {
+  const int64_t col = int64_t{blockIdx.x} * teams + team;
+  if (col >= cols) return;
+  for (int32_t rank = blockIdx.z; rank < rows; rank += gridDim.z) {
+    const int32_t row = __ldg(row_order + rank);
+    if (row < 0 || row >= rows) continue;  // a bad row_order entry is skipped
+    for (int32_t batch_head = blockIdx.y; batch_head < batch_heads; batch_head += gridDim.y) {
+      body(row, static_cast<int32_t>(col), batch_head / heads, batch_head % heads);
+    }
   }
 }
 
@@ -497,13 +496,15 @@ cudaError_t LaunchTeams(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, 
   }
   const int teams = threads / Ch::kLanes;
   const int64_t tiles = (int64_t{cols} + teams - 1) / teams;
-  const int64_t items = int64_t{rows} * p.batch * p.heads * tiles;
-  if (items == 0) return cudaSuccess;
-  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(items, INT_MAX));  // kernels loop past it
+  const int64_t batch_heads = p.batch * p.heads;  // < 2^31 (checked by the handlers)
+  if (tiles == 0 || batch_heads == 0 || rows == 0) return cudaSuccess;
+  constexpr int64_t kMaxGridYZ = 65535;  // the kernels stride over the rest
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min(batch_heads, kMaxGridYZ)),
+                  static_cast<unsigned>(std::min<int64_t>(rows, kMaxGridYZ)));
   NbhdAttnGpuParams params = p;
   void* args[] = {&params};
-  const cudaError_t status = cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(threads),
-                                              args, shared_bytes, stream);
+  const cudaError_t status =
+      cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, shared_bytes, stream);
   const cudaError_t last = cudaGetLastError();  // clears the error state this launch may have set
   return status != cudaSuccess ? status : last;
 }

@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <climits>
 #include <cstdint>
 #include <string>
 
@@ -32,8 +33,9 @@ ActivationType ToActivationType(ElementType type) {
   return ActivationType::kF32;  // unreachable: DecodeParams accepts only these three
 }
 
-// Limits of the kernels' index arithmetic (32-bit grid coordinates in arc_walk.h, the
-// shared-memory bound of the general path), checked on the host where they can be reported.
+// Limits of the kernels' index arithmetic (32-bit grid coordinates in arc_walk.h, 32-bit
+// batch x head block indices, the shared-memory bound of the general path), checked on the
+// host where they can be reported.
 ffi::Error CheckGpuLimits(const NbhdParams& p, bool walk_keys) {
   constexpr int64_t kMaxExtent = int64_t{1} << 29;
   S2ATTN_CHECK(p.nlat_q < kMaxExtent && p.nlon_q < kMaxExtent && p.nlat_k < kMaxExtent && p.nlon_k < kMaxExtent &&
@@ -44,6 +46,8 @@ ffi::Error CheckGpuLimits(const NbhdParams& p, bool walk_keys) {
   S2ATTN_CHECK(p.shift * ((nlon_walk - 1) / p.residues) < nlon_other,
                "shift " << p.shift << " and residues " << p.residues << " move arc starts past the other grid's "
                         << nlon_other << " longitudes");
+  S2ATTN_CHECK(p.batch * p.heads <= INT32_MAX,
+               "batch x heads = " << p.batch * p.heads << " exceeds the CUDA kernels' limit of 2^31 - 1");
   S2ATTN_CHECK(NbhdAttnHeadDimsSupported(p.dk, p.dv),
                "head dims Dk = " << p.dk << ", Dv = " << p.dv
                                  << " are too large for the CUDA kernels (Dk + Dv must be at most 6144)");

@@ -1,11 +1,12 @@
 // Runtime of the host emulation (see emulation.h). cudaLaunchKernel runs the blocks of a
-// launch one after another; the threads of a block are fibers on the calling OS thread,
+// launch one after another (x fastest); the threads of a block are fibers on the calling OS thread,
 // switched round-robin whenever one waits at a shuffle, so a run is deterministic and cheap.
 // Shuffles meet at a per-warp gate keyed by their mask; dynamic shared memory is a static
 // buffer refilled with NaN before every block (and, under AddressSanitizer, poisoned past the
 // launch's size). EmuRun is the C entry point used by tests/test_cuda_emulated.py (ctypes).
 //
 // x86-64 System V only (the fiber switch is a few lines of assembly).
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -75,7 +76,8 @@ namespace {
 constexpr size_t kFiberStackBytes = 256 * 1024;
 
 [[noreturn]] void Fail(const char* what) {
-  std::fprintf(stderr, "cuda emulation: %s (block %u, thread %u)\n", what, blockIdx.x, threadIdx.x);
+  std::fprintf(stderr, "cuda emulation: %s (block %u,%u,%u, thread %u)\n", what, blockIdx.x, blockIdx.y, blockIdx.z,
+               threadIdx.x);
   std::fflush(stderr);
   std::abort();
 }
@@ -148,6 +150,9 @@ struct Warp {
 };
 std::vector<Warp> g_warps;
 cudaError_t g_last_error = cudaSuccess;
+// EmuCapGrid: run launches with at most this many blocks in y and z (the kernels must then
+// stride over the rest, as they do past the hardware's 65535).
+unsigned g_grid_cap_y = 65535, g_grid_cap_z = 65535;
 
 }  // namespace
 
@@ -192,11 +197,13 @@ cudaError_t CUDARTAPI cudaGetLastError(void) {
 
 cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared_bytes,
                                        cudaStream_t /*stream*/) {
-  if (grid.x == 0 || grid.y != 1 || grid.z != 1 || block.x == 0 || block.x > 1024 || block.x % 32 != 0 ||
-      block.y != 1 || block.z != 1) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535 ||
+      block.x == 0 || block.x > 1024 || block.x % 32 != 0 || block.y != 1 || block.z != 1) {
     return g_last_error = cudaErrorInvalidConfiguration;
   }
   if (shared_bytes > s2attn::gpu::kSharedCapacity) return g_last_error = cudaErrorInvalidValue;
+  grid.y = std::min(grid.y, g_grid_cap_y);
+  grid.z = std::min(grid.z, g_grid_cap_z);
   // Every kernel of cuda/gpu takes one NbhdAttnGpuParams by value.
   g_scheduler.kernel = reinterpret_cast<void (*)(s2attn::NbhdAttnGpuParams)>(const_cast<void*>(func));
   g_scheduler.params = *static_cast<const s2attn::NbhdAttnGpuParams*>(args[0]);
@@ -204,8 +211,10 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
   blockDim = block;
   gridDim = grid;
   float* shared = s2attn::gpu::s2attn_dynamic_shared;
-  for (unsigned b = 0; b < grid.x; ++b) {
-    blockIdx = uint3{b, 0, 0};
+  const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
+  for (uint64_t b = 0; b < blocks; ++b) {  // x fastest, as the hardware starts them
+    blockIdx = uint3{static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
+                     static_cast<unsigned>(b / grid.x / grid.y)};
     // Garbage in, so that reading unwritten shared memory shows up as NaN.
 #if EMU_ASAN
     ASAN_UNPOISON_MEMORY_REGION(shared, s2attn::gpu::kSharedCapacity);
@@ -245,6 +254,11 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
   ASAN_UNPOISON_MEMORY_REGION(shared, s2attn::gpu::kSharedCapacity);
 #endif
   return cudaSuccess;
+}
+
+extern "C" void EmuCapGrid(unsigned y, unsigned z) {
+  g_grid_cap_y = y;
+  g_grid_cap_z = z;
 }
 
 // target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv). sizes: batch, heads, dk,
