@@ -26,9 +26,9 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
   const int64_t heads = p.heads, dk = p.head_dim_k, dv = p.head_dim_v;
   float* warp_shared = DynamicShared() + (threadIdx.x / 32) * WarpSharedWords<Ch>(DqWarpWords(dk, dv));
 
-  ForEachTeamPoint(
-      p.row_order, p.nq_lat, p.nq_lon, static_cast<int32_t>(p.batch * heads), static_cast<int32_t>(heads),
-      threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes, [&](int32_t i, int32_t j, int64_t b, int64_t head) {
+  ForTeamPoint(
+      p, p.nq_lat, p.nq_lon, threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
+      [&](int32_t i, int32_t j, int64_t b, int64_t head) {
         const int64_t query = ((b * p.nq_lat + i) * p.nq_lon + j) * heads + head;  // (point, head) index
         float* dq = p.dq + query * dk;
         Ch ch(warp_shared);
@@ -83,9 +83,9 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
   const int64_t heads = p.heads, dk = p.head_dim_k, dv = p.head_dim_v;
   float* warp_shared = DynamicShared() + (threadIdx.x / 32) * WarpSharedWords<Ch>(DkvWarpWords(dk, dv));
 
-  ForEachTeamPoint(
-      p.row_order, p.nk_lat, p.nk_lon, static_cast<int32_t>(p.batch * heads), static_cast<int32_t>(heads),
-      threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes, [&](int32_t i, int32_t j, int64_t b, int64_t head) {
+  ForTeamPoint(
+      p, p.nk_lat, p.nk_lon, threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
+      [&](int32_t i, int32_t j, int64_t b, int64_t head) {
         const int64_t key = ((b * p.nk_lat + i) * p.nk_lon + j) * heads + head;  // (point, head) index
         float* dk_out = p.dk + key * dk;
         float* dv_out = p.dv + key * dv;

@@ -42,6 +42,12 @@ constexpr int kBlocksPerSm = 2;
 constexpr int kGeneralMaxWarps = 4;
 // Shared memory of one general-kernel block (the default limit, no opt-in needed).
 constexpr int64_t kGeneralSharedBytes = 48 * 1024;
+// Largest grid extent in y and z; larger grids are split into several launches. A macro only
+// so that the CPU emulation tests (tests/cuda_emulation) can exercise the split with a small one.
+#ifndef S2ATTN_MAX_GRID_YZ
+#define S2ATTN_MAX_GRID_YZ 65535
+#endif
+constexpr int64_t kMaxGridYZ = S2ATTN_MAX_GRID_YZ;
 
 // 2^x by the special-function unit (max relative error ~2^-22; exp2(-inf) = 0).
 __device__ __forceinline__ float Exp2(float x) {
@@ -411,25 +417,24 @@ __device__ __forceinline__ void ForEachGroup(int32_t count, Step&& step) {
   ForEachTailGroup<kMaxRows / 2>(count - t, t, step);
 }
 
-// Calls body(local_row, local_col, batch, head) for the walking point of this team. The grid is
-// (longitude tile, batch * head, row rank) and blocks start in that order (x fastest), so the
-// longest rows (row_order is sorted longest first) of every head run first and short rows fill
-// the tail; the teams of a block take consecutive longitudes of one row and so read nearly the
-// same neighbours (shared through L1). y and z stride past the 65535 grid limit. Padding points
-// are passed too (the body writes their zeros).
+// Calls body(local_row, local_col, batch, head) for the walking point of this team, if any.
+// The grid is (longitude tile, batch * head, row rank) and blocks start in that order (x
+// fastest), so the longest rows (row_order is sorted longest first) of every head run first and
+// short rows fill the tail; the teams of a block take consecutive longitudes of one row and so
+// read nearly the same neighbours (shared through L1). One point per team and no loop here:
+// loop state live across the walk costs registers (spills at the forward's cap of 80). Padding
+// points are passed too (the body writes their zeros).
 template <typename Body>
-__device__ __forceinline__ void ForEachTeamPoint(const int32_t* row_order, int32_t rows, int32_t cols,
-                                                 int32_t batch_heads, int32_t heads, int team, int teams,
-                                                 Body&& body) {
+__device__ __forceinline__ void ForTeamPoint(const NbhdAttnGpuParams& p, int32_t rows, int32_t cols, int team,
+                                             int teams, Body&& body) {
   const int64_t col = int64_t{blockIdx.x} * teams + team;
-  if (col >= cols) return;
-  for (int32_t rank = blockIdx.z; rank < rows; rank += gridDim.z) {
-    const int32_t row = __ldg(row_order + rank);
-    if (row < 0 || row >= rows) continue;  // a bad row_order entry is skipped
-    for (int32_t batch_head = blockIdx.y; batch_head < batch_heads; batch_head += gridDim.y) {
-      body(row, static_cast<int32_t>(col), batch_head / heads, batch_head % heads);
-    }
-  }
+  const int32_t rank = p.first_rank + static_cast<int32_t>(blockIdx.z);
+  const int32_t batch_head = p.first_batch_head + static_cast<int32_t>(blockIdx.y);
+  const int32_t heads = static_cast<int32_t>(p.heads);
+  if (col >= cols || rank >= rows || batch_head >= p.batch * heads) return;
+  const int32_t row = __ldg(p.row_order + rank);
+  if (row < 0 || row >= rows) return;  // a bad row_order entry is skipped
+  body(row, static_cast<int32_t>(col), batch_head / heads, batch_head % heads);
 }
 
 // Shared memory of one warp of a general kernel, in floats (0 for the vector kernels).
@@ -498,15 +503,22 @@ cudaError_t LaunchTeams(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, 
   const int64_t tiles = (int64_t{cols} + teams - 1) / teams;
   const int64_t batch_heads = p.batch * p.heads;  // < 2^31 (checked by the handlers)
   if (tiles == 0 || batch_heads == 0 || rows == 0) return cudaSuccess;
-  constexpr int64_t kMaxGridYZ = 65535;  // the kernels stride over the rest
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min(batch_heads, kMaxGridYZ)),
-                  static_cast<unsigned>(std::min<int64_t>(rows, kMaxGridYZ)));
   NbhdAttnGpuParams params = p;
   void* args[] = {&params};
-  const cudaError_t status =
-      cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, shared_bytes, stream);
-  const cudaError_t last = cudaGetLastError();  // clears the error state this launch may have set
-  return status != cudaSuccess ? status : last;
+  // Launches in row-rank order, so the longest rows still start first when split.
+  for (int64_t rank = 0; rank < rows; rank += kMaxGridYZ) {
+    for (int64_t batch_head = 0; batch_head < batch_heads; batch_head += kMaxGridYZ) {
+      params.first_rank = static_cast<int32_t>(rank);
+      params.first_batch_head = static_cast<int32_t>(batch_head);
+      const dim3 grid(static_cast<unsigned>(tiles),
+                      static_cast<unsigned>(std::min<int64_t>(batch_heads - batch_head, kMaxGridYZ)),
+                      static_cast<unsigned>(std::min<int64_t>(rows - rank, kMaxGridYZ)));
+      const cudaError_t status =
+          cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, shared_bytes, stream);
+      if (status != cudaSuccess) return status;
+    }
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace gpu

@@ -42,7 +42,7 @@ struct NbhdAttnGpuParams {
   float* dv = nullptr;       // like v
 
   int64_t batch = 0;
-  int64_t heads = 0;
+  int64_t heads = 0;               // batch * heads < 2^31
   int64_t head_dim_k = 0;  // Dk of q and k
   int64_t head_dim_v = 0;  // Dv of v and dout
   int32_t nq_lat = 0, nq_lon = 0;  // local (array) extent of the q grid, padding included
@@ -53,6 +53,11 @@ struct NbhdAttnGpuParams {
   int32_t shift = 1;               // S of the arc table being walked
   int64_t num_arcs = 0;            // rows of `arcs` (all copies: only an index bound)
   float scale = 1.0f;              // logit scale
+
+  // Set by the launchers, which split grids past 65535 blocks in y or z into several launches:
+  // the row rank and the batch * head index of this launch's blockIdx.z = 0 and blockIdx.y = 0.
+  int32_t first_rank = 0;
+  int32_t first_batch_head = 0;
 };
 
 // Whether the kernels support these head dims (the general path keeps a few vectors per warp

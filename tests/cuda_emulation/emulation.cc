@@ -6,7 +6,6 @@
 // launch's size). EmuRun is the C entry point used by tests/test_cuda_emulated.py (ctypes).
 //
 // x86-64 System V only (the fiber switch is a few lines of assembly).
-#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -150,9 +149,6 @@ struct Warp {
 };
 std::vector<Warp> g_warps;
 cudaError_t g_last_error = cudaSuccess;
-// EmuCapGrid: run launches with at most this many blocks in y and z (the kernels must then
-// stride over the rest, as they do past the hardware's 65535).
-unsigned g_grid_cap_y = 65535, g_grid_cap_z = 65535;
 
 }  // namespace
 
@@ -202,8 +198,6 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
     return g_last_error = cudaErrorInvalidConfiguration;
   }
   if (shared_bytes > s2attn::gpu::kSharedCapacity) return g_last_error = cudaErrorInvalidValue;
-  grid.y = std::min(grid.y, g_grid_cap_y);
-  grid.z = std::min(grid.z, g_grid_cap_z);
   // Every kernel of cuda/gpu takes one NbhdAttnGpuParams by value.
   g_scheduler.kernel = reinterpret_cast<void (*)(s2attn::NbhdAttnGpuParams)>(const_cast<void*>(func));
   g_scheduler.params = *static_cast<const s2attn::NbhdAttnGpuParams*>(args[0]);
@@ -254,11 +248,6 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
   ASAN_UNPOISON_MEMORY_REGION(shared, s2attn::gpu::kSharedCapacity);
 #endif
   return cudaSuccess;
-}
-
-extern "C" void EmuCapGrid(unsigned y, unsigned z) {
-  g_grid_cap_y = y;
-  g_grid_cap_z = z;
 }
 
 // target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv). sizes: batch, heads, dk,
