@@ -33,10 +33,10 @@ constexpr int kNeighbourGroup = 4;
 // Threads per block of the vector kernels; the general kernels use up to kGeneralMaxWarps.
 constexpr int kVectorBlockThreads = 256;
 // Resident 256-thread blocks per SM the launch bounds ask for, i.e. register caps of 80 for
-// the forward vector kernels (24 warps per SM; ptxas -v, sm_90: at most 24 bytes of spills,
-// against 96-118 registers and 16 warps uncapped) and 128 for the rest (the backward holds
-// four head vectors and two tiles per lane; no spills). Left to itself ptxas picks counts
-// that spill or waste occupancy. Worth re-measuring 2 vs 3 for the forward on the H200.
+// the forward vector kernels (24 warps per SM) and 128 for the rest (16 warps; the backward
+// holds four head vectors and two tiles per lane). ptxas -v (sm_90, CUDA 13.0): no spills but
+// 16 bytes in the float32 Dk = 128 forward. Left to itself ptxas picks counts that spill or
+// waste occupancy. Worth re-measuring 2 vs 3 for the forward on the H200.
 constexpr int kFwdVectorBlocksPerSm = 3;
 constexpr int kBlocksPerSm = 2;
 constexpr int kGeneralMaxWarps = 4;
