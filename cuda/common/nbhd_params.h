@@ -142,4 +142,16 @@ inline ffi::Error DecodeParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   return ffi::Error::Success();
 }
 
+// Checks the extra operands of the backward targets against decoded params:
+// dout [..., nq_lat, nq_lon, H, Dv] in the dtype of q, lse and delta [..., nq_lat, nq_lon, H]
+// (their float32 dtype is enforced by the handler binding).
+inline ffi::Error CheckBackwardOperands(const ffi::AnyBuffer& q, const ffi::AnyBuffer& dout,
+                                        ffi::Span<const int64_t> lse_dims, ffi::Span<const int64_t> delta_dims,
+                                        const NbhdParams& p) {
+  S2ATTN_CHECK(dout.element_type() == q.element_type(), "dout must have the dtype of q");
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dout", dout.dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
+  return CheckGridArray("delta", delta_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1);
+}
+
 }  // namespace s2attn

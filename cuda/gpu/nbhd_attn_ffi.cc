@@ -127,10 +127,7 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, cons
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, attrs, walk_keys, window.element_count(), row_order.element_count(),
                                       arc_offsets.element_count(), arcs.element_count(),
                                       quad_weights.element_count(), &p));
-  S2ATTN_CHECK(dout.element_type() == q.element_type(), "dout must have the dtype of q");
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dout", dout.dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse.dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta.dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
+  S2ATTN_RETURN_IF_ERROR(CheckBackwardOperands(q, dout, lse.dimensions(), delta.dimensions(), p));
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, walk_keys));
   *g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights);
   g->dout = dout.untyped_data();
