@@ -10,13 +10,14 @@ downsampling and upsampling, with longitude counts that leave partial blocks.
 Usage (from the repository root, with jax_s2attn installed with its CUDA module)::
 
     python tests/gpu_sanitizer.py
-    compute-sanitizer --tool memcheck  --error-exitcode 3 --kernel-name regex:NbhdAttn python tests/gpu_sanitizer.py
-    compute-sanitizer --tool racecheck --error-exitcode 3 --kernel-name regex:NbhdAttn python tests/gpu_sanitizer.py
-    compute-sanitizer --tool synccheck --error-exitcode 3 --kernel-name regex:NbhdAttn python tests/gpu_sanitizer.py
-    compute-sanitizer --tool initcheck --error-exitcode 3 --kernel-name regex:NbhdAttn python tests/gpu_sanitizer.py
+    compute-sanitizer --tool memcheck  --error-exitcode 3 --kernel-name kns=NbhdAttn python tests/gpu_sanitizer.py
+    compute-sanitizer --tool racecheck --error-exitcode 3 --kernel-name kns=NbhdAttn python tests/gpu_sanitizer.py
+    compute-sanitizer --tool synccheck --error-exitcode 3 --kernel-name kns=NbhdAttn python tests/gpu_sanitizer.py
+    compute-sanitizer --tool initcheck --error-exitcode 3 --kernel-name kns=NbhdAttn python tests/gpu_sanitizer.py
 
-``--kernel-name regex:NbhdAttn`` limits the checks to this project's kernels (XLA's own are
-not ours to fix). The script makes XLA allocate every buffer separately
+``--kernel-name kns=NbhdAttn`` (a kernel-name substring) limits the checks to this
+project's kernels (XLA's own are not ours to fix); if the installed compute-sanitizer does
+not know the option, drop it. The script makes XLA allocate every buffer separately
 (``XLA_PYTHON_CLIENT_ALLOCATOR=platform``) so memcheck sees real allocation bounds for the
 operands rather than one preallocated pool.
 """
