@@ -23,13 +23,13 @@ echo "build: $(( $(date +%s) - start )) s"
 
 status=0
 if has tests; then
-  PYTHONUNBUFFERED=1 timeout 420 python3 -P -m pytest -q -x -p no:cacheprovider tests -k "cuda or gpu" \
+  PYTHONUNBUFFERED=1 timeout 360 python3 -P -m pytest -q -p no:cacheprovider -m gpu tests \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tests/gpu_sanitizer.py \
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=NbhdAttn python3 tests/gpu_sanitizer.py \
       > "$OUT/sanitizer-$tool.log" 2>&1
     rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -4 "$OUT/sanitizer-$tool.log"
     status=$(( status | rc ))
