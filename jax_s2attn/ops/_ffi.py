@@ -72,12 +72,22 @@ def native_status() -> str:
     return "\n".join(f"{platform}: {reason}" for platform, (_, reason) in _MODULES.items())
 
 
-def unavailable_reason(platform: str) -> str | None:
-    """Why the native module of ``platform`` ("cpu" or "cuda") cannot be used; None if it can."""
+#: The CUDA kernels' general path keeps both head vectors in shared memory (Dk + Dv floats
+#: per point); the handler rejects larger head dims, so callers check before lowering.
+CUDA_MAX_HEAD_DIMS = 6144
+
+
+def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
+    """Why the native kernels of ``platform`` ("cpu" or "cuda") cannot run heads of
+    ``dk``/``dv`` channels; None if they can."""
     if platform not in _MODULES:
         return f"jax_s2attn has no native kernels for platform {platform!r} (only for cpu and cuda)"
     module, reason = _MODULES[platform]
-    return None if module is not None else reason
+    if module is None:
+        return reason
+    if platform == "cuda" and dk + dv > CUDA_MAX_HEAD_DIMS:
+        return f"the CUDA kernels support Dk + Dv <= {CUDA_MAX_HEAD_DIMS}, got Dk={dk}, Dv={dv}"
+    return None
 
 
 def ensure_registered() -> None:

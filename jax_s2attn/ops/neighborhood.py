@@ -73,11 +73,11 @@ def neighborhood_attention(
     :data:`RESIDUAL_NAME` for ``jax.checkpoint`` policies.
     """
     _checks.check_implementation(implementation)
-    _, _, dk, _ = _checks.check_inputs(query, key, value, plan)
+    _, _, dk, dv = _checks.check_inputs(query, key, value, plan)
     scale = _checks.check_scale(scale, dk)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     if implementation == "ffi":
-        _check_native_runnable(query)
+        _check_native_runnable(query, dk, dv)
         attention = _native_attention
     elif implementation == "reference" or query.dtype == jnp.float64:
         attention = _reference
@@ -96,14 +96,14 @@ def _platform_of(x) -> str:
     return "cuda" if platform == "gpu" else platform
 
 
-def _check_native_runnable(query) -> None:
+def _check_native_runnable(query, dk: int, dv: int) -> None:
     if query.dtype == jnp.float64:
         raise ValueError(
             "implementation='ffi' does not support float64 inputs (the native kernels accumulate in float32); "
             "use implementation=None or 'reference', which compute float64 in pure JAX."
         )
     platform = _platform_of(query)
-    reason = _ffi.unavailable_reason(platform)
+    reason = _ffi.unavailable_reason(platform, dk, dv)
     if reason is not None:
         raise ValueError(f"implementation='ffi' cannot run on {platform}: {reason}. Use implementation=None.")
 
@@ -122,9 +122,10 @@ def _per_platform(query, key, value, plan, scale):
     """Native kernels where their module is built, the reference elsewhere (chosen at lowering)."""
     native = functools.partial(_native_attention, scale=scale)
     reference = functools.partial(_reference, scale=scale)
+    dk, dv = query.shape[-1], value.shape[-1]
     branches = {
-        "cpu": native if _ffi.HAS_CPU_EXT else reference,
-        "cuda": native if _ffi.HAS_CUDA_EXT else reference,
+        platform: native if _ffi.unavailable_reason(platform, dk, dv) is None else reference
+        for platform in ("cpu", "cuda")
     }
     if all(branch is reference for branch in branches.values()):
         return reference(query, key, value, plan)
