@@ -37,7 +37,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["LayerSpec", "ParamSpec", "attention_layer", "layer_spec", "params_from_torch_harmonics", "rms_norm"]
+__all__ = [
+    "LayerSpec",
+    "ParamSpec",
+    "attention_layer",
+    "layer_spec",
+    "param_specs",
+    "params_from_torch_harmonics",
+    "rms_norm",
+    "upload_tables",
+]
 
 #: Our parameter name -> torch-harmonics state-dict name.
 TORCH_NAMES = {
@@ -143,6 +152,18 @@ def layer_spec(
         normalize_qk=bool(normalize_qk),
         use_bias=bool(use_bias),
     )
+
+
+def upload_tables(plan):
+    """Upload ``plan``'s device tables now, as concrete arrays even inside a trace.
+
+    Plans are cached and shared; their tables are uploaded on first use and
+    kept. A layer built inside ``jit`` (or a Linen ``init``) must not let that
+    first upload happen under the trace, or the shared plan would keep tracers.
+    """
+    with jax.ensure_compile_time_eval():
+        plan.tables
+    return plan
 
 
 def param_specs(spec: LayerSpec) -> tuple[ParamSpec, ...]:
