@@ -168,11 +168,13 @@ def _attention_xla(q, k, v, log_w, scale):
     return out[..., :dv]
 
 
-def _attention_cudnn_folded(q, k, v, log_w, scale, folded_dim):
-    # cuDNN computes scale * (q'.k') in float32. With q' = [q, r, r] and
-    # k' = [k, hi, lo], r = 1/scale rounded to the input dtype and
-    # hi + lo = log_w / (scale * r) to float32 accuracy, the logit is
-    # scale * q.k + log_w.
+def _fold_log_weights(q, k, v, log_w, scale, folded_dim):
+    """``(q', k', v')`` with ``scale * q'.k' = scale * q.k + log_w``, head dims zero-padded to ``folded_dim``.
+
+    ``q' = [q, r, r]`` and ``k' = [k, hi, lo]`` with ``r = 1/scale`` rounded to
+    the input dtype and ``hi + lo = log_w / (scale * r)`` to float32 accuracy;
+    the dot product is accumulated in float32 by cuDNN.
+    """
     dtype = q.dtype
     r = jnp.asarray(1.0 / scale, dtype)
     target = log_w / (jnp.float32(scale) * r.astype(jnp.float32))
@@ -180,13 +182,16 @@ def _attention_cudnn_folded(q, k, v, log_w, scale, folded_dim):
     lo = (target - hi.astype(jnp.float32)).astype(dtype)
     extra_k = jnp.broadcast_to(jnp.stack([hi, lo], axis=-1)[None, :, None, :], (*k.shape[:-1], _FOLD_CHANNELS))
     extra_q = jnp.broadcast_to(r, (*q.shape[:-1], _FOLD_CHANNELS))
-    out = jax.nn.dot_product_attention(
+    return (
         _pad_head_dim(jnp.concatenate([q, extra_q], axis=-1), folded_dim),
         _pad_head_dim(jnp.concatenate([k, extra_k], axis=-1), folded_dim),
         _pad_head_dim(v, folded_dim),
-        scale=scale,
-        implementation="cudnn",
     )
+
+
+def _attention_cudnn_folded(q, k, v, log_w, scale, folded_dim):
+    folded = _fold_log_weights(q, k, v, log_w, scale, folded_dim)
+    out = jax.nn.dot_product_attention(*folded, scale=scale, implementation="cudnn")
     return out[..., : v.shape[-1]]
 
 
