@@ -162,7 +162,7 @@ def upload_tables(plan):
     first upload happen under the trace, or the shared plan would keep tracers.
     """
     with jax.ensure_compile_time_eval():
-        plan.tables
+        jax.block_until_ready(plan.tables)
     return plan
 
 

@@ -85,7 +85,9 @@ def test_layer_built_and_initialised_inside_jit(rng):
 
 def test_load_torch_harmonics_state_dict(rng):
     layer = s2linen.AttentionS2(3, (6, 12), (6, 12), num_heads=1, use_bias=False, param_dtype=jnp.float64)
-    state = {name: rng.standard_normal((3, 3, 1, 1)) for name in ("q_weights", "k_weights", "v_weights", "proj_weights")}
+    state = {
+        name: rng.standard_normal((3, 3, 1, 1)) for name in ("q_weights", "k_weights", "v_weights", "proj_weights")
+    }
     params = s2linen.load_torch_harmonics_state_dict(layer, state)
     assert set(params) == {"q_kernel", "k_kernel", "v_kernel", "out_kernel"}
     np.testing.assert_array_equal(params["v_kernel"], state["v_weights"][:, :, 0, 0].T)

@@ -106,7 +106,11 @@ def random_inputs(rng, case, batch=(2,)):
     query = rng.standard_normal((*batch, *out_shape, IN_FEATURES))
     if in_shape == out_shape:
         return [query]
-    return [query, rng.standard_normal((*batch, *in_shape, IN_FEATURES)), rng.standard_normal((*batch, *in_shape, IN_FEATURES))]
+    return [
+        query,
+        rng.standard_normal((*batch, *in_shape, IN_FEATURES)),
+        rng.standard_normal((*batch, *in_shape, IN_FEATURES)),
+    ]
 
 
 def values_and_grads(fn, args, cotangent):
@@ -124,10 +128,11 @@ def test_matches_float64_oracle(case, dtype, tolerance, rng):
     layer = make_layer(case, dtype)
     params = randomize(layer, rng)
     inputs = random_inputs(rng, case)
-    if len(inputs) == 1:
-        oracle_fn = lambda q: oracle(params, q, q, q, case, eps=np.finfo(dtype).eps)  # noqa: E731
-    else:
-        oracle_fn = lambda *x: oracle(params, *x, case, eps=np.finfo(dtype).eps)  # noqa: E731
+
+    def oracle_fn(query, key=None, value=None):
+        key = query if key is None else key
+        return oracle(params, query, key, key if value is None else value, case, eps=np.finfo(dtype).eps)
+
     out_features = layer.spec.out_features
     cotangent = jnp.asarray(rng.standard_normal((2, *CASES[case][1], out_features)))
     ours = values_and_grads(layer, [jnp.asarray(x, dtype) for x in inputs], cotangent)
@@ -203,7 +208,9 @@ def test_invalid_construction_raises(kwargs, error, match):
     args = dict(in_features=4, in_shape=(6, 12), out_shape=(6, 12))
     args.update(kwargs)
     with pytest.raises(error, match=re.escape(match)):
-        NeighborhoodAttentionS2(args.pop("in_features"), args.pop("in_shape"), args.pop("out_shape"), rngs=nnx.Rngs(0), **args)
+        NeighborhoodAttentionS2(
+            args.pop("in_features"), args.pop("in_shape"), args.pop("out_shape"), rngs=nnx.Rngs(0), **args
+        )
 
 
 def test_invalid_inputs_raise():

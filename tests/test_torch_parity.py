@@ -65,11 +65,16 @@ def _randomize(torch_layer, rng):
 
 
 def _torch_run(torch_layer, query, key, value, cotangent):
-    tensors = [torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).requires_grad_() for x in (query, key, value)]
+    tensors = [
+        torch.from_numpy(np.ascontiguousarray(x.transpose(0, 3, 1, 2))).requires_grad_() for x in (query, key, value)
+    ]
     q, k, v = tensors
     out = torch_layer(q) if key is query else torch_layer(q, k, v)
     out.backward(torch.from_numpy(np.ascontiguousarray(cotangent.transpose(0, 3, 1, 2))))
-    nhwc = lambda t: t.detach().numpy().transpose(0, 2, 3, 1)  # noqa: E731
+
+    def nhwc(t):
+        return t.detach().numpy().transpose(0, 2, 3, 1)
+
     grads = [nhwc(q.grad)] if key is query else [nhwc(t.grad) for t in tensors]
     return nhwc(out), grads
 
