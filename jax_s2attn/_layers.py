@@ -7,19 +7,19 @@ so both front ends compute exactly the same thing.
 
 Parameters (channel ``c`` of a projection belongs to head ``c // head_dim``):
 
-============== =============================== ==========================
-name           shape                           torch-harmonics name
-============== =============================== ==========================
-q_kernel       ``[in_features, qk_features]``  ``q_weights [qk, in, 1, 1]``
-k_kernel       ``[in_features, qk_features]``  ``k_weights``
-v_kernel       ``[in_features, out_features]`` ``v_weights``
-out_kernel     ``[out_features, out_features]`` ``proj_weights``
-q_bias, k_bias ``[qk_features]``               ``q_bias``, ``k_bias``
-v_bias         ``[out_features]``              ``v_bias``
-out_bias       ``[out_features]``              ``proj_bias``
-q_norm_weight  ``[qk_features // num_heads]``  ``q_norm_weights``
-k_norm_weight  ``[qk_features // num_heads]``  ``k_norm_weights``
-============== =============================== ==========================
+=============== ================================== ==============================
+name            shape                              torch-harmonics name
+=============== ================================== ==============================
+q_kernel        ``[in_features, qk_features]``     ``q_weights [qk, in, 1, 1]``
+k_kernel        ``[in_features, qk_features]``     ``k_weights``
+v_kernel        ``[in_features, out_features]``    ``v_weights [out, in, 1, 1]``
+out_kernel      ``[out_features, out_features]``   ``proj_weights [out, out, 1, 1]``
+q_bias, k_bias  ``[qk_features]``                  ``q_bias``, ``k_bias``
+v_bias          ``[out_features]``                 ``v_bias``
+out_bias        ``[out_features]``                 ``proj_bias``
+q_norm_weight   ``[qk_features // num_heads]``     ``q_norm_weights``
+k_norm_weight   ``[qk_features // num_heads]``     ``k_norm_weights``
+=============== ================================== ==============================
 
 Biases exist only with ``use_bias``, norm weights only with ``normalize_qk``.
 The RMS norm multiplies by ``1 + *_norm_weight`` (zero-initialised), as
