@@ -5,6 +5,8 @@ Data flows one way: :mod:`~jax_s2attn.grids` (latitudes, quadrature) ->
 :mod:`~jax_s2attn.ops` (the attention op: pure-JAX reference and native kernels).
 """
 
+import importlib
+
 from .grids import GRIDS, latitude_spacing, precompute_latitudes, precompute_longitudes
 from .ops import neighborhood_attention
 from .ops._ffi import native_backends, native_status
@@ -22,3 +24,12 @@ __all__ = [
     "precompute_latitudes",
     "precompute_longitudes",
 ]
+
+_FLAX_SUBMODULES = ("nnx", "linen")
+
+
+def __getattr__(name: str):
+    # The Flax layers need the optional flax dependency: import them on first use.
+    if name in _FLAX_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
