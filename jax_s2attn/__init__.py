@@ -2,13 +2,15 @@
 
 Data flows one way: :mod:`~jax_s2attn.grids` (latitudes, quadrature) ->
 :mod:`~jax_s2attn.plan` (neighbourhood sparsity, arc tables) ->
-:mod:`~jax_s2attn.ops` (the attention op: pure-JAX reference and native kernels).
+:mod:`~jax_s2attn.ops` (the attention ops: pure-JAX reference and native kernels) ->
+:mod:`~jax_s2attn.parallel` (sharded over a device mesh) -> :mod:`~jax_s2attn.nnx` /
+:mod:`~jax_s2attn.linen` (Flax layers; optional dependency).
 """
 
 import importlib
 
 from .grids import GRIDS, latitude_spacing, precompute_latitudes, precompute_longitudes
-from .ops import neighborhood_attention
+from .ops import RESIDUAL_NAME, attention_s2, neighborhood_attention
 from .ops._ffi import native_backends, native_status
 from .plan import NeighborhoodPlan
 
@@ -17,6 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "GRIDS",
     "NeighborhoodPlan",
+    "RESIDUAL_NAME",
+    "attention_s2",
     "latitude_spacing",
     "native_backends",
     "native_status",

@@ -45,7 +45,6 @@ __all__ = [
     "param_specs",
     "params_from_torch_harmonics",
     "rms_norm",
-    "upload_tables",
 ]
 
 #: Our parameter name -> torch-harmonics state-dict name.
@@ -152,18 +151,6 @@ def layer_spec(
         normalize_qk=bool(normalize_qk),
         use_bias=bool(use_bias),
     )
-
-
-def upload_tables(plan):
-    """Upload ``plan``'s device tables now, as concrete arrays even inside a trace.
-
-    Plans are cached and shared; their tables are uploaded on first use and
-    kept. A layer built inside ``jit`` (or a Linen ``init``) must not let that
-    first upload happen under the trace, or the shared plan would keep tracers.
-    """
-    with jax.ensure_compile_time_eval():
-        jax.block_until_ready(plan.tables)
-    return plan
 
 
 def param_specs(spec: LayerSpec) -> tuple[ParamSpec, ...]:

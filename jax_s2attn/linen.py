@@ -129,9 +129,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
 
     def _host_tables(self) -> NeighborhoodPlan:
         spec = self.spec
-        return _layers.upload_tables(
-            NeighborhoodPlan(spec.in_shape, spec.out_shape, self.grid_in, self.grid_out, self.theta_cutoff)
-        )
+        return NeighborhoodPlan(spec.in_shape, spec.out_shape, self.grid_in, self.grid_out, self.theta_cutoff)
 
     def _attention_fn(self, plan):
         return functools.partial(neighborhood_attention, plan=plan, implementation=self.implementation)

@@ -169,7 +169,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             normalize_qk=normalize_qk,
             use_bias=use_bias,
         )
-        plan = _layers.upload_tables(NeighborhoodPlan(spec.in_shape, spec.out_shape, grid_in, grid_out, theta_cutoff))
+        plan = NeighborhoodPlan(spec.in_shape, spec.out_shape, grid_in, grid_out, theta_cutoff)
         super().__init__(
             spec,
             plan,

@@ -15,6 +15,13 @@ import pytest
 jax.config.update("jax_enable_x64", True)
 
 
+@pytest.fixture(autouse=True)
+def full_float32_matmuls():
+    """GPUs run float32 dots in TF32 by default (~1e-3 relative error); the float32 bars assume full float32."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def pytest_addoption(parser):
     parser.addoption("--seed", type=int, default=20261129, help="seed of the random test inputs")
 

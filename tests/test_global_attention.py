@@ -16,13 +16,6 @@ SHAPES = {"self": ((6, 12), (6, 12)), "down": ((8, 16), (5, 8)), "up": ((4, 6), 
 HEADS, DK, DV = 2, 3, 5
 
 
-@pytest.fixture(autouse=True)
-def full_float32_matmuls():
-    """GPUs run float32 dots in TF32 by default (~1e-3 relative error); the float32 bars here assume full float32."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
 def rel_error(actual, expected) -> float:
     actual = np.asarray(actual, np.float64)
     assert np.all(np.isfinite(actual)), "non-finite values"

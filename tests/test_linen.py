@@ -18,13 +18,6 @@ from jax_s2attn import nnx as s2nnx  # noqa: E402
 KWARGS = dict(num_heads=2, qk_features=6, out_features=4, grid_in="legendre-gauss", grid_out="legendre-gauss")
 
 
-@pytest.fixture(autouse=True)
-def full_float32_matmuls():
-    """GPUs run float32 dots in TF32 by default (~1e-3 relative error); the float32 bars here assume full float32."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
 def layer_pair(kind, in_shape, out_shape, **kwargs):
     """The Linen and NNX versions of one layer, built with the same arguments."""
     kwargs = {**KWARGS, **kwargs}

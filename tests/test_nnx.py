@@ -28,13 +28,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def full_float32_matmuls():
-    """GPUs run float32 dots in TF32 by default (~1e-3 relative error); the float32 bars here assume full float32."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
 def rel_error(actual, expected) -> float:
     actual = np.asarray(actual, np.float64)
     assert np.all(np.isfinite(actual)), "non-finite values"
