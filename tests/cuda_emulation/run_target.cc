@@ -1,0 +1,61 @@
+// C entry point of the CUDA launchers for Python (ctypes): one call of forward, dq or dkv on
+// the default stream. Shared by the host emulation (tests/test_cuda_emulated.py, g++) and the
+// standalone GPU harness (tests/gpu_kernel_sanitizer.py, nvcc): pointers are host memory in
+// the first and device memory in the second, except `sizes`, which is always host memory.
+#include <cstdint>
+
+#include "gpu/nbhd_attn_kernels.h"
+
+// target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv). sizes: batch, heads, dk,
+// dv, nq_lat, nq_lon, nk_lat, nk_lon, nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs.
+// Returns the launcher's cudaError_t.
+extern "C" int RunNbhdAttnTarget(int target, int dtype, const void* q, const void* k, const void* v,
+                                 const void* dout, const float* lse, const float* delta, const int32_t* window,
+                                 const int32_t* row_order, const int32_t* arc_offsets, const int32_t* arcs,
+                                 const float* quad_weights, float* result0, float* result1, const int64_t* sizes,
+                                 float scale) {
+  s2attn::NbhdAttnGpuParams p;
+  p.dtype = static_cast<s2attn::ActivationType>(dtype);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.dout = dout;
+  p.lse = lse;
+  p.delta = delta;
+  p.window = window;
+  p.row_order = row_order;
+  p.arc_offsets = arc_offsets;
+  p.arcs = arcs;
+  p.quad_weights = quad_weights;
+  p.batch = sizes[0];
+  p.heads = sizes[1];
+  p.head_dim_k = sizes[2];
+  p.head_dim_v = sizes[3];
+  p.nq_lat = static_cast<int32_t>(sizes[4]);
+  p.nq_lon = static_cast<int32_t>(sizes[5]);
+  p.nk_lat = static_cast<int32_t>(sizes[6]);
+  p.nk_lon = static_cast<int32_t>(sizes[7]);
+  p.nlat_q = static_cast<int32_t>(sizes[8]);
+  p.nlon_q = static_cast<int32_t>(sizes[9]);
+  p.nlat_k = static_cast<int32_t>(sizes[10]);
+  p.nlon_k = static_cast<int32_t>(sizes[11]);
+  p.residues = static_cast<int32_t>(sizes[12]);
+  p.shift = static_cast<int32_t>(sizes[13]);
+  p.num_arcs = sizes[14];
+  p.scale = scale;
+  switch (target) {
+    case 0:
+      p.out = result0;
+      p.lse_out = result1;
+      return s2attn::LaunchNbhdAttnFwd(nullptr, p);
+    case 1:
+      p.dq = result0;
+      return s2attn::LaunchNbhdAttnBwdDq(nullptr, p);
+    case 2:
+      p.dk = result0;
+      p.dv = result1;
+      return s2attn::LaunchNbhdAttnBwdDkv(nullptr, p);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}

@@ -1,0 +1,166 @@
+"""The CUDA kernels alone on a GPU (no JAX/XLA in the process), for compute-sanitizer.
+
+Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu`` and the C entry point
+``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library, uploads
+the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``, results
+poisoned with NaN), runs forward, dq and dkv on the default stream, synchronises after every
+launch and checks the results against the float64 reference of ``kernel_cases.py`` (the one
+the host-emulation tests use), including that every result element was written.
+
+Exit status: 0 all cases pass, 1 a mismatch (or a CUDA error, raised as an exception),
+2 no nvcc, cupy or CUDA device. ``--dry-run`` builds the inputs and references and compiles
+the library, then stops before loading it (runs without a GPU).
+
+Usage, from the repository root (cupy for the installed CUDA, e.g. cupy-cuda13x)::
+
+    python3 tests/gpu_kernel_sanitizer.py [--dry-run]
+    compute-sanitizer --tool memcheck  --error-exitcode 9 python3 tests/gpu_kernel_sanitizer.py
+    compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu_kernel_sanitizer.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# The plans import jax: keep XLA on the CPU so that only our kernels ever touch the GPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # jax_s2attn from the checkout if not installed
+
+import numpy as np  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    KERNEL_SOURCES,
+    PLANS,
+    ROOT,
+    RUN_TARGET_SHIM,
+    KernelCase,
+    call_run_target,
+    prepare_case,
+    run_case,
+    verify_case,
+)
+
+NOT_AVAILABLE = 2
+# (plan, Dk, Dv, dtype, windows): 64/64 takes the vector fast path, 5/7 the general path.
+# "self" has full polar rings and wrapping arcs; "down" has shift 2, "up" residues 2.
+WINDOWED = {"q_window": (2, 3, 4, 9), "k_window": (1, 5, 5, 7), "padding": (1, 2, 2, 1)}
+CASES = [
+    ("self", 64, 64, "float32", {}),
+    ("self", 64, 64, "bfloat16", {}),
+    ("self", 5, 7, "float32", {}),
+    ("self", 5, 7, "bfloat16", {}),
+    ("down", 64, 64, "float32", {}),
+    ("down", 5, 7, "bfloat16", {}),
+    ("up", 64, 64, "bfloat16", {}),
+    ("up", 5, 7, "float32", {}),
+    ("self", 64, 64, "float32", WINDOWED),
+    ("self", 5, 7, "bfloat16", WINDOWED),
+]
+
+
+def build(out: Path) -> Path:
+    """Compiles the kernels and the entry point for sm_90 (objects in parallel) into one library."""
+    nvcc = [shutil.which("nvcc"), "-O2", "-arch=sm_90", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC"]
+    sources = [*KERNEL_SOURCES, RUN_TARGET_SHIM]
+    jobs = [[*nvcc, f"-I{ROOT / 'cuda'}", "-c", str(s), "-o", str(out / f"{s.stem}.o")] for s in sources]
+    library = out / "libs2attn_kernels.so"
+
+    def run(cmd):
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}\n{result.stderr}")
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        list(pool.map(run, jobs))
+    run([*nvcc, "-shared", *(cmd[-1] for cmd in jobs), "-o", str(library)])
+    return library
+
+
+def gpu_launch(lib, cupy):
+    """A launch callable (see kernel_cases.py) that runs the kernels on the GPU."""
+
+    def launch(target, dtype, sizes, scale, *buffers):
+        device = {}  # id(host array) -> its device copy (uploaded as bytes: cupy has no bfloat16)
+
+        def address(a):
+            if id(a) not in device:
+                device[id(a)] = cupy.asarray(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            return device[id(a)].data.ptr
+
+        status = call_run_target(lib, address, target, dtype, sizes, scale, *buffers)
+        if status != 0:
+            raise RuntimeError(f"launcher of target {target} returned cudaError {status}")
+        cupy.cuda.Device().synchronize()  # raises on a fault of the kernel just launched
+        for result in buffers[-2:]:
+            if result is not None:
+                result[...] = device[id(result)].get().view(result.dtype).reshape(result.shape)
+
+    return launch
+
+
+def cupy_with_device():
+    """The cupy module when it and a CUDA device are usable, else None (reason on stderr)."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+        error = "no CUDA device"
+    except Exception as exc:  # no cupy, no driver or no device
+        error = exc
+    print(f"gpu_kernel_sanitizer: needs cupy and a CUDA device ({error})", file=sys.stderr)
+    return None
+
+
+def case_name(plan, dk, dv, dtype, windows) -> str:
+    return f"{plan} Dk={dk} Dv={dv} {dtype}{' windowed+padding' if windows else ''}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="build inputs, references and the library; no GPU")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    rng = np.random.default_rng(20261129)
+    cases: list[tuple[str, KernelCase]] = [
+        (case_name(plan, dk, dv, dtype, windows), prepare_case(rng, PLANS[plan](), 2, 2, dk, dv, dtype, **windows))
+        for plan, dk, dv, dtype, windows in CASES
+    ]
+    if shutil.which("nvcc") is None:
+        print("gpu_kernel_sanitizer: needs nvcc on PATH", file=sys.stderr)
+        return NOT_AVAILABLE
+    cupy = None if args.dry_run else cupy_with_device()
+    if cupy is None and not args.dry_run:
+        return NOT_AVAILABLE
+    with tempfile.TemporaryDirectory(prefix="s2attn_kernels_") as tmp:
+        library = build(Path(tmp))
+        print(f"gpu_kernel_sanitizer: built {library.name} in {time.perf_counter() - start:.1f} s")
+        if args.dry_run:
+            for name, case in cases:
+                assert all(np.isfinite(e).all() for n, e in case.expected.items() if n != "lse"), name
+                print(f"dry  {name}: sizes {case.sizes}")
+            return 0
+        cupy.cuda.set_allocator(None)  # one cudaMalloc per buffer, so memcheck sees each buffer's bounds
+        launch = gpu_launch(ctypes.CDLL(str(library)), cupy)
+        failures = 0
+        for name, case in cases:
+            try:
+                verify_case(case, run_case(case, launch))
+                print(f"ok   {name}")
+            except AssertionError as error:
+                failures += 1
+                print(f"FAIL {name}: {error}")
+    print(f"gpu_kernel_sanitizer: {failures} failing case(s) in {time.perf_counter() - start:.1f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Kernel-level cases of the CUDA targets, shared by ``test_cuda_emulated.py`` (host emulation)
+and ``gpu_kernel_sanitizer.py`` (the real GPU): inputs on local blocks of the grids, a dense
+float64 reference built from the plan's arcs, the three launches, and the checks.
+
+A *launch* callable runs one target through ``tests/cuda_emulation/run_target.cc``::
+
+    launch(target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table,
+           weights, result0, result1)
+
+with numpy inputs (``None`` for unused ones) and NaN-filled numpy results that it overwrites
+in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jax_s2attn.plan import NeighborhoodPlan
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_SOURCES = [ROOT / "cuda" / "gpu" / "nbhd_attn_fwd.cu", ROOT / "cuda" / "gpu" / "nbhd_attn_bwd.cu"]
+RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
+
+# dtype name -> (ActivationType of nbhd_attn_kernels.h, numpy storage type)
+DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
+FORWARD, DQ, DKV = 0, 1, 2
+# The kernels accumulate in float32 and the reference sees the same (rounded) inputs, so the
+# bar is float32 round-off for every storage dtype.
+TOLERANCE = 2e-5
+
+PLANS = {
+    "self": lambda: NeighborhoodPlan((8, 16), (8, 16), theta_cutoff=0.5),  # full rings, wrapping arcs
+    "wide": lambda: NeighborhoodPlan((10, 22), (10, 22), theta_cutoff=1.0),  # runs of 5..22: groups + tails
+    "down": lambda: NeighborhoodPlan((8, 16), (4, 8), theta_cutoff=0.6),  # gather, shift 2
+    "up": lambda: NeighborhoodPlan((4, 8), (8, 16), theta_cutoff=0.6),  # scatter, residues 2
+    "legendre-gauss": lambda: NeighborhoodPlan((7, 12), (7, 12), "legendre-gauss", "legendre-gauss"),
+    "lat-only": lambda: NeighborhoodPlan((12, 12), (6, 12), theta_cutoff=0.5),
+    "lon-only": lambda: NeighborhoodPlan((6, 12), (6, 6), theta_cutoff=0.7),
+}
+
+Launch = Callable[..., None]
+
+
+def neighbour_mask(plan: NeighborhoodPlan) -> np.ndarray:
+    """Dense ``[query, key]`` membership (global flat points) from the plan's forward arcs."""
+    table = plan.forward_arcs
+    mask = np.zeros((plan.nlat_out * plan.nlon_out, plan.nlat_in * plan.nlon_in), bool)
+    for h in range(plan.nlat_out):
+        for w in range(plan.nlon_out):
+            mask[h * plan.nlon_out + w, table.expand(h * table.residues + w % table.residues, w // table.residues)] = 1
+    return mask
+
+
+def _logsumexp(x):
+    m = x.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[..., 0]
+
+
+def _in_window(shape, window) -> np.ndarray:
+    inside = np.zeros(shape, bool)
+    inside[window[0] : window[0] + window[2], window[1] : window[1] + window[3]] = True
+    return inside.reshape(-1)
+
+
+def _relative(actual, expected) -> float:
+    scale = np.abs(expected).max() if expected.size else 0.0
+    return float(np.abs(actual - expected).max() / scale) if scale > 0 else float(np.abs(actual).max(initial=0.0))
+
+
+@dataclasses.dataclass
+class KernelCase:
+    """Local inputs of one call of the three targets and their float64 expectations."""
+
+    plan: NeighborhoodPlan
+    dtype: str
+    scale: float
+    sizes: list[int]  # batch, heads, dk, dv, local q grid, local k grid, global q grid, global k grid
+    inputs: tuple[np.ndarray, ...]  # q, k, v, dout, lse, delta, window (local arrays)
+    fwd_order: np.ndarray
+    bwd_order: np.ndarray
+    q_window: tuple[int, int, int, int]
+    k_window: tuple[int, int, int, int]
+    expected: dict[str, np.ndarray]  # out, lse, dq, dk, dv on the real (window) blocks
+
+
+def prepare_case(
+    rng, plan, batch, heads, dk, dv, dtype, q_window=None, k_window=None, padding=(0, 0, 0, 0), transform=None
+) -> KernelCase:
+    """Random inputs on local blocks of the grids and the float64 results they must give.
+
+    ``q_window``/``k_window`` are the real blocks ``(lat0, lon0, nlat, nlon)`` of the global
+    grids; ``padding`` adds garbage rows/columns ``(q_lat, q_lon, k_lat, k_lon)`` to the local
+    arrays. ``transform`` (optional) maps each local activation array before use (e.g. to a
+    misaligned copy).
+    """
+    (nlat_q, nlon_q), (nlat_k, nlon_k) = plan.out_shape, plan.in_shape
+    q_window = q_window or (0, 0, nlat_q, nlon_q)
+    k_window = k_window or (0, 0, nlat_k, nlon_k)
+    storage = DTYPES[dtype][1]
+    scale = 1.0 / np.sqrt(max(dk, 1))
+    q, dout = (rng.standard_normal((batch, nlat_q, nlon_q, heads, d)).astype(storage) for d in (dk, dv))
+    k, v = (rng.standard_normal((batch, nlat_k, nlon_k, heads, d)).astype(storage) for d in (dk, dv))
+
+    # Float64 reference on the global grids, from the same rounded inputs.
+    Q, G = (a.astype(np.float64).reshape(batch, nlat_q * nlon_q, heads, -1) for a in (q, dout))
+    K, V = (a.astype(np.float64).reshape(batch, nlat_k * nlon_k, heads, -1) for a in (k, v))
+    log_w = np.log(np.repeat(plan.quad_weights.astype(np.float64), nlon_k))
+    logits = np.where(neighbour_mask(plan), scale * np.einsum("bqhd,bkhd->bhqk", Q, K) + log_w, -np.inf)
+    keys_in = _in_window((nlat_k, nlon_k), k_window)
+    queries_in = _in_window((nlat_q, nlon_q), q_window)
+    windowed = np.where(keys_in, logits, -np.inf)  # forward: keys of the window only
+    lse_window = _logsumexp(windowed)
+    with np.errstate(invalid="ignore"):
+        out_ref = np.einsum("bhqk,bkhd->bqhd", np.nan_to_num(np.exp(windowed - lse_window[..., None])), V)
+    lse_global = _logsumexp(logits)  # backward: probabilities from the global lse
+    p = np.exp(logits - lse_global[..., None])
+    delta = (G * np.einsum("bhqk,bkhd->bqhd", p, V)).sum(-1)
+    ds = p * (np.einsum("bqhd,bkhd->bhqk", G, V) - delta.transpose(0, 2, 1)[..., None])
+    dq_ref = scale * np.einsum("bhqk,bkhd->bqhd", np.where(keys_in, ds, 0.0), K)
+    dk_ref = scale * np.einsum("bhqk,bqhd->bkhd", np.where(queries_in[:, None], ds, 0.0), Q)
+    dv_ref = np.einsum("bhqk,bqhd->bkhd", np.where(queries_in[:, None], p, 0.0), G)
+
+    def grid(a, nlat, nlon):  # [batch, points, heads, ...] -> [batch, nlat, nlon, heads, ...]
+        return a.reshape(batch, nlat, nlon, *a.shape[2:])
+
+    def block(a, window):  # the window's block of a global grid array
+        return a[:, window[0] : window[0] + window[2], window[1] : window[1] + window[3]]
+
+    def local(a, window, pad_lat, pad_lon, dtype_=None):  # window block + garbage padding
+        real_block = block(a, window)
+        shape = (batch, window[2] + pad_lat, window[3] + pad_lon, *real_block.shape[3:])
+        out = (3 * rng.standard_normal(shape)).astype(dtype_ or a.dtype)
+        out[:, : window[2], : window[3]] = real_block
+        return out
+
+    q_pad, k_pad = padding[:2], padding[2:]
+    q_l, dout_l = (local(a, q_window, *q_pad) for a in (q, dout))
+    k_l, v_l = (local(a, k_window, *k_pad) for a in (k, v))
+    lse_l = local(grid(lse_global.transpose(0, 2, 1), nlat_q, nlon_q), q_window, *q_pad, np.float32)
+    delta_l = local(grid(delta, nlat_q, nlon_q), q_window, *q_pad, np.float32)
+    if transform is not None:
+        q_l, k_l, v_l, dout_l = map(transform, (q_l, k_l, v_l, dout_l))
+    nq_lat, nq_lon, nk_lat, nk_lon = *q_l.shape[1:3], *k_l.shape[1:3]
+    full_q = q_l.shape[1:3] == (nlat_q, nlon_q)
+    full_k = k_l.shape[1:3] == (nlat_k, nlon_k)
+    return KernelCase(
+        plan=plan,
+        dtype=dtype,
+        scale=scale,
+        sizes=[batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon, nlat_q, nlon_q, nlat_k, nlon_k],
+        inputs=(q_l, k_l, v_l, dout_l, lse_l, delta_l, np.asarray([*q_window, *k_window], np.int32)),
+        fwd_order=plan.forward_arcs.row_order if full_q else rng.permutation(nq_lat).astype(np.int32),
+        bwd_order=plan.backward_arcs.row_order if full_k else rng.permutation(nk_lat).astype(np.int32),
+        q_window=q_window,
+        k_window=k_window,
+        expected={
+            "out": block(grid(out_ref, nlat_q, nlon_q), q_window),
+            "lse": block(grid(lse_window.transpose(0, 2, 1), nlat_q, nlon_q), q_window),
+            "dq": block(grid(dq_ref, nlat_q, nlon_q), q_window),
+            "dk": block(grid(dk_ref, nlat_k, nlon_k), k_window),
+            "dv": block(grid(dv_ref, nlat_k, nlon_k), k_window),
+        },
+    )
+
+
+def run_case(case: KernelCase, launch: Launch) -> dict[str, np.ndarray]:
+    """Runs forward, dq and dkv with ``launch`` into NaN-filled results and returns them."""
+    q, k, v, dout, lse_in, delta, window = case.inputs
+    plan, weights = case.plan, case.plan.quad_weights
+    common = (case.dtype, case.sizes, case.scale)
+    out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
+    lse = np.full(q.shape[:4], np.nan, np.float32)
+    launch(FORWARD, *common, q, k, v, None, None, None, window, case.fwd_order, plan.forward_arcs, weights, out, lse)
+    dq = np.full(q.shape, np.nan, np.float32)
+    launch(DQ, *common, *case.inputs, case.fwd_order, plan.forward_arcs, weights, dq, None)
+    dk, dv = np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32)
+    launch(DKV, *common, *case.inputs, case.bwd_order, plan.backward_arcs, weights, dk, dv)
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def verify_case(case: KernelCase, results: dict[str, np.ndarray]) -> None:
+    """Asserts that every element was written, real blocks match float64 and padding is empty."""
+    windows = dict.fromkeys(("out", "lse", "dq"), case.q_window) | dict.fromkeys(("dk", "dv"), case.k_window)
+
+    def real(name):  # the real block of a local result
+        window = windows[name]
+        return results[name][:, : window[2], : window[3]]
+
+    def padding_of(name):
+        a, window = results[name], windows[name]
+        return np.concatenate([a[:, window[2] :].reshape(-1), a[:, : window[2], window[3] :].reshape(-1)])
+
+    for name, result in results.items():
+        assert not np.isnan(result).any(), f"{name}: some elements were never written"
+    lse, lse_expected = real("lse"), case.expected["lse"]
+    finite = np.isfinite(lse_expected)
+    assert np.array_equal(np.isfinite(lse), finite), "lse: -inf (no neighbour) pattern differs"
+    lse_error = np.abs(lse[finite] - lse_expected[finite]).max(initial=0.0)
+    assert lse_error <= TOLERANCE * max(1.0, np.abs(lse_expected[finite]).max(initial=0.0)), f"lse: error {lse_error}"
+    for name in ("out", "dq", "dk", "dv"):
+        error = _relative(real(name), case.expected[name])
+        assert error <= TOLERANCE, f"{name}: relative error {error:.2e} against float64"
+    for name in ("out", "dq", "dk", "dv"):
+        assert (padding_of(name) == 0).all(), f"{name}: padding points must be zero"
+    assert (padding_of("lse") == -np.inf).all(), "lse: padding points must be -inf"
+
+
+def check_case(launch: Launch, rng, plan, batch, heads, dk, dv, dtype, *window_args, **window_kwargs) -> None:
+    """prepare_case, run_case and verify_case in one call (arguments as prepare_case)."""
+    case = prepare_case(rng, plan, batch, heads, dk, dv, dtype, *window_args, **window_kwargs)
+    verify_case(case, run_case(case, launch))
+
+
+
+def call_run_target(
+    lib, address, target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table, weights, r0, r1
+) -> int:
+    """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable
+    and returns its cudaError_t. ``address(array)`` gives the buffer address the kernels use
+    for a (non-None) numpy array."""
+    arrays = (q, k, v, dout, lse, delta, window, row_order, table.offsets, table.arcs, weights, r0, r1)
+    all_sizes = np.asarray([*sizes, table.residues, table.shift, table.arcs.shape[0]], np.int64)  # host memory
+    return lib.RunNbhdAttnTarget(
+        ctypes.c_int(target), ctypes.c_int(DTYPES[dtype][0]),
+        *(ctypes.c_void_p(None if a is None else address(a)) for a in arrays),
+        ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale),
+    )  # fmt: skip
