@@ -70,7 +70,11 @@ def _build(out: Path, defines: tuple[str, ...] = ()):
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
     library = out / "libs2attn_emulated.so"
     link = subprocess.run(
-        [cxx, "-shared", *[str(p) for p in sorted(out.glob("*.o"))], "-o", str(library)], capture_output=True, text=True
+        # -Bsymbolic: the emulated CUDA runtime must win over a real libcudart that another test's
+        # import (torch's CUDA build) already loaded into the process's global symbol scope.
+        [cxx, "-shared", "-Wl,-Bsymbolic", *[str(p) for p in sorted(out.glob("*.o"))], "-o", str(library)],
+        capture_output=True,
+        text=True,
     )
     assert link.returncode == 0, link.stderr
     lib = ctypes.CDLL(str(library))
