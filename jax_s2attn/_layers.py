@@ -183,16 +183,16 @@ def param_specs(spec: LayerSpec) -> tuple[ParamSpec, ...]:
     return tuple(specs)
 
 
-def rms_norm(x, weight):
+def rms_norm(x, weight, eps: float | None = None):
     """RMS norm over the last axis with multiplier ``1 + weight``, returned in ``x.dtype``.
 
-    Computed in float32 (float64 for float64 inputs) with eps = the machine
-    epsilon of that computation dtype, as torch's ``rms_norm(eps=None)`` on
+    Computed in float32 (float64 for float64 inputs) with ``eps`` defaulting to the
+    machine epsilon of that computation dtype, as torch's ``rms_norm(eps=None)`` on
     float32 inputs (and under autocast, which runs the norm in float32).
     """
     compute = jnp.promote_types(x.dtype, jnp.float32)
     xc = x.astype(compute)
-    eps = jnp.finfo(compute).eps
+    eps = jnp.finfo(compute).eps if eps is None else eps
     normed = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
     return (normed * (1 + weight.astype(compute))).astype(x.dtype)
 

@@ -10,6 +10,7 @@ function. Our float32-vs-float64 accuracy is tested in test_nnx.py.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -33,6 +34,7 @@ except ImportError as error:
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
+from jax_s2attn import _layers  # noqa: E402
 from jax_s2attn.nnx import AttentionS2, NeighborhoodAttentionS2  # noqa: E402
 
 RTOL = 1e-5
@@ -92,17 +94,17 @@ def _jax_run(layer, query, key, value, cotangent):
     return np.asarray(out, np.float64), [np.asarray(g, np.float64) for g in grads]
 
 
-def _assert_close(name, ours, theirs):
-    assert np.all(np.isfinite(ours)), f"{name}: non-finite values"
-    rel = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))
-    assert rel <= RTOL, f"{name}: ours vs torch-harmonics rel {rel:.2e} > {RTOL:g}"
+def _assert_close(name, actual, exact):
+    assert np.all(np.isfinite(actual)), f"{name}: non-finite values"
+    rel = np.max(np.abs(actual - exact)) / np.max(np.abs(exact))
+    assert rel <= RTOL, f"{name}: rel {rel:.2e} > {RTOL:g} against the float64 evaluation"
 
 
 def _cotangent(rng, torch_layer, out_shape):
     return rng.standard_normal((BATCH, *out_shape, torch_layer.out_channels)).astype(np.float32)
 
 
-def _run_case(make_torch, make_ours, in_shape, out_shape, rng):
+def _run_case(make_torch, make_ours, in_shape, out_shape, rng, monkeypatch):
     torch_layer = make_torch()
     state = _randomize(torch_layer, rng)
     self_attention = in_shape == out_shape
@@ -118,10 +120,19 @@ def _run_case(make_torch, make_ours, in_shape, out_shape, rng):
     layer = make_ours()
     layer.load_torch_harmonics_state_dict(state)
     out, grads = _jax_run(layer, query, key, value, cotangent)
-    _assert_close("output", out, their_out)
-    assert len(grads) == len(their_grads)
-    for name, ours, theirs in zip(("d query", "d key", "d value"), grads, their_grads):
-        _assert_close(name, ours, theirs)
+    # Both float32 layers are held to the float64 evaluation of the same function, not to each
+    # other: float64 with the float32 qk-norm eps (torch's eps=None in float32).
+    monkeypatch.setattr(_layers, "rms_norm", functools.partial(_layers.rms_norm, eps=float(np.finfo(np.float32).eps)))
+    exact_layer = make_ours(dtype=jnp.float64, param_dtype=jnp.float64)
+    exact_layer.load_torch_harmonics_state_dict(state)
+    f64 = [None if x is None else x.astype(np.float64) for x in (query, key, value, cotangent)]
+    exact_out, exact_grads = _jax_run(exact_layer, f64[0], f64[0] if key is query else f64[1],
+                                      f64[0] if value is query else f64[2], f64[3])
+    for label, (o, g) in {"ours": (out, grads), "torch-harmonics": (their_out, their_grads)}.items():
+        _assert_close(f"{label} output", o, exact_out)
+        assert len(g) == len(exact_grads)
+        for name, actual, exact in zip(("d query", "d key", "d value"), g, exact_grads):
+            _assert_close(f"{label} {name}", actual, exact)
 
 
 def test_torch_harmonics_cpu_kernels_load():
@@ -132,7 +143,7 @@ def test_torch_harmonics_cpu_kernels_load():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_neighborhood_attention_matches_torch_harmonics(case, rng):
+def test_neighborhood_attention_matches_torch_harmonics(case, rng, monkeypatch):
     in_shape, out_shape, grid_in, grid_out, heads, qknorm, qk_features, out_features = CASES[case]
 
     def make_torch():
@@ -150,7 +161,7 @@ def test_neighborhood_attention_matches_torch_harmonics(case, rng):
                 out_channels=out_features,
             )
 
-    def make_ours():
+    def make_ours(**dtypes):
         return NeighborhoodAttentionS2(
             IN_FEATURES,
             in_shape,
@@ -162,9 +173,10 @@ def test_neighborhood_attention_matches_torch_harmonics(case, rng):
             grid_out=grid_out,
             normalize_qk=qknorm,
             rngs=nnx.Rngs(0),
+            **dtypes,
         )
 
-    _run_case(make_torch, make_ours, in_shape, out_shape, rng)
+    _run_case(make_torch, make_ours, in_shape, out_shape, rng, monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -172,11 +184,11 @@ def test_neighborhood_attention_matches_torch_harmonics(case, rng):
     [((6, 12), (6, 12), "equiangular", 2, True), ((8, 16), (5, 8), "legendre-gauss", 1, False)],
     ids=["self", "down"],
 )
-def test_global_attention_matches_torch_harmonics(in_shape, out_shape, grid, heads, qknorm, rng):
+def test_global_attention_matches_torch_harmonics(in_shape, out_shape, grid, heads, qknorm, rng, monkeypatch):
     def make_torch():
         return TorchAttentionS2(IN_FEATURES, heads, in_shape, out_shape, grid_in=grid, grid_out=grid, use_qknorm=qknorm)
 
-    def make_ours():
+    def make_ours(**dtypes):
         return AttentionS2(
             IN_FEATURES,
             in_shape,
@@ -186,6 +198,7 @@ def test_global_attention_matches_torch_harmonics(in_shape, out_shape, grid, hea
             grid_out=grid,
             normalize_qk=qknorm,
             rngs=nnx.Rngs(0),
+            **dtypes,
         )
 
-    _run_case(make_torch, make_ours, in_shape, out_shape, rng)
+    _run_case(make_torch, make_ours, in_shape, out_shape, rng, monkeypatch)
