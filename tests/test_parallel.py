@@ -1,0 +1,315 @@
+"""Sharded attention (latitude halo + longitude ring) on 8 virtual CPU devices.
+
+The oracle is the serial op in float64 (itself checked against a dense float64
+softmax in test_ops); the sharded op runs in float32, so agreement to 1e-5 relative
+means the sharding adds nothing but float32 round-off.
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_s2attn
+from jax_s2attn import NeighborhoodPlan, neighborhood_attention
+from jax_s2attn.parallel import shard_layout, sharded_neighborhood_attention
+from jax_s2attn.parallel.halo import exchange_halo
+from jax_s2attn.parallel.layout import AxisSplit, balanced_counts
+from jax_s2attn.parallel.ring import merge_partials
+
+IMPLEMENTATIONS = ["reference"] + (["ffi"] if jax_s2attn.native_backends()["cpu"] else [])
+TOL = 1e-5
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (virtual) devices; see conftest.py")
+
+
+def _mesh(shape, names=("lat", "lon"), axis_type=AxisType.Explicit):
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+
+
+# --- layout ---------------------------------------------------------------------------
+
+
+def test_balanced_counts():
+    assert balanced_counts(13, 4) == (4, 3, 3, 3)
+    assert balanced_counts(721, 4) == (181, 180, 180, 180)
+    assert balanced_counts(8, 8) == (1,) * 8
+
+
+@pytest.mark.parametrize("counts", [(4, 3, 3, 3), (2, 4, 1), (5,)])
+def test_axis_split_blocks_round_trip(counts):
+    split = AxisSplit(sum(counts), counts)
+    x = jnp.arange(1, split.size + 1, dtype=jnp.float32)[None, :, None]
+    blocks = np.asarray(split.to_blocks(x, axis=1))[0, :, 0]
+    assert blocks.shape == (split.parts * split.block,)
+    for shard, (start, count) in enumerate(zip(split.starts, counts)):
+        block = blocks[shard * split.block : (shard + 1) * split.block]
+        np.testing.assert_array_equal(block[:count], np.arange(start + 1, start + count + 1))
+        np.testing.assert_array_equal(block[count:], 0)
+    np.testing.assert_array_equal(split.from_blocks(split.to_blocks(x, 1), 1), x)
+
+
+LAYOUT_CASES = [
+    ((13, 24), (13, 24), "legendre-gauss", None, 4),
+    ((16, 32), (16, 32), "equiangular", 0.5, 2),
+    ((24, 48), (12, 24), "equiangular", None, 8),
+    ((12, 24), (24, 48), "legendre-gauss", None, 6),
+    ((13, 24), (7, 12), "equiangular", None, 3),
+    ((7, 12), (13, 24), "equiangular", None, 4),
+]
+
+
+@pytest.mark.parametrize("in_shape, out_shape, grid, cutoff, parts", LAYOUT_CASES)
+def test_layout_halo_is_exactly_the_rows_queries_need(in_shape, out_shape, grid, cutoff, parts, dense_membership):
+    plan = NeighborhoodPlan(in_shape, out_shape, grid_in=grid, grid_out=grid, theta_cutoff=cutoff)
+    layout = shard_layout(plan, parts, 1)
+    needs = dense_membership(plan).reshape(plan.nlat_out, plan.nlon_out, plan.nlat_in, plan.nlon_in).any(axis=(1, 3))
+    assert sum(layout.k_lat.counts) == plan.nlat_in and sum(layout.q_lat.counts) == plan.nlat_out
+    for shard in range(parts):
+        window = np.asarray(layout.window(shard, 0, 0))
+        q0, qn, k0, kn = window[0], window[2], window[4], window[6]
+        rows = np.flatnonzero(needs[q0 : q0 + qn].any(axis=0))
+        own = range(layout.k_lat.starts[shard], layout.k_lat.starts[shard] + layout.k_lat.counts[shard])
+        # The window is the union of the shard's own rows and the rows its queries read.
+        assert k0 == min(rows.min(), own.start) and k0 + kn - 1 == max(rows.max(), own.stop - 1)
+        assert layout.halo_top[shard] <= (layout.k_lat.counts[shard - 1] if shard else 0)
+        assert layout.halo_bottom[shard] <= (layout.k_lat.counts[shard + 1] if shard < parts - 1 else 0)
+
+
+@pytest.mark.parametrize("in_shape, out_shape", [((16, 32), (16, 32)), ((16, 36), (8, 12)), ((8, 10), (16, 30))])
+def test_layout_longitudes_keep_the_grid_ratio(in_shape, out_shape):
+    plan = NeighborhoodPlan(in_shape, out_shape)
+    layout = shard_layout(plan, 1, 4)
+    q, k = layout.q_lon, layout.k_lon
+    assert sum(q.counts) == plan.nlon_out and sum(k.counts) == plan.nlon_in
+    coarse, fine = (q, k) if plan.nlon_in >= plan.nlon_out else (k, q)
+    assert coarse.counts == balanced_counts(coarse.size, 4)
+    assert fine.counts == tuple(c * (fine.size // coarse.size) for c in coarse.counts)
+
+
+def test_impossible_splits_name_the_axis_and_an_alternative():
+    plan = NeighborhoodPlan((24, 48), (12, 24), theta_cutoff=0.6)
+    with pytest.raises(ValueError, match=r"mesh axis 'rows'.*at most (\d+) devices along 'rows'") as info:
+        shard_layout(plan, 8, 1, "rows", "cols")
+    fitting = int(info.value.args[0].split("at most ")[1].split()[0])
+    assert 1 <= fitting < 8
+    shard_layout(plan, fitting, 1)  # the suggestion works
+    with pytest.raises(ValueError, match=r"mesh axis 'cols' has 8 devices but the coarser grid has only 6"):
+        shard_layout(NeighborhoodPlan((8, 12), (8, 6)), 1, 8, "rows", "cols")
+    with pytest.raises(ValueError, match=r"only 5 latitudes.*at most 5 devices along 'lat'"):
+        shard_layout(NeighborhoodPlan((10, 8), (5, 8)), 8, 1)
+
+
+# --- halo exchange --------------------------------------------------------------------
+
+
+def _halo_fn(layout, mesh):
+    spec = P(None, "lat", "lon")
+    return jax.jit(
+        jax.shard_map(functools.partial(exchange_halo, layout=layout, axis=1), mesh=mesh, in_specs=spec, out_specs=spec)
+    )
+
+
+def test_halo_exchange_places_the_needed_rows(rng):
+    plan = NeighborhoodPlan((13, 24), (13, 24), grid_in="legendre-gauss", grid_out="legendre-gauss", theta_cutoff=0.6)
+    layout = shard_layout(plan, 4, 2)
+    assert layout.radius_top == layout.radius_bottom == 2
+    mesh = _mesh((4, 2))
+    rows = np.arange(1.0, plan.nlat_in + 1)[None, :, None] * np.ones((1, 1, 8))
+    blocks = jax.device_put(layout.k_lat.to_blocks(jnp.asarray(rows), 1), NamedSharding(mesh, P(None, "lat", "lon")))
+    ext = np.asarray(_halo_fn(layout, mesh)(blocks)).reshape(4, layout.k_ext_block, 8)
+    for shard in range(4):
+        window = np.asarray(layout.window(shard, 0, 0))
+        k0, kn = window[4], window[6]
+        np.testing.assert_array_equal(ext[shard, :kn], np.arange(k0 + 1, k0 + kn + 1)[:, None] * np.ones(8))
+        np.testing.assert_array_equal(ext[shard, kn:], 0)
+
+
+def test_halo_adjoint_returns_gradients_to_their_owners(rng):
+    plan = NeighborhoodPlan((13, 24), (13, 24), grid_in="legendre-gauss", grid_out="legendre-gauss", theta_cutoff=0.6)
+    layout = shard_layout(plan, 4, 2)
+    mesh = _mesh((4, 2))
+    sharding = NamedSharding(mesh, P(None, "lat", "lon"))
+    halo = _halo_fn(layout, mesh)
+    x = jax.device_put(layout.k_lat.to_blocks(jnp.asarray(rng.standard_normal((2, 13, 8))), 1), sharding)
+    y = jax.device_put(jnp.asarray(rng.standard_normal((2, 4 * layout.k_ext_block, 8))), sharding)
+    ext, adjoint = jax.vjp(halo, x)
+    (back,) = adjoint(y)
+    np.testing.assert_allclose(np.vdot(ext, y), np.vdot(x, back), rtol=1e-12)
+    # With unit cotangents each row collects one count per window holding it: its owner's
+    # and each neighbour's that reads it as halo.
+    (copies,) = adjoint(jnp.ones_like(y))
+    copies = np.asarray(layout.k_lat.from_blocks(np.asarray(copies), 1))[0, :, 0]
+    expected = np.zeros(13)
+    for shard in range(4):
+        window = np.asarray(layout.window(shard, 0, 0))
+        expected[window[4] : window[4] + window[6]] += 1
+    np.testing.assert_array_equal(copies, expected)
+    assert expected.max() > 1  # some rows really are halo rows
+
+
+# --- log-sum-exp merge ----------------------------------------------------------------
+
+
+def test_merge_partials_is_exact_and_handles_empty_sides(rng):
+    logits = rng.standard_normal((5, 9)) * 3
+    values = rng.standard_normal((9, 4))
+    mask = rng.random((5, 9)) < 0.5
+    mask[0], mask[1] = False, True  # one row empty on side a, one empty on side b
+
+    def partial(m):
+        lg = np.where(m, logits, -np.inf)
+        lse = np.logaddexp.reduce(lg, axis=1)
+        weights = np.where(m, np.exp(lg - np.where(np.isfinite(lse), lse, 0)[:, None]), 0)
+        return weights @ values, lse
+
+    out, lse = merge_partials(*partial(mask), *partial(~mask))
+    full_lse = np.logaddexp.reduce(logits, axis=1)
+    np.testing.assert_allclose(lse, full_lse, rtol=1e-12)
+    np.testing.assert_allclose(out, np.exp(logits - full_lse[:, None]) @ values, rtol=1e-12, atol=1e-12)
+    empty = np.full(3, -np.inf)
+    out, lse = merge_partials(np.zeros((3, 2)), empty, np.zeros((3, 2)), empty)
+    assert np.all(lse == -np.inf) and np.all(out == 0)
+
+
+# --- sharded == serial ----------------------------------------------------------------
+
+HEADS, DK, DV = 2, 4, 6
+
+# (in_shape, out_shape, grid, mesh shape): every direction on both grids, every mesh,
+# latitude counts that do not divide the mesh, longitude counts that do not divide it.
+SELF = ((16, 32), (16, 32))
+DOWN = ((16, 32), (8, 16))
+UP = ((8, 16), (16, 32))
+CASES = [
+    (*SELF, "equiangular", (1, 1)),
+    (*SELF, "equiangular", (2, 1)),
+    (*SELF, "equiangular", (1, 4)),
+    (*SELF, "equiangular", (2, 4)),
+    (*SELF, "equiangular", (4, 2)),
+    (*SELF, "equiangular", (8, 1)),
+    ((13, 18), (13, 18), "legendre-gauss", (4, 2)),
+    ((13, 18), (13, 18), "legendre-gauss", (2, 4)),
+    (*DOWN, "equiangular", (2, 4)),
+    (*DOWN, "legendre-gauss", (4, 2)),
+    ((13, 24), (7, 12), "equiangular", (2, 4)),
+    (*UP, "equiangular", (4, 2)),
+    (*UP, "legendre-gauss", (2, 4)),
+    ((7, 10), (13, 30), "legendre-gauss", (4, 2)),
+]
+
+
+def _inputs(plan, batch=(2,)):
+    """Fixed random float64 inputs and output cotangent for a plan (shared by its cases)."""
+    rng = np.random.default_rng(zlib.crc32(repr(plan).encode()))
+    shapes = [(*plan.out_shape, HEADS, DK), (*plan.in_shape, HEADS, DK), (*plan.in_shape, HEADS, DV)]
+    shapes.append((*plan.out_shape, HEADS, DV))
+    return [rng.standard_normal((*batch, *s)) for s in shapes]
+
+
+@functools.lru_cache(maxsize=None)
+def _serial(plan):
+    """Float64 serial output and (dq, dk, dv) for ``_inputs(plan)``."""
+    q, k, v, cot = _inputs(plan)
+    op = functools.partial(neighborhood_attention, plan=plan, implementation="reference")
+    out, vjp = jax.vjp(lambda q, k, v: op(q, k, v), q, k, v)
+    return np.asarray(out), [np.asarray(g) for g in vjp(cot)]
+
+
+def _sharded(plan, mesh, *, spec=P(None, "lat", "lon"), **kwargs):
+    """Float32 sharded output and grads for ``_inputs(plan)``, inputs placed on ``mesh`` when they divide it."""
+    arrays = [jnp.asarray(x, jnp.float32) for x in _inputs(plan)]
+    shard = lambda x: x.shape[1] % mesh.shape["lat"] == 0 and x.shape[2] % mesh.shape["lon"] == 0  # noqa: E731
+    arrays = [jax.device_put(x, NamedSharding(mesh, spec if shard(x) else P())) for x in arrays]
+
+    @jax.jit
+    def run(q, k, v, cot, plan):
+        out, vjp = jax.vjp(lambda q, k, v: sharded_neighborhood_attention(q, k, v, plan, mesh=mesh, **kwargs), q, k, v)
+        return out, vjp(jax.sharding.reshard(cot, jax.typeof(out).sharding))
+
+    return run(*arrays, plan)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("in_shape, out_shape, grid, mesh_shape", CASES)
+def test_sharded_matches_serial(in_shape, out_shape, grid, mesh_shape, implementation, rel_error):
+    plan = NeighborhoodPlan(in_shape, out_shape, grid_in=grid, grid_out=grid)
+    mesh = _mesh(mesh_shape)
+    out, grads = _sharded(plan, mesh, implementation=implementation)
+    expected_out, expected_grads = _serial(plan)
+    assert out.dtype == jnp.float32 and out.shape == expected_out.shape
+    assert rel_error(out, expected_out) <= TOL
+    for name, g, expected in zip("qkv", grads, expected_grads):
+        assert rel_error(g, expected) <= TOL, f"d{name}"
+    if plan.nlat_out % mesh_shape[0] == 0 and plan.nlon_out % mesh_shape[1] == 0:
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "lat", "lon")), out.ndim)
+
+
+def test_batch_axis_extra_mesh_axis_and_auto_axes(rel_error):
+    """Batch split over its own axis, a replicating 'model' axis, and an Auto-typed mesh."""
+    plan = NeighborhoodPlan(*SELF)
+    expected_out, expected_grads = _serial(plan)
+    mesh = _mesh((2, 2, 2), ("batch", "lat", "lon"))
+    out, grads = _sharded(plan, mesh, spec=P("batch", "lat", "lon"), batch_axis="batch")
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("batch", "lat", "lon")), out.ndim)
+    mesh = _mesh((2, 2, 2), ("lat", "model", "lon"), axis_type=AxisType.Auto)
+    out_auto, grads_auto = _sharded(plan, mesh)
+    for actual in (out, out_auto):
+        assert rel_error(actual, expected_out) <= TOL
+    for actual in (grads, grads_auto):
+        for g, expected in zip(actual, expected_grads):
+            assert rel_error(g, expected) <= TOL
+
+
+def test_leading_batch_dims_and_no_batch_dims(rel_error):
+    plan = NeighborhoodPlan((8, 16), (8, 16))
+    q, k, v, _ = (jnp.asarray(x) for x in _inputs(plan, batch=(2, 3)))
+    mesh = _mesh((2, 2))
+    sharded = jax.jit(lambda q, k, v, plan: sharded_neighborhood_attention(q, k, v, plan, mesh=mesh))
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+    expected = neighborhood_attention(q, k, v, plan, implementation="reference")
+    assert rel_error(sharded(*f32(q, k, v), plan), expected) <= TOL
+    assert rel_error(sharded(*f32(q[1, 2], k[1, 2], v[1, 2]), plan), expected[1, 2]) <= TOL
+
+
+# --- communication and memory ---------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_step(plan, mesh_shape):
+    """The compiled forward + backward of the sharded op on a mesh (float32, batch 2)."""
+    mesh = _mesh(mesh_shape)
+    q, k, v, cot = (jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=NamedSharding(mesh, P(None, "lat", "lon")))
+                    for x in _inputs(plan))
+
+    def step(q, k, v, cot, plan):
+        out, vjp = jax.vjp(lambda q, k, v: sharded_neighborhood_attention(q, k, v, plan, mesh=mesh), q, k, v)
+        return out, vjp(cot)
+
+    return jax.jit(step).lower(q, k, v, cot, plan).compile()
+
+
+def test_compiled_program_communicates_only_by_permutes():
+    hlo = _compiled_step(NeighborhoodPlan(*SELF), (2, 4)).as_text()
+    assert "collective-permute" in hlo  # halo and ring
+    for collective in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all"):
+        assert collective not in hlo, collective
+
+
+def test_per_device_memory_shrinks_as_the_mesh_grows():
+    plan = NeighborhoodPlan(*SELF)
+    stats = {}
+    for shape in [(1, 1), (2, 1), (2, 2), (2, 4)]:
+        memory = _compiled_step(plan, shape).memory_analysis()
+        stats[shape] = (memory.argument_size_in_bytes + memory.output_size_in_bytes, memory.temp_size_in_bytes)
+    io_serial = stats[(1, 1)][0]
+    for shape, (io, _) in stats.items():
+        # Activations split evenly; the replicated plan tables are a few kB.
+        assert io <= io_serial / (shape[0] * shape[1]) + 16_384, (shape, stats)
+    temps = [temp for _, temp in stats.values()]
+    assert all(a > b for a, b in zip(temps, temps[1:])), stats
