@@ -313,3 +313,60 @@ def test_per_device_memory_shrinks_as_the_mesh_grows():
         assert io <= io_serial / (shape[0] * shape[1]) + 16_384, (shape, stats)
     temps = [temp for _, temp in stats.values()]
     assert all(a > b for a, b in zip(temps, temps[1:])), stats
+
+
+# --- end to end -----------------------------------------------------------------------
+
+
+def _attention_model(params, x, attention):
+    """Q/K/V projections, neighbourhood attention, output projection."""
+    batch, nlat, nlon, _ = x.shape
+    heads = lambda w: (x @ w).reshape(batch, nlat, nlon, HEADS, -1)  # noqa: E731
+    out = attention(heads(params["wq"]), heads(params["wk"]), heads(params["wv"]))
+    return out.reshape(batch, nlat, nlon, -1) @ params["wo"]
+
+
+def test_jitted_training_step_matches_unsharded(rel_error):
+    optax = pytest.importorskip("optax")
+    plan = NeighborhoodPlan(*SELF)
+    rng = np.random.default_rng(5)
+    channels = 5
+    shapes = {"wq": (channels, HEADS * DK), "wk": (channels, HEADS * DK), "wv": (channels, HEADS * DV)}
+    shapes["wo"] = (HEADS * DV, channels)
+    params = {n: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[0]), jnp.float32) for n, s in shapes.items()}
+    x, y = (jnp.asarray(rng.standard_normal((2, *plan.out_shape, channels)), jnp.float32) for _ in range(2))
+    optimizer = optax.adam(1e-2)
+
+    def make_step(attention):
+        @jax.jit
+        def step(params, opt_state, x, y, plan):
+            def loss_fn(params):
+                pred = _attention_model(params, x, lambda q, k, v: attention(q, k, v, plan))
+                return jnp.mean((pred - y) ** 2)
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss, grads
+
+        return step
+
+    def train(step, params, x, y):
+        opt_state, history = optimizer.init(params), []
+        for _ in range(2):
+            params, opt_state, loss, grads = step(params, opt_state, x, y, plan)
+            history.append((loss, grads))
+        return params, history
+
+    mesh = _mesh((2, 4))
+    place = lambda tree, spec: jax.device_put(tree, NamedSharding(mesh, spec))  # noqa: E731
+    sharded_step = make_step(functools.partial(sharded_neighborhood_attention, mesh=mesh))
+    sharded = train(sharded_step, place(params, P()), *place((x, y), P(None, "lat", "lon")))
+    serial = train(make_step(neighborhood_attention), params, x, y)
+
+    assert sharded[1][1][0] < sharded[1][0][0]  # it trains
+    for (loss, grads), (loss_ref, grads_ref) in zip(sharded[1], serial[1]):
+        assert rel_error(loss, loss_ref) <= TOL
+        for name in shapes:
+            assert rel_error(grads[name], grads_ref[name]) <= TOL, name
+    for name in shapes:
+        assert rel_error(sharded[0][name], serial[0][name]) <= TOL, name
