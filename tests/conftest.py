@@ -60,26 +60,28 @@ def _dense_membership(plan) -> np.ndarray:
 def _dense_attention(query, key, value, plan, scale):
     """Float64 masked softmax over all (output, input) pairs: ``(out, lse)``.
 
-    Arrays are ``[B, nlat, nlon, H, D]``; weights are ``2*pi*w/nlon_in`` recomputed
-    from the grid's quadrature, not read from the plan.
+    Arrays are ``[B, nlat, nlon, H, D]``; written with ``jax.numpy`` so tests can
+    differentiate it. Weights are recomputed from the grid's quadrature, not read
+    from the plan.
     """
+    import jax.numpy as jnp
+
     from jax_s2attn import precompute_latitudes
 
-    q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+    q, k, v = (jnp.asarray(x, jnp.float64) for x in (query, key, value))
     b, h = q.shape[0], q.shape[-2]
     qf = q.reshape(b, -1, h, q.shape[-1])
     kf = k.reshape(b, -1, h, k.shape[-1])
     vf = v.reshape(b, -1, h, v.shape[-1])
     _, w = precompute_latitudes(plan.nlat_in, plan.grid_in)
-    logw = np.repeat(np.log(2 * np.pi * w / plan.nlon_in), plan.nlon_in)
-    logits = np.einsum("bohd,bihd->bhoi", qf, kf) * scale + logw
-    logits = np.where(_dense_membership(plan), logits, -np.inf)
-    peak = logits.max(-1, keepdims=True)
-    p = np.exp(logits - peak)
-    total = p.sum(-1, keepdims=True)
-    out = np.einsum("bhoi,bihd->bohd", p / total, vf)
-    lse = np.moveaxis((peak + np.log(total))[..., 0], 1, -1)
-    return out.reshape(*q.shape[:-1], -1), lse.reshape(q.shape[:-1])
+    # float32 weights by definition (torch-harmonics parity): 2*pi*float32(w)/nlon_in in float32.
+    weights = np.float32(2 * np.pi) * w.astype(np.float32) / np.float32(plan.nlon_in)
+    logw = np.repeat(np.log(weights.astype(np.float64)), plan.nlon_in)
+    logits = jnp.einsum("bohd,bihd->bhoi", qf, kf) * scale + logw
+    logits = jnp.where(_dense_membership(plan), logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    out = jnp.einsum("bhoi,bihd->bohd", jnp.exp(logits - lse), vf)
+    return out.reshape(*q.shape[:-1], -1), jnp.moveaxis(lse[..., 0], 1, -1).reshape(q.shape[:-1])
 
 
 @pytest.fixture

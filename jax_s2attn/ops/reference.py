@@ -115,7 +115,7 @@ def _softmax_attend(logits, vc):
 
 
 def _flatten(x, compute):
-    return x.astype(compute).reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+    return jnp.asarray(x, compute).reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
 def reference_attention(
