@@ -195,11 +195,9 @@ CASES = [
     (*SELF, "equiangular", (8, 1)),
     ((13, 18), (13, 18), "legendre-gauss", (4, 2)),
     ((13, 18), (13, 18), "legendre-gauss", (2, 4)),
-    (*DOWN, "equiangular", (2, 4)),
-    (*DOWN, "legendre-gauss", (4, 2)),
-    ((13, 24), (7, 12), "equiangular", (2, 4)),
-    (*UP, "equiangular", (4, 2)),
-    (*UP, "legendre-gauss", (2, 4)),
+    (*DOWN, "equiangular", (4, 2)),
+    ((13, 24), (7, 12), "legendre-gauss", (2, 4)),
+    (*UP, "equiangular", (2, 4)),
     ((7, 10), (13, 30), "legendre-gauss", (4, 2)),
 ]
 
@@ -215,10 +213,15 @@ def _inputs(plan, batch=(2,)):
 @functools.lru_cache(maxsize=None)
 def _serial(plan):
     """Float64 serial output and (dq, dk, dv) for ``_inputs(plan)``."""
-    q, k, v, cot = _inputs(plan)
-    op = functools.partial(neighborhood_attention, plan=plan, implementation="reference")
-    out, vjp = jax.vjp(lambda q, k, v: op(q, k, v), q, k, v)
-    return np.asarray(out), [np.asarray(g) for g in vjp(cot)]
+
+    @jax.jit
+    def run(q, k, v, cot, plan):
+        op = functools.partial(neighborhood_attention, plan=plan, implementation="reference")
+        out, vjp = jax.vjp(lambda q, k, v: op(q, k, v), q, k, v)
+        return out, vjp(cot)
+
+    out, grads = run(*_inputs(plan), plan)
+    return np.asarray(out), [np.asarray(g) for g in grads]
 
 
 def _sharded(plan, mesh, *, spec=P(None, "lat", "lon"), **kwargs):
@@ -280,39 +283,53 @@ def test_leading_batch_dims_and_no_batch_dims(rel_error):
 # --- communication and memory ---------------------------------------------------------
 
 
+# A problem whose activations dominate the replicated tables and the ring's fixed costs.
+MEMORY_PLAN_SHAPE, MEMORY_BATCH, MEMORY_HEADS, MEMORY_HEAD_DIM = (32, 64), 2, 2, 16
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled_step(plan, mesh_shape):
-    """The compiled forward + backward of the sharded op on a mesh (float32, batch 2)."""
+def _compiled_step(mesh_shape, implementation):
+    """The compiled forward + backward of the sharded op on a mesh (float32)."""
+    plan = NeighborhoodPlan(MEMORY_PLAN_SHAPE, MEMORY_PLAN_SHAPE)
     mesh = _mesh(mesh_shape)
-    q, k, v, cot = (jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=NamedSharding(mesh, P(None, "lat", "lon")))
-                    for x in _inputs(plan))
+    shape = (MEMORY_BATCH, *MEMORY_PLAN_SHAPE, MEMORY_HEADS, MEMORY_HEAD_DIM)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, P(None, "lat", "lon")))
 
     def step(q, k, v, cot, plan):
-        out, vjp = jax.vjp(lambda q, k, v: sharded_neighborhood_attention(q, k, v, plan, mesh=mesh), q, k, v)
+        attend = functools.partial(sharded_neighborhood_attention, mesh=mesh, implementation=implementation)
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, plan), q, k, v)
         return out, vjp(cot)
 
-    return jax.jit(step).lower(q, k, v, cot, plan).compile()
+    return jax.jit(step).lower(x, x, x, x, plan).compile()
 
 
-def test_compiled_program_communicates_only_by_permutes():
-    hlo = _compiled_step(NeighborhoodPlan(*SELF), (2, 4)).as_text()
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_compiled_program_communicates_only_by_permutes(implementation):
+    hlo = _compiled_step((2, 4), implementation).as_text()
     assert "collective-permute" in hlo  # halo and ring
     for collective in ("all-gather", "all-reduce", "reduce-scatter", "all-to-all"):
         assert collective not in hlo, collective
 
 
-def test_per_device_memory_shrinks_as_the_mesh_grows():
-    plan = NeighborhoodPlan(*SELF)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_per_device_memory_shrinks_as_the_mesh_grows(implementation):
+    meshes = [(1, 1), (2, 1), (2, 2), (2, 4)]
     stats = {}
-    for shape in [(1, 1), (2, 1), (2, 2), (2, 4)]:
-        memory = _compiled_step(plan, shape).memory_analysis()
-        stats[shape] = (memory.argument_size_in_bytes + memory.output_size_in_bytes, memory.temp_size_in_bytes)
-    io_serial = stats[(1, 1)][0]
+    for shape in meshes:
+        memory = _compiled_step(shape, implementation).memory_analysis()
+        io = memory.argument_size_in_bytes + memory.output_size_in_bytes
+        stats[shape] = (io, io + memory.temp_size_in_bytes)
+    io_serial, total_serial = stats[(1, 1)]
     for shape, (io, _) in stats.items():
-        # Activations split evenly; the replicated plan tables are a few kB.
-        assert io <= io_serial / (shape[0] * shape[1]) + 16_384, (shape, stats)
-    temps = [temp for _, temp in stats.values()]
-    assert all(a > b for a, b in zip(temps, temps[1:])), stats
+        # Inputs, cotangent, output and gradients split evenly; the replicated plan tables are a few kB.
+        assert io <= io_serial / (shape[0] * shape[1]) + 16_384, stats
+    totals = [total for _, total in stats.values()]
+    if implementation == "ffi":
+        assert all(a > b for a, b in zip(totals, totals[1:])), stats
+        assert totals[-1] < totals[0] / 3, stats  # 8 devices: halo and ring buffers cost less than 8/3x
+    else:
+        # The reference's temporaries are bounded by its gather budget, not by the grid.
+        assert totals[-1] < totals[0], stats
 
 
 # --- end to end -----------------------------------------------------------------------
