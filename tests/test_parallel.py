@@ -19,7 +19,7 @@ import jax_s2attn
 from jax_s2attn import NeighborhoodPlan, neighborhood_attention
 from jax_s2attn.parallel import shard_layout, sharded_neighborhood_attention
 from jax_s2attn.parallel.halo import exchange_halo
-from jax_s2attn.parallel.layout import AxisSplit, balanced_counts
+from jax_s2attn.parallel.layout import AxisSplit
 from jax_s2attn.parallel.ring import merge_partials
 
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if jax_s2attn.native_backends()["cpu"] else [])
@@ -35,18 +35,12 @@ def _mesh(shape, names=("lat", "lon"), axis_type=AxisType.Explicit):
 # --- layout ---------------------------------------------------------------------------
 
 
-def test_balanced_counts():
-    assert balanced_counts(13, 4) == (4, 3, 3, 3)
-    assert balanced_counts(721, 4) == (181, 180, 180, 180)
-    assert balanced_counts(8, 8) == (1,) * 8
-
-
-@pytest.mark.parametrize("counts", [(4, 3, 3, 3), (2, 4, 1), (5,)])
-def test_axis_split_blocks_round_trip(counts):
-    split = AxisSplit(sum(counts), counts)
-    x = jnp.arange(1, split.size + 1, dtype=jnp.float32)[None, :, None]
+@pytest.mark.parametrize("size, parts, counts", [(13, 4, (4, 4, 4, 1)), (16, 4, (4,) * 4), (13, 8, (2,) * 6 + (1, 0))])
+def test_axis_split_is_jax_layout_of_the_end_padded_axis(size, parts, counts):
+    split = AxisSplit.contiguous(size, parts)
+    assert split.counts == counts and split.padded_size == parts * split.block
+    x = jnp.arange(1, size + 1, dtype=jnp.float32)[None, :, None]
     blocks = np.asarray(split.to_blocks(x, axis=1))[0, :, 0]
-    assert blocks.shape == (split.parts * split.block,)
     for shard, (start, count) in enumerate(zip(split.starts, counts)):
         block = blocks[shard * split.block : (shard + 1) * split.block]
         np.testing.assert_array_equal(block[:count], np.arange(start + 1, start + count + 1))
@@ -57,7 +51,7 @@ def test_axis_split_blocks_round_trip(counts):
 LAYOUT_CASES = [
     ((13, 24), (13, 24), "legendre-gauss", None, 4),
     ((16, 32), (16, 32), "equiangular", 0.5, 2),
-    ((24, 48), (12, 24), "equiangular", None, 8),
+    ((24, 48), (12, 24), "equiangular", None, 4),
     ((12, 24), (24, 48), "legendre-gauss", None, 6),
     ((13, 24), (7, 12), "equiangular", None, 3),
     ((7, 12), (13, 24), "equiangular", None, 4),
@@ -88,7 +82,7 @@ def test_layout_longitudes_keep_the_grid_ratio(in_shape, out_shape):
     q, k = layout.q_lon, layout.k_lon
     assert sum(q.counts) == plan.nlon_out and sum(k.counts) == plan.nlon_in
     coarse, fine = (q, k) if plan.nlon_in >= plan.nlon_out else (k, q)
-    assert coarse.counts == balanced_counts(coarse.size, 4)
+    assert coarse.counts == AxisSplit.contiguous(coarse.size, 4).counts
     assert fine.counts == tuple(c * (fine.size // coarse.size) for c in coarse.counts)
 
 
@@ -99,9 +93,9 @@ def test_impossible_splits_name_the_axis_and_an_alternative():
     fitting = int(info.value.args[0].split("at most ")[1].split()[0])
     assert 1 <= fitting < 8
     shard_layout(plan, fitting, 1)  # the suggestion works
-    with pytest.raises(ValueError, match=r"mesh axis 'cols' has 8 devices but the coarser grid has only 6"):
+    with pytest.raises(ValueError, match=r"mesh axis 'cols' has 8 devices but the coarser grid has only 6 lon"):
         shard_layout(NeighborhoodPlan((8, 12), (8, 6)), 1, 8, "rows", "cols")
-    with pytest.raises(ValueError, match=r"only 5 latitudes.*at most 5 devices along 'lat'"):
+    with pytest.raises(ValueError, match=r"has only 5 latitudes. Use at most 5 devices along 'lat'"):
         shard_layout(NeighborhoodPlan((10, 8), (5, 8)), 8, 1)
 
 
@@ -192,9 +186,9 @@ CASES = [
     (*SELF, "equiangular", (1, 4)),
     (*SELF, "equiangular", (2, 4)),
     (*SELF, "equiangular", (4, 2)),
-    (*SELF, "equiangular", (8, 1)),
+    ((13, 24), (13, 24), "equiangular", (8, 1)),  # 2 latitudes per shard, the last shard empty
     ((13, 18), (13, 18), "legendre-gauss", (4, 2)),
-    ((13, 18), (13, 18), "legendre-gauss", (2, 4)),
+    ((13, 9), (13, 9), "legendre-gauss", (2, 4)),  # longitude blocks 3, 3, 3 and 0
     (*DOWN, "equiangular", (4, 2)),
     ((13, 24), (7, 12), "legendre-gauss", (2, 4)),
     (*UP, "equiangular", (2, 4)),
@@ -278,6 +272,32 @@ def test_leading_batch_dims_and_no_batch_dims(rel_error):
     expected = neighborhood_attention(q, k, v, plan, implementation="reference")
     assert rel_error(sharded(*f32(q, k, v), plan), expected) <= TOL
     assert rel_error(sharded(*f32(q[1, 2], k[1, 2], v[1, 2]), plan), expected[1, 2]) <= TOL
+
+
+def test_end_padded_inputs_stay_sharded_and_their_padding_is_ignored(rel_error):
+    """The 721-latitudes-on-4-devices situation in small: 13 latitudes padded to 16."""
+    plan = NeighborhoodPlan((13, 24), (13, 24), grid_in="legendre-gauss", grid_out="legendre-gauss")
+    mesh = _mesh((4, 2))
+    assert shard_layout(plan, 4, 2).q_lat.padded_size == 16
+    sharding = NamedSharding(mesh, P(None, "lat", "lon"))
+    garbage = lambda x: np.full((x.shape[0], 3, *x.shape[2:]), np.nan, np.float32)  # noqa: E731
+    args = [jax.device_put(np.concatenate([x.astype(np.float32), garbage(x)], axis=1), sharding)
+            for x in _inputs(plan)]
+
+    def step(q, k, v, cot, plan):
+        out, vjp = jax.vjp(lambda q, k, v: sharded_neighborhood_attention(q, k, v, plan, mesh=mesh), q, k, v)
+        return out, vjp(cot)
+
+    compiled = jax.jit(step).lower(*args, plan).compile()
+    assert "all-gather" not in compiled.as_text()
+    out, grads = compiled(*args, plan)
+    assert out.shape == (2, 16, 24, HEADS, DV) and out.sharding.is_equivalent_to(sharding, out.ndim)
+    out, grads = np.asarray(out), [np.asarray(g) for g in grads]
+    expected_out, expected_grads = _serial(plan)
+    assert np.all(out[:, 13:] == 0) and rel_error(out[:, :13], expected_out) <= TOL
+    for g, expected in zip(grads, expected_grads):
+        assert g.shape[1] == 16 and np.all(g[:, 13:] == 0)
+        assert rel_error(g[:, :13], expected) <= TOL
 
 
 # --- communication and memory ---------------------------------------------------------

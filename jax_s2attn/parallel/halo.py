@@ -49,8 +49,10 @@ def _extend(x, layout: ShardLayout, axis: int):
     top = jnp.asarray(np.asarray(layout.halo_top, np.int32))[shard]
     bottom = jnp.asarray(np.asarray(layout.halo_bottom, np.int32))[shard]
 
-    # The layout guarantees both radii fit in the smallest shard, so these slices stay in bounds.
-    southward = jax.lax.dynamic_slice_in_dim(x, count - up, up, axis)
+    # The last `up` real rows go south; a short shard sends leading zeros, which no
+    # receiver reads (a shard's north halo never exceeds its northern neighbour's rows).
+    zeros = jnp.zeros((*x.shape[:axis], up, *x.shape[axis + 1 :]), x.dtype)
+    southward = jax.lax.dynamic_slice_in_dim(jnp.concatenate([zeros, x], axis=axis), count, up, axis)
     northward = jax.lax.slice_in_dim(x, 0, down, axis=axis)
     from_north = jax.lax.ppermute(southward, name, [(i, i + 1) for i in range(parts - 1)])
     from_south = jax.lax.ppermute(northward, name, [(i + 1, i) for i in range(parts - 1)])

@@ -3,22 +3,20 @@
 Host-side and static: everything here is numpy or Python ints, computed once per
 (plan, mesh shape) and cached.
 
-Splits are balanced (torch-harmonics' ``compute_split_shapes``): ``n`` points over
-``p`` shards give the first ``n % p`` shards one point more. Every shard stores a
-block of the largest count, real points first and padding after, so uneven
-splits need no special case downstream.
+Every grid axis is cut into ``parts`` contiguous blocks of ``block = ceil(n / parts)``
+points; the last blocks may be short (or, for small grids, empty). This is exactly
+how JAX shards an array padded at the end to ``parts * block``, so callers can keep
+their arrays padded (e.g. 721 latitudes as 724 on 4 shards) and evenly sharded
+between layers, and the op needs no re-layout at all.
 
-Longitudes: the coarser grid is split and the finer one takes exactly ``factor``
+Longitudes: the coarser grid is cut and the finer one takes exactly ``factor``
 times each coarse block (``factor = nlon_fine // nlon_coarse``), so every shard
 sees the same longitude ratio (torch-harmonics' uniform-pscale invariant holds by
 construction).
 
-Latitudes: the query grid is split balanced and the key grid along the same
-colatitudes (the key rows north of the midpoint between two query shards go to
-the northern one), so for self-attention both splits coincide and for resampling
-the shards cover the same band of the sphere. A shard additionally needs the key
-rows its queries reach beyond its own block (the latitude halo), read off the
-plan's forward arc table for the actual split.
+Latitudes: each grid is cut on its own; a shard additionally needs the key rows
+its queries reach beyond its own block (the latitude halo), read off the plan's
+forward arc table for the actual split. Halos come from the adjacent shards only.
 """
 
 from __future__ import annotations
@@ -32,68 +30,52 @@ import numpy as np
 
 from ..plan import NeighborhoodPlan
 
-__all__ = ["AxisSplit", "ShardLayout", "balanced_counts", "shard_layout"]
-
-
-def balanced_counts(n: int, parts: int) -> tuple[int, ...]:
-    """Points per shard when ``n`` points are split over ``parts`` shards (first shards larger)."""
-    base, extra = divmod(n, parts)
-    return tuple(base + 1 if i < extra else base for i in range(parts))
+__all__ = ["AxisSplit", "ShardLayout", "shard_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
 class AxisSplit:
-    """One grid axis of ``size`` points split into blocks of ``block`` slots (real points first).
+    """One grid axis of ``size`` points cut into ``parts`` blocks of ``block`` slots.
 
-    Shard ``i`` holds global points ``starts[i] .. starts[i] + counts[i] - 1`` in its
-    first ``counts[i]`` slots; the remaining slots are zero padding.
+    Shard ``i`` holds global points ``i*block ..`` in its first ``counts[i]`` slots;
+    the remaining slots (only in the last shards) are padding.
     """
 
     size: int
-    counts: tuple[int, ...]
+    block: int
+    parts: int
+
+    @classmethod
+    def contiguous(cls, size: int, parts: int) -> AxisSplit:
+        return cls(size, -(-size // parts), parts)
 
     @property
-    def parts(self) -> int:
-        return len(self.counts)
+    def padded_size(self) -> int:
+        """Length of the blocked (end-padded) axis."""
+        return self.parts * self.block
 
     @property
     def starts(self) -> tuple[int, ...]:
-        return tuple(int(s) for s in np.cumsum((0,) + self.counts[:-1]))
+        """Global index of each shard's first point (the axis end for shards of padding only)."""
+        return tuple(min(i * self.block, self.size) for i in range(self.parts))
 
     @property
-    def block(self) -> int:
-        return max(self.counts)
-
-    @property
-    def padded(self) -> bool:
-        """Whether the blocked layout differs from the plain global array."""
-        return self.parts * self.block != self.size
+    def counts(self) -> tuple[int, ...]:
+        return tuple(min(self.block, max(0, self.size - start)) for start in self.starts)
 
     def scaled(self, factor: int) -> AxisSplit:
-        """The same split on a grid ``factor`` times finer (each block ``factor`` times longer)."""
-        return AxisSplit(self.size * factor, tuple(c * factor for c in self.counts))
+        """The same cut on a grid ``factor`` times finer (each block ``factor`` times longer)."""
+        return AxisSplit(self.size * factor, self.block * factor, self.parts)
 
     def to_blocks(self, x, axis: int):
-        """Global ``x`` (``size`` along ``axis``) -> blocked layout (``parts * block``), zero padded."""
-        if not self.padded:
-            return x
-        axis = axis % x.ndim
-        widths = lambda count: [(0, self.block - count) if a == axis else (0, 0) for a in range(x.ndim)]  # noqa: E731
-        pieces = [
-            jnp.pad(jax.lax.slice_in_dim(x, start, start + count, axis=axis), widths(count))
-            for start, count in zip(self.starts, self.counts)
-        ]
-        return jnp.concatenate(pieces, axis=axis)
+        """Global ``x`` (``size`` along ``axis``) -> blocked layout, zero padded at the end."""
+        widths = [(0, 0)] * x.ndim
+        widths[axis % x.ndim] = (0, self.padded_size - self.size)
+        return jnp.pad(x, widths) if self.padded_size != self.size else x
 
     def from_blocks(self, x, axis: int):
-        """Blocked layout -> global array (drops the padding); inverse of :meth:`to_blocks`."""
-        if not self.padded:
-            return x
-        pieces = [
-            jax.lax.slice_in_dim(x, shard * self.block, shard * self.block + count, axis=axis)
-            for shard, count in enumerate(self.counts)
-        ]
-        return jnp.concatenate(pieces, axis=axis)
+        """Blocked layout -> global array (drops the padding)."""
+        return jax.lax.slice_in_dim(x, 0, self.size, axis=axis) if self.padded_size != self.size else x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,36 +138,6 @@ class ShardLayout:
         )
 
 
-def _check_parts(n: int, parts: int, grid: str, axis_name: str, mesh_dim: str) -> None:
-    if n < parts:
-        raise ValueError(
-            f"mesh axis {axis_name!r} has {parts} devices but the {grid} grid has only {n} {mesh_dim}: "
-            f"every shard needs at least one. Use at most {n} devices along {axis_name!r} "
-            "(put the others on another mesh axis, e.g. the batch axis)."
-        )
-
-
-def _raise_lat_split(plan: NeighborhoodPlan, parts: int, lat_axis: str, lon_axis: str):
-    fitting = max(p for p in range(1, parts) if _lat_split_fits(plan, p))
-    if parts > plan.nlat_out:
-        reason = f"the output grid has only {plan.nlat_out} latitudes"
-    else:
-        q_lat, k_lat = _lat_splits(plan, parts)
-        if min(k_lat.counts) == 0:
-            reason = f"a shard would get none of the {plan.nlat_in} input latitudes"
-        else:
-            radius = max(sum(_halos(plan, q_lat, k_lat), ()))
-            reason = (
-                f"the neighbourhoods (theta_cutoff={plan.theta_cutoff:.4g}) reach {radius} input rows beyond a "
-                f"shard, but the smallest shard holds only {min(k_lat.counts)} of the {plan.nlat_in} input "
-                "latitudes and halos come from the adjacent shards only"
-            )
-    raise ValueError(
-        f"cannot split latitudes over mesh axis {lat_axis!r} ({parts} devices): {reason}. Use at most "
-        f"{fitting} devices along {lat_axis!r} (put the others on {lon_axis!r} or the batch axis)."
-    )
-
-
 def _needed_key_rows(plan: NeighborhoodPlan, q_start: int, q_stop: int) -> tuple[int, int]:
     """First and last key row read by query rows ``q_start .. q_stop-1`` (from the arc table)."""
     table = plan.forward_arcs
@@ -194,32 +146,36 @@ def _needed_key_rows(plan: NeighborhoodPlan, q_start: int, q_stop: int) -> tuple
     return int(rows.min()), int(rows.max())
 
 
-def _halos(plan: NeighborhoodPlan, q_lat: AxisSplit, k_lat: AxisSplit) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _lat_splits(plan: NeighborhoodPlan, parts: int):
+    """``(q_lat, k_lat, halo_top, halo_bottom, overreaching)`` for ``parts`` latitude shards.
+
+    ``overreaching`` is the first shard whose halo is larger than the adjacent shard
+    it comes from, or ``None``.
+    """
+    q_lat = AxisSplit.contiguous(plan.nlat_out, parts)
+    k_lat = AxisSplit.contiguous(plan.nlat_in, parts)
     top, bottom = [], []
     for q0, qn, k0, kn in zip(q_lat.starts, q_lat.counts, k_lat.starts, k_lat.counts):
+        if qn == 0:  # a shard of padding only needs nothing
+            top.append(0)
+            bottom.append(0)
+            continue
         first, last = _needed_key_rows(plan, q0, q0 + qn)
         top.append(max(0, k0 - first))
         bottom.append(max(0, last - (k0 + kn - 1)))
-    return tuple(top), tuple(bottom)
+    # The poles need no halo (top[0] = bottom[-1] = 0), so the padding slots pad the lists.
+    north, south = (0, *k_lat.counts[:-1]), (*k_lat.counts[1:], 0)
+    over = [i for i in range(parts) if top[i] > north[i] or bottom[i] > south[i]]
+    return q_lat, k_lat, tuple(top), tuple(bottom), over[0] if over else None
 
 
-def _lat_splits(plan: NeighborhoodPlan, parts: int) -> tuple[AxisSplit, AxisSplit]:
-    """Balanced query split and the key split along the same colatitudes."""
-    q_lat = AxisSplit(plan.nlat_out, balanced_counts(plan.nlat_out, parts))
-    starts = np.asarray(q_lat.starts[1:], dtype=np.int64)
-    middles = 0.5 * (plan.theta_out[starts - 1] + plan.theta_out[starts])
-    bounds = np.concatenate([[0], np.searchsorted(plan.theta_in, middles, side="left"), [plan.nlat_in]])
-    return q_lat, AxisSplit(plan.nlat_in, tuple(int(c) for c in np.diff(bounds)))
-
-
-def _lat_split_fits(plan: NeighborhoodPlan, parts: int) -> bool:
-    if parts > plan.nlat_out:
-        return False
-    q_lat, k_lat = _lat_splits(plan, parts)
-    if min(k_lat.counts) == 0:
-        return False
-    top, bottom = _halos(plan, q_lat, k_lat)
-    return max(top + bottom) <= min(k_lat.counts)
+def _check_parts(n: int, parts: int, grid: str, axis_name: str, mesh_dim: str) -> None:
+    if n < parts:
+        raise ValueError(
+            f"mesh axis {axis_name!r} has {parts} devices but the {grid} grid has only {n} {mesh_dim}. "
+            f"Use at most {n} devices along {axis_name!r} (put the others on another mesh axis, e.g. the "
+            "batch axis)."
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -227,22 +183,27 @@ def shard_layout(plan: NeighborhoodPlan, lat_parts: int, lon_parts: int, lat_axi
     """Split ``plan``'s grids over ``lat_parts`` latitude and ``lon_parts`` longitude shards.
 
     Raises:
-      ValueError: naming the mesh axis and a size that works, when a shard would be
-        empty or a latitude halo would reach past the neighbouring shard (the halo
-        exchange is nearest-neighbour).
+      ValueError: naming the mesh axis and a size that works, when the mesh axis has
+        more devices than the grid has points, or a latitude halo would reach past the
+        adjacent shard (the halo exchange is nearest-neighbour).
     """
     plan = plan._host
+    _check_parts(min(plan.nlat_in, plan.nlat_out), lat_parts, "smaller", lat_axis, "latitudes")
     coarse, fine = sorted((plan.nlon_in, plan.nlon_out))
     _check_parts(coarse, lon_parts, "coarser", lon_axis, "longitudes")
-    if not _lat_split_fits(plan, lat_parts):
-        _raise_lat_split(plan, lat_parts, lat_axis, lon_axis)
-
-    q_lat, k_lat = _lat_splits(plan, lat_parts)
-    coarse_lon = AxisSplit(coarse, balanced_counts(coarse, lon_parts))
+    q_lat, k_lat, top, bottom, short = _lat_splits(plan, lat_parts)
+    if short is not None:
+        fitting = max(p for p in range(1, lat_parts) if _lat_splits(plan, p)[-1] is None)
+        raise ValueError(
+            f"cannot split latitudes over mesh axis {lat_axis!r} ({lat_parts} devices): the queries of shard "
+            f"{short} reach {max(top[short], bottom[short])} input rows beyond its own, more than the adjacent "
+            f"shard holds (input latitudes per shard: {k_lat.counts}; theta_cutoff={plan.theta_cutoff:.4g}), "
+            f"and halos come from adjacent shards only. Use at most {fitting} devices along {lat_axis!r} "
+            f"(put the others on {lon_axis!r} or the batch axis)."
+        )
+    coarse_lon = AxisSplit.contiguous(coarse, lon_parts)
     if plan.nlon_in >= plan.nlon_out:
         q_lon, k_lon = coarse_lon, coarse_lon.scaled(fine // coarse)
     else:
         q_lon, k_lon = coarse_lon.scaled(fine // coarse), coarse_lon
-
-    top, bottom = _halos(plan, q_lat, k_lat)
     return ShardLayout(q_lat, q_lon, k_lat, k_lon, top, bottom, lat_axis, lon_axis)

@@ -6,13 +6,15 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..ops import _checks
 from ..ops._ffi import native_backends
 from ..plan import NeighborhoodPlan
 from .halo import exchange_halo
-from .layout import ShardLayout, shard_layout
+from .layout import AxisSplit, ShardLayout, shard_layout
 from .ring import RingConfig, ring_attention
 
 __all__ = ["sharded_neighborhood_attention"]
@@ -21,9 +23,9 @@ __all__ = ["sharded_neighborhood_attention"]
 _LAT, _LON = -4, -3
 
 
-def _check_mesh(mesh, lat_axis, lon_axis, batch_axis, batch_shape) -> None:
+def _check_mesh(mesh, lat_axis, lon_axis, batch_axis) -> None:
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh), got {type(mesh).__name__}.")
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got {type(mesh).__name__}.")
     names = {"lat_axis": lat_axis, "lon_axis": lon_axis, "batch_axis": batch_axis}
     for arg, name in names.items():
         if name is not None and name not in mesh.axis_names:
@@ -31,14 +33,39 @@ def _check_mesh(mesh, lat_axis, lon_axis, batch_axis, batch_shape) -> None:
     used = [n for n in names.values() if n is not None]
     if len(set(used)) != len(used):
         raise ValueError(f"lat_axis, lon_axis and batch_axis must be distinct mesh axes, got {names}.")
-    if batch_axis is not None:
-        parts = mesh.shape[batch_axis]
-        if not batch_shape or batch_shape[0] % parts:
-            raise ValueError(
-                f"batch_axis={batch_axis!r} splits the first batch dimension over {parts} devices, but the "
-                f"batch shape is {batch_shape}: it needs a leading batch dimension divisible by {parts} "
-                "(or pass batch_axis=None)."
-            )
+
+
+def _check_batch(mesh, batch_axis, batch_shape) -> None:
+    if batch_axis is None:
+        return
+    parts = mesh.shape[batch_axis]
+    if not batch_shape or batch_shape[0] % parts:
+        raise ValueError(
+            f"batch_axis={batch_axis!r} splits the first batch dimension over {parts} devices, but the batch "
+            f"shape is {batch_shape}: it needs a leading batch dimension divisible by {parts} (or pass "
+            "batch_axis=None)."
+        )
+
+
+def _given_padded(x, lat: AxisSplit, lon: AxisSplit) -> tuple[bool, bool]:
+    """Whether ``x`` arrives in the end-padded blocked layout along latitude / longitude."""
+    if not hasattr(x, "shape") or len(x.shape) < 4:
+        return False, False
+    return tuple(
+        split.padded_size != split.size and x.shape[axis] == split.padded_size
+        for split, axis in ((lat, _LAT), (lon, _LON))
+    )
+
+
+def _unpadded_view(x, padded: tuple[bool, bool], lat: AxisSplit, lon: AxisSplit):
+    """``x``'s shape with padded grid axes at their true size, for the serial op's checks."""
+    if not any(padded):
+        return x
+    shape = list(x.shape)
+    for is_padded, split, axis in zip(padded, (lat, lon), (_LAT, _LON)):
+        if is_padded:
+            shape[axis] = split.size
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
 def _resolve_implementation(implementation, mesh) -> str:
@@ -57,12 +84,27 @@ def _place(x, mesh: Mesh, spec: PartitionSpec):
     return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(*(keep(p) for p in spec))))
 
 
+def _zero_padding(x, lat: AxisSplit, lon: AxisSplit, layout: ShardLayout):
+    """Zero this shard's padding slots of a local block (callers may pad with anything)."""
+    if lat.padded_size == lat.size and lon.padded_size == lon.size:
+        return x
+    rows = jnp.asarray(np.asarray(lat.counts, np.int32))[jax.lax.axis_index(layout.lat_axis)]
+    cols = jnp.asarray(np.asarray(lon.counts, np.int32))[jax.lax.axis_index(layout.lon_axis)]
+    real = (jnp.arange(lat.block) < rows)[:, None] & (jnp.arange(lon.block) < cols)[None, :]
+    return jnp.where(real[:, :, None, None], x, jnp.zeros((), x.dtype))
+
+
 def _shard_body(query, key, value, plan, *, config: RingConfig):
     """Per device: flatten batch axes, exchange the key/value halo, run the ring."""
+    layout = config.layout
     batch = query.shape[:_LAT]
     flat = lambda x: x.reshape(math.prod(batch), *x.shape[_LAT:])  # noqa: E731
-    key, value = exchange_halo((flat(key), flat(value)), config.layout, axis=_LAT)
-    out = ring_attention(config, flat(query), key, value, plan)
+    query = _zero_padding(flat(query), layout.q_lat, layout.q_lon, layout)
+    key, value = (_zero_padding(flat(x), layout.k_lat, layout.k_lon, layout) for x in (key, value))
+    key, value = exchange_halo((key, value), layout, axis=_LAT)
+    out = ring_attention(config, query, key, value, plan)
+    # The padding of `out` is already zero; masking it also zeroes its cotangent.
+    out = _zero_padding(out, layout.q_lat, layout.q_lon, layout)
     return out.reshape(*batch, *out.shape[1:])
 
 
@@ -81,20 +123,27 @@ def sharded_neighborhood_attention(
 ):
     """:func:`jax_s2attn.neighborhood_attention` with the sphere split over a device mesh.
 
-    Latitudes are split over mesh axis ``lat_axis`` and longitudes over ``lon_axis``
-    (both grids; the finer longitude grid in blocks that match the coarser one's),
-    and optionally the first batch dimension over ``batch_axis``. Each device
-    receives the key/value rows its queries need from the adjacent latitude shards
-    (halo exchange) and sees every longitude chunk of keys pass by on a ring; no
-    device ever holds more than one chunk of keys, values or their gradients.
-    Differentiable (the backward pass runs the ring again), usable inside ``jit``
-    with inputs of any sharding; other mesh axes replicate the computation.
+    Latitudes are split over mesh axis ``lat_axis`` and longitudes over ``lon_axis``,
+    optionally the first batch dimension over ``batch_axis``; other mesh axes replicate
+    the computation. Each device receives the key/value rows its queries need from the
+    adjacent latitude shards (halo exchange) and sees every longitude chunk of keys pass
+    by on a ring; no device ever holds more than one chunk of keys, values or their
+    gradients. Differentiable (the backward pass runs the ring again) and usable inside
+    ``jit`` with inputs of any sharding.
 
-    Latitude and longitude counts need not divide the mesh: shards are balanced
-    and padded internally, at the cost of a re-layout of inputs and output.
+    Grid sizes that a mesh axis does not divide: every grid axis is cut into blocks of
+    ``ceil(n / devices)`` points (for longitudes, the finer grid in blocks ``nlon_fine //
+    nlon_coarse`` times the coarser grid's), i.e. JAX's layout of the axis padded at the
+    end to ``devices * block``. Arrays may be passed either at the true size (they are
+    padded internally and the output is gathered along that axis, since JAX cannot shard
+    it evenly) or already padded at the end to that size, e.g. 721 latitudes as 724 on 4
+    devices; then nothing moves and the output comes back padded likewise, with zeros in
+    the padding (whose inputs are ignored and get zero gradients).
+    :func:`jax_s2attn.parallel.shard_layout` gives the sizes (``.q_lat.padded_size`` ...).
 
     Args:
-      query, key, value, plan, scale: as for :func:`jax_s2attn.neighborhood_attention`.
+      query, key, value, plan, scale: as for :func:`jax_s2attn.neighborhood_attention`
+        (grid axes at their true or their padded size, see above).
       mesh: the device mesh (``jax.make_mesh``; explicit or auto axis types).
       lat_axis, lon_axis: mesh axes that split latitudes and longitudes (size 1 is fine).
       batch_axis: mesh axis that splits the first batch dimension, or ``None``.
@@ -102,36 +151,44 @@ def sharded_neighborhood_attention(
         (native); ``None`` picks the native kernels when built for the mesh's platform.
 
     Returns:
-      ``out [B..., nlat_out, nlon_out, H, Dv]`` in the input dtype, sharded
-      ``P(batch_axis, ..., lat_axis, lon_axis)`` when the grid divides the mesh.
+      ``out [B..., nlat_out, nlon_out, H, Dv]`` in the input dtype (grid axes as given
+      for ``query``), sharded ``P(batch_axis, ..., lat_axis, lon_axis)`` where even.
 
     Raises:
       ValueError: naming the mesh axis and a size that works, when the grid cannot be
-        split over it (a shard without points, or a latitude halo deeper than a shard).
+        split over it (more devices than points, or a latitude halo deeper than the
+        adjacent shard).
     """
     _checks.check_implementation(implementation)
-    batch, _, dk, _ = _checks.check_inputs(query, key, value, plan)
-    scale = _checks.check_scale(scale, dk)
-    _check_mesh(mesh, lat_axis, lon_axis, batch_axis, batch)
+    if not isinstance(plan, NeighborhoodPlan):
+        raise TypeError(f"plan must be a jax_s2attn.NeighborhoodPlan, got {type(plan).__name__}.")
+    _check_mesh(mesh, lat_axis, lon_axis, batch_axis)
     layout = shard_layout(plan, mesh.shape[lat_axis], mesh.shape[lon_axis], lat_axis, lon_axis)
+    grids = [(layout.q_lat, layout.q_lon), (layout.k_lat, layout.k_lon), (layout.k_lat, layout.k_lon)]
+    padded = [_given_padded(x, *grid) for x, grid in zip((query, key, value), grids)]
+    views = [_unpadded_view(x, p, *grid) for x, p, grid in zip((query, key, value), padded, grids)]
+    batch, _, dk, _ = _checks.check_inputs(*views, plan)
+    scale = _checks.check_scale(scale, dk)
+    _check_batch(mesh, batch_axis, batch)
     config = RingConfig(layout, scale, _resolve_implementation(implementation, mesh))
 
-    batch_spec = ((batch_axis,) + (None,) * (len(batch) - 1)) if batch else ()
-    spec = PartitionSpec(*batch_spec, lat_axis, lon_axis)
-    query = _to_blocks(query, layout.q_lat, layout.q_lon)
-    key, value = (_to_blocks(x, layout.k_lat, layout.k_lon) for x in (key, value))
-    query, key, value = (_place(x, mesh, spec) for x in (query, key, value))
+    def spec(lat_part, lon_part):
+        return PartitionSpec(*((batch_axis,) + (None,) * (len(batch) - 1) if batch else ()), lat_part, lon_part)
+
+    blocked = []
+    for x, (lat, lon), (lat_padded, lon_padded) in zip((query, key, value), grids, padded):
+        x = x if lat_padded else lat.to_blocks(x, _LAT)
+        blocked.append(_place(x if lon_padded else lon.to_blocks(x, _LON), mesh, spec(lat_axis, lon_axis)))
     body = functools.partial(_shard_body, config=config)
-    out = jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, PartitionSpec()), out_specs=spec)(
-        query, key, value, plan
+    block_spec = spec(lat_axis, lon_axis)
+    out = jax.shard_map(body, mesh=mesh, in_specs=(block_spec,) * 3 + (PartitionSpec(),), out_specs=block_spec)(
+        *blocked, plan
     )
-    if layout.q_lat.padded or layout.q_lon.padded:
-        # An axis the mesh does not divide cannot stay sharded: gather it before dropping the padding.
-        lat_part = None if layout.q_lat.padded else lat_axis
-        lon_part = None if layout.q_lon.padded else lon_axis
-        out = _place(out, mesh, PartitionSpec(*batch_spec, lat_part, lon_part))
-    return layout.q_lon.from_blocks(layout.q_lat.from_blocks(out, _LAT), _LON)
 
-
-def _to_blocks(x, lat, lon):
-    return lon.to_blocks(lat.to_blocks(x, _LAT), _LON)
+    # The output keeps the query's layout; an axis the mesh does not divide cannot stay
+    # sharded at its true size, so it is gathered before the padding is dropped.
+    unpad_lat, unpad_lon = (s.padded_size != s.size and not p for s, p in zip(grids[0], padded[0]))
+    if unpad_lat or unpad_lon:
+        out = _place(out, mesh, spec(None if unpad_lat else lat_axis, None if unpad_lon else lon_axis))
+    out = layout.q_lat.from_blocks(out, _LAT) if unpad_lat else out
+    return layout.q_lon.from_blocks(out, _LON) if unpad_lon else out
