@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_s2attn
 from jax_s2attn import NeighborhoodPlan, neighborhood_attention
-from jax_s2attn.parallel import shard_layout, sharded_neighborhood_attention
+from jax_s2attn.parallel import padded_grid_shapes, shard_layout, sharded_neighborhood_attention
 from jax_s2attn.parallel.halo import exchange_halo
 from jax_s2attn.parallel.layout import AxisSplit
 from jax_s2attn.parallel.ring import merge_partials
@@ -97,6 +97,25 @@ def test_impossible_splits_name_the_axis_and_an_alternative():
         shard_layout(NeighborhoodPlan((8, 12), (8, 6)), 1, 8, "rows", "cols")
     with pytest.raises(ValueError, match=r"has only 5 latitudes. Use at most 5 devices along 'lat'"):
         shard_layout(NeighborhoodPlan((10, 8), (5, 8)), 8, 1)
+
+
+def test_bad_arguments_are_named():
+    plan = NeighborhoodPlan((8, 16), (8, 16))
+    q = jnp.zeros((2, 8, 16, 1, 4), jnp.float32)
+    attend = functools.partial(sharded_neighborhood_attention, q, q, q, plan)
+    mesh = _mesh((2, 2))
+    with pytest.raises(ValueError, match=r"lon_axis='x' is not an axis of the mesh"):
+        attend(mesh=mesh, lon_axis="x")
+    with pytest.raises(ValueError, match="must be distinct"):
+        attend(mesh=mesh, lon_axis="lat")
+    with pytest.raises(ValueError, match=r"batch_axis='b' splits the first batch dimension over 3 devices"):
+        attend(mesh=jax.make_mesh((2, 1, 3), ("lat", "lon", "b"), devices=jax.devices()[:6]), batch_axis="b")
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        attend(mesh=None)
+    with pytest.raises(ValueError, match="key has shape"):
+        sharded_neighborhood_attention(q, q[:, :7], q, plan, mesh=mesh)
+    with pytest.raises(ValueError, match="does not support float64"):
+        sharded_neighborhood_attention(*(q.astype(jnp.float64),) * 3, plan, mesh=mesh, implementation="ffi")
 
 
 # --- halo exchange --------------------------------------------------------------------
@@ -278,7 +297,7 @@ def test_end_padded_inputs_stay_sharded_and_their_padding_is_ignored(rel_error):
     """The 721-latitudes-on-4-devices situation in small: 13 latitudes padded to 16."""
     plan = NeighborhoodPlan((13, 24), (13, 24), grid_in="legendre-gauss", grid_out="legendre-gauss")
     mesh = _mesh((4, 2))
-    assert shard_layout(plan, 4, 2).q_lat.padded_size == 16
+    assert padded_grid_shapes(plan, mesh) == ((16, 24), (16, 24))
     sharding = NamedSharding(mesh, P(None, "lat", "lon"))
     garbage = lambda x: np.full((x.shape[0], 3, *x.shape[2:]), np.nan, np.float32)  # noqa: E731
     args = [jax.device_put(np.concatenate([x.astype(np.float32), garbage(x)], axis=1), sharding)

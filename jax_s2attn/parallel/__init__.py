@@ -6,6 +6,6 @@ and :mod:`.ring` runs the longitude ring, forward and backward.
 """
 
 from .layout import ShardLayout, shard_layout
-from .sharded import sharded_neighborhood_attention
+from .sharded import padded_grid_shapes, sharded_neighborhood_attention
 
-__all__ = ["ShardLayout", "shard_layout", "sharded_neighborhood_attention"]
+__all__ = ["ShardLayout", "padded_grid_shapes", "shard_layout", "sharded_neighborhood_attention"]

@@ -179,7 +179,9 @@ def _check_parts(n: int, parts: int, grid: str, axis_name: str, mesh_dim: str) -
 
 
 @functools.lru_cache(maxsize=64)
-def shard_layout(plan: NeighborhoodPlan, lat_parts: int, lon_parts: int, lat_axis: str = "lat", lon_axis: str = "lon") -> ShardLayout:
+def shard_layout(
+    plan: NeighborhoodPlan, lat_parts: int, lon_parts: int, lat_axis: str = "lat", lon_axis: str = "lon"
+) -> ShardLayout:
     """Split ``plan``'s grids over ``lat_parts`` latitude and ``lon_parts`` longitude shards.
 
     Raises:

@@ -17,7 +17,7 @@ from .halo import exchange_halo
 from .layout import AxisSplit, ShardLayout, shard_layout
 from .ring import RingConfig, ring_attention
 
-__all__ = ["sharded_neighborhood_attention"]
+__all__ = ["padded_grid_shapes", "sharded_neighborhood_attention"]
 
 # Axes of an activation ``[B..., nlat, nlon, H, D]``, counted from the end.
 _LAT, _LON = -4, -3
@@ -68,11 +68,32 @@ def _unpadded_view(x, padded: tuple[bool, bool], lat: AxisSplit, lon: AxisSplit)
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
-def _resolve_implementation(implementation, mesh) -> str:
+def _resolve_implementation(implementation, mesh, dtype) -> str:
+    if implementation == "ffi" and dtype == jnp.float64:
+        raise ValueError(
+            "implementation='ffi' does not support float64 inputs (the native kernels accumulate in float32); "
+            "use implementation=None or 'reference'."
+        )
     if implementation is not None:
         return implementation
     platform = mesh.devices.flat[0].platform
-    return "ffi" if native_backends().get("cuda" if platform == "gpu" else platform, False) else "reference"
+    native = native_backends().get("cuda" if platform == "gpu" else platform, False)
+    return "ffi" if native and dtype != jnp.float64 else "reference"
+
+
+def padded_grid_shapes(plan: NeighborhoodPlan, mesh: Mesh, lat_axis: str = "lat", lon_axis: str = "lon"):
+    """Grid sizes at which arrays stay evenly sharded on ``mesh``: ``(out_shape, in_shape)``.
+
+    Each is ``(nlat, nlon)`` rounded up to the block layout of
+    :func:`sharded_neighborhood_attention`; equal to ``plan.out_shape`` / ``plan.in_shape``
+    when the mesh divides them. Pad arrays at the end (south, east) to these sizes.
+    """
+    _check_mesh(mesh, lat_axis, lon_axis, None)
+    layout = shard_layout(plan, mesh.shape[lat_axis], mesh.shape[lon_axis], lat_axis, lon_axis)
+    return (
+        (layout.q_lat.padded_size, layout.q_lon.padded_size),
+        (layout.k_lat.padded_size, layout.k_lon.padded_size),
+    )
 
 
 def _place(x, mesh: Mesh, spec: PartitionSpec):
@@ -139,7 +160,7 @@ def sharded_neighborhood_attention(
     it evenly) or already padded at the end to that size, e.g. 721 latitudes as 724 on 4
     devices; then nothing moves and the output comes back padded likewise, with zeros in
     the padding (whose inputs are ignored and get zero gradients).
-    :func:`jax_s2attn.parallel.shard_layout` gives the sizes (``.q_lat.padded_size`` ...).
+    :func:`jax_s2attn.parallel.padded_grid_shapes` gives these sizes.
 
     Args:
       query, key, value, plan, scale: as for :func:`jax_s2attn.neighborhood_attention`
@@ -148,7 +169,8 @@ def sharded_neighborhood_attention(
       lat_axis, lon_axis: mesh axes that split latitudes and longitudes (size 1 is fine).
       batch_axis: mesh axis that splits the first batch dimension, or ``None``.
       implementation: the per-device kernels, ``"reference"`` (pure JAX) or ``"ffi"``
-        (native); ``None`` picks the native kernels when built for the mesh's platform.
+        (native); ``None`` picks the native kernels when built for the mesh's platform
+        (the reference for float64 inputs).
 
     Returns:
       ``out [B..., nlat_out, nlon_out, H, Dv]`` in the input dtype (grid axes as given
@@ -170,7 +192,7 @@ def sharded_neighborhood_attention(
     batch, _, dk, _ = _checks.check_inputs(*views, plan)
     scale = _checks.check_scale(scale, dk)
     _check_batch(mesh, batch_axis, batch)
-    config = RingConfig(layout, scale, _resolve_implementation(implementation, mesh))
+    config = RingConfig(layout, scale, _resolve_implementation(implementation, mesh, views[0].dtype))
 
     def spec(lat_part, lon_part):
         return PartitionSpec(*((batch_axis,) + (None,) * (len(batch) - 1) if batch else ()), lat_part, lon_part)
