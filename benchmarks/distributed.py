@@ -11,6 +11,9 @@ outputs + temporaries, from XLA's memory analysis; on GPUs also the allocator's 
   LON times wider (default cutoff, i.e. one grid spacing: neighbourhoods keep their size
   in points); efficiency = t_base / t.
 
+Grids that a mesh does not divide are passed end-padded (``padded_grid_shapes``), as a
+model keeps them between layers.
+
 The base is the first mesh of ``--meshes`` (normally 1x1). On multi-GPU machines consider
 ``XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true`` so ring transfers overlap
 the kernels.
@@ -68,7 +71,7 @@ def main(argv=None) -> None:
     from jax.sharding import PartitionSpec as P
 
     import jax_s2attn
-    from jax_s2attn.parallel import sharded_neighborhood_attention
+    from jax_s2attn.parallel import padded_grid_shapes, sharded_neighborhood_attention
 
     spec = P(None, "lat", "lon")
 
@@ -88,10 +91,11 @@ def main(argv=None) -> None:
     def measure(grid, theta_cutoff, mesh_shape, rng):
         mesh = make_mesh(mesh_shape)
         plan = jax_s2attn.NeighborhoodPlan(grid, grid, theta_cutoff=theta_cutoff)
-        head_dim = args.channels // args.heads
-        shape = (args.batch, *grid, args.heads, head_dim)
-        divides = grid[0] % mesh_shape[0] == 0 and grid[1] % mesh_shape[1] == 0
-        sharding = NamedSharding(mesh, spec if divides else P())
+        # Grids the mesh does not divide are passed padded at the end, as a model would keep
+        # them between layers, so every array is evenly sharded and nothing is re-laid out.
+        padded, _ = padded_grid_shapes(plan, mesh)
+        shape = (args.batch, *padded, args.heads, args.channels // args.heads)
+        sharding = NamedSharding(mesh, spec)
         q, k, v, g = (jax.device_put(jnp.asarray(rng.standard_normal(shape, np.float32), args.dtype), sharding)
                       for _ in range(4))
         attend = lambda q, k, v, plan: sharded_neighborhood_attention(  # noqa: E731
@@ -102,7 +106,8 @@ def main(argv=None) -> None:
         both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
         memory = both.lower(q, k, v, plan, g).compile().memory_analysis()
         row = dict(
-            grid="x".join(map(str, grid)), mesh="x".join(map(str, mesh_shape)), devices=mesh.size,
+            grid="x".join(map(str, grid)), padded="x".join(map(str, padded)),
+            mesh="x".join(map(str, mesh_shape)), devices=mesh.size,
             theta_cutoff=f"{plan.theta_cutoff:.6g}", pairs=plan.num_pairs,
             fwd_ms=median_ms(forward, q, k, v, plan), fwdbwd_ms=median_ms(both, q, k, v, plan, g),
         )

@@ -20,7 +20,7 @@ from jax_s2attn import NeighborhoodPlan, neighborhood_attention
 from jax_s2attn.parallel import padded_grid_shapes, shard_layout, sharded_neighborhood_attention
 from jax_s2attn.parallel.halo import exchange_halo
 from jax_s2attn.parallel.layout import AxisSplit
-from jax_s2attn.parallel.ring import merge_partials
+from jax_s2attn.parallel.ring import RESIDUAL_NAME, merge_partials
 
 IMPLEMENTATIONS = ["reference"] + (["ffi"] if jax_s2attn.native_backends()["cpu"] else [])
 TOL = 1e-5
@@ -317,6 +317,17 @@ def test_end_padded_inputs_stay_sharded_and_their_padding_is_ignored(rel_error):
     for g, expected in zip(grads, expected_grads):
         assert g.shape[1] == 16 and np.all(g[:, 13:] == 0)
         assert rel_error(g[:, :13], expected) <= TOL
+
+
+def test_checkpoint_policy_keeps_the_forward_ring_from_running_twice():
+    plan = NeighborhoodPlan((8, 16), (8, 16))
+    mesh = _mesh((1, 2), axis_type=AxisType.Auto)
+    q = jnp.ones((1, 8, 16, 1, 4), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(sharded_neighborhood_attention(q, k, v, plan, mesh=mesh))  # noqa: E731
+    # Every ring step moves data with a ppermute, so their count tells how often each ring runs.
+    ppermutes = lambda f: str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, q, q)).count("ppermute")  # noqa: E731
+    policy = jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)
+    assert ppermutes(jax.checkpoint(loss, policy=policy)) == ppermutes(loss) < ppermutes(jax.checkpoint(loss))
 
 
 # --- communication and memory ---------------------------------------------------------

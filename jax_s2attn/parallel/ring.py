@@ -22,11 +22,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from ..ops import local
 from .layout import ShardLayout
 
-__all__ = ["RingConfig", "merge_partials", "ring_attention"]
+__all__ = ["RESIDUAL_NAME", "RingConfig", "merge_partials", "ring_attention"]
+
+#: ``checkpoint_name`` of what the forward ring saves for the backward ring (this
+#: shard's query, halo-extended key/value, float32 output and lse); the serial op
+#: names its residuals alike. Under ``jax.checkpoint`` use
+#: ``policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)`` so the
+#: forward ring does not run again in the backward pass.
+RESIDUAL_NAME = "s2attn_residual"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +88,7 @@ class _Ring:
         return jax.lax.ppermute(tree, self.config.layout.lon_axis, perm)
 
     def run(self, carry, compute):
-        """Fold ``compute(carry, chunk, step) -> carry`` over the ``parts`` chunks.
+        """Fold ``compute(state, chunk, step) -> state`` over the ``parts`` chunks.
 
         ``carry = (chunk, state)``: the chunk moves on before each step's compute
         (except after the last step); the state stays on this shard.
@@ -135,7 +143,10 @@ def ring_attention(config: RingConfig, query, key, value, plan):
 
 def _ring_fwd(config, query, key, value, plan):
     out, lse = _forward(config, query, key, value, plan)
-    return out.astype(query.dtype), (query, key, value, plan, out, lse)
+    # The output is computed from the named values so that a policy saving the names
+    # can rebuild it as well.
+    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
+    return saved[3].astype(query.dtype), (*saved[:3], plan, *saved[3:])
 
 
 def _ring_bwd(config, residuals, dout):
