@@ -150,10 +150,20 @@ def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int):
     return tuple(result)
 
 
+def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def _commit() -> str:
     try:
         root = pathlib.Path(__file__).resolve().parent.parent
-        return subprocess.check_output(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], text=True).strip()
+        return subprocess.check_output(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
         return os.environ.get("JAX_S2ATTN_COMMIT", "unknown")
 
@@ -179,6 +189,10 @@ def main() -> None:
         from tqdm import tqdm
     except ImportError:
         tqdm = lambda it, **_: it
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out_dir / f"attention-{gpu.replace(' ', '_')}-{stamp}.csv"
     rows = []
     rng = np.random.default_rng(0)
     jobs = [(c, d) for c in configs for d in args.dtypes]
@@ -221,16 +235,7 @@ def main() -> None:
                 row["speedup_fwd_vs_reference"] = row["reference_fwd_ms"] / row["ffi_fwd_ms"]
                 row["speedup_fwdbwd_vs_reference"] = row["reference_fwdbwd_ms"] / row["ffi_fwdbwd_ms"]
         rows.append(row)
-
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = out_dir / f"attention-{gpu.replace(' ', '_')}-{stamp}.csv"
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, restval="")
-        writer.writeheader()
-        writer.writerows(rows)
+        _write_csv(path, rows)  # after every job, so an interrupted run keeps what it measured
 
     def fmt(x):
         return f"{x:9.3f}" if isinstance(x, float) else f"{str(x):>9}"

@@ -2,12 +2,15 @@
 
 Data flows one way: :mod:`~jax_s2attn.grids` (latitudes, quadrature) ->
 :mod:`~jax_s2attn.plan` (neighbourhood sparsity, arc tables) ->
-:mod:`~jax_s2attn.ops` (the attention op: pure-JAX reference and native kernels) ->
-:mod:`~jax_s2attn.parallel` (the op sharded over a device mesh).
+:mod:`~jax_s2attn.ops` (the attention ops: pure-JAX reference and native kernels) ->
+:mod:`~jax_s2attn.parallel` (sharded over a device mesh) -> :mod:`~jax_s2attn.nnx` /
+:mod:`~jax_s2attn.linen` (Flax layers; optional dependency).
 """
 
+import importlib
+
 from .grids import GRIDS, latitude_spacing, precompute_latitudes, precompute_longitudes
-from .ops import neighborhood_attention
+from .ops import RESIDUAL_NAME, attention_s2, neighborhood_attention
 from .ops._ffi import native_backends, native_status
 from .parallel import sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
@@ -17,6 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
     "GRIDS",
     "NeighborhoodPlan",
+    "RESIDUAL_NAME",
+    "attention_s2",
     "latitude_spacing",
     "native_backends",
     "native_status",
@@ -25,3 +30,12 @@ __all__ = [
     "precompute_longitudes",
     "sharded_neighborhood_attention",
 ]
+
+_FLAX_SUBMODULES = ("nnx", "linen")
+
+
+def __getattr__(name: str):
+    # The Flax layers need the optional flax dependency: import them on first use.
+    if name in _FLAX_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -275,7 +275,9 @@ class NeighborhoodPlan:
 
             f, b = self.forward_arcs, self.backward_arcs
             host = (f.offsets, f.arcs, f.row_order, b.offsets, b.arcs, b.row_order, self.quad_weights)
-            tables = PlanTables(*(jax.device_put(t) for t in host))
+            # First use may happen while tracing: upload eagerly, never cache a tracer.
+            with jax.ensure_compile_time_eval():
+                tables = PlanTables(*(jax.device_put(t) for t in host))
             object.__setattr__(self, "_tables", tables)
         return tables
 

@@ -15,6 +15,13 @@ import pytest
 jax.config.update("jax_enable_x64", True)
 
 
+@pytest.fixture(autouse=True)
+def full_float32_matmuls():
+    """GPUs run float32 dots in TF32 by default (~1e-3 relative error); the float32 bars assume full float32."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def pytest_addoption(parser):
     parser.addoption("--seed", type=int, default=20261129, help="seed of the random test inputs")
 
@@ -107,3 +114,28 @@ def relative_error(actual, expected) -> float:
 @pytest.fixture
 def rel_error():
     return relative_error
+
+
+@pytest.fixture
+def exact_random(rng):
+    """``exact_random(*shape)``: float64 values in (-2, 2) exactly representable in float16,
+    bfloat16 and float32, so one float64 oracle serves every input dtype."""
+    return lambda *shape: np.clip(np.round(rng.uniform(-2, 2, shape) * 128), -255, 255) / 128
+
+
+#: Bounds on relative_error against float64 per input dtype (README, "Quality bar").
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+
+
+@pytest.fixture
+def tolerance():
+    """``tolerance(dtype) -> float``: the standard relative-error bound for that input dtype."""
+    return lambda dtype: TOLERANCE[np.dtype(dtype).name]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def platform(request):
+    """Runs the test once per platform, with that platform's first device as the default."""
+    device = jax.devices("gpu" if request.param == "cuda" else request.param)[0]
+    with jax.default_device(device):
+        yield request.param

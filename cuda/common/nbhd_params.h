@@ -3,10 +3,16 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common/ffi_check.h"
 
 namespace s2attn {
+
+// Target names, identical on CPU and CUDA (jax_s2attn/ops/_ffi.py holds the Python twins).
+inline constexpr char kTargetForward[] = "jax_s2attn_nbhd_fwd";
+inline constexpr char kTargetBackwardDq[] = "jax_s2attn_nbhd_bwd_dq";
+inline constexpr char kTargetBackwardDkv[] = "jax_s2attn_nbhd_bwd_dkv";
 
 // The element types activations may have. Accumulation is always float32.
 enum class ElementType { kF32, kBF16, kF16 };
@@ -66,6 +72,23 @@ inline ffi::Error SplitActivation(const char* name, ffi::Span<const int64_t> dim
   return ffi::Error::Success();
 }
 
+// Checks that `dims` is [leading..., nlat, nlon, heads, d] with the leading dims
+// flattening to `batch`; d < 0 means there is no trailing head-dim axis (lse, delta).
+inline ffi::Error CheckGridArray(const char* name, ffi::Span<const int64_t> dims, int64_t batch, int64_t nlat,
+                                 int64_t nlon, int64_t heads, int64_t d) {
+  const int64_t trailing = d < 0 ? 3 : 4;
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  S2ATTN_CHECK(rank >= trailing, name << " has rank " << rank << "; expected at least " << trailing);
+  int64_t b = 1;
+  for (int64_t i = 0; i + trailing < rank; ++i) b *= dims[i];
+  const int64_t* tail = dims.begin() + (rank - trailing);
+  const bool ok = b == batch && tail[0] == nlat && tail[1] == nlon && tail[2] == heads && (d < 0 || tail[3] == d);
+  S2ATTN_CHECK(ok, name << " has the wrong shape: expected [batch..., " << nlat << ", " << nlon << ", " << heads
+                        << (d < 0 ? std::string() : ", " + std::to_string(d)) << "] with the batch dims of q (" << batch
+                        << " in all)");
+  return ffi::Error::Success();
+}
+
 // A table operand holding `copies >= 1` identical copies of `expected` elements.
 inline ffi::Error CheckTable(const char* name, int64_t count, int64_t expected) {
   S2ATTN_CHECK(expected > 0 && count > 0 && count % expected == 0,
@@ -117,6 +140,18 @@ inline ffi::Error DecodeParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   S2ATTN_CHECK(arcs_count % 3 == 0, "arcs must hold (row, lo, len) triples, got " << arcs_count << " elements");
   S2ATTN_RETURN_IF_ERROR(CheckTable("quad_weights", weights_count, p->nlat_k));
   return ffi::Error::Success();
+}
+
+// Checks the extra operands of the backward targets against decoded params:
+// dout [..., nq_lat, nq_lon, H, Dv] in the dtype of q, lse and delta [..., nq_lat, nq_lon, H]
+// (their float32 dtype is enforced by the handler binding).
+inline ffi::Error CheckBackwardOperands(const ffi::AnyBuffer& q, const ffi::AnyBuffer& dout,
+                                        ffi::Span<const int64_t> lse_dims, ffi::Span<const int64_t> delta_dims,
+                                        const NbhdParams& p) {
+  S2ATTN_CHECK(dout.element_type() == q.element_type(), "dout must have the dtype of q");
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dout", dout.dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
+  return CheckGridArray("delta", delta_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1);
 }
 
 }  // namespace s2attn

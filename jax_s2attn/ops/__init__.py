@@ -1,6 +1,7 @@
-"""Attention ops: the public function, the pure-JAX reference and the native (FFI) path."""
+"""Attention ops: the public functions, the pure-JAX reference and the native (FFI) path."""
 
-from .neighborhood import neighborhood_attention
+from .global_attention import attention_s2
+from .neighborhood import RESIDUAL_NAME, neighborhood_attention
 from .reference import reference_attention
 
-__all__ = ["neighborhood_attention", "reference_attention"]
+__all__ = ["RESIDUAL_NAME", "attention_s2", "neighborhood_attention", "reference_attention"]

@@ -1,4 +1,4 @@
-"""Native extension modules: import, version guard, FFI target registration.
+"""Native extension modules: import, version guard, FFI target registration, FFI calls.
 
 The CPU module (``_s2attn_cpu``) and the CUDA module (``_s2attn_cuda``) are both
 optional at import time: without them every op runs on the pure-JAX reference
@@ -11,9 +11,25 @@ import importlib
 import threading
 
 import jax
+import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
-__all__ = ["HAS_CPU_EXT", "HAS_CUDA_EXT", "native_backends", "native_status", "ensure_registered"]
+__all__ = [
+    "BACKWARD_DKV_TARGET",
+    "BACKWARD_DQ_TARGET",
+    "FORWARD_TARGET",
+    "HAS_CPU_EXT",
+    "HAS_CUDA_EXT",
+    "TARGETS",
+    "ensure_registered",
+    "ffi_backward_dkv",
+    "ffi_backward_dq",
+    "ffi_forward",
+    "native_backends",
+    "native_status",
+    "unavailable_reason",
+]
 
 # XLA keys handlers by (target name, platform); these are jax's platform spellings.
 _PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
@@ -56,6 +72,24 @@ def native_status() -> str:
     return "\n".join(f"{platform}: {reason}" for platform, (_, reason) in _MODULES.items())
 
 
+#: The CUDA kernels' general path keeps both head vectors in shared memory (Dk + Dv floats
+#: per point); the handler rejects larger head dims, so callers check before lowering.
+CUDA_MAX_HEAD_DIMS = 6144
+
+
+def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
+    """Why the native kernels of ``platform`` ("cpu" or "cuda") cannot run heads of
+    ``dk``/``dv`` channels; None if they can."""
+    if platform not in _MODULES:
+        return f"jax_s2attn has no native kernels for platform {platform!r} (only for cpu and cuda)"
+    module, reason = _MODULES[platform]
+    if module is None:
+        return reason
+    if platform == "cuda" and dk + dv > CUDA_MAX_HEAD_DIMS:
+        return f"the CUDA kernels support Dk + Dv <= {CUDA_MAX_HEAD_DIMS}, got Dk={dk}, Dv={dv}"
+    return None
+
+
 def ensure_registered() -> None:
     """Register every FFI target of the available modules (idempotent, thread-safe).
 
@@ -71,3 +105,140 @@ def ensure_registered() -> None:
             for name, capsule in module.registrations().items():
                 jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORMS[platform])
         _registered = True
+
+
+# ----------------------------------------------------------------------------- FFI calls
+# Target names; each native module's registrations() has exactly these keys.
+FORWARD_TARGET = "jax_s2attn_nbhd_fwd"
+BACKWARD_DQ_TARGET = "jax_s2attn_nbhd_bwd_dq"
+BACKWARD_DKV_TARGET = "jax_s2attn_nbhd_bwd_dkv"
+TARGETS = (FORWARD_TARGET, BACKWARD_DQ_TARGET, BACKWARD_DKV_TARGET)
+
+
+def _attributes(plan, table, scale) -> dict:
+    """FFI attributes of a call walking ``table``, with the exact types the handlers bind."""
+    return {
+        "scale": np.float32(scale),
+        "residues": np.int64(table.residues),
+        "shift": np.int64(table.shift),
+        "nlat_q": np.int64(plan.nlat_out),
+        "nlon_q": np.int64(plan.nlon_out),
+        "nlat_k": np.int64(plan.nlat_in),
+        "nlon_k": np.int64(plan.nlon_in),
+    }
+
+
+def _varying_axes(x) -> frozenset:
+    """Manual mesh axes ``x`` varies over inside ``shard_map`` (empty outside)."""
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def _vary_together(operands):
+    """Cast every operand to the union of the operands' varying manual axes.
+
+    Inside ``shard_map`` an FFI call needs operands of one varying type; doing the
+    cast here (instead of leaving it to ``ffi_call``) lets the results be typed
+    like any one operand.
+    """
+    varying = [_varying_axes(x) for x in operands]
+    union = frozenset().union(*varying)
+    return [
+        x if axes == union else jax.lax.pcast(x, tuple(union - axes), to="varying")
+        for x, axes in zip(operands, varying)
+    ]
+
+
+def _result_type(like, shape) -> jax.ShapeDtypeStruct:
+    """float32 result type; inside ``shard_map`` it varies over ``like``'s manual axes."""
+    aval = jax.typeof(like)
+    if not aval.manual_axis_type.varying:
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.ShapeDtypeStruct(
+        shape,
+        jnp.float32,
+        sharding=jax.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec()),
+        manual_axis_type=aval.manual_axis_type,
+    )
+
+
+def _call(target, operands, result_shapes, attributes, poison_results):
+    """One ``ffi_call`` with float32 results of ``result_shapes``.
+
+    With ``poison_results`` (a test aid) every result buffer starts as NaN: NaN-filled
+    operands are appended and aliased to the results, so an element a kernel forgets
+    to write stays NaN. The handlers ignore the extra operands.
+    """
+    operands = [jnp.asarray(x) for x in operands]
+    if poison_results:
+        operands += [jnp.full(shape, jnp.nan, jnp.float32) for shape in result_shapes]
+    operands = _vary_together(operands)
+    results = [_result_type(operands[0], shape) for shape in result_shapes]
+    first_alias = len(operands) - len(result_shapes)
+    aliases = {first_alias + i: i for i in range(len(result_shapes))} if poison_results else None
+    call = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all", input_output_aliases=aliases)
+    return call(*operands, **attributes)
+
+
+def _index(x):
+    return jnp.asarray(x, jnp.int32)
+
+
+def _grid_dims(name, x) -> tuple:
+    """``(leading dims, nlat, nlon, heads)`` of an activation ``[..., nlat, nlon, H, D]``."""
+    if len(x.shape) < 4:
+        raise ValueError(f"{name} must have shape [..., nlat, nlon, heads, head_dim], got shape {tuple(x.shape)}.")
+    *lead, nlat, nlon, heads, _ = x.shape
+    return tuple(lead), nlat, nlon, heads
+
+
+def ffi_forward(query, key, value, plan, window, row_order, *, scale, poison_results=False):
+    """Forward target: ``(out, lse)`` in float32 over the keys inside ``window``.
+
+    Activations ``query [..., nq_lat, nq_lon, H, Dk]``, ``key [..., nk_lat, nk_lon, H, Dk]``,
+    ``value [..., nk_lat, nk_lon, H, Dv]`` (local blocks, equal leading dims, one dtype);
+    ``window`` int32[8] (cuda/README.md); ``row_order`` int32 local query rows, longest
+    first. Returns ``out [..., nq_lat, nq_lon, H, Dv]`` and ``lse [..., nq_lat, nq_lon, H]``;
+    a query without neighbours in the window gets ``out = 0``, ``lse = -inf``.
+
+    Beyond the query's rank, shapes and dtypes are checked by the handler
+    (``INVALID_ARGUMENT``). ``poison_results`` (all three targets) is a test aid:
+    results start as NaN, so any element a kernel leaves unwritten shows.
+    """
+    ensure_registered()
+    tables = plan.tables
+    lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
+    operands = (query, key, value, _index(window), _index(row_order), tables.forward_offsets, tables.forward_arcs,
+                tables.quad_weights)
+    shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
+    out, lse = _call(FORWARD_TARGET, operands, shapes, _attributes(plan, plan.forward_arcs, scale), poison_results)
+    return out, lse
+
+
+def ffi_backward_dq(query, key, value, dout, lse, delta, plan, window, row_order, *, scale, poison_results=False):
+    """dQ target (float32, shaped like ``query``) over the keys inside ``window``.
+
+    ``lse`` and ``delta = sum(dout * out, -1)`` are float32 ``[..., nq_lat, nq_lon, H]``
+    and global (merged over every key block); ``row_order`` holds local query rows.
+    """
+    ensure_registered()
+    tables = plan.tables
+    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), tables.forward_offsets,
+                tables.forward_arcs, tables.quad_weights)
+    (dq,) = _call(BACKWARD_DQ_TARGET, operands, [query.shape], _attributes(plan, plan.forward_arcs, scale),
+                  poison_results)
+    return dq
+
+
+def ffi_backward_dkv(query, key, value, dout, lse, delta, plan, window, row_order, *, scale, poison_results=False):
+    """dK/dV target: ``(dk, dv)`` in float32, shaped like ``key`` and ``value``.
+
+    Sums over the queries inside ``window`` (walking the transposed arcs);
+    ``row_order`` holds local key rows. ``lse``/``delta`` as in :func:`ffi_backward_dq`.
+    """
+    ensure_registered()
+    tables = plan.tables
+    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), tables.backward_offsets,
+                tables.backward_arcs, tables.quad_weights)
+    dk, dv = _call(BACKWARD_DKV_TARGET, operands, [key.shape, value.shape],
+                   _attributes(plan, plan.backward_arcs, scale), poison_results)
+    return dk, dv

@@ -1,14 +1,27 @@
-"""Public neighbourhood-attention op: validation, backend choice and batching."""
+"""Public neighbourhood-attention op: validation, backend choice, and the native custom VJP."""
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
 from ..plan import NeighborhoodPlan
-from . import _checks
+from . import _checks, _ffi
+from .local import full_window
 from .reference import reference_attention
 
-__all__ = ["neighborhood_attention"]
+__all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
+
+#: ``checkpoint_name`` of the tensors the native forward saves for its backward pass
+#: (query, key, value, float32 output, lse). Under ``jax.checkpoint`` use
+#: ``policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)`` so the
+#: native forward is not run a second time in the backward pass.
+RESIDUAL_NAME = "s2attn_residual"
 
 
 def neighborhood_attention(
@@ -40,28 +53,128 @@ def neighborhood_attention(
         Pass it as an ordinary ``jit`` argument to keep its tables out of the
         compiled program; as a static argument or a closure it also works.
       scale: logit scale, default ``1/sqrt(Dk)`` (as ``jax.nn.dot_product_attention``).
-      implementation: ``"reference"`` (pure JAX, any backend and dtype),
-        ``"ffi"`` (native kernels) or ``None`` to pick the fastest available.
+      implementation: ``"reference"`` (pure JAX, any backend and dtype), ``"ffi"``
+        (native kernels: float16, bfloat16 and float32 on CPU and CUDA, accumulating
+        in float32; a ``ValueError`` says why when they cannot run) or ``None``:
+        ``"ffi"`` on every platform whose native module is built
+        (:func:`jax_s2attn.native_backends`), ``"reference"`` elsewhere and always
+        for float64 inputs. The choice per platform is made when the computation is
+        lowered, so a program exported for CUDA from a CPU-only machine still uses
+        the CUDA kernels.
       return_residual: also return the log-sum-exp ``log sum_j w_j exp(s_j)``.
 
     Returns:
       ``out [B..., nlat_out, nlon_out, H, Dv]`` in the input dtype, and with
       ``return_residual=True`` also ``lse [B..., nlat_out, nlon_out, H]`` (float32,
       float64 for float64 inputs).
+
+    Differentiable in ``query``, ``key`` and ``value`` (and through ``lse``). The
+    native backward pass is deterministic; its saved tensors are named
+    :data:`RESIDUAL_NAME` for ``jax.checkpoint`` policies.
     """
     _checks.check_implementation(implementation)
-    batch, heads, dk, dv = _checks.check_inputs(query, key, value, plan)
+    _, _, dk, dv = _checks.check_inputs(query, key, value, plan)
     scale = _checks.check_scale(scale, dk)
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
     if implementation == "ffi":
+        _check_native_runnable(query, dk, dv)
+        attention = _native_attention
+    elif implementation == "reference" or query.dtype == jnp.float64:
+        attention = _reference
+    else:
+        attention = _per_platform
+    out, lse = attention(query, key, value, plan, scale)
+    return (out, lse) if return_residual else out
+
+
+def _platform_of(x) -> str:
+    """jax platform name of a concrete array; the default backend for traced values."""
+    try:
+        platform = next(iter(x.devices())).platform
+    except (AttributeError, jax.errors.ConcretizationTypeError):  # tracers and numpy arrays
+        platform = jax.default_backend()
+    return "cuda" if platform == "gpu" else platform
+
+
+def _check_native_runnable(query, dk: int, dv: int) -> None:
+    if query.dtype == jnp.float64:
         raise ValueError(
-            "implementation='ffi' is not available: native attention kernels are not part of this build; "
-            "use implementation=None or 'reference'."
+            "implementation='ffi' does not support float64 inputs (the native kernels accumulate in float32); "
+            "use implementation=None or 'reference', which compute float64 in pure JAX."
         )
+    platform = _platform_of(query)
+    reason = _ffi.unavailable_reason(platform, dk, dv)
+    if reason is not None:
+        raise ValueError(f"implementation='ffi' cannot run on {platform}: {reason}. Use implementation=None.")
+
+
+def _reference(query, key, value, plan, scale):
+    batch = query.shape[:-4]
     flat = math.prod(batch)
     q = query.reshape(flat, *query.shape[-4:])
     k = key.reshape(flat, *key.shape[-4:])
     v = value.reshape(flat, *value.shape[-4:])
     out, lse = reference_attention(q, k, v, plan, scale)
-    out = out.reshape(*batch, *out.shape[1:])
-    lse = lse.reshape(*batch, *lse.shape[1:])
-    return (out, lse) if return_residual else out
+    return out.reshape(*batch, *out.shape[1:]), lse.reshape(*batch, *lse.shape[1:])
+
+
+def _per_platform(query, key, value, plan, scale):
+    """Native kernels where their module is built, the reference elsewhere (chosen at lowering)."""
+    native = functools.partial(_native_attention, scale=scale)
+    reference = functools.partial(_reference, scale=scale)
+    dk, dv = query.shape[-1], value.shape[-1]
+    branches = {
+        platform: native if _ffi.unavailable_reason(platform, dk, dv) is None else reference
+        for platform in ("cpu", "cuda")
+    }
+    if all(branch is reference for branch in branches.values()):
+        return reference(query, key, value, plan)
+    return jax.lax.platform_dependent(query, key, value, plan, default=reference, **branches)
+
+
+# ----------------------------------------------------------------------------- native path
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _native_attention(query, key, value, plan, scale):
+    """``(out in the input dtype, lse float32)`` from the native kernels, whole grids."""
+    outputs, _ = _native_forward(query, key, value, plan, scale)
+    return outputs
+
+
+def _native_forward(query, key, value, plan, scale):
+    out, lse = _ffi.ffi_forward(
+        query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale
+    )
+    # The outputs are computed from the named values so that a checkpoint policy saving
+    # the names can rebuild them too (they feed the caller's own backward pass).
+    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
+    out, lse = saved[3:]
+    return (out.astype(query.dtype), lse), (saved, plan)
+
+
+def _native_backward(scale, residuals, cotangents):
+    (query, key, value, out, lse), plan = residuals
+    dout, dlse = cotangents
+    # delta from the float32 output, never from a rounded one. A cotangent of lse adds
+    # dlse * p_j to every score gradient, exactly as lowering delta by dlse does.
+    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1) - dlse
+    window = full_window(plan)
+    tables = plan.tables
+    dq = _ffi.ffi_backward_dq(
+        query, key, value, dout, lse, delta, plan, window, tables.forward_row_order, scale=scale
+    )
+    dk, dv = _ffi.ffi_backward_dkv(
+        query, key, value, dout, lse, delta, plan, window, tables.backward_row_order, scale=scale
+    )
+    plan_cotangent = jax.tree.map(_zero_cotangent, plan)
+    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), plan_cotangent
+
+
+def _zero_cotangent(table):
+    if jnp.issubdtype(table.dtype, jnp.floating):
+        return jnp.zeros_like(table)
+    return np.zeros(table.shape, dtype=jax.dtypes.float0)
+
+
+_native_attention.defvjp(_native_forward, _native_backward)

@@ -24,17 +24,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..ops import local
+from ..ops import RESIDUAL_NAME, local
 from .layout import ShardLayout
 
-__all__ = ["RESIDUAL_NAME", "RingConfig", "merge_partials", "ring_attention"]
-
-#: ``checkpoint_name`` of what the forward ring saves for the backward ring (this
-#: shard's query, halo-extended key/value, float32 output and lse); the serial op
-#: names its residuals alike. Under ``jax.checkpoint`` use
-#: ``policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)`` so the
-#: forward ring does not run again in the backward pass.
-RESIDUAL_NAME = "s2attn_residual"
+__all__ = ["RingConfig", "merge_partials", "ring_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +136,9 @@ def ring_attention(config: RingConfig, query, key, value, plan):
 
 def _ring_fwd(config, query, key, value, plan):
     out, lse = _forward(config, query, key, value, plan)
-    # The output is computed from the named values so that a policy saving the names
-    # can rebuild it as well.
+    # Residuals named like the serial op's, so one checkpoint policy
+    # (save_only_these_names(RESIDUAL_NAME)) keeps the forward ring from running again;
+    # the output is computed from the named values so the policy can rebuild it too.
     saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
     return saved[3].astype(query.dtype), (*saved[:3], plan, *saved[3:])
 

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..ops import _checks
-from ..ops._ffi import native_backends
+from ..ops import _ffi
 from ..plan import NeighborhoodPlan
 from .halo import exchange_halo
 from .layout import AxisSplit, ShardLayout, shard_layout
@@ -68,17 +68,19 @@ def _unpadded_view(x, padded: tuple[bool, bool], lat: AxisSplit, lon: AxisSplit)
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
-def _resolve_implementation(implementation, mesh, dtype) -> str:
-    if implementation == "ffi" and dtype == jnp.float64:
-        raise ValueError(
-            "implementation='ffi' does not support float64 inputs (the native kernels accumulate in float32); "
-            "use implementation=None or 'reference'."
-        )
-    if implementation is not None:
-        return implementation
+def _resolve_implementation(implementation, mesh: Mesh, dtype, dk: int, dv: int) -> str:
+    """The per-device kernels: native where they can run on the mesh's platform."""
     platform = mesh.devices.flat[0].platform
-    native = native_backends().get("cuda" if platform == "gpu" else platform, False)
-    return "ffi" if native and dtype != jnp.float64 else "reference"
+    platform = "cuda" if platform == "gpu" else platform
+    if dtype == jnp.float64:
+        reason = "the native kernels accumulate in float32 and do not take float64 inputs"
+    else:
+        reason = _ffi.unavailable_reason(platform, dk, dv)
+    if implementation == "ffi" and reason is not None:
+        raise ValueError(f"implementation='ffi' cannot run on this {platform} mesh: {reason}. Use implementation=None.")
+    if implementation is None:
+        return "ffi" if reason is None else "reference"
+    return implementation
 
 
 def padded_grid_shapes(plan: NeighborhoodPlan, mesh: Mesh, lat_axis: str = "lat", lon_axis: str = "lon"):
@@ -189,10 +191,10 @@ def sharded_neighborhood_attention(
     grids = [(layout.q_lat, layout.q_lon), (layout.k_lat, layout.k_lon), (layout.k_lat, layout.k_lon)]
     padded = [_given_padded(x, *grid) for x, grid in zip((query, key, value), grids)]
     views = [_unpadded_view(x, p, *grid) for x, p, grid in zip((query, key, value), padded, grids)]
-    batch, _, dk, _ = _checks.check_inputs(*views, plan)
+    batch, _, dk, dv = _checks.check_inputs(*views, plan)
     scale = _checks.check_scale(scale, dk)
     _check_batch(mesh, batch_axis, batch)
-    config = RingConfig(layout, scale, _resolve_implementation(implementation, mesh, views[0].dtype))
+    config = RingConfig(layout, scale, _resolve_implementation(implementation, mesh, views[0].dtype, dk, dv))
 
     def spec(lat_part, lon_part):
         return PartitionSpec(*((batch_axis,) + (None,) * (len(batch) - 1) if batch else ()), lat_part, lon_part)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One call on the H200 box: build against the box's jax, run the GPU tests, the sanitizers
+# and the benchmark. Usage (from the repository root): bash benchmarks/run_h200.sh [tests|sanitize|bench|all] ...
+# Logs and CSVs go to $OUT (or ./out) so the device tool brings them back.
+set -uo pipefail
+OUT="${OUT:-$PWD/out}"
+mkdir -p "$OUT"
+steps="${*:-all}"
+has() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  python3 -c "import jax, jaxlib, nanobind, scikit_build_core; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'nanobind', nanobind.__version__, 'skbuild', scikit_build_core.__version__)"
+  nvcc --version | tail -2
+} 2>&1 | tee "$OUT/versions.txt"
+
+# Build outside the source tree's build/ so a carried folder never clobbers it.
+start=$(date +%s)
+JAX_S2ATTN_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
+  -Cbuild-dir=/tmp/s2attn-build . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+(cd / && python3 -c "import jax, jax_s2attn; print(jax.devices()); print(jax_s2attn.native_status())")
+
+status=0
+if has tests; then
+  PYTHONUNBUFFERED=1 timeout ${TEST_TIMEOUT:-360} python3 -P -m pytest -q -p no:cacheprovider -m gpu tests \
+    -k "not handler_rejects" 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  status=$(( status | ${PIPESTATUS[0]} ))
+  # Handler error paths in their own process: a crash there must not hide the results above.
+  timeout 90 python3 -P -m pytest -q -p no:cacheprovider -m gpu tests/test_nbhd_errors.py -k handler_rejects \
+    > "$OUT/gpu-error-tests.log" 2>&1
+  echo "GPU handler error tests: exit $?"; tail -3 "$OUT/gpu-error-tests.log"
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    XLA_FLAGS=--xla_gpu_autotune_level=0 timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 9 --kernel-name kns=NbhdAttn python3 tests/gpu_sanitizer.py \
+      > "$OUT/sanitizer-$tool.log" 2>&1
+    rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -4 "$OUT/sanitizer-$tool.log"
+    status=$(( status | rc ))
+  done
+fi
+if has bench; then
+  PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-3000} python3 benchmarks/attention.py ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+exit "$status"

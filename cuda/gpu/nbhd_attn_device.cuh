@@ -1,0 +1,525 @@
+// Device building blocks of the neighbourhood-attention kernels (included by the .cu files
+// only): element widening, the two channel layouts, the arc walk in groups of neighbours, the
+// block schedule and the host-side variant dispatch and launch.
+//
+// Work decomposition (all three kernels): a *team* of Ch::kLanes consecutive lanes owns one
+// walking point (query for forward/dq, key for dk/dv) of one (batch, head); each lane holds a
+// slice of that point's channels. The team walks the point's arcs as contiguous runs of the
+// other grid (arc_walk.h), kNeighbourGroup neighbours at a time: the group's rows are loaded
+// together, reduced with shuffles inside the team, then accumulated. Control flow is uniform
+// inside a team, so shuffles name the team's lanes only and teams of one warp may diverge.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+
+#include "common/arc_walk.h"
+#include "gpu/nbhd_attn_kernels.h"
+
+namespace s2attn {
+namespace gpu {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+// Neighbours whose rows are loaded together (one max/rescale per group in the forward).
+constexpr int kNeighbourGroup = 4;
+// Threads per block of the vector kernels; the general kernels use up to kGeneralMaxWarps.
+constexpr int kVectorBlockThreads = 256;
+// Resident 256-thread blocks per SM the launch bounds ask for, i.e. register caps of 80 for
+// the forward vector kernels (24 warps per SM) and 128 for the rest (16 warps; the backward
+// holds four head vectors and two tiles per lane). ptxas -v (sm_90, CUDA 13.0): no spills but
+// 16 bytes in the float32 Dk = 128 forward. Left to itself ptxas picks counts that spill or
+// waste occupancy. Worth re-measuring 2 vs 3 for the forward on the H200.
+constexpr int kFwdVectorBlocksPerSm = 3;
+constexpr int kBlocksPerSm = 2;
+constexpr int kGeneralMaxWarps = 4;
+// Shared memory of one general-kernel block (the default limit, no opt-in needed).
+constexpr int64_t kGeneralSharedBytes = 48 * 1024;
+// Largest grid extent in y and z; larger grids are split into several launches. A macro only
+// so that the CPU emulation tests (tests/cuda_emulation) can exercise the split with a small one.
+#ifndef S2ATTN_MAX_GRID_YZ
+#define S2ATTN_MAX_GRID_YZ 65535
+#endif
+constexpr int64_t kMaxGridYZ = S2ATTN_MAX_GRID_YZ;
+
+// 2^x by the special-function unit (max relative error ~2^-22; exp2(-inf) = 0).
+__device__ __forceinline__ float Exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else  // the kernels compiled for the host (tests/cuda_emulation)
+  return exp2f(x);
+#endif
+}
+
+// The block's dynamic shared memory (only the general kernels ask for any).
+__device__ __forceinline__ float* DynamicShared() {
+  extern __shared__ float s2attn_dynamic_shared[];
+  return s2attn_dynamic_shared;
+}
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+
+// Four consecutive elements of T, loaded as one vector (16 bytes of float32, 8 bytes of a
+// 16-bit type) and widened to float. Four channels per lane keep the register footprint of
+// the backward kernels (four head vectors and two tiles per lane) within 128 registers.
+template <typename T>
+struct Pack4;
+
+template <>
+struct Pack4<float> {
+  using Raw = uint4;
+  static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
+    x[0] = __uint_as_float(r.x);
+    x[1] = __uint_as_float(r.y);
+    x[2] = __uint_as_float(r.z);
+    x[3] = __uint_as_float(r.w);
+  }
+};
+
+template <>
+struct Pack4<__nv_bfloat16> {
+  using Raw = uint2;
+  static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
+    // bfloat16 is the upper half of a float32.
+    x[0] = __uint_as_float(r.x << 16);
+    x[1] = __uint_as_float(r.x & 0xffff0000u);
+    x[2] = __uint_as_float(r.y << 16);
+    x[3] = __uint_as_float(r.y & 0xffff0000u);
+  }
+};
+
+template <>
+struct Pack4<__half> {
+  using Raw = uint2;
+  static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
+    x[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.x & 0xffffu)));
+    x[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.x >> 16)));
+    x[2] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.y & 0xffffu)));
+    x[3] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.y >> 16)));
+  }
+};
+
+// Which lane of a team holds total j after the reduce-scatter of TeamAllReduce.
+template <int kLanes, int kCount>
+__host__ __device__ constexpr int ReducedLane(int j) {
+  int lane = 0;
+  for (int width = kCount, offset = kLanes / 2; width > 1; width /= 2, offset /= 2) {
+    if (j >= width / 2) {
+      lane += offset;
+      j -= width / 2;
+    }
+  }
+  return lane;
+}
+
+// Sums kCount per-lane partials over a team of kLanes lanes (`lane` = index in the team,
+// `base` = the team's first lane in the warp) and leaves every total, bitwise equal, in
+// every lane. Reduce-scatter first (each step sends the half of the values the partner keeps),
+// butterfly once one value is left, then gather the totals from the lanes that hold them:
+// (kCount - 1) + log2(kLanes / kCount) + kCount shuffles, e.g. 9 instead of 16 for 4 values
+// over 16 lanes.
+template <int kLanes, int kCount>
+__device__ __forceinline__ void TeamAllReduce(float (&v)[kCount], unsigned mask, int lane, int base) {
+  static_assert((kCount & (kCount - 1)) == 0 && kCount <= kLanes, "a power of two of at most kLanes values");
+  float a[kCount];
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) a[i] = v[i];
+#pragma unroll
+  for (int step = 0; (kCount >> step) > 1; ++step) {
+    const int half = (kCount >> step) / 2;
+    const int offset = kLanes >> (step + 1);
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float send = upper ? a[i] : a[i + half];
+      const float keep = upper ? a[i + half] : a[i];
+      a[i] = keep + __shfl_xor_sync(mask, send, offset);
+    }
+  }
+#pragma unroll
+  for (int offset = kLanes / (2 * kCount); offset > 0; offset /= 2) a[0] += __shfl_xor_sync(mask, a[0], offset);
+#pragma unroll
+  for (int j = 0; j < kCount; ++j) v[j] = __shfl_sync(mask, a[0], base + ReducedLane<kLanes, kCount>(j));
+}
+
+// ------------------------------------------------------------------ channel layouts
+//
+// Both layouts offer the same operations on this lane's slice of a head vector:
+//   Vec NewVec(dim)                 zeroed accumulator / register copy of one head vector
+//   Load(vec, row, scale)           vec = scale * row (row = first element of the head vector)
+//   LoadRows<kRows>(first, stride)  a Tile of kRows rows `stride` elements apart
+//   Dots(a, tile, s)                s[u] = partial dot of a with row u (this lane's channels)
+//   Sum(s)                          all-reduce partials over the team (bitwise equal in all lanes)
+//   Accumulate(acc, w, tile)        acc += sum_u w[u] * row u
+//   Scale, Store(row, vec, scale), StoreZero, Leader (one lane per team)
+
+// Fast path: Dk == Dv == kDim in {32, 64, 128}, 16-byte aligned buffers. Each lane owns four
+// consecutive channels (one vector load per row); a team is kDim / 4 lanes.
+template <typename T, int kDim>
+class VectorChannels {
+ public:
+  static constexpr int kPerLane = 4;
+  static constexpr int kLanes = kDim / kPerLane;
+  static constexpr bool kUsesShared = false;
+  static_assert(kDim % kPerLane == 0 && kLanes >= 2 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0,
+                "a team must be a power-of-two part of a warp");
+
+  struct Vec {
+    float x[kPerLane];
+  };
+  template <int kRows>
+  struct Tile {
+    typename Pack4<T>::Raw raw[kRows];
+  };
+
+  __device__ explicit VectorChannels(float* /*warp_shared*/)
+      : lane_(static_cast<int>(threadIdx.x % kLanes)),
+        base_(static_cast<int>(threadIdx.x % 32) / kLanes * kLanes),
+        mask_(kLanes == 32 ? 0xffffffffu : ((1u << (kLanes % 32)) - 1u) << base_) {}
+
+  __device__ bool Leader() const { return lane_ == 0; }
+
+  __device__ Vec NewVec(int64_t /*dim*/) const {
+    Vec v;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v.x[i] = 0.f;
+    return v;
+  }
+
+  __device__ void Load(Vec& v, const T* row, float scale) const {
+    float x[kPerLane];
+    Pack4<T>::Widen(LoadRaw(row), x);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v.x[i] = x[i] * scale;
+  }
+
+  template <int kRows>
+  __device__ Tile<kRows> LoadRows(const T* first_row, int64_t stride) const {
+    Tile<kRows> t;
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) t.raw[u] = LoadRaw(first_row + u * stride);
+    return t;
+  }
+
+  template <int kRows>
+  __device__ void Dots(const Vec& a, const Tile<kRows>& t, float (&s)[kRows]) const {
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      float x[kPerLane];
+      Pack4<T>::Widen(t.raw[u], x);
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) d = fmaf(a.x[i], x[i], d);
+      s[u] = d;
+    }
+  }
+
+  template <int kRows>
+  __device__ void Accumulate(Vec& acc, const float (&w)[kRows], const Tile<kRows>& t) const {
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      float x[kPerLane];
+      Pack4<T>::Widen(t.raw[u], x);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) acc.x[i] = fmaf(w[u], x[i], acc.x[i]);
+    }
+  }
+
+  template <int kCount>
+  __device__ void Sum(float (&s)[kCount]) const {
+    TeamAllReduce<kLanes>(s, mask_, lane_, base_);
+  }
+
+  __device__ void Scale(Vec& v, float f) const {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v.x[i] *= f;
+  }
+
+  __device__ void Store(float* row, const Vec& v, float scale) const {
+    *reinterpret_cast<float4*>(row + lane_ * kPerLane) =
+        make_float4(v.x[0] * scale, v.x[1] * scale, v.x[2] * scale, v.x[3] * scale);
+  }
+
+  __device__ void StoreZero(float* row, int64_t /*dim*/) const { Store(row, NewVec(0), 0.f); }
+
+ private:
+  __device__ typename Pack4<T>::Raw LoadRaw(const T* row) const {
+    return __ldg(reinterpret_cast<const typename Pack4<T>::Raw*>(row + lane_ * kPerLane));
+  }
+
+  int lane_;       // index in the team: this lane owns channels [4 * lane_, 4 * lane_ + 4)
+  int base_;       // the team's first lane in the warp
+  unsigned mask_;  // the team's lanes
+};
+
+// General path: any Dk, Dv (odd sizes, Dk != Dv, unaligned buffers). One warp per point;
+// lane l owns channels l, l + 32, ...; head vectors live in this warp's slice of shared
+// memory, where every lane touches only its own channels (no barriers, no bank conflicts).
+template <typename T>
+class GeneralChannels {
+ public:
+  static constexpr int kLanes = 32;
+  static constexpr bool kUsesShared = true;
+
+  struct Vec {
+    float* x;
+    int64_t dim;
+  };
+  template <int kRows>
+  struct Tile {
+    const T* first_row;
+    int64_t stride;
+  };
+
+  __device__ explicit GeneralChannels(float* warp_shared)
+      : lane_(static_cast<int>(threadIdx.x % 32)), next_(warp_shared) {}
+
+  __device__ bool Leader() const { return lane_ == 0; }
+
+  // Carves the next `dim` floats out of the warp's shared slice.
+  __device__ Vec NewVec(int64_t dim) {
+    Vec v{next_, dim};
+    next_ += dim;
+    for (int64_t c = lane_; c < dim; c += 32) v.x[c] = 0.f;
+    return v;
+  }
+
+  __device__ void Load(Vec& v, const T* row, float scale) const {
+    for (int64_t c = lane_; c < v.dim; c += 32) v.x[c] = ToFloat(__ldg(row + c)) * scale;
+  }
+
+  template <int kRows>
+  __device__ Tile<kRows> LoadRows(const T* first_row, int64_t stride) const {
+    return Tile<kRows>{first_row, stride};
+  }
+
+  template <int kRows>
+  __device__ void Dots(const Vec& a, const Tile<kRows>& t, float (&s)[kRows]) const {
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) s[u] = 0.f;
+    for (int64_t c = lane_; c < a.dim; c += 32) {
+      const float x = a.x[c];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        s[u] = fmaf(x, ToFloat(__ldg(t.first_row + u * t.stride + c)), s[u]);
+      }
+    }
+  }
+
+  template <int kRows>
+  __device__ void Accumulate(Vec& acc, const float (&w)[kRows], const Tile<kRows>& t) const {
+    for (int64_t c = lane_; c < acc.dim; c += 32) {
+      float y = acc.x[c];
+#pragma unroll
+      for (int u = 0; u < kRows; ++u) {
+        y = fmaf(w[u], ToFloat(__ldg(t.first_row + u * t.stride + c)), y);
+      }
+      acc.x[c] = y;
+    }
+  }
+
+  template <int kCount>
+  __device__ void Sum(float (&s)[kCount]) const {
+    TeamAllReduce<kLanes>(s, 0xffffffffu, lane_, 0);
+  }
+
+  __device__ void Scale(Vec& v, float f) const {
+    for (int64_t c = lane_; c < v.dim; c += 32) v.x[c] *= f;
+  }
+
+  __device__ void Store(float* row, const Vec& v, float scale) const {
+    for (int64_t c = lane_; c < v.dim; c += 32) row[c] = v.x[c] * scale;
+  }
+
+  __device__ void StoreZero(float* row, int64_t dim) const {
+    for (int64_t c = lane_; c < dim; c += 32) row[c] = 0.f;
+  }
+
+ private:
+  int lane_;
+  float* next_;
+};
+
+// ------------------------------------------------------------------ walking
+
+// The window operand. A window that does not fit its arrays and grid (only possible with a
+// corrupted operand: the host cannot read it) is treated as empty, so nothing is read out of
+// bounds and the results are zeros.
+__device__ __forceinline__ Windows ReadDeviceWindows(const NbhdAttnGpuParams& p) {
+  int32_t raw[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) raw[i] = __ldg(p.window + i);
+  Windows w = ReadWindows(raw);
+  if (!w.q.Fits(p.nq_lat, p.nq_lon, p.nlat_q, p.nlon_q)) w.q = GridWindow{0, 0, 0, 0};
+  if (!w.k.Fits(p.nk_lat, p.nk_lon, p.nlat_k, p.nlon_k)) w.k = GridWindow{0, 0, 0, 0};
+  return w;
+}
+
+__device__ __forceinline__ int64_t Clamp(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Calls visit(local_row, local_col, count) for every run of consecutive neighbours, inside
+// the window `other` (nlon_other global longitudes), of the walking point at global (lat, lon).
+template <typename Visit>
+__device__ __forceinline__ void ForEachRun(const NbhdAttnGpuParams& p, const GridWindow& other, int32_t nlon_other,
+                                           int32_t lat, int32_t lon, Visit&& visit) {
+  const WalkStart start = WalkStartOf(lat, lon, p.residues, p.shift);
+  // Offsets come from device memory: clamp them so a bad table cannot index outside `arcs`.
+  const int64_t begin = Clamp(__ldg(p.arc_offsets + start.pattern), 0, p.num_arcs);
+  const int64_t end = Clamp(__ldg(p.arc_offsets + start.pattern + 1), begin, p.num_arcs);
+  for (int64_t a = begin; a < end; ++a) {
+    const int32_t* arc = p.arcs + 3 * a;
+    const int32_t row = other.LocalRow(__ldg(arc));
+    if (row < 0) continue;
+    const ArcPieces pieces = ClipArc(__ldg(arc + 1), __ldg(arc + 2), start.offset, nlon_other, other.lon0, other.nlon);
+    for (int32_t i = 0; i < pieces.count; ++i) {  // selects keep the pieces in registers
+      visit(row, i == 0 ? pieces.col[0] : pieces.col[1], i == 0 ? pieces.len[0] : pieces.len[1]);
+    }
+  }
+}
+
+template <int kCount>
+struct Group {
+  static constexpr int kRows = kCount;
+};
+
+// The remainder of a run, fewer than 2 * kRows neighbours from `first`: at most one group
+// of each power of two from kRows down.
+template <int kRows, typename Step>
+__device__ __forceinline__ void ForEachTailGroup(int32_t remaining, int32_t first, Step& step) {
+  if constexpr (kRows > 0) {
+    if (remaining >= kRows) {
+      step(Group<kRows>{}, first);
+      first += kRows;
+      remaining -= kRows;
+    }
+    ForEachTailGroup<kRows / 2>(remaining, first, step);
+  }
+}
+
+// Splits a run of `count` neighbours into groups whose rows are loaded together:
+// step(Group<kMaxRows>{}, first) while kMaxRows are left, then exact smaller groups, so short
+// runs (1 to 3 neighbours near the equator) compute no padding slots.
+template <int kMaxRows, typename Step>
+__device__ __forceinline__ void ForEachGroup(int32_t count, Step&& step) {
+  int32_t t = 0;
+  for (; t + kMaxRows <= count; t += kMaxRows) step(Group<kMaxRows>{}, t);
+  ForEachTailGroup<kMaxRows / 2>(count - t, t, step);
+}
+
+// Calls body(local_row, local_col, batch, head) for the walking point of this team, if any.
+// The grid is (longitude tile, batch * head, row rank) and blocks start in that order (x
+// fastest), so the longest rows (row_order is sorted longest first) of every head run first and
+// short rows fill the tail; the teams of a block take consecutive longitudes of one row and so
+// read nearly the same neighbours (shared through L1). One point per team and no loop here:
+// loop state live across the walk costs registers (spills at the forward's cap of 80). Padding
+// points are passed too (the body writes their zeros).
+template <typename Body>
+__device__ __forceinline__ void ForTeamPoint(const NbhdAttnGpuParams& p, int32_t rows, int32_t cols, int team,
+                                             int teams, Body&& body) {
+  const int64_t col = int64_t{blockIdx.x} * teams + team;
+  const int32_t rank = p.first_rank + static_cast<int32_t>(blockIdx.z);
+  const int32_t batch_head = p.first_batch_head + static_cast<int32_t>(blockIdx.y);
+  const int32_t heads = static_cast<int32_t>(p.heads);
+  if (col >= cols || rank >= rows || batch_head >= p.batch * heads) return;
+  const int32_t row = __ldg(p.row_order + rank);
+  if (row < 0 || row >= rows) return;  // a bad row_order entry is skipped
+  body(row, static_cast<int32_t>(col), batch_head / heads, batch_head % heads);
+}
+
+// Shared memory of one warp of a general kernel, in floats (0 for the vector kernels).
+template <typename Ch>
+__host__ __device__ constexpr int64_t WarpSharedWords(int64_t words) {
+  return Ch::kUsesShared ? words : 0;
+}
+
+// ------------------------------------------------------------------ host: dispatch and launch
+
+template <typename T, typename Ch>
+struct Variant {
+  using Element = T;
+  using Channels = Ch;
+};
+
+inline bool Aligned16(std::initializer_list<const void*> pointers) {
+  for (const void* p : pointers) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// Calls launch(Variant<T, Ch>{}) with T the activation type and Ch the vector layout when
+// Dk == Dv is 32, 64 or 128 and every activation and result is 16-byte aligned, else the
+// general layout.
+template <typename T, typename Launch>
+cudaError_t DispatchHeadDims(const NbhdAttnGpuParams& p, bool aligned, Launch&& launch) {
+  if (aligned && p.head_dim_k == p.head_dim_v) {
+    switch (p.head_dim_k) {
+      case 32: return launch(Variant<T, VectorChannels<T, 32>>{});
+      case 64: return launch(Variant<T, VectorChannels<T, 64>>{});
+      case 128: return launch(Variant<T, VectorChannels<T, 128>>{});
+      default: break;
+    }
+  }
+  return launch(Variant<T, GeneralChannels<T>>{});
+}
+
+template <typename Launch>
+cudaError_t DispatchVariant(const NbhdAttnGpuParams& p, bool aligned, Launch&& launch) {
+  switch (p.dtype) {
+    case ActivationType::kF32: return DispatchHeadDims<float>(p, aligned, launch);
+    case ActivationType::kBF16: return DispatchHeadDims<__nv_bfloat16>(p, aligned, launch);
+    case ActivationType::kF16: return DispatchHeadDims<__half>(p, aligned, launch);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Launches `kernel` over every point of a walking grid with `rows` x `cols` local points per
+// (batch, head). `warp_words` is the shared memory one warp of a general kernel needs.
+template <typename Ch>
+cudaError_t LaunchTeams(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, const NbhdAttnGpuParams& p,
+                        int32_t rows, int32_t cols, int64_t warp_words) {
+  int threads = kVectorBlockThreads;
+  size_t shared_bytes = 0;
+  if (Ch::kUsesShared) {
+    const int64_t warp_bytes = warp_words * static_cast<int64_t>(sizeof(float));
+    const int64_t warps = warp_bytes == 0 ? kGeneralMaxWarps
+                                          : std::min<int64_t>(kGeneralMaxWarps, kGeneralSharedBytes / warp_bytes);
+    if (warps < 1) return cudaErrorInvalidValue;  // excluded by NbhdAttnHeadDimsSupported
+    threads = static_cast<int>(32 * warps);
+    shared_bytes = static_cast<size_t>(warps * warp_bytes);
+  }
+  const int teams = threads / Ch::kLanes;
+  const int64_t tiles = (int64_t{cols} + teams - 1) / teams;
+  const int64_t batch_heads = p.batch * p.heads;  // < 2^31 (checked by the handlers)
+  if (tiles == 0 || batch_heads == 0 || rows == 0) return cudaSuccess;
+  NbhdAttnGpuParams params = p;
+  void* args[] = {&params};
+  // Launches in row-rank order, so the longest rows still start first when split.
+  for (int64_t rank = 0; rank < rows; rank += kMaxGridYZ) {
+    for (int64_t batch_head = 0; batch_head < batch_heads; batch_head += kMaxGridYZ) {
+      params.first_rank = static_cast<int32_t>(rank);
+      params.first_batch_head = static_cast<int32_t>(batch_head);
+      const dim3 grid(static_cast<unsigned>(tiles),
+                      static_cast<unsigned>(std::min<int64_t>(batch_heads - batch_head, kMaxGridYZ)),
+                      static_cast<unsigned>(std::min<int64_t>(rows - rank, kMaxGridYZ)));
+      const cudaError_t status =
+          cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, shared_bytes, stream);
+      if (status != cudaSuccess) return status;
+    }
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace gpu
+}  // namespace s2attn

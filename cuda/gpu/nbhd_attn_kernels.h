@@ -1,0 +1,79 @@
+// Launchers of the CUDA neighbourhood-attention kernels (plain C++ and CUDA runtime types;
+// no XLA or nanobind headers). The handlers in nbhd_attn_ffi.cc validate everything they can
+// see on the host and fill one NbhdAttnGpuParams; the kernels clamp whatever lives in device
+// memory (window, row order, arc tables) so that bad table values can never index out of bounds.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace s2attn {
+
+// Element type of q, k, v and dout. Accumulation and every result are float32.
+enum class ActivationType : int { kF32, kBF16, kF16 };
+
+// One call of any of the three targets, passed to the kernels by value. Activations are
+// contiguous row-major [batch, nlat, nlon, heads, dim] (leading dims flattened into batch);
+// "q grid" = query/output grid, "k grid" = key/input grid, sizes in elements.
+struct NbhdAttnGpuParams {
+  ActivationType dtype = ActivationType::kF32;
+
+  // Inputs (device memory). Unused ones are null.
+  const void* q = nullptr;        // [batch, nq_lat, nq_lon, heads, dk]
+  const void* k = nullptr;        // [batch, nk_lat, nk_lon, heads, dk]
+  const void* v = nullptr;        // [batch, nk_lat, nk_lon, heads, dv]
+  const void* dout = nullptr;     // [batch, nq_lat, nq_lon, heads, dv]   (backward)
+  const float* lse = nullptr;     // [batch, nq_lat, nq_lon, heads]        (backward)
+  const float* delta = nullptr;   // [batch, nq_lat, nq_lon, heads]        (backward)
+
+  // Tables (device memory; the first copy when the operand holds several).
+  const int32_t* window = nullptr;       // [8] q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon
+  const int32_t* row_order = nullptr;    // [local rows of the walking grid], longest first
+  const int32_t* arc_offsets = nullptr;  // [num_patterns + 1]
+  const int32_t* arcs = nullptr;         // [num_arcs, 3] = (global row, lo, len) on the other grid
+  const float* quad_weights = nullptr;   // [nlat_k] weight of every global key row
+
+  // Results (device memory, float32). Unused ones are null.
+  float* out = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
+  float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
+  float* dq = nullptr;       // like q
+  float* dk = nullptr;       // like k
+  float* dv = nullptr;       // like v
+
+  int64_t batch = 0;
+  int64_t heads = 0;               // batch * heads < 2^31
+  int64_t head_dim_k = 0;  // Dk of q and k
+  int64_t head_dim_v = 0;  // Dv of v and dout
+  int32_t nq_lat = 0, nq_lon = 0;  // local (array) extent of the q grid, padding included
+  int32_t nk_lat = 0, nk_lon = 0;  // local (array) extent of the k grid, padding included
+  int32_t nlat_q = 0, nlon_q = 0;  // global q grid
+  int32_t nlat_k = 0, nlon_k = 0;  // global k grid
+  int32_t residues = 1;            // R of the arc table being walked
+  int32_t shift = 1;               // S of the arc table being walked
+  int64_t num_arcs = 0;            // rows of `arcs` (all copies: only an index bound)
+  float scale = 1.0f;              // logit scale
+
+  // Set by the launchers, which split grids past 65535 blocks in y or z into several launches:
+  // the row rank and the batch * head index of this launch's blockIdx.z = 0 and blockIdx.y = 0.
+  int32_t first_rank = 0;
+  int32_t first_batch_head = 0;
+};
+
+// Whether the kernels support these head dims (the general path keeps a few vectors per warp
+// in shared memory, which bounds Dk + Dv). The handlers turn `false` into INVALID_ARGUMENT.
+bool NbhdAttnHeadDimsSupported(int64_t head_dim_k, int64_t head_dim_v);
+
+// Each launcher enqueues its kernel on `stream` and returns cudaGetLastError() of the launch.
+// They never synchronise. Results are fully written (padding included), without atomics.
+
+// out, lse_out from q, k, v walking the forward arcs (walking grid = q grid).
+cudaError_t LaunchNbhdAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& params);
+
+// dq from q, k, v, dout, lse, delta walking the forward arcs (walking grid = q grid).
+cudaError_t LaunchNbhdAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& params);
+
+// dk, dv from q, k, v, dout, lse, delta walking the backward arcs (walking grid = k grid).
+cudaError_t LaunchNbhdAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& params);
+
+}  // namespace s2attn

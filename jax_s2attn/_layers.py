@@ -1,0 +1,309 @@
+"""Functional core of the attention layers, shared by the NNX and Linen modules.
+
+The modules only own parameters, the plan and dtype policy; everything else
+(validation, parameter shapes and initialisers, projections, heads, RMS qk-norm,
+the call of the attention op, torch-harmonics checkpoint conversion) lives here
+so both front ends compute exactly the same thing.
+
+Parameters (channel ``c`` of a projection belongs to head ``c // head_dim``):
+
+=============== ================================== ==============================
+name            shape                              torch-harmonics name
+=============== ================================== ==============================
+q_kernel        ``[in_features, qk_features]``     ``q_weights [qk, in, 1, 1]``
+k_kernel        ``[in_features, qk_features]``     ``k_weights``
+v_kernel        ``[in_features, out_features]``    ``v_weights [out, in, 1, 1]``
+out_kernel      ``[out_features, out_features]``   ``proj_weights [out, out, 1, 1]``
+q_bias, k_bias  ``[qk_features]``                  ``q_bias``, ``k_bias``
+v_bias          ``[out_features]``                 ``v_bias``
+out_bias        ``[out_features]``                 ``proj_bias``
+q_norm_weight   ``[qk_features // num_heads]``     ``q_norm_weights``
+k_norm_weight   ``[qk_features // num_heads]``     ``k_norm_weights``
+=============== ================================== ==============================
+
+Biases exist only with ``use_bias``, norm weights only with ``normalize_qk``.
+The RMS norm multiplies by ``1 + *_norm_weight`` (zero-initialised), as
+torch-harmonics does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "LayerSpec",
+    "ParamSpec",
+    "attention_layer",
+    "layer_spec",
+    "param_specs",
+    "params_from_torch_harmonics",
+    "rms_norm",
+]
+
+#: Our parameter name -> torch-harmonics state-dict name.
+TORCH_NAMES = {
+    "q_kernel": "q_weights",
+    "k_kernel": "k_weights",
+    "v_kernel": "v_weights",
+    "out_kernel": "proj_weights",
+    "q_bias": "q_bias",
+    "k_bias": "k_bias",
+    "v_bias": "v_bias",
+    "out_bias": "proj_bias",
+    "q_norm_weight": "q_norm_weights",
+    "k_norm_weight": "k_norm_weights",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """Validated, hashable structure of one attention layer (no arrays)."""
+
+    in_features: int
+    qk_features: int
+    out_features: int
+    num_heads: int
+    in_shape: tuple[int, int]
+    out_shape: tuple[int, int]
+    scale: float
+    normalize_qk: bool
+    use_bias: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_features // self.num_heads
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.out_features // self.num_heads
+
+
+class ParamSpec(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    init: Callable  # jax initializer (key, shape, dtype) -> array
+
+
+def _positive_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+def _grid_shape(shape, name: str) -> tuple[int, int]:
+    try:
+        nlat, nlon = (int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a pair (nlat, nlon) of integers, got {shape!r}.") from None
+    if nlat < 2 or nlon < 2:
+        raise ValueError(f"{name}={shape!r} is too small: nlat and nlon must both be at least 2.")
+    return nlat, nlon
+
+
+def layer_spec(
+    in_features,
+    in_shape,
+    out_shape,
+    *,
+    num_heads=1,
+    qk_features=None,
+    out_features=None,
+    scale=None,
+    normalize_qk=False,
+    use_bias=True,
+) -> LayerSpec:
+    """Validate the structural arguments of a layer; defaults as torch-harmonics.
+
+    ``qk_features`` and ``out_features`` default to ``in_features``; ``scale``
+    defaults to ``1/sqrt(qk_features // num_heads)``.
+    """
+    in_features = _positive_int(in_features, "in_features")
+    num_heads = _positive_int(num_heads, "num_heads")
+    qk_features = in_features if qk_features is None else _positive_int(qk_features, "qk_features")
+    out_features = in_features if out_features is None else _positive_int(out_features, "out_features")
+    for name, features in (("qk_features", qk_features), ("out_features", out_features)):
+        if features % num_heads:
+            raise ValueError(
+                f"num_heads={num_heads} must divide {name}={features}; choose {name} as a multiple of num_heads."
+            )
+    if scale is None:
+        scale = 1.0 / math.sqrt(qk_features // num_heads)
+    else:
+        try:
+            scale = float(scale)
+        except TypeError:
+            raise TypeError(f"scale must be a Python or numpy scalar, got {type(scale).__name__}.") from None
+    return LayerSpec(
+        in_features=in_features,
+        qk_features=qk_features,
+        out_features=out_features,
+        num_heads=num_heads,
+        in_shape=_grid_shape(in_shape, "in_shape"),
+        out_shape=_grid_shape(out_shape, "out_shape"),
+        scale=scale,
+        normalize_qk=bool(normalize_qk),
+        use_bias=bool(use_bias),
+    )
+
+
+def param_specs(spec: LayerSpec) -> tuple[ParamSpec, ...]:
+    """Every parameter of the layer with its shape and initialiser.
+
+    Kernels are Xavier-uniform over ``(fan_in, fan_out)`` (torch-harmonics'
+    bounds ``sqrt(6/(in+qk))``, ``sqrt(6/(in+out))`` and ``sqrt(3/out)``);
+    biases and norm weights start at zero.
+    """
+    xavier, zeros = jax.nn.initializers.xavier_uniform(), jax.nn.initializers.zeros
+    cin, cqk, cout = spec.in_features, spec.qk_features, spec.out_features
+    specs = [
+        ParamSpec("q_kernel", (cin, cqk), xavier),
+        ParamSpec("k_kernel", (cin, cqk), xavier),
+        ParamSpec("v_kernel", (cin, cout), xavier),
+        ParamSpec("out_kernel", (cout, cout), xavier),
+    ]
+    if spec.use_bias:
+        specs += [
+            ParamSpec("q_bias", (cqk,), zeros),
+            ParamSpec("k_bias", (cqk,), zeros),
+            ParamSpec("v_bias", (cout,), zeros),
+            ParamSpec("out_bias", (cout,), zeros),
+        ]
+    if spec.normalize_qk:
+        specs += [
+            ParamSpec("q_norm_weight", (spec.qk_head_dim,), zeros),
+            ParamSpec("k_norm_weight", (spec.qk_head_dim,), zeros),
+        ]
+    return tuple(specs)
+
+
+def rms_norm(x, weight):
+    """RMS norm over the last axis with multiplier ``1 + weight``, returned in ``x.dtype``.
+
+    Computed in float32 (float64 for float64 inputs) with eps = the machine
+    epsilon of that computation dtype, as torch's ``rms_norm(eps=None)`` on
+    float32 inputs (and under autocast, which runs the norm in float32).
+    """
+    compute = jnp.promote_types(x.dtype, jnp.float32)
+    xc = x.astype(compute)
+    eps = jnp.finfo(compute).eps
+    normed = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+    return (normed * (1 + weight.astype(compute))).astype(x.dtype)
+
+
+def _check_layer_inputs(query, key, value, spec: LayerSpec) -> None:
+    expected_grid = {"query": spec.out_shape, "key": spec.in_shape, "value": spec.in_shape}
+    arrays = {"query": query, "key": key, "value": value}
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
+        shape = tuple(x.shape)
+        nlat, nlon = expected_grid[name]
+        if len(shape) < 3 or shape[-3:] != (nlat, nlon, spec.in_features):
+            hint = (
+                " For a layer from in_shape to a different out_shape pass key (and value) on the input grid."
+                if name != "query" and spec.in_shape != spec.out_shape
+                else ""
+            )
+            raise ValueError(
+                f"{name} has shape {shape}; this layer expects {name} of shape "
+                f"[batch..., {nlat}, {nlon}, {spec.in_features}] (channels last; query on out_shape="
+                f"{spec.out_shape}, key/value on in_shape={spec.in_shape}).{hint}"
+            )
+        if shape[:-3] != tuple(query.shape[:-3]):
+            raise ValueError(
+                f"{name} has batch axes {shape[:-3]} but query has {tuple(query.shape[:-3])}; they must match."
+            )
+
+
+def _project(x, params, prefix: str, precision):
+    y = jnp.einsum("...c,cf->...f", x, params[f"{prefix}_kernel"], precision=precision)
+    bias = params.get(f"{prefix}_bias")
+    return y if bias is None else y + bias
+
+
+def attention_layer(
+    params: Mapping[str, jax.Array],
+    query,
+    key,
+    value,
+    *,
+    spec: LayerSpec,
+    attention: Callable,
+    dtype=None,
+    precision=None,
+):
+    """Projections, heads, optional qk-norm, ``attention``, output projection.
+
+    Args:
+      params: arrays named as in :func:`param_specs`.
+      query: ``[B..., nlat_out, nlon_out, in_features]``.
+      key, value: ``[B..., nlat_in, nlon_in, in_features]``; ``key`` defaults to
+        ``query`` and ``value`` to ``key``.
+      spec: the layer structure.
+      attention: ``attention(q, k, v, scale=...)`` on heads-last arrays
+        ``[B..., nlat, nlon, H, D]`` (neighbourhood or global attention).
+      dtype: computation dtype; ``None`` promotes the inputs' and parameters' dtypes (Flax).
+      precision: ``jax.lax.Precision`` of the projections.
+
+    Returns:
+      ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype.
+    """
+    key = query if key is None else key
+    value = key if value is None else value
+    _check_layer_inputs(query, key, value, spec)
+    if dtype is None:
+        dtype = jnp.result_type(query, key, value, *params.values())
+    params = {name: jnp.asarray(p, dtype) for name, p in params.items()}
+    heads = spec.num_heads
+
+    def split_heads(x):
+        return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
+
+    q = split_heads(_project(jnp.asarray(query, dtype), params, "q", precision))
+    k = split_heads(_project(jnp.asarray(key, dtype), params, "k", precision))
+    v = split_heads(_project(jnp.asarray(value, dtype), params, "v", precision))
+    if spec.normalize_qk:
+        q = rms_norm(q, params["q_norm_weight"])
+        k = rms_norm(k, params["k_norm_weight"])
+    out = attention(q, k, v, scale=spec.scale)
+    out = out.reshape(*out.shape[:-2], spec.out_features)
+    return _project(out, params, "out", precision)
+
+
+def params_from_torch_harmonics(state_dict: Mapping, spec: LayerSpec) -> dict[str, np.ndarray]:
+    """Convert a torch-harmonics attention state dict to our parameters (numpy).
+
+    Accepts the parameters of ``NeighborhoodAttentionS2`` / ``AttentionS2``
+    (projection weights ``[out, in, 1, 1]``, biases, qk-norm weights) as numpy
+    arrays or anything ``np.asarray`` takes (e.g. CPU torch tensors). Names and
+    shapes are checked against ``spec``; any mismatch raises ``ValueError``.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of name -> array, got {type(state_dict).__name__}.")
+    specs = {p.name: p for p in param_specs(spec)}
+    expected = {TORCH_NAMES[name]: name for name in specs}
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            "state_dict does not match this layer "
+            f"(use_bias={spec.use_bias}, normalize_qk={spec.normalize_qk}): "
+            f"missing {missing}, unexpected {unexpected}; expected exactly {sorted(expected)}."
+        )
+    params = {}
+    for torch_name, name in expected.items():
+        array = np.asarray(state_dict[torch_name])
+        shape = specs[name].shape
+        torch_shape = (shape[1], shape[0], 1, 1) if name.endswith("_kernel") else shape
+        if array.shape != torch_shape:
+            raise ValueError(f"state_dict[{torch_name!r}] has shape {array.shape}, expected {torch_shape}.")
+        # torch weights are [out, in, 1, 1] (1x1 convolutions); our kernels are [in, out].
+        params[name] = array[:, :, 0, 0].T if name.endswith("_kernel") else array
+    return params

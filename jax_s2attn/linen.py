@@ -1,0 +1,157 @@
+"""Flax Linen attention layers on the sphere: ``NeighborhoodAttentionS2`` and ``AttentionS2``.
+
+Same arguments, parameters and math as :mod:`jax_s2attn.nnx` (both call
+:mod:`jax_s2attn._layers`); see there for shapes and the torch-harmonics name
+mapping. Shape legend: ``B...`` batch axes; query ``[B..., nlat_out, nlon_out,
+in_features]``, key/value ``[B..., nlat_in, nlon_in, in_features]``.
+
+The plan (or quadrature weights) lives in the ``"s2_tables"`` collection that
+``init`` returns next to ``"params"``. Pass both collections to ``apply`` and
+the tables are arguments of a jitted program; with ``"params"`` alone the layer
+still works but embeds the tables as constants.
+
+Example:
+
+  >>> import jax, jax.numpy as jnp
+  >>> from jax_s2attn.linen import NeighborhoodAttentionS2
+  >>> layer = NeighborhoodAttentionS2(8, (16, 32), (16, 32), num_heads=2)
+  >>> x = jnp.ones((4, 16, 32, 8))
+  >>> variables = layer.init(jax.random.key(0), x)
+  >>> sorted(variables)
+  ['params', 's2_tables']
+  >>> layer.apply(variables, x).shape
+  (4, 16, 32, 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from . import _layers
+from .grids import validate_grid
+from .ops.global_attention import attention_s2, quadrature_weights
+from .ops.neighborhood import neighborhood_attention
+from .plan import NeighborhoodPlan
+
+__all__ = ["AttentionS2", "NeighborhoodAttentionS2", "TABLES_COLLECTION", "load_torch_harmonics_state_dict"]
+
+#: Variable collection holding each layer's plan or quadrature weights.
+TABLES_COLLECTION = "s2_tables"
+
+
+class _SphericalAttention(nn.Module):
+    """Fields, parameters and the call shared by both layers."""
+
+    in_features: int
+    in_shape: tuple[int, int]
+    out_shape: tuple[int, int]
+    _: dataclasses.KW_ONLY
+    num_heads: int = 1
+    qk_features: int | None = None
+    out_features: int | None = None
+    grid_in: str = "equiangular"
+    grid_out: str = "equiangular"
+    scale: float | None = None
+    normalize_qk: bool = False
+    use_bias: bool = True
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    implementation: str | None = None
+
+    def __post_init__(self):
+        self._host_tables()  # Validates every argument at construction, as NNX does.
+        super().__post_init__()
+
+    @property
+    def spec(self) -> _layers.LayerSpec:
+        return _layers.layer_spec(
+            self.in_features,
+            self.in_shape,
+            self.out_shape,
+            num_heads=self.num_heads,
+            qk_features=self.qk_features,
+            out_features=self.out_features,
+            scale=self.scale,
+            normalize_qk=self.normalize_qk,
+            use_bias=self.use_bias,
+        )
+
+    def _host_tables(self):
+        """The layer's plan or quadrature weights, built outside any trace."""
+        raise NotImplementedError
+
+    def _attention_fn(self, tables):
+        """``attention(q, k, v, scale=...)`` on heads-last arrays, bound to ``tables``."""
+        raise NotImplementedError
+
+    @nn.compact
+    def __call__(self, query, key=None, value=None):
+        """Attend from ``query`` (output grid) to ``key``/``value`` (input grid).
+
+        Args:
+          query: ``[B..., nlat_out, nlon_out, in_features]``.
+          key: ``[B..., nlat_in, nlon_in, in_features]``, default ``query``.
+          value: same shape as ``key``, default ``key``.
+
+        Returns:
+          ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype.
+        """
+        spec = self.spec
+        params = {p.name: self.param(p.name, p.init, p.shape, self.param_dtype) for p in _layers.param_specs(spec)}
+        tables = self._host_tables()
+        if self.is_initializing() or self.has_variable(TABLES_COLLECTION, "tables"):
+            tables = self.variable(TABLES_COLLECTION, "tables", lambda: tables).value
+        return _layers.attention_layer(
+            params,
+            query,
+            key,
+            value,
+            spec=spec,
+            attention=self._attention_fn(tables),
+            dtype=self.dtype,
+            precision=self.precision,
+        )
+
+
+class NeighborhoodAttentionS2(_SphericalAttention):
+    """Attention over geodesic neighbourhoods on the sphere; Linen twin of
+    :class:`jax_s2attn.nnx.NeighborhoodAttentionS2` (same arguments, without ``rngs``)."""
+
+    _: dataclasses.KW_ONLY
+    theta_cutoff: float | None = None
+
+    def _host_tables(self) -> NeighborhoodPlan:
+        spec = self.spec
+        return NeighborhoodPlan(spec.in_shape, spec.out_shape, self.grid_in, self.grid_out, self.theta_cutoff)
+
+    def _attention_fn(self, plan):
+        return functools.partial(neighborhood_attention, plan=plan, implementation=self.implementation)
+
+
+class AttentionS2(_SphericalAttention):
+    """Global attention on the sphere; Linen twin of :class:`jax_s2attn.nnx.AttentionS2`."""
+
+    def _host_tables(self):
+        validate_grid(self.grid_in, "grid_in")
+        validate_grid(self.grid_out, "grid_out")
+        return jnp.asarray(quadrature_weights(self.spec.in_shape, self.grid_in))
+
+    def _attention_fn(self, quad_weights):
+        return functools.partial(attention_s2, quad_weights=quad_weights, implementation=self.implementation)
+
+
+def load_torch_harmonics_state_dict(module: _SphericalAttention, state_dict: Mapping) -> dict:
+    """The ``"params"`` collection of ``module`` from a torch-harmonics ``state_dict``.
+
+    Same input and checks as :meth:`jax_s2attn.nnx.NeighborhoodAttentionS2.load_torch_harmonics_state_dict`.
+    Use as ``variables = {**variables, "params": load_torch_harmonics_state_dict(layer, state_dict)}``.
+    """
+    converted = _layers.params_from_torch_harmonics(state_dict, module.spec)
+    return {name: jnp.asarray(array, module.param_dtype) for name, array in converted.items()}

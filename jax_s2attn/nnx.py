@@ -1,0 +1,248 @@
+"""Flax NNX attention layers on the sphere: ``NeighborhoodAttentionS2`` and ``AttentionS2``.
+
+Shape legend: ``B...`` any leading batch axes, ``C`` channels; grids are
+``(nlat, nlon)`` with colatitude ascending (north pole first) as in
+torch-harmonics. Modules are channels-last: query ``[B..., nlat_out, nlon_out,
+in_features]``, key/value ``[B..., nlat_in, nlon_in, in_features]``, output
+``[B..., nlat_out, nlon_out, out_features]``.
+
+The math is torch-harmonics' ``NeighborhoodAttentionS2`` / ``AttentionS2``
+(attention-spec section 3.1), with Flax argument names: ``in_features``
+(``in_channels``), ``qk_features`` (``k_channels``), ``out_features``
+(``out_channels``), ``use_bias`` (``bias``), ``normalize_qk`` (``use_qknorm``).
+Parameters are described in :mod:`jax_s2attn._layers`; a torch-harmonics
+checkpoint is imported with :meth:`NeighborhoodAttentionS2.load_torch_harmonics_state_dict`.
+
+The neighbourhood plan (or, for the global layer, the quadrature weights) is
+held in an :class:`S2Tables` variable: it is part of the module's state, so
+under ``nnx.jit`` its device tables are arguments of the compiled program, not
+constants folded into it, and an optimizer built with ``wrt=nnx.Param`` never
+touches it. To checkpoint a layer save ``nnx.state(layer, nnx.Param)``; the
+tables are rebuilt by the constructor.
+
+Example:
+
+  >>> import jax.numpy as jnp
+  >>> from flax import nnx
+  >>> from jax_s2attn.nnx import NeighborhoodAttentionS2
+  >>> layer = NeighborhoodAttentionS2(8, (16, 32), (16, 32), num_heads=2, rngs=nnx.Rngs(0))
+  >>> layer(jnp.ones((4, 16, 32, 8))).shape
+  (4, 16, 32, 8)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+from flax import nnx
+
+from . import _layers
+from .grids import validate_grid
+from .ops.global_attention import attention_s2, quadrature_weights
+from .ops.neighborhood import neighborhood_attention
+from .plan import NeighborhoodPlan
+
+__all__ = ["AttentionS2", "NeighborhoodAttentionS2", "S2Tables"]
+
+
+class S2Tables(nnx.Variable):
+    """Non-trainable constants of a spherical layer: its plan or quadrature weights."""
+
+
+class _SphericalAttention(nnx.Module):
+    """Parameters, dtype policy and the call shared by both layers."""
+
+    def __init__(self, spec: _layers.LayerSpec, tables, *, dtype, param_dtype, precision, implementation, rngs):
+        self.spec = spec
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.implementation = implementation
+        for p in _layers.param_specs(spec):
+            setattr(self, p.name, nnx.Param(p.init(rngs.params(), p.shape, param_dtype)))
+        self.tables = S2Tables(tables)
+
+    def _attention_fn(self, tables):
+        """``attention(q, k, v, scale=...)`` on heads-last arrays, bound to ``tables``."""
+        raise NotImplementedError
+
+    def __call__(self, query, key=None, value=None):
+        """Attend from ``query`` (output grid) to ``key``/``value`` (input grid).
+
+        Args:
+          query: ``[B..., nlat_out, nlon_out, in_features]``.
+          key: ``[B..., nlat_in, nlon_in, in_features]``, default ``query``.
+          value: same shape as ``key``, default ``key``.
+
+        Returns:
+          ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype.
+        """
+        params = {p.name: getattr(self, p.name)[...] for p in _layers.param_specs(self.spec)}
+        return _layers.attention_layer(
+            params,
+            query,
+            key,
+            value,
+            spec=self.spec,
+            attention=self._attention_fn(self.tables.get_value()),
+            dtype=self.dtype,
+            precision=self.precision,
+        )
+
+    def load_torch_harmonics_state_dict(self, state_dict: Mapping) -> None:
+        """Set the parameters from a torch-harmonics attention ``state_dict``.
+
+        ``state_dict`` maps torch-harmonics names (``q_weights [qk, in, 1, 1]``,
+        ``k_weights``, ``v_weights``, ``proj_weights``, ``q_bias``, ``k_bias``,
+        ``v_bias``, ``proj_bias``, ``q_norm_weights``, ``k_norm_weights``; biases
+        and norm weights only where the layer has them) to numpy arrays or CPU
+        tensors, e.g. ``{k: v.numpy() for k, v in torch_layer.state_dict().items()}``.
+        Raises ``ValueError`` naming any missing, unexpected or misshapen entry.
+        """
+        for name, array in _layers.params_from_torch_harmonics(state_dict, self.spec).items():
+            getattr(self, name).set_value(jnp.asarray(array, self.param_dtype))
+
+
+class NeighborhoodAttentionS2(_SphericalAttention):
+    """Attention over geodesic neighbourhoods on the sphere (torch-harmonics' ``NeighborhoodAttentionS2``).
+
+    Output point ``o`` attends to the input points within geodesic distance
+    ``theta_cutoff`` of it, with the quadrature weight of each key's latitude
+    inside the softmax. Works for self-attention (``in_shape == out_shape``),
+    downsampling (``nlon_in`` a multiple of ``nlon_out``) and upsampling
+    (``nlon_out`` a multiple of ``nlon_in``).
+
+    Args:
+      in_features: channels of query, key and value inputs.
+      in_shape: ``(nlat_in, nlon_in)`` of key/value.
+      out_shape: ``(nlat_out, nlon_out)`` of query and output.
+      num_heads: heads; must divide ``qk_features`` and ``out_features``.
+      qk_features: channels of the projected queries/keys, default ``in_features``.
+      out_features: channels of values and output, default ``in_features``.
+      grid_in, grid_out: latitude grids (``"equiangular"``, ``"legendre-gauss"``,
+        ``"lobatto"``, ``"equiangular-trapezoidal"``).
+      theta_cutoff: neighbourhood radius (radians); default the largest latitude
+        spacing of the output grid (of the input grid when upsampling).
+      scale: logit scale, default ``1/sqrt(qk_features // num_heads)``.
+      normalize_qk: RMS-normalise each head of q and k (multiplier ``1 + g``, g zero-initialised).
+      use_bias: biases on the four projections.
+      dtype: computation dtype; ``None`` promotes inputs and parameters. The
+        attention itself accumulates in float32 (or wider).
+      param_dtype: parameter storage dtype.
+      precision: ``jax.lax.Precision`` of the projections.
+      implementation: passed to :func:`jax_s2attn.neighborhood_attention`
+        (``None``: fastest available, ``"reference"``, ``"ffi"``).
+      rngs: ``nnx.Rngs`` for parameter initialisation.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        in_shape: tuple[int, int],
+        out_shape: tuple[int, int],
+        *,
+        num_heads: int = 1,
+        qk_features: int | None = None,
+        out_features: int | None = None,
+        grid_in: str = "equiangular",
+        grid_out: str = "equiangular",
+        theta_cutoff: float | None = None,
+        scale: float | None = None,
+        normalize_qk: bool = False,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        implementation: str | None = None,
+        rngs: nnx.Rngs,
+    ):
+        spec = _layers.layer_spec(
+            in_features,
+            in_shape,
+            out_shape,
+            num_heads=num_heads,
+            qk_features=qk_features,
+            out_features=out_features,
+            scale=scale,
+            normalize_qk=normalize_qk,
+            use_bias=use_bias,
+        )
+        plan = NeighborhoodPlan(spec.in_shape, spec.out_shape, grid_in, grid_out, theta_cutoff)
+        super().__init__(
+            spec,
+            plan,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            implementation=implementation,
+            rngs=rngs,
+        )
+
+    @property
+    def plan(self) -> NeighborhoodPlan:
+        """The layer's :class:`~jax_s2attn.NeighborhoodPlan`."""
+        return self.tables.get_value()
+
+    def _attention_fn(self, plan):
+        return functools.partial(neighborhood_attention, plan=plan, implementation=self.implementation)
+
+
+class AttentionS2(_SphericalAttention):
+    """Global attention on the sphere (torch-harmonics' ``AttentionS2``).
+
+    Every output point attends to every input point, the key's quadrature
+    weight inside the softmax (:func:`jax_s2attn.ops.global_attention.attention_s2`).
+    Same arguments and parameters as :class:`NeighborhoodAttentionS2` without
+    ``theta_cutoff``; ``implementation`` is ``None``, ``"xla"`` or ``"cudnn"``.
+    Memory: the ``"xla"`` path stores ``4*B*H*T*S`` bytes of logits
+    (``T``/``S`` = output/input grid points), e.g. 1.07 GB per batch element and
+    head at 91x180; the cuDNN path (GPU, 16-bit dtypes) is linear in ``T + S``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        in_shape: tuple[int, int],
+        out_shape: tuple[int, int],
+        *,
+        num_heads: int = 1,
+        qk_features: int | None = None,
+        out_features: int | None = None,
+        grid_in: str = "equiangular",
+        grid_out: str = "equiangular",
+        scale: float | None = None,
+        normalize_qk: bool = False,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        implementation: str | None = None,
+        rngs: nnx.Rngs,
+    ):
+        spec = _layers.layer_spec(
+            in_features,
+            in_shape,
+            out_shape,
+            num_heads=num_heads,
+            qk_features=qk_features,
+            out_features=out_features,
+            scale=scale,
+            normalize_qk=normalize_qk,
+            use_bias=use_bias,
+        )
+        validate_grid(grid_in, "grid_in")
+        validate_grid(grid_out, "grid_out")
+        super().__init__(
+            spec,
+            jnp.asarray(quadrature_weights(spec.in_shape, grid_in)),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            implementation=implementation,
+            rngs=rngs,
+        )
+
+    def _attention_fn(self, quad_weights):
+        return functools.partial(attention_s2, quad_weights=quad_weights, implementation=self.implementation)

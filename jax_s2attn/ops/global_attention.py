@@ -1,0 +1,231 @@
+"""Global attention on the sphere (torch-harmonics' ``AttentionS2``) via ``jax.nn.dot_product_attention``.
+
+Every output point attends to every input point; the quadrature weight of the
+key's latitude multiplies the exponential inside the softmax, i.e. ``log w``
+is an additive per-key bias. Two paths:
+
+* ``"xla"``: ``jax.nn.dot_product_attention(..., bias=log w, implementation="xla")``.
+  Any backend and dtype. It materialises the logits: ``4*B*H*T*S`` bytes
+  (float32) for ``T = nlat_out*nlon_out`` queries and ``S = nlat_in*nlon_in``
+  keys, and the backward pass holds as much again. Per batch element and
+  head: 268 MB at 64x128, 1.07 GB at 91x180, 16.8 GB at 180x360. Note that
+  jax computes this softmax in float32 even for float64 inputs.
+* ``"cudnn"`` (GPUs, float16/bfloat16): flash attention, memory linear in
+  ``T + S``. cuDNN rejects a broadcast ``[1, 1, 1, S]`` bias, and a
+  materialised ``[1, 1, T, S]`` one costs quadratic memory and a 2.4x slower
+  backward, so the bias is folded into the dot product instead: two extra
+  channels carry ``log w`` split into a high and a low part (so the 8-bit
+  mantissa of bfloat16 does not round the weights), the query gets the
+  matching constant channels, and all head dims are zero-padded to a multiple
+  of 8.
+
+``implementation=None`` takes ``"cudnn"`` on a GPU for float16/bfloat16 inputs
+whose padded head dim cuDNN accepts (<= 128), ``"xla"`` otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..grids import precompute_latitudes, validate_grid
+from ..plan import NeighborhoodPlan
+
+__all__ = ["attention_s2", "quadrature_weights"]
+
+IMPLEMENTATIONS = ("xla", "cudnn")
+
+#: Log-weight given to a key whose quadrature weight is exactly 0. Finite (a
+#: -inf bias gives NaN rows and breaks the folded cuDNN path) and still small
+#: enough for float16 after the split; exp(-1e4) is 0 in every float dtype.
+LOG_ZERO_WEIGHT = -1.0e4
+
+_CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+_CUDNN_MAX_HEAD_DIM = 128
+_CUDNN_HEAD_DIM_MULTIPLE = 8
+_FOLD_CHANNELS = 2  # high and low part of log w
+
+
+def quadrature_weights(shape: tuple[int, int], grid: str = "equiangular") -> np.ndarray:
+    """Per-latitude quadrature weights ``2*pi*w/nlon`` (float32 ``[nlat]``) of a grid.
+
+    Bit-identical to :attr:`NeighborhoodPlan.quad_weights` of a plan whose input
+    grid is ``(shape, grid)``, and to torch-harmonics' ``quad_weights`` buffer.
+    """
+    nlat, nlon = (int(s) for s in shape)
+    validate_grid(grid, "grid")
+    _, w = precompute_latitudes(nlat, grid)
+    return np.float32(2.0 * np.pi) * w.astype(np.float32) / np.float32(nlon)
+
+
+def attention_s2(
+    query,
+    key,
+    value,
+    quad_weights,
+    *,
+    scale: float | None = None,
+    implementation: str | None = None,
+):
+    """Attention of every output point over all input points, weighted by quadrature.
+
+    Shape legend: ``B...`` any leading batch axes, ``H`` heads, ``Dk``/``Dv``
+    key and value head dims.
+
+    ``out[o] = sum_j w_j exp(s_j) v_j / sum_j w_j exp(s_j)`` over **all** input
+    points ``j``, ``s_j = scale * q_o . k_j``, ``w_j`` the weight of ``j``'s
+    latitude. Equals :func:`jax_s2attn.neighborhood_attention` with a plan whose
+    ``theta_cutoff >= pi``. See the module docstring for the memory each path needs.
+
+    Args:
+      query: ``[B..., nlat_out, nlon_out, H, Dk]``.
+      key: ``[B..., nlat_in, nlon_in, H, Dk]``.
+      value: ``[B..., nlat_in, nlon_in, H, Dv]``; one float dtype for all three.
+      quad_weights: per-latitude weights of the input grid, ``[nlat_in]`` (e.g.
+        :func:`quadrature_weights`), or a :class:`~jax_s2attn.NeighborhoodPlan`
+        whose input grid is the key grid (its weights are used). Only the
+        latitude profile matters: a common factor cancels. A weight of 0 removes
+        the key.
+      scale: logit scale, default ``1/sqrt(Dk)``.
+      implementation: ``"xla"``, ``"cudnn"`` or ``None`` (pick, see the module docstring).
+
+    Returns:
+      ``[B..., nlat_out, nlon_out, H, Dv]`` in the input dtype.
+    """
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is not supported by attention_s2; use None, 'xla' or 'cudnn'."
+        )
+    weights = quad_weights.tables.quad_weights if isinstance(quad_weights, NeighborhoodPlan) else quad_weights
+    batch, heads, dk, dv = _check_inputs(query, key, value, weights)
+    scale = 1.0 / math.sqrt(dk) if scale is None else float(scale)
+    dtype = query.dtype
+    folded_dim = _round_up(max(dk + _FOLD_CHANNELS, dv), _CUDNN_HEAD_DIM_MULTIPLE)
+    if implementation is None:
+        use_cudnn = (
+            jax.default_backend() == "gpu"
+            and any(dtype == d for d in _CUDNN_DTYPES)
+            and folded_dim <= _CUDNN_MAX_HEAD_DIM
+        )
+        implementation = "cudnn" if use_cudnn else "xla"
+    if implementation == "cudnn" and not any(dtype == d for d in _CUDNN_DTYPES):
+        raise TypeError(
+            f"implementation='cudnn' needs float16 or bfloat16 inputs, got {dtype}; "
+            "cast them or use implementation='xla'."
+        )
+
+    flat = math.prod(batch)
+    nlat_out, nlon_out = query.shape[-4:-2]
+    nlon_in = key.shape[-3]
+    q = query.reshape(flat, -1, heads, dk)
+    k = key.reshape(flat, -1, heads, dk)
+    v = value.reshape(flat, -1, heads, dv)
+    log_w = _log_weights(weights, nlon_in)
+    if implementation == "cudnn":
+        out = _attention_cudnn_folded(q, k, v, log_w, scale, folded_dim)
+    else:
+        out = _attention_xla(q, k, v, log_w, scale)
+    return out.reshape(*batch, nlat_out, nlon_out, heads, dv)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _pad_head_dim(x, size: int):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def _log_weights(weights, nlon_in: int):
+    """``log w`` per key ``[nlat_in*nlon_in]``, float32, shifted so its maximum is 0.
+
+    The shift cancels in the softmax and keeps the values near 0, where a
+    low-precision copy of them is most accurate.
+    """
+    w = jnp.asarray(weights, jnp.float32)
+    log_w = jnp.where(w > 0, jnp.log(jnp.where(w > 0, w, 1.0)), LOG_ZERO_WEIGHT)
+    log_w = log_w - jnp.max(log_w)
+    return jnp.repeat(log_w, nlon_in)
+
+
+def _attention_xla(q, k, v, log_w, scale):
+    # jax.nn.dot_product_attention needs one head dim for q, k and v: zero
+    # channels change neither q.k nor the kept part of the output.
+    dk, dv = q.shape[-1], v.shape[-1]
+    size = max(dk, dv)
+    bias = log_w.astype(jnp.promote_types(q.dtype, jnp.float32))[None, None, None, :]
+    out = jax.nn.dot_product_attention(
+        _pad_head_dim(q, size),
+        _pad_head_dim(k, size),
+        _pad_head_dim(v, size),
+        bias=bias,
+        scale=scale,
+        implementation="xla",
+    )
+    return out[..., :dv]
+
+
+def _fold_log_weights(q, k, v, log_w, scale, folded_dim):
+    """``(q', k', v')`` with ``scale * q'.k' = scale * q.k + log_w``, head dims zero-padded to ``folded_dim``.
+
+    ``q' = [q, r, r]`` and ``k' = [k, hi, lo]`` with ``r = 1/scale`` rounded to
+    the input dtype and ``hi + lo = log_w / (scale * r)`` to float32 accuracy;
+    the dot product is accumulated in float32 by cuDNN.
+    """
+    dtype = q.dtype
+    r = jnp.asarray(1.0 / scale, dtype)
+    target = log_w / (jnp.float32(scale) * r.astype(jnp.float32))
+    hi = target.astype(dtype)
+    lo = (target - hi.astype(jnp.float32)).astype(dtype)
+    extra_k = jnp.broadcast_to(jnp.stack([hi, lo], axis=-1)[None, :, None, :], (*k.shape[:-1], _FOLD_CHANNELS))
+    extra_q = jnp.broadcast_to(r, (*q.shape[:-1], _FOLD_CHANNELS))
+    return (
+        _pad_head_dim(jnp.concatenate([q, extra_q], axis=-1), folded_dim),
+        _pad_head_dim(jnp.concatenate([k, extra_k], axis=-1), folded_dim),
+        _pad_head_dim(v, folded_dim),
+    )
+
+
+def _attention_cudnn_folded(q, k, v, log_w, scale, folded_dim):
+    folded = _fold_log_weights(q, k, v, log_w, scale, folded_dim)
+    out = jax.nn.dot_product_attention(*folded, scale=scale, implementation="cudnn")
+    return out[..., : v.shape[-1]]
+
+
+def _check_inputs(query, key, value, weights) -> tuple[tuple[int, ...], int, int, int]:
+    """Validate shapes and dtypes; return ``(batch_shape, heads, Dk, Dv)``."""
+    arrays = {"query": query, "key": key, "value": value}
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
+        if x.ndim < 4:
+            raise ValueError(
+                f"{name} must have shape [..., nlat, nlon, heads, head_dim] (rank >= 4), got shape {tuple(x.shape)}."
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}.")
+    if len({x.dtype for x in arrays.values()}) > 1:
+        raise TypeError(
+            "query, key and value must share one dtype, got "
+            + ", ".join(f"{n}={x.dtype}" for n, x in arrays.items())
+            + "; cast them first."
+        )
+    batch, heads, dk = tuple(query.shape[:-4]), query.shape[-2], query.shape[-1]
+    nlat_in, nlon_in = key.shape[-4:-2]
+    dv = value.shape[-1]
+    expected = {"key": (*batch, nlat_in, nlon_in, heads, dk), "value": (*batch, nlat_in, nlon_in, heads, dv)}
+    for name, shape in expected.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ValueError(
+                f"{name} has shape {tuple(arrays[name].shape)}, expected {shape} given query {tuple(query.shape)} "
+                "and key: key and value share the input grid, and batch axes and heads match the query."
+            )
+    if tuple(jnp.shape(weights)) != (nlat_in,):
+        raise ValueError(
+            f"quad_weights has shape {tuple(jnp.shape(weights))}, expected ({nlat_in},): one weight per input "
+            "latitude (e.g. jax_s2attn.ops.global_attention.quadrature_weights(in_shape, grid_in))."
+        )
+    return batch, heads, dk, dv

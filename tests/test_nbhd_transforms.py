@@ -1,0 +1,162 @@
+"""The native op under jit, vmap, grad, jax.checkpoint, shard_map and jax.export."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_s2attn import NeighborhoodPlan, neighborhood_attention
+from jax_s2attn.ops import _ffi
+from jax_s2attn.ops.neighborhood import RESIDUAL_NAME
+
+native = pytest.mark.skipif(not _ffi.HAS_CPU_EXT, reason="native CPU module not built")
+
+# Downsampling with pscale 2: both arc tables have shifts and residues.
+PLAN_ARGS = ((12, 24), (6, 12), "equiangular", "equiangular", None)
+
+
+@pytest.fixture
+def plan():
+    return NeighborhoodPlan(*PLAN_ARGS)
+
+
+@pytest.fixture
+def qkv(plan, exact_random):
+    def make(*batch, heads=2, dk=8, dv=4, dtype=jnp.float32):
+        return (
+            jnp.asarray(exact_random(*batch, *plan.out_shape, heads, dk), dtype),
+            jnp.asarray(exact_random(*batch, *plan.in_shape, heads, dk), dtype),
+            jnp.asarray(exact_random(*batch, *plan.in_shape, heads, dv), dtype),
+        )
+
+    return make
+
+
+def _loss(q, k, v, plan, implementation="ffi"):
+    out, lse = neighborhood_attention(q, k, v, plan, implementation=implementation, return_residual=True)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(jnp.cos(lse))
+
+
+_grad = jax.grad(_loss, argnums=(0, 1, 2))
+
+
+def _largest_literal_constant(hlo_text: str) -> int:
+    """Element count of the largest non-splat ``stablehlo.constant`` in a module."""
+    largest = 0
+    for value, tensor in re.findall(r"stablehlo\.constant dense<(.*?)> : tensor<([^>]*)>", hlo_text):
+        if value.startswith(("[", '"')):  # splats print a single value
+            dims = [int(d) for d in tensor.split("x")[:-1]]
+            largest = max(largest, int(np.prod(dims)))
+    return largest
+
+
+@native
+def test_plan_as_jit_argument_keeps_tables_out_of_the_program(plan, qkv):
+    q, k, v = qkv(2)
+    as_argument = jax.jit(_grad).lower(q, k, v, plan).as_text()
+    closed_over = jax.jit(lambda q, k, v: _grad(q, k, v, plan)).lower(q, k, v).as_text()
+    assert "jax_s2attn_nbhd_fwd" in as_argument and "jax_s2attn_nbhd_bwd_dkv" in as_argument
+    assert _largest_literal_constant(as_argument) <= 8  # the window operand
+    assert _largest_literal_constant(closed_over) > 8  # the check can fail: closures embed tables
+
+
+@native
+def test_vmap_equals_batch_dims(plan, qkv, platform):
+    q, k, v = qkv(3, 2)
+    batched = neighborhood_attention(q, k, v, plan, implementation="ffi", return_residual=True)
+    mapped = jax.vmap(lambda q, k, v: neighborhood_attention(q, k, v, plan, implementation="ffi",
+                                                            return_residual=True))(q, k, v)
+    for a, b in zip(batched, mapped):
+        np.testing.assert_array_equal(a, b)
+    # Only the queries mapped: keys and values are broadcast to every query batch.
+    k, v = k[0, 0], v[0, 0]
+    mapped_q = jax.vmap(lambda q: neighborhood_attention(q, k, v, plan, implementation="ffi"))(q[:, 0])
+    looped = jnp.stack([neighborhood_attention(x, k, v, plan, implementation="ffi") for x in q[:, 0]])
+    np.testing.assert_array_equal(mapped_q, looped)
+
+
+@native
+def test_vmap_of_grad_equals_per_example_grads(plan, qkv, platform, rel_error):
+    q, k, v = qkv(3)
+    mapped = jax.jit(jax.vmap(_grad, in_axes=(0, 0, 0, None)))(q, k, v, plan)
+    for i in range(q.shape[0]):
+        single = jax.jit(_grad)(q[i], k[i], v[i], plan)
+        for a, b in zip(mapped, single):
+            assert rel_error(a[i], b) <= 1e-6
+
+
+@native
+@pytest.mark.parametrize("implementation", ["ffi", None])
+def test_checkpoint_saves_named_residuals(plan, qkv, implementation, rel_error):
+    """With the residual names saved, the native forward runs once in a grad; without, twice."""
+    q, k, v = qkv(2)
+
+    def loss(q, k, v):
+        return _loss(q, k, v, plan, implementation)
+
+    saving = jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME))
+
+    def forward_calls(fn):
+        return str(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v)).count("jax_s2attn_nbhd_fwd")
+
+    assert forward_calls(saving) == 1
+    assert forward_calls(jax.checkpoint(loss)) == 2
+    for a, b in zip(jax.grad(saving, argnums=(0, 1, 2))(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)):
+        assert rel_error(a, b) <= 1e-6
+
+
+@native
+def test_shard_map_over_batch_with_grad(plan, qkv, rel_error):
+    """Under shard_map (check_vma on) forward and gradients equal the unsharded ones."""
+    mesh = jax.make_mesh((2,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices("cpu")[:2])
+    q, k, v = (jax.device_put(x, jax.NamedSharding(mesh, P("b"))) for x in qkv(4))
+
+    def sharded_loss(q, k, v):
+        local = jax.shard_map(lambda q, k, v: _loss(q, k, v, plan)[None], mesh=mesh, in_specs=P("b"),
+                              out_specs=P("b"))
+        return jnp.sum(local(q, k, v))
+
+    got = jax.jit(jax.value_and_grad(sharded_loss, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(_loss, argnums=(0, 1, 2))(*(np.asarray(x) for x in (q, k, v)), plan)
+    assert rel_error(got[0], want[0]) <= 1e-6
+    for a, b in zip(got[1], want[1]):
+        assert rel_error(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("implementation", ["ffi", None])
+def test_export_for_cuda_lowers_custom_calls(plan, implementation):
+    """Exported for CUDA from this machine: the native targets appear exactly when a CUDA
+    module is built (or "ffi" is forced); a CPU-only build lowers the reference instead."""
+    if implementation == "ffi" and not _ffi.HAS_CPU_EXT:
+        pytest.skip("forcing 'ffi' needs the native module of the tracing platform")
+    sds = [jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in (jnp.zeros((2, *plan.out_shape, 2, 8)),
+                                                                jnp.zeros((2, *plan.in_shape, 2, 8)),
+                                                                jnp.zeros((2, *plan.in_shape, 2, 4)))]
+    plan_sds = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), plan)
+    exported = jax.export.export(
+        jax.jit(lambda q, k, v, plan: _grad(q, k, v, plan, implementation)),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS],
+    )(*sds, plan_sds)
+    module = exported.mlir_module()
+    expect_native = implementation == "ffi" or _ffi.HAS_CUDA_EXT
+    for target in _ffi.TARGETS:
+        assert (f"stablehlo.custom_call @{target}(" in module) == expect_native, target
+
+
+def test_registrations_match_target_names():
+    for platform, available in _ffi.native_backends().items():
+        if available:
+            module = _ffi._MODULES[platform][0]
+            assert sorted(module.registrations()) == sorted(_ffi.TARGETS), platform
+
+
+@pytest.mark.skipif(not os.environ.get("CI"), reason="only CI guarantees a native build")
+def test_ci_runs_the_native_module():
+    assert _ffi.HAS_CPU_EXT, _ffi.native_status()
