@@ -201,6 +201,7 @@ def sharded_neighborhood_attention(
 
     blocked = []
     for x, (lat, lon), (lat_padded, lon_padded) in zip((query, key, value), grids, padded):
+        x = jnp.asarray(x)
         x = x if lat_padded else lat.to_blocks(x, _LAT)
         blocked.append(_place(x if lon_padded else lon.to_blocks(x, _LON), mesh, spec(lat_axis, lon_axis)))
     body = functools.partial(_shard_body, config=config)
