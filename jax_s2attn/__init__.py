@@ -12,6 +12,7 @@ import importlib
 from .grids import GRIDS, latitude_spacing, precompute_latitudes, precompute_longitudes
 from .ops import RESIDUAL_NAME, attention_s2, neighborhood_attention
 from .ops._ffi import native_backends, native_status
+from .parallel import sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
 
 __version__ = "0.1.0"
@@ -27,6 +28,7 @@ __all__ = [
     "neighborhood_attention",
     "precompute_latitudes",
     "precompute_longitudes",
+    "sharded_neighborhood_attention",
 ]
 
 _FLAX_SUBMODULES = ("nnx", "linen")
