@@ -1,8 +1,10 @@
-// What every extension module reports about its own build (read by jax_s2attn/ops/_ffi.py).
+// What every extension module exports (read by jax_s2attn/ops/_ffi.py): its build and its targets.
 #pragma once
 
 #include <string>
+#include <type_traits>
 
+#include "common/nbhd_params.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "xla/ffi/api/c_api.h"
@@ -14,6 +16,22 @@ inline nanobind::dict BuildInfo() {
   info["jaxlib_version"] = std::string(JAXLIB_BUILD_VERSION);
   info["ffi_api_version"] = nanobind::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   return info;
+}
+
+template <typename Fn>
+nanobind::capsule HandlerCapsule(Fn* handler) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>, "not an XLA FFI handler");
+  return nanobind::capsule(reinterpret_cast<void*>(handler));
+}
+
+// The registrations() dict of a module: target name -> handler capsule.
+template <typename Fwd, typename Dq, typename Dkv>
+nanobind::dict NbhdRegistrations(Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+  nanobind::dict targets;
+  targets[kTargetForward] = HandlerCapsule(forward);
+  targets[kTargetBackwardDq] = HandlerCapsule(backward_dq);
+  targets[kTargetBackwardDkv] = HandlerCapsule(backward_dkv);
+  return targets;
 }
 
 }  // namespace s2attn

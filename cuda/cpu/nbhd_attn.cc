@@ -21,13 +21,12 @@
 
 #include "common/arc_walk.h"
 #include "common/ffi_check.h"
+#include "common/nbhd_binding.h"
 #include "common/nbhd_params.h"
 
 namespace s2attn {
 namespace {
 
-using F32Buffer = ffi::Buffer<ffi::F32>;
-using I32Buffer = ffi::Buffer<ffi::S32>;
 using F32Result = ffi::ResultBuffer<ffi::F32>;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -468,65 +467,12 @@ ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ffi::Error::Success();
 }
 
-// Attributes common to every target (names and types: cuda/README.md).
-template <typename Binding>
-auto BindAttrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("residues")
-      .template Attr<int64_t>("shift")
-      .template Attr<int64_t>("nlat_q")
-      .template Attr<int64_t>("nlon_q")
-      .template Attr<int64_t>("nlat_k")
-      .template Attr<int64_t>("nlon_k");
-}
-
-// Operands shared by the backward targets: q, k, v, dout, lse, delta, window, row_order,
-// arc_offsets, arcs, quad_weights, then the ignored aliased results.
-template <typename Binding>
-auto BindBackwardArgs(Binding binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<ffi::AnyBuffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<F32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<I32Buffer>()
-      .template Arg<F32Buffer>()
-      .RemainingArgs();
-}
-
 }  // namespace
 }  // namespace s2attn
 
-// Extra operands after the documented ones are ignored: tests alias NaN-filled buffers to
-// the results through them (input_output_aliases) to check that every element is written.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdForwardCpu, s2attn::Forward,
-                              s2attn::BindAttrs(xla::ffi::Ffi::Bind()
-                                                    .Ctx<xla::ffi::ThreadPool>()
-                                                    .Arg<xla::ffi::AnyBuffer>()  // q
-                                                    .Arg<xla::ffi::AnyBuffer>()  // k
-                                                    .Arg<xla::ffi::AnyBuffer>()  // v
-                                                    .Arg<s2attn::I32Buffer>()    // window
-                                                    .Arg<s2attn::I32Buffer>()    // row_order
-                                                    .Arg<s2attn::I32Buffer>()    // arc_offsets
-                                                    .Arg<s2attn::I32Buffer>()    // arcs
-                                                    .Arg<s2attn::F32Buffer>()    // quad_weights
-                                                    .RemainingArgs()
-                                                    .Ret<s2attn::F32Buffer>()    // out
-                                                    .Ret<s2attn::F32Buffer>()));  // lse
-
+                              s2attn::BindForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDqCpu, s2attn::BackwardDq,
-                              s2attn::BindAttrs(s2attn::BindBackwardArgs(
-                                                    xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>())
-                                                    .Ret<s2attn::F32Buffer>()));  // dq
-
+                              s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCpu, s2attn::BackwardDkv,
-                              s2attn::BindAttrs(s2attn::BindBackwardArgs(
-                                                    xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>())
-                                                    .Ret<s2attn::F32Buffer>()     // dk
-                                                    .Ret<s2attn::F32Buffer>()));  // dv
+                              s2attn::BindBackwardDkv(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));

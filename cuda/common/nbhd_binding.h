@@ -1,0 +1,82 @@
+// Operand, attribute and result bindings of the three targets, shared by the CPU and CUDA
+// handlers so both platforms bind exactly the contract of cuda/README.md. Each Bind*
+// function takes a binding that already holds the platform's context (thread pool, stream).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace s2attn {
+
+namespace ffi = xla::ffi;
+
+using F32Buffer = ffi::Buffer<ffi::F32>;
+using I32Buffer = ffi::Buffer<ffi::S32>;
+
+// Attributes common to every target.
+template <typename Binding>
+auto BindAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("residues")
+      .template Attr<int64_t>("shift")
+      .template Attr<int64_t>("nlat_q")
+      .template Attr<int64_t>("nlon_q")
+      .template Attr<int64_t>("nlat_k")
+      .template Attr<int64_t>("nlon_k");
+}
+
+// Extra operands after the documented ones are ignored (RemainingArgs): tests alias
+// NaN-filled buffers to the results through them to check that every element is written.
+
+// jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse).
+template <typename Binding>
+auto BindForward(Binding&& binding) {
+  return BindAttrs(std::move(binding)
+                       .template Arg<ffi::AnyBuffer>()  // q
+                       .template Arg<ffi::AnyBuffer>()  // k
+                       .template Arg<ffi::AnyBuffer>()  // v
+                       .template Arg<I32Buffer>()       // window
+                       .template Arg<I32Buffer>()       // row_order
+                       .template Arg<I32Buffer>()       // arc_offsets
+                       .template Arg<I32Buffer>()       // arcs
+                       .template Arg<F32Buffer>()       // quad_weights
+                       .RemainingArgs()
+                       .template Ret<F32Buffer>()    // out
+                       .template Ret<F32Buffer>());  // lse
+}
+
+// Operands of both backward targets: q, k, v, dout, lse, delta, window, row_order,
+// arc_offsets, arcs, quad_weights.
+template <typename Binding>
+auto BindBackwardArgs(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()  // k
+      .template Arg<ffi::AnyBuffer>()  // v
+      .template Arg<ffi::AnyBuffer>()  // dout
+      .template Arg<F32Buffer>()       // lse
+      .template Arg<F32Buffer>()       // delta
+      .template Arg<I32Buffer>()       // window
+      .template Arg<I32Buffer>()       // row_order
+      .template Arg<I32Buffer>()       // arc_offsets
+      .template Arg<I32Buffer>()       // arcs
+      .template Arg<F32Buffer>()       // quad_weights
+      .RemainingArgs();
+}
+
+// jax_s2attn_nbhd_bwd_dq: backward operands -> dq.
+template <typename Binding>
+auto BindBackwardDq(Binding&& binding) {
+  return BindAttrs(BindBackwardArgs(std::move(binding)).template Ret<F32Buffer>());
+}
+
+// jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv).
+template <typename Binding>
+auto BindBackwardDkv(Binding&& binding) {
+  return BindAttrs(BindBackwardArgs(std::move(binding)).template Ret<F32Buffer>().template Ret<F32Buffer>());
+}
+
+}  // namespace s2attn
