@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .grids import validate_shape
+
 __all__ = [
     "LayerSpec",
     "ParamSpec",
@@ -97,16 +99,6 @@ def _positive_int(value, name: str) -> int:
     return int(value)
 
 
-def _grid_shape(shape, name: str) -> tuple[int, int]:
-    try:
-        nlat, nlon = (int(s) for s in shape)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a pair (nlat, nlon) of integers, got {shape!r}.") from None
-    if nlat < 2 or nlon < 2:
-        raise ValueError(f"{name}={shape!r} is too small: nlat and nlon must both be at least 2.")
-    return nlat, nlon
-
-
 def layer_spec(
     in_features,
     in_shape,
@@ -145,8 +137,8 @@ def layer_spec(
         qk_features=qk_features,
         out_features=out_features,
         num_heads=num_heads,
-        in_shape=_grid_shape(in_shape, "in_shape"),
-        out_shape=_grid_shape(out_shape, "out_shape"),
+        in_shape=validate_shape(in_shape, "in_shape"),
+        out_shape=validate_shape(out_shape, "out_shape"),
         scale=scale,
         normalize_qk=bool(normalize_qk),
         use_bias=bool(use_bias),

@@ -16,6 +16,7 @@ __all__ = [
     "precompute_longitudes",
     "latitude_spacing",
     "validate_grid",
+    "validate_shape",
 ]
 
 #: Canonical grid names (torch-harmonics spelling). ``"equiangular"`` is
@@ -30,6 +31,17 @@ def validate_grid(grid: str, argname: str = "grid") -> str:
             f"Unknown {argname}={grid!r}; valid grids are: {', '.join(repr(g) for g in GRIDS)}."
         )
     return grid
+
+
+def validate_shape(shape, argname: str = "shape") -> tuple[int, int]:
+    """``(nlat, nlon)`` of a grid shape, both at least 2, or a ``ValueError`` naming ``argname``."""
+    try:
+        nlat, nlon = (int(s) for s in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"{argname} must be a pair (nlat, nlon) of integers, got {shape!r}.") from None
+    if nlat < 2 or nlon < 2:
+        raise ValueError(f"{argname}={shape!r} is too small: nlat and nlon must both be at least 2.")
+    return nlat, nlon
 
 
 def _legendre(n: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .grids import latitude_spacing, precompute_latitudes, precompute_longitudes, validate_grid
+from .grids import latitude_spacing, precompute_latitudes, precompute_longitudes, validate_grid, validate_shape
 
 __all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "THETA_CUTOFF_EPS"]
 
@@ -180,16 +180,6 @@ class _PlanKey:
     theta_cutoff: float | None
 
 
-def _as_shape(shape, name) -> tuple[int, int]:
-    try:
-        nlat, nlon = (int(s) for s in shape)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a pair (nlat, nlon) of integers, got {shape!r}.") from None
-    if nlat < 2 or nlon < 2:
-        raise ValueError(f"{name}={shape!r} is too small: nlat and nlon must both be at least 2.")
-    return nlat, nlon
-
-
 class NeighborhoodPlan:
     """Neighbourhood sparsity of attention from ``in_shape`` to ``out_shape`` on the sphere.
 
@@ -211,8 +201,8 @@ class NeighborhoodPlan:
     """
 
     def __new__(cls, in_shape, out_shape, grid_in="equiangular", grid_out="equiangular", theta_cutoff=None):
-        in_shape = _as_shape(in_shape, "in_shape")
-        out_shape = _as_shape(out_shape, "out_shape")
+        in_shape = validate_shape(in_shape, "in_shape")
+        out_shape = validate_shape(out_shape, "out_shape")
         validate_grid(grid_in, "grid_in")
         validate_grid(grid_out, "grid_out")
         if theta_cutoff is not None:

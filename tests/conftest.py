@@ -43,7 +43,7 @@ def has_gpu() -> bool:
 def pytest_collection_modifyitems(config, items):
     if has_gpu():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200: see tests/README.md)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (on the H200: bash benchmarks/run_h200.sh tests)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -20,10 +20,8 @@ def check_implementation(implementation) -> None:
         )
 
 
-def check_inputs(query, key, value, plan) -> tuple[tuple[int, ...], int, int, int]:
-    """Validate shapes and dtypes; return ``(batch_shape, heads, Dk, Dv)``."""
-    if not isinstance(plan, NeighborhoodPlan):
-        raise TypeError(f"plan must be a jax_s2attn.NeighborhoodPlan, got {type(plan).__name__}.")
+def check_arrays(query, key, value) -> None:
+    """query, key and value are float arrays of rank >= 4 sharing one dtype."""
     arrays = {"query": query, "key": key, "value": value}
     for name, x in arrays.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -41,6 +39,14 @@ def check_inputs(query, key, value, plan) -> tuple[tuple[int, ...], int, int, in
             + ", ".join(f"{n}={d}" for n, d in dtypes.items())
             + "; cast them first (e.g. key.astype(query.dtype))."
         )
+
+
+def check_inputs(query, key, value, plan) -> tuple[tuple[int, ...], int, int, int]:
+    """Validate shapes and dtypes against ``plan``; return ``(batch_shape, heads, Dk, Dv)``."""
+    if not isinstance(plan, NeighborhoodPlan):
+        raise TypeError(f"plan must be a jax_s2attn.NeighborhoodPlan, got {type(plan).__name__}.")
+    check_arrays(query, key, value)
+    arrays = {"query": query, "key": key, "value": value}
     batch = tuple(query.shape[:-4])
     heads, dk = query.shape[-2], query.shape[-1]
     dv = value.shape[-1]

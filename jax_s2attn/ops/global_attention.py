@@ -33,6 +33,7 @@ import numpy as np
 
 from ..grids import precompute_latitudes, validate_grid
 from ..plan import NeighborhoodPlan
+from ._checks import check_arrays
 
 __all__ = ["attention_s2", "quadrature_weights"]
 
@@ -197,22 +198,8 @@ def _attention_cudnn_folded(q, k, v, log_w, scale, folded_dim):
 
 def _check_inputs(query, key, value, weights) -> tuple[tuple[int, ...], int, int, int]:
     """Validate shapes and dtypes; return ``(batch_shape, heads, Dk, Dv)``."""
+    check_arrays(query, key, value)
     arrays = {"query": query, "key": key, "value": value}
-    for name, x in arrays.items():
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
-        if x.ndim < 4:
-            raise ValueError(
-                f"{name} must have shape [..., nlat, nlon, heads, head_dim] (rank >= 4), got shape {tuple(x.shape)}."
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}.")
-    if len({x.dtype for x in arrays.values()}) > 1:
-        raise TypeError(
-            "query, key and value must share one dtype, got "
-            + ", ".join(f"{n}={x.dtype}" for n, x in arrays.items())
-            + "; cast them first."
-        )
     batch, heads, dk = tuple(query.shape[:-4]), query.shape[-2], query.shape[-1]
     nlat_in, nlon_in = key.shape[-4:-2]
     dv = value.shape[-1]
