@@ -29,6 +29,7 @@ torch-harmonics does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
@@ -36,14 +37,22 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+
+from .ops.neighborhood import neighborhood_attention
+from .parallel.sharded import _check_mesh, padded_grid_shapes, sharded_neighborhood_attention
+from .plan import NeighborhoodPlan
 
 from .grids import validate_shape
 
 __all__ = [
     "LayerSpec",
+    "MeshSplit",
     "ParamSpec",
     "attention_layer",
     "layer_spec",
+    "mesh_split",
+    "neighborhood_attention_fn",
     "param_specs",
     "params_from_torch_harmonics",
     "rms_norm",
@@ -91,6 +100,47 @@ class ParamSpec(NamedTuple):
     name: str
     shape: tuple[int, ...]
     init: Callable  # jax initializer (key, shape, dtype) -> array
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSplit:
+    """How a neighbourhood layer splits its attention over a device mesh.
+
+    The arguments of :func:`jax_s2attn.parallel.sharded_neighborhood_attention`,
+    validated against the layer's plan, and the end-padded grid sizes
+    ``padded_shapes = (out_shape, in_shape)`` that layer inputs may also take.
+    """
+
+    mesh: Mesh
+    lat_axis: str
+    lon_axis: str
+    batch_axis: str | None
+    padded_shapes: tuple[tuple[int, int], tuple[int, int]]
+
+
+def mesh_split(plan: NeighborhoodPlan, mesh, lat_axis="lat", lon_axis="lon", batch_axis=None) -> MeshSplit | None:
+    """Validate a layer's mesh arguments (``None`` without a mesh); errors name the argument."""
+    if mesh is None:
+        return None
+    _check_mesh(mesh, lat_axis, lon_axis, batch_axis)
+    # Also raises, naming the mesh axis, when the grids cannot be split over it.
+    padded = padded_grid_shapes(plan, mesh, lat_axis, lon_axis)
+    return MeshSplit(mesh, lat_axis, lon_axis, batch_axis, padded)
+
+
+def neighborhood_attention_fn(plan: NeighborhoodPlan, implementation, split: MeshSplit | None) -> Callable:
+    """``attention(q, k, v, scale=...)`` of a neighbourhood layer: serial, or sharded per ``split``."""
+    if split is None:
+        return functools.partial(neighborhood_attention, plan=plan, implementation=implementation)
+    return functools.partial(
+        sharded_neighborhood_attention,
+        plan=plan,
+        mesh=split.mesh,
+        lat_axis=split.lat_axis,
+        lon_axis=split.lon_axis,
+        batch_axis=split.batch_axis,
+        implementation=implementation,
+    )
 
 
 def _positive_int(value, name: str) -> int:
@@ -189,20 +239,25 @@ def rms_norm(x, weight, eps: float | None = None):
     return (normed * (1 + weight.astype(compute))).astype(x.dtype)
 
 
-def _check_layer_inputs(query, key, value, spec: LayerSpec) -> None:
+def _check_layer_inputs(query, key, value, spec: LayerSpec, padded_shapes=None) -> None:
     expected_grid = {"query": spec.out_shape, "key": spec.in_shape, "value": spec.in_shape}
+    padded_out, padded_in = padded_shapes or (None, None)
+    padded_grid = {"query": padded_out, "key": padded_in, "value": padded_in}
     arrays = {"query": query, "key": key, "value": value}
     for name, x in arrays.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
         shape = tuple(x.shape)
         nlat, nlon = expected_grid[name]
-        if len(shape) < 3 or shape[-3:] != (nlat, nlon, spec.in_features):
+        grids = {(nlat, nlon), padded_grid[name]}
+        if len(shape) < 3 or shape[-1] != spec.in_features or shape[-3:-1] not in grids:
             hint = (
                 " For a layer from in_shape to a different out_shape pass key (and value) on the input grid."
                 if name != "query" and spec.in_shape != spec.out_shape
                 else ""
             )
+            if padded_grid[name] not in (None, (nlat, nlon)):
+                hint += f" On this layer's mesh the grid may also come end-padded to {padded_grid[name]}."
             raise ValueError(
                 f"{name} has shape {shape}; this layer expects {name} of shape "
                 f"[batch..., {nlat}, {nlon}, {spec.in_features}] (channels last; query on out_shape="
@@ -230,6 +285,7 @@ def attention_layer(
     attention: Callable,
     dtype=None,
     precision=None,
+    padded_shapes=None,
 ):
     """Projections, heads, optional qk-norm, ``attention``, output projection.
 
@@ -243,13 +299,16 @@ def attention_layer(
         ``[B..., nlat, nlon, H, D]`` (neighbourhood or global attention).
       dtype: computation dtype; ``None`` promotes the inputs' and parameters' dtypes (Flax).
       precision: ``jax.lax.Precision`` of the projections.
+      padded_shapes: ``(out_shape, in_shape)`` also accepted for the grid axes of
+        query and key/value (a mesh's end-padded sizes, :class:`MeshSplit`), or ``None``.
 
     Returns:
-      ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype.
+      ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype (grid
+      axes as given for ``query``).
     """
     key = query if key is None else key
     value = key if value is None else value
-    _check_layer_inputs(query, key, value, spec)
+    _check_layer_inputs(query, key, value, spec, padded_shapes)
     if dtype is None:
         dtype = jnp.result_type(query, key, value, *params.values())
     params = {name: jnp.asarray(p, dtype) for name, p in params.items()}

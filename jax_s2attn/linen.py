@@ -32,11 +32,11 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from . import _layers
 from .grids import validate_grid
 from .ops.global_attention import attention_s2, quadrature_weights
-from .ops.neighborhood import neighborhood_attention
 from .plan import NeighborhoodPlan
 
 __all__ = ["AttentionS2", "NeighborhoodAttentionS2", "TABLES_COLLECTION", "load_torch_harmonics_state_dict"]
@@ -66,7 +66,7 @@ class _SphericalAttention(nn.Module):
     implementation: str | None = None
 
     def __post_init__(self):
-        self._host_tables()  # Validates every argument at construction, as NNX does.
+        self._mesh_split(self._host_tables())  # Validates every argument at construction, as NNX does.
         super().__post_init__()
 
     @property
@@ -87,8 +87,12 @@ class _SphericalAttention(nn.Module):
         """The layer's plan or quadrature weights, built outside any trace."""
         raise NotImplementedError
 
-    def _attention_fn(self, tables):
-        """``attention(q, k, v, scale=...)`` on heads-last arrays, bound to ``tables``."""
+    def _mesh_split(self, host_tables) -> _layers.MeshSplit | None:
+        """How the attention is split over a device mesh; ``None``: it is not."""
+        return None
+
+    def _attention_fn(self, tables, split: _layers.MeshSplit | None):
+        """``attention(q, k, v, scale=...)`` on heads-last arrays, bound to ``tables`` (and ``split``)."""
         raise NotImplementedError
 
     @nn.compact
@@ -100,12 +104,17 @@ class _SphericalAttention(nn.Module):
           key: ``[B..., nlat_in, nlon_in, in_features]``, default ``query``.
           value: same shape as ``key``, default ``key``.
 
+        With a ``mesh``, grid axes may instead come end-padded to the sizes of
+        :func:`jax_s2attn.parallel.padded_grid_shapes`.
+
         Returns:
-          ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype.
+          ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype,
+          grid axes as given for ``query``.
         """
         spec = self.spec
         params = {p.name: self.param(p.name, p.init, p.shape, self.param_dtype) for p in _layers.param_specs(spec)}
         tables = self._host_tables()
+        split = self._mesh_split(tables)
         if self.is_initializing() or self.has_variable(TABLES_COLLECTION, "tables"):
             tables = self.variable(TABLES_COLLECTION, "tables", lambda: tables).value
         return _layers.attention_layer(
@@ -114,25 +123,39 @@ class _SphericalAttention(nn.Module):
             key,
             value,
             spec=spec,
-            attention=self._attention_fn(tables),
+            attention=self._attention_fn(tables, split),
             dtype=self.dtype,
             precision=self.precision,
+            padded_shapes=None if split is None else split.padded_shapes,
         )
 
 
 class NeighborhoodAttentionS2(_SphericalAttention):
     """Attention over geodesic neighbourhoods on the sphere; Linen twin of
-    :class:`jax_s2attn.nnx.NeighborhoodAttentionS2` (same arguments, without ``rngs``)."""
+    :class:`jax_s2attn.nnx.NeighborhoodAttentionS2` (same arguments, without ``rngs``).
+
+    ``mesh``, ``lat_axis``, ``lon_axis``, ``batch_axis``: with a
+    ``jax.sharding.Mesh`` the attention runs through
+    :func:`jax_s2attn.parallel.sharded_neighborhood_attention` on it (see the NNX
+    layer for the input sizes it takes); ``None`` runs it serially.
+    """
 
     _: dataclasses.KW_ONLY
     theta_cutoff: float | None = None
+    mesh: Mesh | None = None
+    lat_axis: str = "lat"
+    lon_axis: str = "lon"
+    batch_axis: str | None = None
 
     def _host_tables(self) -> NeighborhoodPlan:
         spec = self.spec
         return NeighborhoodPlan(spec.in_shape, spec.out_shape, self.grid_in, self.grid_out, self.theta_cutoff)
 
-    def _attention_fn(self, plan):
-        return functools.partial(neighborhood_attention, plan=plan, implementation=self.implementation)
+    def _mesh_split(self, plan: NeighborhoodPlan) -> _layers.MeshSplit | None:
+        return _layers.mesh_split(plan, self.mesh, self.lat_axis, self.lon_axis, self.batch_axis)
+
+    def _attention_fn(self, plan, split):
+        return _layers.neighborhood_attention_fn(plan, self.implementation, split)
 
 
 class AttentionS2(_SphericalAttention):
@@ -143,7 +166,7 @@ class AttentionS2(_SphericalAttention):
         validate_grid(self.grid_out, "grid_out")
         return jnp.asarray(quadrature_weights(self.spec.in_shape, self.grid_in))
 
-    def _attention_fn(self, quad_weights):
+    def _attention_fn(self, quad_weights, split):
         return functools.partial(attention_s2, quad_weights=quad_weights, implementation=self.implementation)
 
 

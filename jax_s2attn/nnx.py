@@ -37,11 +37,11 @@ from collections.abc import Mapping
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from . import _layers
 from .grids import validate_grid
 from .ops.global_attention import attention_s2, quadrature_weights
-from .ops.neighborhood import neighborhood_attention
 from .plan import NeighborhoodPlan
 
 __all__ = ["AttentionS2", "NeighborhoodAttentionS2", "S2Tables"]
@@ -54,8 +54,11 @@ class S2Tables(nnx.Variable):
 class _SphericalAttention(nnx.Module):
     """Parameters, dtype policy and the call shared by both layers."""
 
-    def __init__(self, spec: _layers.LayerSpec, tables, *, dtype, param_dtype, precision, implementation, rngs):
+    def __init__(
+        self, spec: _layers.LayerSpec, tables, *, dtype, param_dtype, precision, implementation, rngs, split=None
+    ):
         self.spec = spec
+        self.split = split  # _layers.MeshSplit of a layer on a device mesh, else None
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
@@ -76,8 +79,12 @@ class _SphericalAttention(nnx.Module):
           key: ``[B..., nlat_in, nlon_in, in_features]``, default ``query``.
           value: same shape as ``key``, default ``key``.
 
+        With a ``mesh``, grid axes may instead come end-padded to the sizes of
+        :func:`jax_s2attn.parallel.padded_grid_shapes` (see the layer's ``mesh``).
+
         Returns:
-          ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype.
+          ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype,
+          grid axes as given for ``query``.
         """
         params = {p.name: getattr(self, p.name)[...] for p in _layers.param_specs(self.spec)}
         return _layers.attention_layer(
@@ -89,6 +96,7 @@ class _SphericalAttention(nnx.Module):
             attention=self._attention_fn(self.tables.get_value()),
             dtype=self.dtype,
             precision=self.precision,
+            padded_shapes=None if self.split is None else self.split.padded_shapes,
         )
 
     def load_torch_harmonics_state_dict(self, state_dict: Mapping) -> None:
@@ -134,6 +142,16 @@ class NeighborhoodAttentionS2(_SphericalAttention):
       precision: ``jax.lax.Precision`` of the projections.
       implementation: passed to :func:`jax_s2attn.neighborhood_attention`
         (``None``: fastest available, ``"reference"``, ``"ffi"``).
+      mesh: a ``jax.sharding.Mesh`` to split the attention over with
+        :func:`jax_s2attn.parallel.sharded_neighborhood_attention` (same plan,
+        scale and implementation); ``None`` runs it serially. The projections
+        follow the inputs' sharding, e.g. ``NamedSharding(mesh, P(None, "lat", "lon"))``.
+        Inputs take the true grid sizes (padded and gathered internally where the
+        mesh does not divide a grid axis) or, to stay evenly sharded, those end-padded
+        to :func:`jax_s2attn.parallel.padded_grid_shapes`; the output then keeps the
+        padding, where it holds the output bias (ignore or slice it off).
+      lat_axis, lon_axis: mesh axes that split latitudes and longitudes.
+      batch_axis: mesh axis that splits the first batch dimension, or ``None``.
       rngs: ``nnx.Rngs`` for parameter initialisation.
     """
 
@@ -156,6 +174,10 @@ class NeighborhoodAttentionS2(_SphericalAttention):
         param_dtype=jnp.float32,
         precision=None,
         implementation: str | None = None,
+        mesh: Mesh | None = None,
+        lat_axis: str = "lat",
+        lon_axis: str = "lon",
+        batch_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         spec = _layers.layer_spec(
@@ -178,6 +200,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             precision=precision,
             implementation=implementation,
             rngs=rngs,
+            split=_layers.mesh_split(plan, mesh, lat_axis, lon_axis, batch_axis),
         )
 
     @property
@@ -186,7 +209,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
         return self.tables.get_value()
 
     def _attention_fn(self, plan):
-        return functools.partial(neighborhood_attention, plan=plan, implementation=self.implementation)
+        return _layers.neighborhood_attention_fn(plan, self.implementation, self.split)
 
 
 class AttentionS2(_SphericalAttention):
