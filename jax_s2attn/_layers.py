@@ -39,11 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from .grids import validate_shape
 from .ops.neighborhood import neighborhood_attention
 from .parallel.sharded import _check_mesh, padded_grid_shapes, sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
-
-from .grids import validate_shape
 
 __all__ = [
     "LayerSpec",
