@@ -34,4 +34,12 @@ nanobind::dict NbhdRegistrations(Fwd* forward, Dq* backward_dq, Dkv* backward_dk
   return targets;
 }
 
+// Adds the tiled targets (CUDA only) to a registrations() dict.
+template <typename Fwd, typename Dq, typename Dkv>
+void AddTiledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+  targets[kTargetTiledForward] = HandlerCapsule(forward);
+  targets[kTargetTiledBackwardDq] = HandlerCapsule(backward_dq);
+  targets[kTargetTiledBackwardDkv] = HandlerCapsule(backward_dkv);
+}
+
 }  // namespace s2attn

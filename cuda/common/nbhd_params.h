@@ -13,6 +13,14 @@ namespace s2attn {
 inline constexpr char kTargetForward[] = "jax_s2attn_nbhd_fwd";
 inline constexpr char kTargetBackwardDq[] = "jax_s2attn_nbhd_bwd_dq";
 inline constexpr char kTargetBackwardDkv[] = "jax_s2attn_nbhd_bwd_dkv";
+// The tiled tensor-core kernels (CUDA only): same operands, with the walk's segment table.
+inline constexpr char kTargetTiledForward[] = "jax_s2attn_tiled_fwd";
+inline constexpr char kTargetTiledBackwardDq[] = "jax_s2attn_tiled_bwd_dq";
+inline constexpr char kTargetTiledBackwardDkv[] = "jax_s2attn_tiled_bwd_dkv";
+
+// What the `arc_offsets` / `arcs` operands hold: the arc table (offsets per pattern, rows of
+// (row, lo, len)) or the segment table (offsets per walking row, rows of (row, lo[R], len[R])).
+enum class TableForm { kArcs, kSegments };
 
 // The element types activations may have. Accumulation is always float32.
 enum class ElementType { kF32, kBF16, kF16 };
@@ -103,7 +111,7 @@ inline ffi::Error CheckTable(const char* name, int64_t count, int64_t expected) 
 inline ffi::Error DecodeParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                const NbhdAttrs& attrs, bool walk_keys, int64_t window_count,
                                int64_t order_count, int64_t offsets_count, int64_t arcs_count,
-                               int64_t weights_count, NbhdParams* p) {
+                               int64_t weights_count, NbhdParams* p, TableForm form = TableForm::kArcs) {
   int64_t bq, bk, bv, hk, hv, dk2, nv_lat, nv_lon;
   S2ATTN_RETURN_IF_ERROR(SplitActivation("q", q.dimensions(), &bq, &p->nq_lat, &p->nq_lon, &p->heads, &p->dk));
   S2ATTN_RETURN_IF_ERROR(SplitActivation("k", k.dimensions(), &bk, &p->nk_lat, &p->nk_lon, &hk, &dk2));
@@ -136,8 +144,15 @@ inline ffi::Error DecodeParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   p->num_patterns = walk_rows * p->residues;
   S2ATTN_RETURN_IF_ERROR(CheckTable("window", window_count, 8));
   S2ATTN_RETURN_IF_ERROR(CheckTable("row_order", order_count, walk_keys ? p->nk_lat : p->nq_lat));
-  S2ATTN_RETURN_IF_ERROR(CheckTable("arc_offsets", offsets_count, p->num_patterns + 1));
-  S2ATTN_CHECK(arcs_count % 3 == 0, "arcs must hold (row, lo, len) triples, got " << arcs_count << " elements");
+  if (form == TableForm::kArcs) {
+    S2ATTN_RETURN_IF_ERROR(CheckTable("arc_offsets", offsets_count, p->num_patterns + 1));
+    S2ATTN_CHECK(arcs_count % 3 == 0, "arcs must hold (row, lo, len) triples, got " << arcs_count << " elements");
+  } else {
+    S2ATTN_RETURN_IF_ERROR(CheckTable("segment_offsets", offsets_count, walk_rows + 1));
+    S2ATTN_CHECK(arcs_count % (1 + 2 * p->residues) == 0,
+                 "segments must hold rows of 1 + 2 * residues = " << 1 + 2 * p->residues << " values, got "
+                                                                  << arcs_count << " elements");
+  }
   S2ATTN_RETURN_IF_ERROR(CheckTable("quad_weights", weights_count, p->nlat_k));
   return ffi::Error::Success();
 }

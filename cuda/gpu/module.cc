@@ -5,7 +5,11 @@
 
 NB_MODULE(_s2attn_cuda, m) {
   m.def("registrations", []() {
-    return s2attn::NbhdRegistrations(S2AttnNbhdForwardCuda, S2AttnNbhdBackwardDqCuda, S2AttnNbhdBackwardDkvCuda);
+    nanobind::dict targets =
+        s2attn::NbhdRegistrations(S2AttnNbhdForwardCuda, S2AttnNbhdBackwardDqCuda, S2AttnNbhdBackwardDkvCuda);
+    s2attn::AddTiledRegistrations(targets, S2AttnTiledForwardCuda, S2AttnTiledBackwardDqCuda,
+                                  S2AttnTiledBackwardDkvCuda);
+    return targets;
   });
   m.def("build_info", []() {
     nanobind::dict info = s2attn::BuildInfo();

@@ -19,14 +19,11 @@
 #include <initializer_list>
 
 #include "common/arc_walk.h"
+#include "gpu/device_common.cuh"
 #include "gpu/nbhd_attn_kernels.h"
 
 namespace s2attn {
 namespace gpu {
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kNegInf = -__builtin_huge_valf();
 
 // Neighbours whose rows are loaded together (one max/rescale per group in the forward).
 constexpr int kNeighbourGroup = 4;
@@ -42,34 +39,6 @@ constexpr int kBlocksPerSm = 2;
 constexpr int kGeneralMaxWarps = 4;
 // Shared memory of one general-kernel block (the default limit, no opt-in needed).
 constexpr int64_t kGeneralSharedBytes = 48 * 1024;
-// Largest grid extent in y and z; larger grids are split into several launches. A macro only
-// so that the CPU emulation tests (tests/cuda_emulation) can exercise the split with a small one.
-#ifndef S2ATTN_MAX_GRID_YZ
-#define S2ATTN_MAX_GRID_YZ 65535
-#endif
-constexpr int64_t kMaxGridYZ = S2ATTN_MAX_GRID_YZ;
-
-// 2^x by the special-function unit (max relative error ~2^-22; exp2(-inf) = 0).
-__device__ __forceinline__ float Exp2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else  // the kernels compiled for the host (tests/cuda_emulation)
-  return exp2f(x);
-#endif
-}
-
-// The block's dynamic shared memory (only the general kernels ask for any).
-__device__ __forceinline__ float* DynamicShared() {
-  extern __shared__ float s2attn_dynamic_shared[];
-  return s2attn_dynamic_shared;
-}
-
-__device__ __forceinline__ float ToFloat(float x) { return x; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
-
 // Four consecutive elements of T, loaded as one vector (16 bytes of float32, 8 bytes of a
 // 16-bit type) and widened to float. Four channels per lane keep the register footprint of
 // the backward kernels (four head vectors and two tiles per lane) within 128 registers.
@@ -353,19 +322,6 @@ class GeneralChannels {
 
 // ------------------------------------------------------------------ walking
 
-// The window operand. A window that does not fit its arrays and grid (only possible with a
-// corrupted operand: the host cannot read it) is treated as empty, so nothing is read out of
-// bounds and the results are zeros.
-__device__ __forceinline__ Windows ReadDeviceWindows(const NbhdAttnGpuParams& p) {
-  int32_t raw[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) raw[i] = __ldg(p.window + i);
-  Windows w = ReadWindows(raw);
-  if (!w.q.Fits(p.nq_lat, p.nq_lon, p.nlat_q, p.nlon_q)) w.q = GridWindow{0, 0, 0, 0};
-  if (!w.k.Fits(p.nk_lat, p.nk_lon, p.nlat_k, p.nlon_k)) w.k = GridWindow{0, 0, 0, 0};
-  return w;
-}
-
 __device__ __forceinline__ int64_t Clamp(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
 // Calls visit(local_row, local_col, count) for every run of consecutive neighbours, inside
@@ -417,10 +373,8 @@ __device__ __forceinline__ void ForEachGroup(int32_t count, Step&& step) {
   ForEachTailGroup<kMaxRows / 2>(count - t, t, step);
 }
 
-// Calls body(local_row, local_col, batch, head) for the walking point of this team, if any.
-// The grid is (longitude tile, batch * head, row rank) and blocks start in that order (x
-// fastest), so the longest rows (row_order is sorted longest first) of every head run first and
-// short rows fill the tail; the teams of a block take consecutive longitudes of one row and so
+// Calls body(local_row, local_col, batch, head) for the walking point of this team, if any
+// (block order: BlockRowOf). The teams of a block take consecutive longitudes of one row and so
 // read nearly the same neighbours (shared through L1). One point per team and no loop here:
 // loop state live across the walk costs registers (spills at the forward's cap of 80). Padding
 // points are passed too (the body writes their zeros).
@@ -428,13 +382,12 @@ template <typename Body>
 __device__ __forceinline__ void ForTeamPoint(const NbhdAttnGpuParams& p, int32_t rows, int32_t cols, int team,
                                              int teams, Body&& body) {
   const int64_t col = int64_t{blockIdx.x} * teams + team;
-  const int32_t rank = p.first_rank + static_cast<int32_t>(blockIdx.z);
-  const int32_t batch_head = p.first_batch_head + static_cast<int32_t>(blockIdx.y);
+  const BlockRow block = BlockRowOf(p);
   const int32_t heads = static_cast<int32_t>(p.heads);
-  if (col >= cols || rank >= rows || batch_head >= p.batch * heads) return;
-  const int32_t row = __ldg(p.row_order + rank);
+  if (col >= cols || block.rank >= rows || block.batch_head >= p.batch * heads) return;
+  const int32_t row = __ldg(p.row_order + block.rank);
   if (row < 0 || row >= rows) return;  // a bad row_order entry is skipped
-  body(row, static_cast<int32_t>(col), batch_head / heads, batch_head % heads);
+  body(row, static_cast<int32_t>(col), block.batch_head / heads, block.batch_head % heads);
 }
 
 // Shared memory of one warp of a general kernel, in floats (0 for the vector kernels).
@@ -450,13 +403,6 @@ struct Variant {
   using Element = T;
   using Channels = Ch;
 };
-
-inline bool Aligned16(std::initializer_list<const void*> pointers) {
-  for (const void* p : pointers) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  }
-  return true;
-}
 
 // Calls launch(Variant<T, Ch>{}) with T the activation type and Ch the vector layout when
 // Dk == Dv is 32, 64 or 128 and every activation and result is 16-byte aligned, else the
@@ -501,24 +447,7 @@ cudaError_t LaunchTeams(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, 
   }
   const int teams = threads / Ch::kLanes;
   const int64_t tiles = (int64_t{cols} + teams - 1) / teams;
-  const int64_t batch_heads = p.batch * p.heads;  // < 2^31 (checked by the handlers)
-  if (tiles == 0 || batch_heads == 0 || rows == 0) return cudaSuccess;
-  NbhdAttnGpuParams params = p;
-  void* args[] = {&params};
-  // Launches in row-rank order, so the longest rows still start first when split.
-  for (int64_t rank = 0; rank < rows; rank += kMaxGridYZ) {
-    for (int64_t batch_head = 0; batch_head < batch_heads; batch_head += kMaxGridYZ) {
-      params.first_rank = static_cast<int32_t>(rank);
-      params.first_batch_head = static_cast<int32_t>(batch_head);
-      const dim3 grid(static_cast<unsigned>(tiles),
-                      static_cast<unsigned>(std::min<int64_t>(batch_heads - batch_head, kMaxGridYZ)),
-                      static_cast<unsigned>(std::min<int64_t>(rows - rank, kMaxGridYZ)));
-      const cudaError_t status =
-          cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args, shared_bytes, stream);
-      if (status != cudaSuccess) return status;
-    }
-  }
-  return cudaGetLastError();
+  return LaunchRowGrid(kernel, stream, p, rows, tiles, threads, shared_bytes);
 }
 
 }  // namespace gpu

@@ -1,4 +1,5 @@
-// CUDA handlers of the three neighbourhood-attention targets (contract: cuda/README.md).
+// CUDA handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
+// arc-segment targets and their three tiled tensor-core twins, one handler template each.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
 // table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream. Table *contents*
@@ -16,6 +17,7 @@
 #include "common/nbhd_binding.h"
 #include "common/nbhd_params.h"
 #include "gpu/nbhd_attn_kernels.h"
+#include "gpu/tiled_attn_kernels.h"
 
 namespace s2attn {
 namespace {
@@ -56,7 +58,8 @@ ffi::Error CheckGpuLimits(const NbhdParams& p, bool walk_keys) {
 // Everything but the backward inputs and the results.
 NbhdAttnGpuParams GpuParams(const NbhdParams& p, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                             const ffi::AnyBuffer& v, const I32Buffer& window, const I32Buffer& row_order,
-                            const I32Buffer& arc_offsets, const I32Buffer& arcs, const F32Buffer& quad_weights) {
+                            const I32Buffer& arc_offsets, const I32Buffer& arcs, const F32Buffer& quad_weights,
+                            TableForm form) {
   NbhdAttnGpuParams g;
   g.dtype = ToActivationType(p.dtype);
   g.q = q.untyped_data();
@@ -81,10 +84,41 @@ NbhdAttnGpuParams GpuParams(const NbhdParams& p, const ffi::AnyBuffer& q, const 
   g.nlon_k = static_cast<int32_t>(p.nlon_k);
   g.residues = static_cast<int32_t>(p.residues);
   g.shift = static_cast<int32_t>(p.shift);
-  g.num_arcs = static_cast<int64_t>(arcs.element_count()) / 3;
+  g.num_arcs = static_cast<int64_t>(arcs.element_count()) / (form == TableForm::kArcs ? 3 : 1 + 2 * p.residues);
   g.scale = p.scale;
   return g;
 }
+
+// The two kernel families behind one handler template: table form, target names, launchers,
+// and what a family cannot run (reported before launching).
+struct ArcKernels {
+  static constexpr TableForm kForm = TableForm::kArcs;
+  static constexpr const char* kForward = kTargetForward;
+  static constexpr const char* kBackwardDq = kTargetBackwardDq;
+  static constexpr const char* kBackwardDkv = kTargetBackwardDkv;
+  static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnFwd(s, g); }
+  static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnBwdDq(s, g); }
+  static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnBwdDkv(s, g); }
+  static ffi::Error Check(const NbhdAttnGpuParams&) { return ffi::Error::Success(); }
+};
+
+struct TiledKernels {
+  static constexpr TableForm kForm = TableForm::kSegments;
+  static constexpr const char* kForward = kTargetTiledForward;
+  static constexpr const char* kBackwardDq = kTargetTiledBackwardDq;
+  static constexpr const char* kBackwardDkv = kTargetTiledBackwardDkv;
+  static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnFwd(s, g); }
+  static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDq(s, g); }
+  static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDkv(s, g); }
+  static ffi::Error Check(const NbhdAttnGpuParams& g) {
+    S2ATTN_CHECK(TiledAttnSupported(g), "the tiled kernels take bfloat16 or float16 activations with Dk == Dv in "
+                                        "{32, 64, 128} and 16-byte aligned buffers (got Dk = "
+                                            << g.head_dim_k << ", Dv = " << g.head_dim_v
+                                            << "); use the arc-segment targets (implementation='ffi-arc')");
+    S2ATTN_CHECK(g.residues <= 64, "the segment table's residues (" << g.residues << ") exceed 64");
+    return ffi::Error::Success();
+  }
+};
 
 ffi::Error LaunchStatus(cudaError_t status, const char* target) {
   if (status == cudaSuccess) return ffi::Error::Success();
@@ -97,6 +131,7 @@ NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q
   return NbhdAttrs{scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k};
 }
 
+template <typename Kernels>
 ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
                    I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
                    ffi::RemainingArgs /*aliased_results*/, F32Result out, F32Result lse, float scale,
@@ -105,15 +140,16 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                       /*walk_keys=*/false, window.element_count(), row_order.element_count(),
                                       arc_offsets.element_count(), arcs.element_count(),
-                                      quad_weights.element_count(), &p));
+                                      quad_weights.element_count(), &p, Kernels::kForm));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, /*walk_keys=*/false));
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
-  NbhdAttnGpuParams g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights);
+  NbhdAttnGpuParams g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, Kernels::kForm);
   g.out = out->typed_data();
   g.lse_out = lse->typed_data();
-  return LaunchStatus(LaunchNbhdAttnFwd(stream, g), kTargetForward);
+  S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
+  return LaunchStatus(Kernels::Forward(stream, g), Kernels::kForward);
 }
 
 // Decodes the operands shared by both backward targets.
@@ -121,20 +157,21 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, cons
                           const ffi::AnyBuffer& dout, const F32Buffer& lse, const F32Buffer& delta,
                           const I32Buffer& window, const I32Buffer& row_order, const I32Buffer& arc_offsets,
                           const I32Buffer& arcs, const F32Buffer& quad_weights, const NbhdAttrs& attrs, bool walk_keys,
-                          NbhdAttnGpuParams* g) {
+                          TableForm form, NbhdAttnGpuParams* g) {
   NbhdParams p;
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, attrs, walk_keys, window.element_count(), row_order.element_count(),
                                       arc_offsets.element_count(), arcs.element_count(),
-                                      quad_weights.element_count(), &p));
+                                      quad_weights.element_count(), &p, form));
   S2ATTN_RETURN_IF_ERROR(CheckBackwardOperands(q, dout, lse.dimensions(), delta.dimensions(), p));
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, walk_keys));
-  *g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights);
+  *g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, form);
   g->dout = dout.untyped_data();
   g->lse = lse.typed_data();
   g->delta = delta.typed_data();
   return ffi::Error::Success();
 }
 
+template <typename Kernels>
 ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                       F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
                       I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, F32Result dq,
@@ -143,14 +180,16 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   NbhdAttnGpuParams g;
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs, quad_weights,
                                         MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
-                                        /*walk_keys=*/false, &g));
+                                        /*walk_keys=*/false, Kernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dq", dq->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_k));
   if (dq->element_count() == 0) return ffi::Error::Success();
   g.dq = dq->typed_data();
-  return LaunchStatus(LaunchNbhdAttnBwdDq(stream, g), kTargetBackwardDq);
+  S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
+  return LaunchStatus(Kernels::BackwardDq(stream, g), Kernels::kBackwardDq);
 }
 
+template <typename Kernels>
 ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order,
                        I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
@@ -160,7 +199,7 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   NbhdAttnGpuParams g;
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs, quad_weights,
                                         MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
-                                        /*walk_keys=*/true, &g));
+                                        /*walk_keys=*/true, Kernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dk", dk->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_k));
   S2ATTN_RETURN_IF_ERROR(
@@ -168,15 +207,20 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
   g.dk = dk->typed_data();
   g.dv = dv->typed_data();
-  return LaunchStatus(LaunchNbhdAttnBwdDkv(stream, g), kTargetBackwardDkv);
+  S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
+  return LaunchStatus(Kernels::BackwardDkv(stream, g), Kernels::kBackwardDkv);
 }
 
 }  // namespace
 }  // namespace s2attn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdForwardCuda, s2attn::Forward,
-                              s2attn::BindForward(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDqCuda, s2attn::BackwardDq,
-                              s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCuda, s2attn::BackwardDkv,
-                              s2attn::BindBackwardDkv(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
+#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, KERNELS)                                                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, s2attn::Forward<KERNELS>,                                   \
+                                s2attn::BindForward(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDqCuda, s2attn::BackwardDq<KERNELS>,                             \
+                                s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDkvCuda, s2attn::BackwardDkv<KERNELS>,                           \
+                                s2attn::BindBackwardDkv(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
+
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::ArcKernels);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledKernels);

@@ -9,3 +9,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDqCuda);
 // jax_s2attn_nbhd_bwd_dkv: (q, k, v, dout, lse, delta, window, row_order, ...) -> (dk, dv)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCuda);
+// jax_s2attn_tiled_fwd / _bwd_dq / _bwd_dkv: the same operands with the walk's segment table in
+// place of its arc table; bfloat16/float16, Dk == Dv in {32, 64, 128} (tiled_attn_kernels.h).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledForwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDqCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDkvCuda);

@@ -1,0 +1,152 @@
+// Tiled backward without atomics: dq per unit of 64 queries walking the forward segments, dk
+// and dv per unit of 64 keys walking the transposed (backward) segments. Both recompute
+// p = w exp(s - lse) from the saved lse and use delta = sum(dout * out) formed in float32
+// by the caller (cuda/README.md).
+#include "gpu/tiled_attn_device.cuh"
+#include "gpu/tiled_attn_dispatch.cuh"
+
+namespace s2attn {
+namespace gpu {
+namespace tiled {
+namespace {
+
+// dq_o = scale * sum_j p_oj (dout_o.v_j - delta_o) k_j. Staged: K (a), V (b).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) TiledDqKernel(const NbhdAttnGpuParams p) {
+  const Windows win = ReadDeviceWindows(p);
+  const Unit u = UnitOf(p, win.q, p.nq_lat, p.nq_lon);
+  if (!u.live) return;
+  const T* q = static_cast<const T*>(p.q);
+  const T* dout = static_cast<const T*>(p.dout);
+  uint32_t qa[D / 16][4], da[D / 16][4];
+  LoadOwnFragments<T, D>(qa, RealRow(q, D, u, 0), RealRow(q, D, u, 1));
+  LoadOwnFragments<T, D>(da, RealRow(dout, D, u, 0), RealRow(dout, D, u, 1));
+  float lse2[2], delta[2];
+  for (int h = 0; h < 2; ++h) {
+    // A row without neighbours anywhere (lse = -inf) or outside the window: p = exp2(x - inf) = 0.
+    const float lse = u.row_real[h] ? __ldg(p.lse + u.row_point[h]) : kNegInf;
+    lse2[h] = lse == kNegInf ? -kNegInf : lse * kLog2e;
+    delta[h] = u.row_real[h] ? __ldg(p.delta + u.row_point[h]) : 0.f;
+  }
+  const Walk walk = WalkOf(p, u, win.q, win.k, p.nlat_k, p.nlon_k);
+  const StagedSource<T> src = SourceOf<T>(p.k, p.v, nullptr, nullptr, u, p.nk_lat, p.nk_lon, p.heads, D);
+  float acc[D / 8][4];
+  ZeroAccumulator<D>(acc);
+  const float scale2 = p.scale * kLog2e;
+  const int t = threadIdx.x % 4;
+
+  ForEachChunk<T, D>(walk, src, p.quad_weights, u.row_lon, u.row_real,
+                     [&](const Stage<T, D>& stage, const SegmentWindow& sw, int32_t chunk, const WarpBand& band) {
+    const int32_t c0 = chunk * kChunk;
+#pragma unroll
+    for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
+      const int32_t cb = c0 + kBlock * kb;
+      if (!(cb < band.hi && cb + kBlock > band.lo && cb < sw.width)) continue;
+      const T* k_rows = stage.BlockA(kb);
+      float s[2][4], dp[2][4];
+      RowProducts<T, D>(s, qa, k_rows);
+      RowProducts<T, D>(dp, da, stage.BlockB(kb));
+      const bool full = cb >= band.full_lo && cb + kBlock <= band.full_hi;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = kBlock * kb + 8 * n + 2 * t + (e & 1);
+          const int h = e >> 1;
+          const bool on = full || OnArc(c0 + col, band.off[h], band.len[h], sw.wrap);
+          const float prob = on ? Exp2(fmaf(s[n][e], scale2, stage.bias[col]) - lse2[h]) : 0.f;
+          s[n][e] = prob * (dp[n][e] - delta[h]);
+        }
+      }
+      AccumulateRows<T, D>(acc, s, k_rows);
+    }
+  });
+
+  const float scale0 = u.row_real[0] ? p.scale : 0.f, scale1 = u.row_real[1] ? p.scale : 0.f;
+  StoreRows<D>(ExistingRow(p.dq, D, u, 0), ExistingRow(p.dq, D, u, 1), acc, scale0, scale1);
+}
+
+// dv_j = sum_o p_oj dout_o, dk_j = scale * sum_o p_oj (dout_o.v_j - delta_o) q_o over the
+// queries o that have key j as a neighbour. Staged: Q (a), dout (b), -log2e * lse, delta.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) TiledDkvKernel(const NbhdAttnGpuParams p) {
+  const Windows win = ReadDeviceWindows(p);
+  const Unit u = UnitOf(p, win.k, p.nk_lat, p.nk_lon);
+  if (!u.live) return;
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  uint32_t ka[D / 16][4], va[D / 16][4];
+  LoadOwnFragments<T, D>(ka, RealRow(k, D, u, 0), RealRow(k, D, u, 1));
+  LoadOwnFragments<T, D>(va, RealRow(v, D, u, 0), RealRow(v, D, u, 1));
+  // The keys' own quadrature weight (one row per block).
+  const float log2_weight = u.padding_row ? 0.f : log2f(__ldg(p.quad_weights + win.k.lat0 + u.local_row));
+  const Walk walk = WalkOf(p, u, win.k, win.q, p.nlat_q, p.nlon_q);
+  const StagedSource<T> src = SourceOf<T>(p.q, p.dout, p.lse, p.delta, u, p.nq_lat, p.nq_lon, p.heads, D);
+  float dk[D / 8][4], dv[D / 8][4];
+  ZeroAccumulator<D>(dk);
+  ZeroAccumulator<D>(dv);
+  const float scale2 = p.scale * kLog2e;
+  const int t = threadIdx.x % 4;
+
+  ForEachChunk<T, D>(walk, src, p.quad_weights, u.row_lon, u.row_real,
+                     [&](const Stage<T, D>& stage, const SegmentWindow& sw, int32_t chunk, const WarpBand& band) {
+    const int32_t c0 = chunk * kChunk;
+#pragma unroll
+    for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
+      const int32_t cb = c0 + kBlock * kb;
+      if (!(cb < band.hi && cb + kBlock > band.lo && cb < sw.width)) continue;
+      const T* q_rows = stage.BlockA(kb);
+      const T* dout_rows = stage.BlockB(kb);
+      float s[2][4], dp[2][4];
+      RowProducts<T, D>(s, ka, q_rows);
+      RowProducts<T, D>(dp, va, dout_rows);
+      const bool full = cb >= band.full_lo && cb + kBlock <= band.full_hi;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = kBlock * kb + 8 * n + 2 * t + (e & 1);
+          const int h = e >> 1;
+          const bool on = full || OnArc(c0 + col, band.off[h], band.len[h], sw.wrap);
+          const float prob = on ? Exp2(fmaf(s[n][e], scale2, log2_weight + stage.bias[col])) : 0.f;
+          s[n][e] = prob;
+          dp[n][e] = prob * (dp[n][e] - stage.delta[col]);
+        }
+      }
+      AccumulateRows<T, D>(dv, s, dout_rows);
+      AccumulateRows<T, D>(dk, dp, q_rows);
+    }
+  });
+
+  const float scale0 = u.row_real[0] ? 1.f : 0.f, scale1 = u.row_real[1] ? 1.f : 0.f;
+  StoreRows<D>(ExistingRow(p.dk, D, u, 0), ExistingRow(p.dk, D, u, 1), dk, scale0 * p.scale, scale1 * p.scale);
+  StoreRows<D>(ExistingRow(p.dv, D, u, 0), ExistingRow(p.dv, D, u, 1), dv, scale0, scale1);
+}
+
+}  // namespace
+}  // namespace tiled
+}  // namespace gpu
+
+bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
+  const bool sixteen_bit = p.dtype == ActivationType::kBF16 || p.dtype == ActivationType::kF16;
+  const bool dims = p.head_dim_k == p.head_dim_v && (p.head_dim_k == 32 || p.head_dim_k == 64 || p.head_dim_k == 128);
+  return sixteen_bit && dims && gpu::Aligned16({p.q, p.k, p.v, p.dout});
+}
+
+cudaError_t LaunchTiledAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::tiled::DispatchTiled(p, [&](auto variant) {
+    using V = decltype(variant);
+    return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledDqKernel<typename V::Element, V::kDim>, stream, p,
+                                            p.nq_lat, p.nq_lon);
+  });
+}
+
+cudaError_t LaunchTiledAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::tiled::DispatchTiled(p, [&](auto variant) {
+    using V = decltype(variant);
+    return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledDkvKernel<typename V::Element, V::kDim>, stream, p,
+                                            p.nk_lat, p.nk_lon);
+  });
+}
+
+}  // namespace s2attn

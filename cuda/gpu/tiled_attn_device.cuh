@@ -1,0 +1,541 @@
+// Building blocks of the tiled tensor-core kernels (tiled_attn_fwd.cu, tiled_attn_bwd.cu):
+// unit and segment geometry, the staged chunk stream, and the warp-level tile products.
+//
+// Work decomposition. A block of kWarps warps owns a *unit*: kTilePoints consecutive longitudes
+// of one row of the walking grid (query grid for forward and dq, key grid for dk/dv) of one
+// (batch, head); warp u owns points 16u..16u+15 and keeps their rows of the walking operands as
+// MMA fragments. The block walks the *segments* of its row (jax_s2attn.plan.SegmentTable: one
+// row of the other grid, with each residue's arc on it). Per segment the unit's arcs are nested
+// in one contiguous window of the other grid's longitudes, [lo_cta, hi_cta) unwrapped: point w
+// with arc start s_w = lo_r + S*(w / R) and length len_r sees window column c iff
+// 0 <= c - (s_w - lo_cta) < len_r (a band). If the window spans the whole ring, it becomes
+// the ring itself from longitude 0 (ring mode) and the test is taken modulo nlon.
+// The window is staged in chunks of kChunk columns (cp.async, double buffered, one flat stream
+// across segments so the pipeline never drains between short segments). Each warp multiplies
+// only the 16-column blocks its band touches, and evaluates the band mask only on blocks that
+// are not entirely inside every one of its points' arcs. Quadrature weights (or -lse for dk/dv)
+// and columns outside the other grid's window enter as a per-column bias: -inf masks a column.
+// jax_s2attn/tile_walk.py emulates this walk on the host (coverage and tile statistics).
+//
+// Everything a block computes is owned by that block and summed in a fixed order: results are
+// bitwise reproducible, without atomics.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "common/arc_walk.h"
+#include "gpu/device_common.cuh"
+#include "gpu/mma_sm80.cuh"
+#include "gpu/nbhd_attn_kernels.h"
+
+namespace s2attn {
+namespace gpu {
+namespace tiled {
+
+constexpr int kWarps = 4;
+constexpr int kWarpPoints = 16;                      // rows of one MMA tile
+constexpr int kTilePoints = kWarps * kWarpPoints;    // walking points per block
+constexpr int kChunk = 64;                           // staged columns per pipeline stage
+constexpr int kBlock = 16;                           // columns per MMA k-step of P.V
+constexpr int kBlocksPerChunk = kChunk / kBlock;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kStages = 2;
+// Added to a column in window mode so that the wrapped band test can never hold.
+constexpr int32_t kNoWrap = int32_t{1} << 30;
+
+// Shared memory of one stage: two staged operands [kChunk][kStride] of T (K and V for the
+// query walk, Q and dout for the key walk), then the column bias and the column delta.
+template <int D>
+struct StageLayout {
+  // Rows padded by 16 bytes: the 8 rows one ldmatrix reads then fall in different banks.
+  static constexpr int kStride = D + 8;
+  static constexpr int kOperandElems = kChunk * kStride;
+  static constexpr size_t kOperandBytes = size_t{kOperandElems} * 2;
+  static constexpr size_t kStageBytes = 2 * kOperandBytes + 2 * kChunk * sizeof(float);
+  static constexpr size_t kSharedBytes = kStages * kStageBytes;
+  static_assert(kOperandBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+};
+
+template <typename T, int D>
+struct Stage {
+  T* a;             // [kChunk][kStride]: K (query walk) or Q (key walk)
+  T* b;             // [kChunk][kStride]: V (query walk) or dout (key walk)
+  float* bias;      // [kChunk]: log2 w (query walk) or -log2e * lse (key walk); -inf masks the column
+  float* delta;     // [kChunk]: delta of the staged query (key walk only)
+
+  // The 16 staged rows of MMA block kb of the chunk.
+  __device__ const T* BlockA(int kb) const { return a + kBlock * kb * StageLayout<D>::kStride; }
+  __device__ const T* BlockB(int kb) const { return b + kBlock * kb * StageLayout<D>::kStride; }
+
+  __device__ static Stage At(int index) {
+    using L = StageLayout<D>;
+    char* base = reinterpret_cast<char*>(DynamicShared()) + index * L::kStageBytes;
+    return Stage{reinterpret_cast<T*>(base), reinterpret_cast<T*>(base + L::kOperandBytes),
+                 reinterpret_cast<float*>(base + 2 * L::kOperandBytes),
+                 reinterpret_cast<float*>(base + 2 * L::kOperandBytes) + kChunk};
+  }
+};
+
+// ------------------------------------------------------------------------------ geometry
+
+// Arc starts of a range of walking points on one segment: the union [uni_lo, uni_hi) and the
+// intersection [int_lo, int_hi) of their unwrapped arcs (empty when lo >= hi), and whether
+// every point's arc is the full ring. Points whose residue has no arc on the segment empty the
+// intersection. O(R): one first/last point per residue.
+struct ArcSpan {
+  int32_t uni_lo, uni_hi, int_lo, int_hi;
+  bool all_rings;
+};
+
+// Segment arc starts lie in [0, 2 * nlon_other): for R > 1 the plan unwraps the starts of one
+// segment consistently (SegmentTable) so that neighbouring residues stay side by side.
+__device__ __forceinline__ int32_t SegmentLo(const int32_t* seg, int32_t r, int32_t nlon_other) {
+  return min(max(__ldg(seg + 1 + r), 0), 2 * nlon_other - 1);
+}
+
+// x mod n for 0 <= x < 3n (arc starts: lo < 2n plus S * (w / R) < n).
+__device__ __forceinline__ int32_t WrapTwice(int32_t x, int32_t n) {
+  if (x >= n) x -= n;
+  return x >= n ? x - n : x;
+}
+
+__device__ __forceinline__ int32_t SegmentLen(const int32_t* seg, int32_t residues, int32_t r, int32_t nlon_other) {
+  return min(max(__ldg(seg + 1 + residues + r), 0), nlon_other);
+}
+
+__device__ __forceinline__ ArcSpan SpanOf(const int32_t* seg, int32_t residues, int32_t shift, int32_t nlon_other,
+                                          int32_t w_first, int32_t w_last) {
+  ArcSpan span{INT_MAX, INT_MIN, INT_MIN, INT_MAX, true};
+  for (int32_t r = 0; r < residues; ++r) {
+    const int32_t first = w_first + (r - w_first % residues + residues) % residues;
+    if (first > w_last) continue;
+    const int32_t last = w_last - (w_last % residues - r + residues) % residues;
+    const int32_t len = SegmentLen(seg, residues, r, nlon_other);
+    if (len == 0) {
+      span.int_lo = INT_MAX;
+      span.all_rings = false;
+      continue;
+    }
+    const int32_t lo = SegmentLo(seg, r, nlon_other);
+    const int32_t start_first = lo + shift * (first / residues);
+    const int32_t start_last = lo + shift * (last / residues);
+    span.uni_lo = min(span.uni_lo, start_first);
+    span.uni_hi = max(span.uni_hi, start_last + len);
+    span.int_lo = max(span.int_lo, start_last);
+    span.int_hi = min(span.int_hi, start_first + len);
+    span.all_rings = span.all_rings && len == nlon_other;
+  }
+  return span;
+}
+
+// The block's window on one segment. chunks == 0: nothing to visit (no arc, or the row lies
+// outside the other grid's window).
+struct SegmentWindow {
+  int32_t index;      // segment index
+  int32_t local_row;  // row of the other grid's local arrays
+  int32_t base;       // global longitude of window column 0
+  int32_t lo;         // unwrapped start of column 0 (0 in ring mode)
+  int32_t width;      // columns
+  int32_t wrap;       // nlon_other in ring mode, else kNoWrap
+  int32_t chunks;
+  float log2_weight;  // log2 of the row's quadrature weight (query walk)
+};
+
+// Static description of one walk: which table, which grids, which points the block owns.
+struct Walk {
+  const int32_t* offsets;
+  const int32_t* segments;
+  int32_t num_segments;
+  int32_t residues, shift;
+  int32_t nlat_other, nlon_other;  // global other grid
+  GridWindow other;                // the other grid's window
+  int32_t walk_row;                // global row of the walking grid
+  int32_t block_first, block_last; // global longitudes of the block's real points (first > last: none)
+  int32_t warp_first, warp_last;   // same for this warp
+};
+
+__device__ __forceinline__ const int32_t* SegmentAt(const Walk& walk, int32_t index) {
+  return walk.segments + int64_t{index} * (1 + 2 * walk.residues);
+}
+
+__device__ __forceinline__ SegmentWindow WindowOf(const Walk& walk, int32_t index, const float* quad_weights) {
+  SegmentWindow win{index, -1, 0, 0, 0, kNoWrap, 0, 0.f};
+  const int32_t* seg = SegmentAt(walk, index);
+  const int32_t row = __ldg(seg);
+  if (row < 0 || row >= walk.nlat_other || walk.block_first > walk.block_last) return win;
+  win.local_row = walk.other.LocalRow(row);
+  if (win.local_row < 0) return win;
+  const ArcSpan span = SpanOf(seg, walk.residues, walk.shift, walk.nlon_other, walk.block_first, walk.block_last);
+  if (span.uni_lo >= span.uni_hi) return win;
+  if (span.uni_hi - span.uni_lo >= walk.nlon_other) {  // ring mode
+    win.width = walk.nlon_other;
+    win.wrap = walk.nlon_other;
+  } else {
+    win.lo = span.uni_lo;
+    win.base = WrapTwice(span.uni_lo, walk.nlon_other);
+    win.width = span.uni_hi - span.uni_lo;
+  }
+  win.chunks = (win.width + kChunk - 1) / kChunk;
+  win.log2_weight = log2f(__ldg(quad_weights + row));
+  return win;
+}
+
+// First segment at or after `index` with something to visit (chunks == 0 if none).
+__device__ __forceinline__ SegmentWindow NextWindow(const Walk& walk, int32_t index, int32_t end,
+                                                    const float* quad_weights) {
+  for (; index < end; ++index) {
+    const SegmentWindow win = WindowOf(walk, index, quad_weights);
+    if (win.chunks > 0) return win;
+  }
+  return SegmentWindow{end, -1, 0, 0, 0, kNoWrap, 0, 0.f};
+}
+
+// Local column of the other grid's arrays for window column c, or -1 (past the window's
+// width or outside the other grid's window).
+__device__ __forceinline__ int32_t LocalColumn(const Walk& walk, const SegmentWindow& win, int32_t c) {
+  if (c >= win.width) return -1;
+  int32_t lon = win.base + c;
+  if (lon >= walk.nlon_other) lon -= walk.nlon_other;
+  const int32_t local = lon - walk.other.lon0;
+  return (local >= 0 && local < walk.other.nlon) ? local : -1;
+}
+
+// A warp's view of one segment: the window columns its band touches, the columns inside every
+// one of its points' arcs, and the arc (offset into the window, length) of each of the
+// thread's two rows (g and g + 8 of the tile).
+struct WarpBand {
+  int32_t lo, hi;            // band [lo, hi)
+  int32_t full_lo, full_hi;  // no mask needed inside [full_lo, full_hi)
+  int32_t off[2], len[2];
+};
+
+// Arc of one walking point (global longitude w) on a segment, in window coordinates.
+__device__ __forceinline__ void PointArc(const Walk& walk, const int32_t* seg, const SegmentWindow& win, int32_t w,
+                                         bool real, int32_t* off, int32_t* len) {
+  const int32_t r = w % walk.residues;
+  const int32_t l = real ? SegmentLen(seg, walk.residues, r, walk.nlon_other) : 0;
+  int32_t start = SegmentLo(seg, r, walk.nlon_other) + walk.shift * (w / walk.residues);
+  start = win.wrap == kNoWrap ? start - win.lo : WrapTwice(start, walk.nlon_other);
+  *off = start;
+  *len = l;
+}
+
+__device__ __forceinline__ WarpBand BandOf(const Walk& walk, const SegmentWindow& win, const int32_t (&row_lon)[2],
+                                           const bool (&row_real)[2]) {
+  WarpBand band{0, 0, 0, 0, {0, 0}, {0, 0}};
+  const int32_t* seg = SegmentAt(walk, win.index);
+  for (int h = 0; h < 2; ++h) PointArc(walk, seg, win, row_lon[h], row_real[h], &band.off[h], &band.len[h]);
+  if (walk.warp_first > walk.warp_last) return band;
+  const ArcSpan span = SpanOf(seg, walk.residues, walk.shift, walk.nlon_other, walk.warp_first, walk.warp_last);
+  if (span.uni_lo >= span.uni_hi) return band;
+  if (win.wrap != kNoWrap) {
+    band.hi = win.width;
+    band.full_hi = span.all_rings ? win.width : 0;
+  } else {
+    band.lo = span.uni_lo - win.lo;
+    band.hi = span.uni_hi - win.lo;
+    band.full_lo = span.int_lo - win.lo;
+    band.full_hi = span.int_hi - win.lo;
+  }
+  return band;
+}
+
+// Whether window column c lies on the arc (off, len); `wrap` folds ring-mode arcs through
+// longitude 0.
+__device__ __forceinline__ bool OnArc(int32_t c, int32_t off, int32_t len, int32_t wrap) {
+  return static_cast<uint32_t>(c - off) < static_cast<uint32_t>(len) ||
+         static_cast<uint32_t>(c + wrap - off) < static_cast<uint32_t>(len);
+}
+
+// ------------------------------------------------------------------------------ the chunk stream
+
+// Where the staged operands come from: rows [batch, nlat, nlon, heads, D] of the other grid.
+template <typename T>
+struct StagedSource {
+  const T* a;
+  const T* b;
+  const float* lse;    // key walk: lse and delta of the staged queries; null for the query walk
+  const float* delta;
+  int64_t row_stride;  // elements between local rows
+  int64_t col_stride;  // elements between local columns (heads * D)
+  int64_t bh_offset;   // element offset of (batch, head) at local (0, 0)
+  int64_t bh_point;    // (batch * nlat * nlon) * heads + head: index of (0, 0) in lse / delta
+  int64_t point_row_stride, point_col_stride;  // the same strides in lse / delta
+};
+
+// Stages chunk `chunk` of `win` into `stage` (cp.async for real columns, zeros elsewhere) and
+// writes its column bias (and delta). All threads of the block take part.
+template <typename T, int D>
+__device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow& win, int32_t chunk,
+                                           const StagedSource<T>& src, const Stage<T, D>& stage) {
+  constexpr int kPieces = D / 8;  // 16-byte pieces per row
+  using L = StageLayout<D>;
+  const int32_t c0 = chunk * kChunk;
+  for (int idx = threadIdx.x; idx < kChunk * kPieces; idx += kThreads) {
+    const int col = idx / kPieces;
+    const int piece = idx % kPieces;
+    const int32_t local = LocalColumn(walk, win, c0 + col);
+    T* dst_a = stage.a + col * L::kStride + piece * 8;
+    T* dst_b = stage.b + col * L::kStride + piece * 8;
+    if (local >= 0) {
+      const int64_t at = src.bh_offset + win.local_row * src.row_stride + local * src.col_stride + piece * 8;
+      CopyAsync16(dst_a, src.a + at);
+      CopyAsync16(dst_b, src.b + at);
+    } else {
+      *reinterpret_cast<uint4*>(dst_a) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dst_b) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  for (int col = threadIdx.x; col < kChunk; col += kThreads) {
+    const int32_t local = LocalColumn(walk, win, c0 + col);
+    float bias = kNegInf, delta = 0.f;
+    if (local >= 0) {
+      if (src.lse == nullptr) {
+        bias = win.log2_weight;
+      } else {
+        const int64_t point = src.bh_point + win.local_row * src.point_row_stride + local * src.point_col_stride;
+        const float lse = __ldg(src.lse + point);
+        bias = lse == kNegInf ? kNegInf : -kLog2e * lse;
+        delta = __ldg(src.delta + point);
+      }
+    }
+    stage.bias[col] = bias;
+    stage.delta[col] = delta;
+  }
+}
+
+// Runs `compute(stage, win, chunk, band)` for every chunk of every segment of the block's row,
+// in order, staging the next chunk while the current one is multiplied. All threads of the
+// block must call it (it synchronises the block).
+template <typename T, int D, typename Compute>
+__device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSource<T>& src, const float* quad_weights,
+                                             const int32_t (&row_lon)[2], const bool (&row_real)[2],
+                                             Compute&& compute) {
+  if (walk.block_first > walk.block_last) return;  // padding row or no real point
+  const int32_t end = min(max(__ldg(walk.offsets + walk.walk_row + 1), 0), walk.num_segments);
+  const int32_t begin = min(max(__ldg(walk.offsets + walk.walk_row), 0), end);
+  SegmentWindow cur = NextWindow(walk, begin, end, quad_weights);
+  if (cur.chunks == 0) return;
+  int32_t chunk = 0;
+  int buffer = 0;
+  StageChunk<T, D>(walk, cur, 0, src, Stage<T, D>::At(0));
+  CopyAsyncCommit();
+  WarpBand band = BandOf(walk, cur, row_lon, row_real);
+  for (;;) {
+    SegmentWindow next = cur;
+    int32_t next_chunk = chunk + 1;
+    if (next_chunk >= cur.chunks) {
+      next = NextWindow(walk, cur.index + 1, end, quad_weights);
+      next_chunk = 0;
+    }
+    const bool more = next.chunks > 0;
+    if (more) StageChunk<T, D>(walk, next, next_chunk, src, Stage<T, D>::At(buffer ^ 1));
+    CopyAsyncCommit();
+    CopyAsyncWait<1>();  // everything but the group just committed has landed
+    __syncthreads();
+    compute(Stage<T, D>::At(buffer), cur, chunk, band);
+    __syncthreads();  // the next iteration restages this buffer
+    if (!more) return;
+    if (next_chunk == 0) band = BandOf(walk, next, row_lon, row_real);
+    cur = next;
+    chunk = next_chunk;
+    buffer ^= 1;
+  }
+}
+
+// ------------------------------------------------------------------------------ tile products
+
+__device__ __forceinline__ uint32_t LoadPair(const void* p) { return __ldg(static_cast<const uint32_t*>(p)); }
+
+// A fragments (16 rows x D) of the warp's own rows g (row0) and g + 8 (row1); null rows are 0.
+template <typename T, int D>
+__device__ __forceinline__ void LoadOwnFragments(uint32_t (&a)[D / 16][4], const T* row0, const T* row1) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    a[ks][0] = row0 ? LoadPair(row0 + 16 * ks + 2 * t) : 0u;
+    a[ks][1] = row1 ? LoadPair(row1 + 16 * ks + 2 * t) : 0u;
+    a[ks][2] = row0 ? LoadPair(row0 + 16 * ks + 8 + 2 * t) : 0u;
+    a[ks][3] = row1 ? LoadPair(row1 + 16 * ks + 8 + 2 * t) : 0u;
+  }
+}
+
+// s = A . B^T for the 16 staged rows starting at `rows` (two n8 tiles: rows 0-7 and 8-15).
+template <typename T, int D>
+__device__ __forceinline__ void RowProducts(float (&s)[2][4], const uint32_t (&a)[D / 16][4], const T* rows) {
+  constexpr int kStride = StageLayout<D>::kStride;
+  const int lane = threadIdx.x % 32;
+  // ldmatrix.x4 matrices: (rows 0-7, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 0-7), (rows 8-15, cols 8-15).
+  const T* lane_row = rows + ((lane & 7) + (lane >> 4) * 8) * kStride + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+  }
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t b[4];
+    LdMatrixX4(b, lane_row + 16 * ks);
+    const uint32_t b0[2] = {b[0], b[1]};
+    const uint32_t b1[2] = {b[2], b[3]};
+    MmaM16N8K16<T>(s[0], a[ks], b0);
+    MmaM16N8K16<T>(s[1], a[ks], b1);
+  }
+}
+
+// acc += P . B for the 16 staged rows starting at `rows` (B is 16 x D), P given as the score
+// tile layout of RowProducts (rounded to T here).
+template <typename T, int D>
+__device__ __forceinline__ void AccumulateRows(float (&acc)[D / 8][4], const float (&p)[2][4], const T* rows) {
+  constexpr int kStride = StageLayout<D>::kStride;
+  const int lane = threadIdx.x % 32;
+  const uint32_t pa[4] = {PackPair<T>(p[0][0], p[0][1]), PackPair<T>(p[0][2], p[0][3]),
+                          PackPair<T>(p[1][0], p[1][1]), PackPair<T>(p[1][2], p[1][3])};
+  // ldmatrix.x4.trans matrices: (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15).
+  const T* lane_row = rows + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8;
+#pragma unroll
+  for (int np = 0; np < D / 16; ++np) {
+    uint32_t b[4];
+    LdMatrixX4Trans(b, lane_row + 16 * np);
+    const uint32_t b0[2] = {b[0], b[1]};
+    const uint32_t b1[2] = {b[2], b[3]};
+    MmaM16N8K16<T>(acc[2 * np], pa, b0);
+    MmaM16N8K16<T>(acc[2 * np + 1], pa, b1);
+  }
+}
+
+// Stores the thread's part of a 16 x D float accumulator tile, scaled per row; rows without a
+// destination (null) are skipped.
+template <int D>
+__device__ __forceinline__ void StoreRows(float* row0, float* row1, const float (&acc)[D / 8][4], float scale0,
+                                          float scale1) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    if (row0) *reinterpret_cast<float2*>(row0 + 8 * n + 2 * t) = make_float2(acc[n][0] * scale0, acc[n][1] * scale0);
+    if (row1) *reinterpret_cast<float2*>(row1 + 8 * n + 2 * t) = make_float2(acc[n][2] * scale1, acc[n][3] * scale1);
+  }
+}
+
+template <int D>
+__device__ __forceinline__ void ZeroAccumulator(float (&acc)[D / 8][4]) {
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+  }
+}
+
+// Sum over the four lanes that share a tile row.
+__device__ __forceinline__ float RowSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+__device__ __forceinline__ float RowMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// ------------------------------------------------------------------------------ block setup
+
+// The unit of one block: its walking row, its points, the thread's two tile rows.
+struct Unit {
+  bool live;          // false: nothing to do (bad row order entry or past the grid)
+  bool padding_row;   // the row lies outside the walking window: results are zeros
+  int32_t local_row;  // row of the walking grid's local arrays
+  int32_t batch, head;
+  int32_t first_col;  // local column of the block's first point
+  int32_t row_col[2];     // local column of the thread's rows g and g + 8
+  bool row_exists[2];     // inside the local arrays
+  bool row_real[2];       // inside the walking window
+  int32_t row_lon[2];     // global longitude of the thread's rows
+  int64_t row_point[2];   // (point, head) index of the thread's rows in [batch, rows, cols, heads]
+};
+
+__device__ __forceinline__ Unit UnitOf(const NbhdAttnGpuParams& p, const GridWindow& walk_win, int32_t rows,
+                                       int32_t cols) {
+  Unit u{};
+  const BlockRow block = BlockRowOf(p);
+  const int32_t heads = static_cast<int32_t>(p.heads);
+  u.live = block.rank < rows && block.batch_head < p.batch * heads;
+  if (!u.live) return u;
+  u.local_row = __ldg(p.row_order + block.rank);
+  u.live = u.local_row >= 0 && u.local_row < rows;  // a bad row_order entry is skipped
+  u.batch = block.batch_head / heads;
+  u.head = block.batch_head % heads;
+  u.padding_row = u.local_row >= walk_win.nlat;
+  u.first_col = static_cast<int32_t>(blockIdx.x) * kTilePoints;
+  const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4;
+  for (int h = 0; h < 2; ++h) {
+    u.row_col[h] = u.first_col + warp * kWarpPoints + g + 8 * h;
+    u.row_exists[h] = u.row_col[h] < cols;
+    u.row_real[h] = !u.padding_row && u.row_col[h] < walk_win.nlon;
+    u.row_lon[h] = walk_win.lon0 + u.row_col[h];
+    u.row_point[h] = ((int64_t{u.batch} * rows + u.local_row) * cols + u.row_col[h]) * heads + u.head;
+  }
+  return u;
+}
+
+// The thread's row h of a [batch, rows, cols, heads, d] array, or null unless the row is real
+// (inside the walking window) / exists (inside the local arrays).
+template <typename P>
+__device__ __forceinline__ P* RealRow(P* base, int d, const Unit& u, int h) {
+  return u.row_real[h] ? base + u.row_point[h] * d : nullptr;
+}
+
+template <typename P>
+__device__ __forceinline__ P* ExistingRow(P* base, int d, const Unit& u, int h) {
+  return u.row_exists[h] ? base + u.row_point[h] * d : nullptr;
+}
+
+// The staged operands a, b (and for the key walk lse, delta) of the other grid, local arrays
+// [batch, nlat, nlon, heads, d], for the unit's (batch, head).
+template <typename T>
+__device__ __forceinline__ StagedSource<T> SourceOf(const void* a, const void* b, const float* lse,
+                                                    const float* delta, const Unit& u, int32_t nlat, int32_t nlon,
+                                                    int64_t heads, int d) {
+  StagedSource<T> src;
+  src.a = static_cast<const T*>(a);
+  src.b = static_cast<const T*>(b);
+  src.lse = lse;
+  src.delta = delta;
+  src.point_col_stride = heads;
+  src.point_row_stride = nlon * heads;
+  src.bh_point = int64_t{u.batch} * nlat * nlon * heads + u.head;
+  src.col_stride = heads * d;
+  src.row_stride = src.point_row_stride * d;
+  src.bh_offset = src.bh_point * d;
+  return src;
+}
+
+// The walk of a unit over `offsets`/`segments` (p.arc_offsets / p.arcs hold the segment table).
+__device__ __forceinline__ Walk WalkOf(const NbhdAttnGpuParams& p, const Unit& u, const GridWindow& walk_win,
+                                       const GridWindow& other, int32_t nlat_other, int32_t nlon_other) {
+  Walk w;
+  w.offsets = p.arc_offsets;
+  w.segments = p.arcs;
+  w.num_segments = static_cast<int32_t>(p.num_arcs);
+  w.residues = p.residues;
+  w.shift = p.shift;
+  w.nlat_other = nlat_other;
+  w.nlon_other = nlon_other;
+  w.other = other;
+  w.walk_row = walk_win.lat0 + u.local_row;
+  const int32_t real_end = u.padding_row ? 0 : walk_win.nlon;  // local columns [0, real_end) are real
+  const int32_t warp_col = u.first_col + (threadIdx.x / 32) * kWarpPoints;
+  w.block_first = walk_win.lon0 + u.first_col;
+  w.block_last = walk_win.lon0 + min(u.first_col + kTilePoints, real_end) - 1;
+  w.warp_first = walk_win.lon0 + warp_col;
+  w.warp_last = walk_win.lon0 + min(warp_col + kWarpPoints, real_end) - 1;
+  return w;
+}
+
+}  // namespace tiled
+}  // namespace gpu
+}  // namespace s2attn

@@ -1,0 +1,54 @@
+// Host side of the tiled kernels: which instantiation runs a call, and its launch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "gpu/device_common.cuh"
+#include "gpu/tiled_attn_device.cuh"
+#include "gpu/tiled_attn_kernels.h"
+
+namespace s2attn {
+namespace gpu {
+namespace tiled {
+
+template <typename T, int D>
+struct Variant {
+  using Element = T;
+  static constexpr int kDim = D;
+};
+
+// Calls launch(Variant<T, D>{}) for 16-bit T and Dk == Dv == D in {32, 64, 128}; anything
+// else is cudaErrorInvalidValue (the handlers check TiledAttnSupported first).
+template <typename Launch>
+cudaError_t DispatchTiled(const NbhdAttnGpuParams& p, Launch&& launch) {
+  if (!TiledAttnSupported(p)) return cudaErrorInvalidValue;
+  const auto by_dim = [&](auto element) -> cudaError_t {
+    using T = decltype(element);
+    switch (p.head_dim_k) {
+      case 32: return launch(Variant<T, 32>{});
+      case 64: return launch(Variant<T, 64>{});
+      case 128: return launch(Variant<T, 128>{});
+      default: return cudaErrorInvalidValue;
+    }
+  };
+  return p.dtype == ActivationType::kBF16 ? by_dim(__nv_bfloat16{}) : by_dim(__half{});
+}
+
+// One block per unit of kTilePoints longitudes of every local row of the walking grid.
+template <int D>
+cudaError_t LaunchUnits(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, const NbhdAttnGpuParams& p,
+                        int32_t rows, int32_t cols) {
+  constexpr size_t kShared = StageLayout<D>::kSharedBytes;
+  const cudaError_t status =
+      cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kShared));
+  if (status != cudaSuccess) return status;
+  const int64_t tiles = (int64_t{cols} + kTilePoints - 1) / kTilePoints;
+  return LaunchRowGrid(kernel, stream, p, rows, tiles, kThreads, kShared);
+}
+
+}  // namespace tiled
+}  // namespace gpu
+}  // namespace s2attn

@@ -1,0 +1,112 @@
+// Tiled forward: out and lse of a unit of 64 queries, K/V windows staged once per block and
+// multiplied on tensor cores (tiled_attn_device.cuh describes the walk).
+#include "gpu/tiled_attn_device.cuh"
+#include "gpu/tiled_attn_dispatch.cuh"
+
+namespace s2attn {
+namespace gpu {
+namespace tiled {
+namespace {
+
+// Online softmax per tile row in log2 units with the quadrature weight folded into the column
+// bias: x = log2(e) * scale * q.k + log2(w), p = exp2(x - m), lse = ln(2) * (m + log2(l)). Each
+// thread keeps partial row sums over its columns; the four lanes of a row add them at the end.
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) TiledFwdKernel(const NbhdAttnGpuParams p) {
+  const Windows win = ReadDeviceWindows(p);
+  const Unit u = UnitOf(p, win.q, p.nq_lat, p.nq_lon);
+  if (!u.live) return;
+  const T* q = static_cast<const T*>(p.q);
+  uint32_t qa[D / 16][4];
+  LoadOwnFragments<T, D>(qa, RealRow(q, D, u, 0), RealRow(q, D, u, 1));
+  const Walk walk = WalkOf(p, u, win.q, win.k, p.nlat_k, p.nlon_k);
+  const StagedSource<T> src = SourceOf<T>(p.k, p.v, nullptr, nullptr, u, p.nk_lat, p.nk_lon, p.heads, D);
+
+  float acc[D / 8][4];
+  ZeroAccumulator<D>(acc);
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  const float scale2 = p.scale * kLog2e;
+  const int t = threadIdx.x % 4;
+
+  ForEachChunk<T, D>(walk, src, p.quad_weights, u.row_lon, u.row_real,
+                     [&](const Stage<T, D>& stage, const SegmentWindow& sw, int32_t chunk, const WarpBand& band) {
+    const int32_t c0 = chunk * kChunk;
+    float s[kBlocksPerChunk][2][4];
+    bool active[kBlocksPerChunk];
+    bool any = false;
+    float mx[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
+      const int32_t cb = c0 + kBlock * kb;
+      active[kb] = cb < band.hi && cb + kBlock > band.lo && cb < sw.width;
+      any = any || active[kb];
+      if (!active[kb]) continue;
+      RowProducts<T, D>(s[kb], qa, stage.BlockA(kb));
+      const bool full = cb >= band.full_lo && cb + kBlock <= band.full_hi;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = kBlock * kb + 8 * n + 2 * t + (e & 1);
+          const int h = e >> 1;
+          float x = fmaf(s[kb][n][e], scale2, stage.bias[col]);
+          if (!full && !OnArc(c0 + col, band.off[h], band.len[h], sw.wrap)) x = kNegInf;
+          s[kb][n][e] = x;
+          mx[h] = fmaxf(mx[h], x);
+        }
+      }
+    }
+    if (!any) return;  // warp-uniform: this chunk lies outside the warp's band
+    float base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], RowMax(mx[h]));
+      base[h] = m_new == kNegInf ? 0.f : m_new;  // nothing seen yet: keep everything at zero
+      const float decay = Exp2(m[h] - base[h]);
+      m[h] = m_new;
+      l[h] *= decay;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        acc[n][2 * h] *= decay;
+        acc[n][2 * h + 1] *= decay;
+      }
+    }
+#pragma unroll
+    for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
+      if (!active[kb]) continue;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float prob = Exp2(s[kb][n][e] - base[e >> 1]);
+          l[e >> 1] += prob;
+          s[kb][n][e] = prob;
+        }
+      }
+      AccumulateRows<T, D>(acc, s[kb], stage.BlockB(kb));
+    }
+  });
+
+  float scale[2];
+  for (int h = 0; h < 2; ++h) {
+    l[h] = RowSum(l[h]);
+    const bool seen = u.row_real[h] && l[h] > 0.f;  // no neighbour inside the key window: 0, -inf
+    scale[h] = seen ? 1.f / l[h] : 0.f;
+    if (t == 0 && u.row_exists[h]) p.lse_out[u.row_point[h]] = seen ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
+  }
+  StoreRows<D>(ExistingRow(p.out, D, u, 0), ExistingRow(p.out, D, u, 1), acc, scale[0], scale[1]);
+}
+
+}  // namespace
+}  // namespace tiled
+}  // namespace gpu
+
+cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::tiled::DispatchTiled(p, [&](auto variant) {
+    using V = decltype(variant);
+    return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledFwdKernel<typename V::Element, V::kDim>, stream, p,
+                                            p.nq_lat, p.nq_lon);
+  });
+}
+
+}  // namespace s2attn
