@@ -86,10 +86,18 @@ class SegmentTable(NamedTuple):
 
     Walking row ``h`` owns the patterns ``h*R + r`` for ``r < R``. Its segments are
     the other-grid rows any of them reads, ascending; segment ``(row, lo_0 ..
-    lo_{R-1}, len_0 .. len_{R-1})`` holds the arc ``(lo_r, len_r)`` of pattern
-    ``h*R + r`` on ``row``, or ``(0, 0)`` where that pattern reads nothing there.
-    Point ``(h, w)`` reads ``len_r`` longitudes from ``lo_r + S*(w // R)`` with
-    ``r = w % R``. With ``R == 1`` the table equals the arc table.
+    lo_{R-1}, len_0 .. len_{R-1})`` holds the arc ``(lo_r mod nlon, len_r)`` of
+    pattern ``h*R + r`` on ``row``, or ``(0, 0)`` where that pattern reads nothing
+    there. Point ``(h, w)`` reads ``len_r`` longitudes from ``lo_r + S*(w // R)``
+    with ``r = w % R``.
+
+    The ``lo_r`` of one segment are unwrapped consistently, so that the arcs of
+    neighbouring points of different residues are neighbours on the integer line
+    too (a tile's union of arcs is then a short window, not a whole ring): each
+    arc's centre is taken nearest to its point's own longitude ``r*S/R`` on the
+    other grid, then the segment moves by whole rings so that its smallest ``lo``
+    lies in ``[0, nlon)``. So every ``lo_r >= 0``, but ``lo_r`` may reach past
+    ``nlon`` when ``R > 1``. With ``R == 1`` the table equals the arc table.
 
     Attributes:
       offsets: ``[nlat_walk + 1]`` CSR offsets into ``segments``.
@@ -116,6 +124,15 @@ class SegmentTable(NamedTuple):
         if np.unique(segment * residues + residue).size != segment.size:
             # Impossible for geodesic balls (one arc per pattern and row); guards the construction.
             raise RuntimeError("a pattern has two arcs on the same row")
+        # Unwrap each lo so that its arc's centre lies within half a ring of the point's own
+        # longitude r*S/R (all scaled by 2R to stay integer), then move each segment by whole
+        # rings so that its smallest lo is in [0, nlon).
+        nlon = table.nlon
+        centre = 2 * residues * lo + residues * (length - 1) - 2 * table.shift * residue
+        lo = lo - nlon * np.floor_divide(centre + residues * nlon, 2 * residues * nlon)
+        smallest = np.full(keys.size, np.iinfo(np.int64).max)
+        np.minimum.at(smallest, segment, lo)
+        lo = lo - nlon * np.floor_divide(smallest, nlon)[segment]
         segments = np.zeros((keys.size, 1 + 2 * residues), dtype=np.int32)
         segments[:, 0] = keys % nrows
         segments[segment, 1 + residue] = lo

@@ -17,7 +17,9 @@ ring from longitude 0 and point ``w`` covers column ``c`` iff
 ``(c - start_w) mod nlon < len_w``; otherwise (*window mode*) it stages
 ``hi_cta - lo_cta`` columns from longitude ``lo_cta mod nlon`` and ``w`` covers
 ``c`` iff ``0 <= c - (start_w - lo_cta) < len_w``. Column ``c`` is other-grid
-longitude ``(base + c) mod nlon``.
+longitude ``(base + c) mod nlon``. Here ``mod`` is the non-negative remainder
+(``c - start_w`` is often negative; C's ``%`` would be wrong), and ``start_w`` may
+exceed ``nlon`` since a segment's ``lo_r`` are unwrapped (see ``SegmentTable``).
 """
 
 from __future__ import annotations

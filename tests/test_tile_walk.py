@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jax_s2attn import NeighborhoodPlan
-from jax_s2attn.plan import SegmentTable
+from jax_s2attn.plan import ArcTable, SegmentTable
 from jax_s2attn.tile_walk import BLOCK, TILE, WARP, computed_pairs, tile_pairs, tile_statistics
 
 FULL = 2 * math.pi  # a cutoff that takes in the whole sphere
@@ -129,7 +129,16 @@ def test_segment_tables_merge_the_arc_tables(config):
                     entry[residue], entry[r + residue] = lo, length
             rows = segments.segments[segments.offsets[h] : segments.offsets[h + 1]]
             assert np.all(np.diff(rows[:, 0]) > 0)  # ascending, one segment per row
-            assert {int(s[0]): list(s[1:]) for s in rows} == expected
+            assert {int(s[0]): [*(s[1 : 1 + r] % arcs.nlon), *s[1 + r :]] for s in rows} == expected
+
+        # The arcs of one segment are unwrapped consistently: centred on their points' own
+        # longitudes r*S/R to within a fraction of a longitude, smallest lo in [0, nlon).
+        lo, length = segments.segments[:, 1 : 1 + r], segments.segments[:, 1 + r :]
+        present, partial = length > 0, (length > 0) & (length < arcs.nlon)
+        assert np.all(lo[present] >= 0) and np.all(np.where(present, lo, arcs.nlon).min(axis=1) < arcs.nlon)
+        offset = lo + (length - 1) / 2 - np.arange(r) * arcs.shift / r
+        spread = np.where(partial, offset, -np.inf).max(axis=1) - np.where(partial, offset, np.inf).min(axis=1)
+        assert np.all(spread[partial.sum(axis=1) > 1] < 1)
 
 
 @pytest.mark.parametrize(
@@ -177,6 +186,33 @@ def test_hand_counted_window_walk():
     w = np.arange(200)
     expected = np.concatenate([np.stack([w, (w + d) % 200], axis=1) for d in (-1, 0, 1)])
     np.testing.assert_array_equal(_codes(*walk.pairs.T, 200), _codes(*expected.T, 200))
+
+
+def test_hand_counted_walk_of_two_residues():
+    # R = 2, S = 1: walking longitude w (200 of them) reads other longitudes q (100) with
+    # |w - 2q| <= 2: even w = 2p reads q = p-1..p+1, odd w = 2p+1 reads q = p, p+1. The arc
+    # table stores them wrapped, (lo, len) = (99, 3) and (0, 2); the segment unwraps the odd
+    # residue to lo = 100 so that both sit side by side.
+    arcs = ArcTable(
+        offsets=np.array([0, 1, 2], np.int32),
+        arcs=np.array([[0, 99, 3], [0, 0, 2]], np.int32),
+        row_order=np.array([0], np.int32),
+        residues=2,
+        shift=1,
+        nlon=100,
+    )
+    table = SegmentTable.from_arcs(arcs)
+    np.testing.assert_array_equal(table.segments, [[0, 99, 100, 3, 2]])
+    # CTAs 0-2: points p = 32t .. 32t+31 of each residue start at 99+p and 100+p, both reach
+    # 132+32t: a window of 34 columns. Warp u (p = 8u .. 8u+7) has the band [8u, 8u + 10):
+    # blocks {0}, {0, 1}, {1}, {1, 2} = 6 blocks. CTA 3 (points 192-199): window [195, 201),
+    # one block. (3*6 + 1) * 256 = 4864 computed pairs. Stored wrapped, the odd residue would
+    # start at p: a window from 0 to 132+32t >= 100, i.e. the whole ring for every warp.
+    walk = tile_pairs(table, 1, 200)
+    assert walk.computed_pairs == computed_pairs(table, 1, 200) == 19 * WARP * BLOCK == 4864
+    w, q = np.meshgrid(np.arange(200), np.arange(100), indexing="ij")
+    reads = np.isin((w - 2 * q) % 200, [0, 1, 2, 198, 199])
+    np.testing.assert_array_equal(_codes(*walk.pairs.T, 100), _codes(w[reads], q[reads], 100))
 
 
 def test_hand_counted_ring_mode_at_exactly_one_ring():
