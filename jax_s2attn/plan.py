@@ -340,14 +340,10 @@ class NeighborhoodPlan:
             with jax.ensure_compile_time_eval():
                 arc_tables = [jax.device_put(t) for t in host]
                 segment_tables = []
-                for segments, (offsets_dev, arcs_dev) in [
-                    (self.forward_segments, arc_tables[0:2]),
-                    (self.backward_segments, arc_tables[3:5]),
-                ]:
-                    if segments.residues == 1:  # identical to the arc table: share its arrays
-                        segment_tables += [offsets_dev, arcs_dev]
-                    else:
-                        segment_tables += [jax.device_put(segments.offsets), jax.device_put(segments.segments)]
+                walks = [(self.forward_segments, arc_tables[0:2]), (self.backward_segments, arc_tables[3:5])]
+                for table, arcs in walks:
+                    # With R == 1 the segment table is the arc table (checked when the plan is built).
+                    segment_tables += arcs if table.residues == 1 else map(jax.device_put, table[:2])
                 tables = PlanTables(*arc_tables, *segment_tables)
             object.__setattr__(self, "_tables", tables)
         return tables
