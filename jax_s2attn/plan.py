@@ -12,6 +12,10 @@ of the same sparsity:
   the table's ``residues``/``shift``). This is the gather walk of the forward
   pass and of dQ, for every direction.
 * ``backward_arcs``: the transpose, keyed by input point, walked by dK/dV.
+* ``forward_segments`` / ``backward_segments``: the same arcs merged per walking
+  *row* (all ``R`` residues of one row side by side, one entry per other-grid
+  row), the form the tiled kernels read: a tile of consecutive longitudes spans
+  every residue.
 
 Arcs are ``(row, lo, len)`` int32 triples: the ``len`` longitudes
 ``(lo + j) mod nlon`` for ``j < len`` (one wrap at most; a full ring has
@@ -29,7 +33,7 @@ import numpy as np
 
 from .grids import latitude_spacing, precompute_latitudes, precompute_longitudes, validate_grid, validate_shape
 
-__all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "THETA_CUTOFF_EPS"]
+__all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "THETA_CUTOFF_EPS"]
 
 #: Relative widening of the cutoff used by the membership test (torch-harmonics).
 THETA_CUTOFF_EPS = 1e-3
@@ -77,10 +81,73 @@ class ArcTable(NamedTuple):
         return (arcs[:, 0:1] * self.nlon + lon)[mask]
 
 
+class SegmentTable(NamedTuple):
+    """The arcs of an :class:`ArcTable` merged per walking row (host numpy, int32).
+
+    Walking row ``h`` owns the patterns ``h*R + r`` for ``r < R``. Its segments are
+    the other-grid rows any of them reads, ascending; segment ``(row, lo_0 ..
+    lo_{R-1}, len_0 .. len_{R-1})`` holds the arc ``(lo_r mod nlon, len_r)`` of
+    pattern ``h*R + r`` on ``row``, or ``(0, 0)`` where that pattern reads nothing
+    there. Point ``(h, w)`` reads ``len_r`` longitudes from ``lo_r + S*(w // R)``
+    with ``r = w % R``.
+
+    The ``lo_r`` of one segment are unwrapped consistently, so that the arcs of
+    neighbouring points of different residues are neighbours on the integer line
+    too (a tile's union of arcs is then a short window, not a whole ring): each
+    arc's centre is taken nearest to its point's own longitude ``r*S/R`` on the
+    other grid, then the segment moves by whole rings so that its smallest ``lo``
+    lies in ``[0, nlon)``. So every ``lo_r >= 0``, but ``lo_r`` may reach past
+    ``nlon`` when ``R > 1``. With ``R == 1`` the table equals the arc table.
+
+    Attributes:
+      offsets: ``[nlat_walk + 1]`` CSR offsets into ``segments``.
+      segments: ``[num_segments, 1 + 2R]``.
+      residues, shift, nlon: as in the :class:`ArcTable` it was built from.
+    """
+
+    offsets: np.ndarray
+    segments: np.ndarray
+    residues: int
+    shift: int
+    nlon: int
+
+    @classmethod
+    def from_arcs(cls, table: ArcTable) -> SegmentTable:
+        """Merge ``table``'s patterns per walking row."""
+        residues = table.residues
+        nlat_walk = (table.offsets.size - 1) // residues
+        pattern = np.repeat(np.arange(table.offsets.size - 1), np.diff(table.offsets))
+        walk_row, residue = np.divmod(pattern, residues)
+        row, lo, length = table.arcs.T.astype(np.int64)
+        nrows = int(row.max()) + 1 if row.size else 1
+        keys, segment = np.unique(walk_row * nrows + row, return_inverse=True)
+        if np.unique(segment * residues + residue).size != segment.size:
+            # Impossible for geodesic balls (one arc per pattern and row); guards the construction.
+            raise RuntimeError("a pattern has two arcs on the same row")
+        # Unwrap each lo so that its arc's centre lies within half a ring of the point's own
+        # longitude r*S/R (all scaled by 2R to stay integer), then move each segment by whole
+        # rings so that its smallest lo is in [0, nlon).
+        nlon = table.nlon
+        centre = 2 * residues * lo + residues * (length - 1) - 2 * table.shift * residue
+        lo = lo - nlon * np.floor_divide(centre + residues * nlon, 2 * residues * nlon)
+        smallest = np.full(keys.size, np.iinfo(np.int64).max)
+        np.minimum.at(smallest, segment, lo)
+        lo = lo - nlon * np.floor_divide(smallest, nlon)[segment]
+        segments = np.zeros((keys.size, 1 + 2 * residues), dtype=np.int32)
+        segments[:, 0] = keys % nrows
+        segments[segment, 1 + residue] = lo
+        segments[segment, 1 + residues + residue] = length
+        offsets = np.zeros(nlat_walk + 1, dtype=np.int32)
+        np.cumsum(np.bincount(keys // nrows, minlength=nlat_walk), out=offsets[1:])
+        return cls(offsets, segments, residues, table.shift, table.nlon)
+
+
 class PlanTables(NamedTuple):
     """Device-side tables the kernels read; the pytree leaves of a plan.
 
     All int32 except ``quad_weights`` (float32 ``[nlat_in]``, ``2*pi*w/nlon_in``).
+    The segment tables are those of :class:`SegmentTable`; where ``R == 1`` they
+    are the arc tables' arrays themselves.
     """
 
     forward_offsets: object
@@ -90,6 +157,10 @@ class PlanTables(NamedTuple):
     backward_arcs: object
     backward_row_order: object
     quad_weights: object
+    forward_segment_offsets: object
+    forward_segments: object
+    backward_segment_offsets: object
+    backward_segments: object
 
 
 def _membership(theta_out, theta_in, lon_in, eff):
@@ -267,7 +338,13 @@ class NeighborhoodPlan:
             host = (f.offsets, f.arcs, f.row_order, b.offsets, b.arcs, b.row_order, self.quad_weights)
             # First use may happen while tracing: upload eagerly, never cache a tracer.
             with jax.ensure_compile_time_eval():
-                tables = PlanTables(*(jax.device_put(t) for t in host))
+                arc_tables = [jax.device_put(t) for t in host]
+                segment_tables = []
+                walks = [(self.forward_segments, arc_tables[0:2]), (self.backward_segments, arc_tables[3:5])]
+                for table, arcs in walks:
+                    # With R == 1 the segment table is the arc table (checked when the plan is built).
+                    segment_tables += arcs if table.residues == 1 else map(jax.device_put, table[:2])
+                tables = PlanTables(*arc_tables, *segment_tables)
             object.__setattr__(self, "_tables", tables)
         return tables
 
@@ -336,6 +413,13 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
             f"({latitude_spacing(nlat_in, key.grid_in):.6g} rad)."
         )
 
+    forward_segments, backward_segments = SegmentTable.from_arcs(forward), SegmentTable.from_arcs(backward)
+    for arcs, segments in [(forward, forward_segments), (backward, backward_segments)]:
+        # The device tables share the arc arrays when R == 1, which relies on this.
+        assert arcs.residues > 1 or (
+            np.array_equal(arcs.offsets, segments.offsets) and np.array_equal(arcs.arcs, segments.segments)
+        )
+
     quad_weights = (np.float32(2.0 * np.pi) * w_in.astype(np.float32) / np.float32(nlon_in)).astype(np.float32)
     plan = object.__new__(NeighborhoodPlan)
     _set(
@@ -358,9 +442,12 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         num_pairs=int(lengths.sum() * (nlon_out // forward.residues)),
         forward_arcs=forward,
         backward_arcs=backward,
+        forward_segments=forward_segments,
+        backward_segments=backward_segments,
     )
     _set(plan, _host=plan)
-    for table in (csr_offsets, csr_columns, quad_weights, theta_in, theta_out, *forward[:3], *backward[:3]):
+    host_tables = (csr_offsets, csr_columns, quad_weights, theta_in, theta_out, *forward[:3], *backward[:3])
+    for table in (*host_tables, *forward_segments[:2], *backward_segments[:2]):
         table.setflags(write=False)
     return plan
 

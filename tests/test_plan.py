@@ -212,7 +212,7 @@ def test_plan_is_immutable_hashable_cached_and_picklable():
 def test_plan_as_static_and_as_pytree_jit_argument():
     plan = NeighborhoodPlan((12, 24), (12, 24), theta_cutoff=0.5)
     leaves = jax.tree_util.tree_leaves(plan)
-    assert len(leaves) == 7 and all(isinstance(x, jax.Array) for x in leaves)
+    assert len(leaves) == 11 and all(isinstance(x, jax.Array) for x in leaves)
 
     def count_weights(p):
         return jnp.sum(p.tables.quad_weights) * p.nlon_in
