@@ -33,6 +33,26 @@ def cuda_include_dir() -> Path | None:
     return None
 
 
+# The one `extern __shared__` array the emulation runtime defines (DynamicShared() of cuda/gpu).
+DYNAMIC_SHARED_SYMBOL = "_ZN6s2attn3gpu21s2attn_dynamic_sharedE"
+
+
+def _check_shared_declarations(kernel_object: Path) -> None:
+    """``__shared__`` is ``weak`` in the emulation (see emulation.h), so an ``extern __shared__``
+    array other than the runtime's would link as a null pointer: fail naming it instead."""
+    nm = shutil.which("nm")
+    if nm is None:
+        return
+    listing = subprocess.run([nm, "--undefined-only", str(kernel_object)], capture_output=True, text=True, check=True)
+    weak = [fields[1] for fields in map(str.split, listing.stdout.splitlines()) if fields[:1] == ["w"]]
+    # _ZTH*: the compiler's weak references to thread_local initialisers (threadIdx, ...).
+    unknown = [name for name in weak if name != DYNAMIC_SHARED_SYMBOL and not name.startswith("_ZTH")]
+    assert not unknown, (
+        f"{kernel_object.name}: extern __shared__ {unknown} is not provided by the emulation, which "
+        "defines only s2attn::gpu::s2attn_dynamic_shared: use DynamicShared()"
+    )
+
+
 def build_emulated_library(
     out: Path, kernel_sources: Sequence[Path], host_sources: Sequence[Path] = (), defines: Sequence[str] = ()
 ) -> Path:
@@ -52,6 +72,8 @@ def build_emulated_library(
         results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs))
     for cmd, result in zip(jobs, results):
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
+    for cmd in jobs[: len(kernel_sources)]:
+        _check_shared_declarations(Path(cmd[-1]))
     library = out / "libs2attn_emulated.so"
     objects = [cmd[-1] for cmd in jobs]
     link = subprocess.run(

@@ -332,11 +332,11 @@ T ShuffleFrom(unsigned mask, T value, int src_lane, int width) {
 void CheckSharedRow(const char* what, const void* p) {
   const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
   const auto address = reinterpret_cast<uintptr_t>(p);
-  if (address % 16 != 0) Fail("%s: shared address %p is not 16-byte aligned", what, p);
   if (address < base || address - base + 16 > g_scheduler.shared_bytes) {
     Fail("%s: address %p is not inside the launch's %zu bytes of dynamic shared memory", what, p,
          g_scheduler.shared_bytes);
   }
+  if (address % 16 != 0) Fail("%s: shared address %p is not 16-byte aligned", what, p);
 }
 
 bool InSharedBuffer(const void* p) {

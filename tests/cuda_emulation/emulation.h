@@ -77,3 +77,12 @@ unsigned __shfl_sync(unsigned mask, unsigned value, int src_lane, int width = 32
 unsigned __ballot_sync(unsigned mask, int predicate);
 int __any_sync(unsigned mask, int predicate);
 int __all_sync(unsigned mask, int predicate);
+
+// cuda_runtime.h declares this convenience overload for nvcc only; launchers call it with the
+// kernel itself. Emulated in emulation.cc: the MaxDynamicSharedMemorySize limit (up to the
+// H200's 232448 bytes) is kept per kernel, and a launch past its kernel's limit (48 KiB unless
+// raised) fails with cudaErrorInvalidValue, as on the device.
+template <typename Kernel>
+inline cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attribute, int value) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), attribute, value);
+}
