@@ -27,7 +27,8 @@ DEFAULT_SHARED_LIMIT = 48 * 1024
 MAX_SHARED = 232448  # the H200's opt-in maximum
 TILE_BYTES = 3 * 16 * 16 * 2  # A, Bt, B
 # Faults of primitives_selftest.cu.
-NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS = range(5)
+(NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
+ THREAD_WAITS_FOR_ITS_WARP) = range(6)  # fmt: skip
 BLOCK_THREADS = 128  # of BlockCentreKernel
 
 
@@ -175,6 +176,10 @@ FAULTS = {
         f"RunBlockCentre(c, out, 1, I(512), I({THREAD_SKIPS_SYNCTHREADS}))",
         "returned from the kernel while other threads wait at __syncthreads (block 0,0,0, thread 70)",
     ),
+    "deadlock": (
+        f"RunBlockCentre(c, out, 1, I(512), I({THREAD_WAITS_FOR_ITS_WARP}))",
+        "threads 0..69: __syncthreads\n  threads 70..70: __syncwarp\n  threads 71..127: __syncthreads",
+    ),
 }
 
 
@@ -193,3 +198,23 @@ lib.{call}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+# Shared memory the emulation cannot provide must not compile or link: it would silently be one
+# array per thread (static) or a null pointer (another extern name). Each declares `tile`.
+UNSUPPORTED_SHARED = {
+    "static-array": ("__shared__ float tile[64];", "weak declaration of .tile. must be public"),
+    "other-extern-name": ("extern __shared__ float tile[];", "is not provided by the emulation"),
+}
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED_SHARED)
+def test_unsupported_shared_memory_is_refused(tmp_path, case):
+    declaration, message = UNSUPPORTED_SHARED[case]
+    source = tmp_path / "kernel.cu"
+    source.write_text(
+        '#include "gpu/nbhd_attn_kernels.h"\n'
+        f"__global__ void Kernel(s2attn::NbhdAttnGpuParams p) {{ {declaration} p.out[0] = tile[threadIdx.x]; }}\n"
+    )
+    with pytest.raises(AssertionError, match=message):
+        build_emulated_library(tmp_path, [source])

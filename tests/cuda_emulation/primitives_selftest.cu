@@ -30,7 +30,8 @@ enum Fault : int64_t {
   kLaneSkipsMma = 1,           // lane 5 skips the second mma
   kMisalignedLdMatrixRow = 2,  // lane 3 gives a row address 8 bytes off
   kCopyAsyncToGlobal = 3,      // CopyAsync16 into global memory
-  kThreadSkipsSyncthreads = 4  // thread 70 returns before the first __syncthreads
+  kThreadSkipsSyncthreads = 4,  // thread 70 returns before the first __syncthreads
+  kThreadWaitsForItsWarp = 5     // thread 70 waits at __syncwarp while its warp waits at __syncthreads
 };
 
 constexpr int kTileElements = 16 * 16;
@@ -141,6 +142,7 @@ __global__ void BlockCentreKernel(NbhdAttnGpuParams p) {
   auto* partial = reinterpret_cast<float*>(SharedBytes());
   const float x = static_cast<const float*>(p.q)[index];
   if (p.batch == kThreadSkipsSyncthreads && tid == 70) return;
+  if (p.batch == kThreadWaitsForItsWarp && tid == 70) __syncwarp();
   partial[tid] = x;
   __syncthreads();
   for (unsigned stride = blockDim.x / 2; stride > 0; stride /= 2) {
