@@ -384,6 +384,10 @@ void ResetFiber(Fiber& f, unsigned thread) {
   f.done = false;
   f.waiting_at = nullptr;
   f.asan_fake_stack = nullptr;
+#if EMU_ASAN
+  // A finished fiber never unwinds its frames, so their redzones are still poisoned.
+  ASAN_UNPOISON_MEMORY_REGION(f.stack.get(), kFiberStackBytes);
+#endif
   auto top = reinterpret_cast<uintptr_t>(f.stack.get() + kFiberStackBytes) & ~uintptr_t{15};
   auto* slots = reinterpret_cast<uint64_t*>(top) - 9;  // control words, 6 registers, return address, pad
   slots[0] = 0x1F80u | (uint64_t{0x037Fu} << 32);     // default MXCSR, x87 control word
