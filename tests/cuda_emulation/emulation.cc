@@ -4,8 +4,8 @@
 // is deterministic and cheap. Warp collectives (shuffles, votes, __syncwarp, mma, ldmatrix)
 // meet at a per-warp gate keyed by their mask; __syncthreads at a per-block barrier. Dynamic
 // shared memory is a static buffer refilled with NaN before every block (and, under
-// AddressSanitizer, poisoned past the launch's size). The C entry point called from Python is
-// in run_target.cc.
+// AddressSanitizer, poisoned past the launch's size). The C entry points called from Python are
+// in run_target.cc (the kernels of cuda/gpu) and primitives_selftest.cu (the self-test).
 //
 // x86-64 System V only (the fiber switch is a few lines of assembly).
 #include <cstdarg>
@@ -158,11 +158,11 @@ const char* NameOf(Collective kind) {
 
 // What one lane brings to a collective.
 union LaneInput {
-  uint32_t bits;     // shuffled value, vote predicate
-  const void* row;   // ldmatrix: the shared-memory row this lane addresses
+  uint32_t bits;    // shuffled value, vote predicate
+  const void* row;  // ldmatrix: the shared-memory row this lane addresses
   struct {
     uint32_t a[4], b[2];
-  } mma;             // the lane's A and B fragments
+  } mma;  // the lane's A and B fragments
 };
 
 // One meeting of the lanes of a mask. The lane that completes it also computes what the
@@ -188,9 +188,9 @@ struct Gate {
 };
 
 struct Warp {
-  Gate full;                               // mask 0xffffffff: every mma and ldmatrix, most shuffles
-  std::map<unsigned, Gate> partial;        // the other masks
-  unsigned exited = 0;                     // lanes whose thread returned from the kernel
+  Gate full;                         // mask 0xffffffff: every mma and ldmatrix, most shuffles
+  std::map<unsigned, Gate> partial;  // the other masks
+  unsigned exited = 0;               // lanes whose thread returned from the kernel
 
   Gate& GateOf(unsigned mask) { return mask == kFullMask ? full : partial[mask]; }
 };
@@ -269,8 +269,8 @@ const Meeting& Meet(unsigned mask, Collective kind, const LaneInput& input) {
   if (!((mask >> lane) & 1u)) Fail("%s: the calling lane is not in the mask %#x", NameOf(kind), mask);
   Warp& warp = g_warps[threadIdx.x / 32];
   if (mask & warp.exited) {
-    Fail("%s: lane %d of the mask %#x already returned from the kernel", NameOf(kind), __builtin_ctz(mask & warp.exited),
-         mask);
+    const int exited_lane = __builtin_ctz(mask & warp.exited);
+    Fail("%s: lane %d of the mask %#x already returned from the kernel", NameOf(kind), exited_lane, mask);
   }
   Gate& gate = warp.GateOf(mask);
   const uint64_t generation = gate.generation;
@@ -300,30 +300,15 @@ const Meeting& Meet(unsigned mask, Collective kind, const LaneInput& input) {
 // later goes unnoticed, since call sites are not compared.
 const Meeting& MeetWholeWarp(Collective kind, const LaneInput& input) { return Meet(kFullMask, kind, input); }
 
-uint32_t Shuffle(unsigned mask, uint32_t bits, unsigned source, int width) {
+// `value` of lane `source` (any 32-bit type, moved as bits).
+template <typename T>
+T Shuffle(unsigned mask, T value, unsigned source, int width) {
+  static_assert(sizeof(T) == 4);
   if (width != 32) Fail("shuffle: only width 32 is emulated");
   if (source >= 32 || !((mask >> source) & 1u)) Fail("shuffle: source lane %u not in the mask %#x", source, mask);
   LaneInput input;
-  input.bits = bits;
-  return Meet(mask, Collective::kShuffle, input).lanes[source].bits;
-}
-
-template <typename T>
-T ShuffleXor(unsigned mask, T value, int lane_mask, int width) {
-  static_assert(sizeof(T) == 4);
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  bits = Shuffle(mask, bits, Lane() ^ static_cast<unsigned>(lane_mask), width);
-  std::memcpy(&value, &bits, 4);
-  return value;
-}
-
-template <typename T>
-T ShuffleFrom(unsigned mask, T value, int src_lane, int width) {
-  static_assert(sizeof(T) == 4);
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
-  bits = Shuffle(mask, bits, static_cast<unsigned>(src_lane), width);
+  std::memcpy(&input.bits, &value, 4);
+  const uint32_t bits = Meet(mask, Collective::kShuffle, input).lanes[source].bits;
   std::memcpy(&value, &bits, 4);
   return value;
 }
@@ -417,7 +402,9 @@ void ResetFiber(Fiber& f, unsigned thread) {
 // ------------------------------------------------------------------ device functions
 
 void __syncthreads() {
-  if (g_barrier.exited > 0) Fail("__syncthreads after %u thread(s) of the block returned from the kernel", g_barrier.exited);
+  if (g_barrier.exited > 0) {
+    Fail("__syncthreads after %u thread(s) of the block returned from the kernel", g_barrier.exited);
+  }
   const uint64_t generation = g_barrier.generation;
   if (++g_barrier.arrived == blockDim.x) {
     g_barrier.arrived = 0;
@@ -431,20 +418,22 @@ void __syncthreads() {
 void __syncwarp(unsigned mask) { Meet(mask, Collective::kSyncWarp, LaneInput{}); }
 
 float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width) {
-  return ShuffleXor(mask, value, lane_mask, width);
+  return Shuffle(mask, value, Lane() ^ static_cast<unsigned>(lane_mask), width);
 }
 int __shfl_xor_sync(unsigned mask, int value, int lane_mask, int width) {
-  return ShuffleXor(mask, value, lane_mask, width);
+  return Shuffle(mask, value, Lane() ^ static_cast<unsigned>(lane_mask), width);
 }
 unsigned __shfl_xor_sync(unsigned mask, unsigned value, int lane_mask, int width) {
-  return ShuffleXor(mask, value, lane_mask, width);
+  return Shuffle(mask, value, Lane() ^ static_cast<unsigned>(lane_mask), width);
 }
 float __shfl_sync(unsigned mask, float value, int src_lane, int width) {
-  return ShuffleFrom(mask, value, src_lane, width);
+  return Shuffle(mask, value, static_cast<unsigned>(src_lane), width);
 }
-int __shfl_sync(unsigned mask, int value, int src_lane, int width) { return ShuffleFrom(mask, value, src_lane, width); }
+int __shfl_sync(unsigned mask, int value, int src_lane, int width) {
+  return Shuffle(mask, value, static_cast<unsigned>(src_lane), width);
+}
 unsigned __shfl_sync(unsigned mask, unsigned value, int src_lane, int width) {
-  return ShuffleFrom(mask, value, src_lane, width);
+  return Shuffle(mask, value, static_cast<unsigned>(src_lane), width);
 }
 
 unsigned __ballot_sync(unsigned mask, int predicate) {
@@ -535,7 +524,8 @@ cudaError_t CUDARTAPI cudaFuncSetAttribute(const void* func, enum cudaFuncAttrib
     case cudaFuncAttributePreferredSharedMemoryCarveout:  // a hint: nothing to emulate
       return value >= -1 && value <= 100 ? cudaSuccess : (g_last_error = cudaErrorInvalidValue);
     default:
-      std::fprintf(stderr, "cuda emulation: cudaFuncSetAttribute: attribute %d is not emulated\n", static_cast<int>(attr));
+      std::fprintf(stderr, "cuda emulation: cudaFuncSetAttribute: attribute %d is not emulated\n",
+                   static_cast<int>(attr));
       return g_last_error = cudaErrorInvalidValue;
   }
 }

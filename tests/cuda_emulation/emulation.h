@@ -13,6 +13,12 @@
 // this header defines first; emulation.cc implements them as warp collectives: the 32 lanes
 // meet, then each lane takes its fragment per the layouts documented in mma_sm80.cuh.
 // cp.async copies happen at the call (commit/wait are no-ops).
+//
+// Misuse aborts the run with a message naming the block and thread: a thread that returns
+// while others wait for it at __syncthreads or a warp collective (stricter than the hardware,
+// which lets exited threads off some barriers), lanes of one mask meeting at different kinds of
+// collective, a deadlock (listing what each thread waits at), ldmatrix rows or cp.async
+// destinations not 16-byte aligned inside the launch's dynamic shared memory.
 #pragma once
 
 #define S2ATTN_HOST_EMULATION 1

@@ -239,7 +239,8 @@ extern "C" int RunBlockCentre(const float* x, float* out, int blocks, int64_t sh
   p.q = x;
   p.out = out;
   p.batch = fault;
-  return Launch(s2attn::gpu::BlockCentreKernel, p, static_cast<unsigned>(blocks), 128, static_cast<size_t>(shared_bytes));
+  return Launch(s2attn::gpu::BlockCentreKernel, p, static_cast<unsigned>(blocks), 128,
+                static_cast<size_t>(shared_bytes));
 }
 
 // x: 32 floats; out: 32 x 6 words.
