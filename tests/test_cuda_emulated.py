@@ -16,68 +16,29 @@ cases, reference and checks live in ``kernel_cases.py``, shared with the GPU har
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # kernel_cases.py, shared with gpu_kernel_sanitizer.py
+sys.path.insert(0, str(Path(__file__).parent))  # emulation_build.py, kernel_cases.py (shared with the GPU harness)
+from emulation_build import build_emulated_library  # noqa: E402
 from kernel_cases import (  # noqa: E402
     DTYPES,
     FORWARD,
     KERNEL_SOURCES,
     PLANS,
-    ROOT,
     RUN_TARGET_SHIM,
     call_run_target,
     check_case,
 )
 
-EMULATION = ROOT / "tests" / "cuda_emulation"
-
-
-def _cuda_include_dir() -> Path | None:
-    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(str(Path(nvcc).resolve().parents[1]))
-    for root in filter(None, candidates):
-        if (Path(root) / "include" / "cuda_runtime.h").is_file():
-            return Path(root) / "include"
-    return None
-
 
 def _build(out: Path, defines: tuple[str, ...] = ()):
     """Compiles the kernels and the emulation runtime into ``out``; returns a launch callable
     (see kernel_cases.py) that runs them on host arrays."""
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    include = _cuda_include_dir()
-    if cxx is None or include is None:
-        pytest.skip("needs a host C++20 compiler and the CUDA headers (nvcc's include directory)")
-    flags = ["-std=c++20", "-O1", "-fPIC", f"-I{ROOT / 'cuda'}", f"-I{include}", *(f"-D{d}" for d in defines)]
-    kernel_flags = [*flags, "-include", str(EMULATION / "emulation.h"), "-x", "c++"]
-    jobs = [[cxx, *kernel_flags, "-c", str(src), "-o", str(out / (src.stem + ".o"))] for src in KERNEL_SOURCES]
-    runtime = (EMULATION / "emulation.cc", RUN_TARGET_SHIM)
-    jobs += [[cxx, *flags, "-c", str(src), "-o", str(out / (src.stem + ".o"))] for src in runtime]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs))
-    for cmd, result in zip(jobs, results):
-        assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
-    library = out / "libs2attn_emulated.so"
-    link = subprocess.run(
-        # -Bsymbolic: the emulated CUDA runtime must win over a real libcudart that another test's
-        # import (torch's CUDA build) already loaded into the process's global symbol scope.
-        [cxx, "-shared", "-Wl,-Bsymbolic", *[str(p) for p in sorted(out.glob("*.o"))], "-o", str(library)],
-        capture_output=True,
-        text=True,
-    )
-    assert link.returncode == 0, link.stderr
-    lib = ctypes.CDLL(str(library))
+    lib = ctypes.CDLL(str(build_emulated_library(out, KERNEL_SOURCES, [RUN_TARGET_SHIM], defines)))
 
     def launch(*args):
         status = call_run_target(lib, lambda a: a.ctypes.data, *args)

@@ -1,20 +1,25 @@
 // Runtime of the host emulation (see emulation.h). cudaLaunchKernel runs the blocks of a
-// launch one after another (x fastest); the threads of a block are fibers on the calling OS thread,
-// switched round-robin whenever one waits at a shuffle, so a run is deterministic and cheap.
-// Shuffles meet at a per-warp gate keyed by their mask; dynamic shared memory is a static
-// buffer refilled with NaN before every block (and, under AddressSanitizer, poisoned past the
-// launch's size). The C entry point called from Python is in run_target.cc.
+// launch one after another (x fastest); the threads of a block are fibers on the calling OS
+// thread, switched round-robin whenever one waits at a barrier or a warp collective, so a run
+// is deterministic and cheap. Warp collectives (shuffles, votes, __syncwarp, mma, ldmatrix)
+// meet at a per-warp gate keyed by their mask; __syncthreads at a per-block barrier. Dynamic
+// shared memory is a static buffer refilled with NaN before every block (and, under
+// AddressSanitizer, poisoned past the launch's size). The C entry points called from Python are
+// in run_target.cc (the kernels of cuda/gpu) and primitives_selftest.cu (the self-test).
 //
 // x86-64 System V only (the fiber switch is a few lines of assembly).
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <map>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "emulation.h"
+#include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -32,8 +37,9 @@ thread_local dim3 gridDim;
 
 namespace s2attn {
 namespace gpu {
-// What DynamicShared() in nbhd_attn_device.cuh declares; 48 KiB as on the device.
-constexpr size_t kSharedCapacity = 48 * 1024;
+// What DynamicShared() declares: the H200's opt-in maximum per block
+// (cudaDevAttrMaxSharedMemoryPerBlockOptin), which a kernel gets by cudaFuncSetAttribute.
+constexpr size_t kSharedCapacity = 232448;
 alignas(16) float s2attn_dynamic_shared[kSharedCapacity / sizeof(float)];
 }  // namespace gpu
 }  // namespace s2attn
@@ -73,10 +79,18 @@ EmuSwitch:
 namespace {
 
 constexpr size_t kFiberStackBytes = 256 * 1024;
+// Dynamic shared memory a launch may use unless cudaFuncSetAttribute raised the kernel's limit.
+constexpr size_t kDefaultSharedLimit = 48 * 1024;
+constexpr unsigned kFullMask = 0xffffffffu;
 
-[[noreturn]] void Fail(const char* what) {
-  std::fprintf(stderr, "cuda emulation: %s (block %u,%u,%u, thread %u)\n", what, blockIdx.x, blockIdx.y, blockIdx.z,
-               threadIdx.x);
+// Aborts the run with a message naming the current block and thread.
+[[noreturn]] __attribute__((format(printf, 1, 2))) void Fail(const char* format, ...) {
+  std::fprintf(stderr, "cuda emulation: ");
+  va_list args;
+  va_start(args, format);
+  std::vfprintf(stderr, format, args);
+  va_end(args);
+  std::fprintf(stderr, " (block %u,%u,%u, thread %u)\n", blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
   std::fflush(stderr);
   std::abort();
 }
@@ -86,6 +100,7 @@ struct Fiber {
   void* sp = nullptr;
   unsigned thread = 0;
   bool done = false;
+  const char* waiting_at = nullptr;  // what it waits at, for the deadlock report
   void* asan_fake_stack = nullptr;
 };
 
@@ -96,7 +111,8 @@ struct Scheduler {
   void* scheduler_sp = nullptr;
   void (*kernel)(s2attn::NbhdAttnGpuParams) = nullptr;
   s2attn::NbhdAttnGpuParams params;
-  uint64_t progress = 0;  // bumped whenever a fiber gets past a wait
+  size_t shared_bytes = 0;  // the launch's dynamic shared memory
+  uint64_t progress = 0;    // bumped whenever a fiber gets past a wait or finishes
   const void* scheduler_stack_bottom = nullptr;
   size_t scheduler_stack_size = 0;
 };
@@ -115,11 +131,233 @@ void SwitchToScheduler(bool dying) {
   (void)dying;
 }
 
+// Yields to the other fibers until `passed()` holds; `what` names the wait for a deadlock report.
+template <typename Passed>
+void WaitUntil(const char* what, Passed&& passed) {
+  g_scheduler.current->waiting_at = what;
+  while (!passed()) SwitchToScheduler(/*dying=*/false);
+  g_scheduler.current->waiting_at = nullptr;
+}
+
+// ------------------------------------------------------------------ warp collectives
+
+enum class Collective : uint8_t { kShuffle, kVote, kSyncWarp, kMmaBf16, kMmaF16, kLdMatrix, kLdMatrixTrans };
+
+const char* NameOf(Collective kind) {
+  switch (kind) {
+    case Collective::kShuffle: return "a shuffle";
+    case Collective::kVote: return "a vote";
+    case Collective::kSyncWarp: return "__syncwarp";
+    case Collective::kMmaBf16: return "MmaM16N8K16<bf16>";
+    case Collective::kMmaF16: return "MmaM16N8K16<f16>";
+    case Collective::kLdMatrix: return "LdMatrixX4";
+    case Collective::kLdMatrixTrans: return "LdMatrixX4Trans";
+  }
+  return "?";
+}
+
+// What one lane brings to a collective.
+union LaneInput {
+  uint32_t bits;    // shuffled value, vote predicate
+  const void* row;  // ldmatrix: the shared-memory row this lane addresses
+  struct {
+    uint32_t a[4], b[2];
+  } mma;  // the lane's A and B fragments
+};
+
+// One meeting of the lanes of a mask. The lane that completes it also computes what the
+// lanes take from it (the whole tile product, or the four 8x8 matrices read at that moment),
+// once instead of once per lane.
+struct Meeting {
+  Collective kind;
+  LaneInput lanes[32];
+  union {
+    double product[16][8];       // mma: A * B, without the accumulator
+    uint16_t matrices[4][8][8];  // ldmatrix: matrix, row, column
+  } result;
+};
+
+// Lanes named by one mask meet at the gate of that mask. Meetings are double-buffered by the
+// gate's generation, so one meeting per collective suffices: a lane can only overwrite the
+// meeting of generation g (at generation g + 2) after every lane passed generation g + 1, i.e.
+// after every lane of generation g took its result.
+struct Gate {
+  int arrived = 0;
+  uint64_t generation = 0;
+  Meeting meetings[2];
+};
+
+struct Warp {
+  Gate full;                         // mask 0xffffffff: every mma and ldmatrix, most shuffles
+  std::map<unsigned, Gate> partial;  // the other masks
+  unsigned exited = 0;               // lanes whose thread returned from the kernel
+
+  Gate& GateOf(unsigned mask) { return mask == kFullMask ? full : partial[mask]; }
+};
+std::vector<Warp> g_warps;
+
+// The block-wide barrier of __syncthreads.
+struct BlockBarrier {
+  unsigned arrived = 0;
+  uint64_t generation = 0;
+  unsigned exited = 0;  // threads that returned from the kernel
+};
+BlockBarrier g_barrier;
+
+cudaError_t g_last_error = cudaSuccess;
+std::map<const void*, size_t> g_shared_limits;  // kernel -> limit set by cudaFuncSetAttribute
+
+unsigned Lane() { return threadIdx.x % 32; }
+
+// The 16-bit values of a fragment register (`lo` is the lower column or row).
+uint16_t Low(uint32_t reg) { return static_cast<uint16_t>(reg & 0xffffu); }
+uint16_t High(uint32_t reg) { return static_cast<uint16_t>(reg >> 16); }
+uint32_t Pair(uint16_t lo, uint16_t hi) { return uint32_t{lo} | (uint32_t{hi} << 16); }
+
+double Widen(Collective kind, uint16_t bits) {
+  if (kind == Collective::kMmaBf16) {
+    __nv_bfloat16_raw raw;
+    raw.x = bits;
+    return __bfloat162float(__nv_bfloat16(raw));
+  }
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+
+// A 16x16 (row-major) and B 16x8 (k x n) from the 32 lanes' fragments (layouts: mma_sm80.cuh),
+// then their product. Products of 16-bit values are exact in double and the 16-term sums
+// nearly so; each lane adds its accumulator in double and rounds once to float (the hardware
+// sums in float in an unspecified order, so the emulation is at least as accurate).
+void MultiplyTile(Meeting& m) {
+  double a[16][16], b[16][8];
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    const unsigned g = lane / 4, t = lane % 4;
+    const auto& f = m.lanes[lane].mma;
+    for (unsigned half = 0; half < 2; ++half) {  // columns (rows of B) 2t + half, 2t + 8 + half
+      auto pick = [&](uint32_t reg) { return Widen(m.kind, half ? High(reg) : Low(reg)); };
+      a[g][2 * t + half] = pick(f.a[0]);
+      a[g + 8][2 * t + half] = pick(f.a[1]);
+      a[g][2 * t + 8 + half] = pick(f.a[2]);
+      a[g + 8][2 * t + 8 + half] = pick(f.a[3]);
+      b[2 * t + half][g] = pick(f.b[0]);
+      b[2 * t + 8 + half][g] = pick(f.b[1]);
+    }
+  }
+  for (int row = 0; row < 16; ++row) {
+    for (int col = 0; col < 8; ++col) {
+      double sum = 0.0;
+      for (int k = 0; k < 16; ++k) sum += a[row][k] * b[k][col];
+      m.result.product[row][col] = sum;
+    }
+  }
+}
+
+// Reads the four 8x8 matrices of ldmatrix .x4 (lanes 8i..8i+7 address the rows of matrix i),
+// all at the moment the warp meets, as the hardware does.
+void ReadMatrices(Meeting& m) {
+  for (int i = 0; i < 4; ++i) {
+    for (int row = 0; row < 8; ++row) std::memcpy(m.result.matrices[i][row], m.lanes[8 * i + row].row, 16);
+  }
+}
+
+// The calling lane brings `input` to the collective `kind` of the lanes in `mask` and waits
+// until all of them have arrived. The meeting returned stays valid until the caller's next
+// collective.
+const Meeting& Meet(unsigned mask, Collective kind, const LaneInput& input) {
+  const unsigned lane = Lane();
+  if (!((mask >> lane) & 1u)) Fail("%s: the calling lane is not in the mask %#x", NameOf(kind), mask);
+  Warp& warp = g_warps[threadIdx.x / 32];
+  if (mask & warp.exited) {
+    const int exited_lane = __builtin_ctz(mask & warp.exited);
+    Fail("%s: lane %d of the mask %#x already returned from the kernel", NameOf(kind), exited_lane, mask);
+  }
+  Gate& gate = warp.GateOf(mask);
+  const uint64_t generation = gate.generation;
+  Meeting& m = gate.meetings[generation % 2];
+  if (gate.arrived == 0) {
+    m.kind = kind;
+  } else if (m.kind != kind) {
+    Fail("lanes of the mask %#x meet at different collectives (%s here, %s in another lane)", mask, NameOf(kind),
+         NameOf(m.kind));
+  }
+  m.lanes[lane] = input;
+  if (++gate.arrived == __builtin_popcount(mask)) {
+    if (kind == Collective::kMmaBf16 || kind == Collective::kMmaF16) MultiplyTile(m);
+    if (kind == Collective::kLdMatrix || kind == Collective::kLdMatrixTrans) ReadMatrices(m);
+    gate.arrived = 0;
+    ++gate.generation;
+  } else {
+    WaitUntil(NameOf(kind), [&] { return gate.generation != generation; });
+  }
+  ++g_scheduler.progress;
+  return m;
+}
+
+// mma.sync and ldmatrix need all 32 lanes (.sync.aligned). A lane that skips one leaves the
+// others waiting: that fails when it returns from the kernel or meets them at another kind of
+// collective (or as a deadlock); one that makes up for it by an extra call of the same kind
+// later goes unnoticed, since call sites are not compared.
+const Meeting& MeetWholeWarp(Collective kind, const LaneInput& input) { return Meet(kFullMask, kind, input); }
+
+// `value` of lane `source` (any 32-bit type, moved as bits).
+template <typename T>
+T Shuffle(unsigned mask, T value, unsigned source, int width) {
+  static_assert(sizeof(T) == 4);
+  if (width != 32) Fail("shuffle: only width 32 is emulated");
+  if (source >= 32 || !((mask >> source) & 1u)) Fail("shuffle: source lane %u not in the mask %#x", source, mask);
+  LaneInput input;
+  std::memcpy(&input.bits, &value, 4);
+  const uint32_t bits = Meet(mask, Collective::kShuffle, input).lanes[source].bits;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+// Fails unless [p, p + 16) is 16-byte aligned and inside the launch's dynamic shared memory.
+void CheckSharedRow(const char* what, const void* p) {
+  const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  if (address < base || address - base + 16 > g_scheduler.shared_bytes) {
+    Fail("%s: address %p is not inside the launch's %zu bytes of dynamic shared memory", what, p,
+         g_scheduler.shared_bytes);
+  }
+  if (address % 16 != 0) Fail("%s: shared address %p is not 16-byte aligned", what, p);
+}
+
+bool InSharedBuffer(const void* p) {
+  const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  return address >= base && address - base < s2attn::gpu::kSharedCapacity;
+}
+
+// ------------------------------------------------------------------ fibers
+
+// A thread that returns while lanes of its warp or threads of its block wait for it is a bug
+// (on hardware a hang or undefined behaviour): fail here, naming what they wait at.
+void CheckNobodyWaitsFor(unsigned thread) {
+  if (g_barrier.arrived > 0) Fail("returned from the kernel while other threads wait at __syncthreads");
+  Warp& warp = g_warps[thread / 32];
+  const unsigned lane_bit = 1u << (thread % 32);
+  if (warp.full.arrived > 0) {
+    Fail("returned from the kernel while other lanes of its warp wait at %s",
+         NameOf(warp.full.meetings[warp.full.generation % 2].kind));
+  }
+  for (const auto& [mask, gate] : warp.partial) {
+    if ((mask & lane_bit) && gate.arrived > 0) {
+      Fail("returned from the kernel while other lanes of the mask %#x wait at %s", mask,
+           NameOf(gate.meetings[gate.generation % 2].kind));
+    }
+  }
+  warp.exited |= lane_bit;
+  ++g_barrier.exited;
+}
+
 void FiberMain() {
 #if EMU_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &g_scheduler.scheduler_stack_bottom, &g_scheduler.scheduler_stack_size);
 #endif
   g_scheduler.kernel(g_scheduler.params);
+  CheckNobodyWaitsFor(threadIdx.x);
   g_scheduler.current->done = true;
   SwitchToScheduler(/*dying=*/true);
   Fail("a finished fiber was resumed");
@@ -129,7 +367,12 @@ void FiberMain() {
 void ResetFiber(Fiber& f, unsigned thread) {
   f.thread = thread;
   f.done = false;
+  f.waiting_at = nullptr;
   f.asan_fake_stack = nullptr;
+#if EMU_ASAN
+  // A finished fiber never unwinds its frames, so their redzones are still poisoned.
+  ASAN_UNPOISON_MEMORY_REGION(f.stack.get(), kFiberStackBytes);
+#endif
   auto top = reinterpret_cast<uintptr_t>(f.stack.get() + kFiberStackBytes) & ~uintptr_t{15};
   auto* slots = reinterpret_cast<uint64_t*>(top) - 9;  // control words, 6 registers, return address, pad
   slots[0] = 0x1F80u | (uint64_t{0x037Fu} << 32);     // default MXCSR, x87 control word
@@ -139,56 +382,152 @@ void ResetFiber(Fiber& f, unsigned thread) {
   f.sp = slots;
 }
 
-// The lanes of one warp; lanes named by one shuffle mask meet at the gate of that mask.
-// Slots are double-buffered by the gate's generation, so one meeting per shuffle suffices:
-// a lane can only write the buffer of generation g + 2 after everyone passed generation g + 1,
-// i.e. after every reader of generation g has read.
-struct Warp {
-  float slots[2][32] = {};
-  std::map<unsigned, std::pair<int, uint64_t>> gates;  // mask -> (arrived, generation)
-};
-std::vector<Warp> g_warps;
-cudaError_t g_last_error = cudaSuccess;
+// Prints which threads wait at what (consecutive threads waiting at the same thing as one range).
+[[noreturn]] void FailDeadlock() {
+  std::fprintf(stderr, "cuda emulation: deadlock: every live thread waits at a barrier or warp collective that not "
+                       "all of its threads reach:\n");
+  const auto& fibers = g_scheduler.fibers;
+  for (size_t i = 0; i < fibers.size();) {
+    size_t j = i + 1;
+    while (j < fibers.size() && fibers[j].done == fibers[i].done && fibers[j].waiting_at == fibers[i].waiting_at) ++j;
+    std::fprintf(stderr, "  threads %zu..%zu: %s\n", i, j - 1,
+                 fibers[i].done ? "returned" : (fibers[i].waiting_at ? fibers[i].waiting_at : "?"));
+    i = j;
+  }
+  Fail("deadlock");
+}
 
 }  // namespace
 
-namespace {
+// ------------------------------------------------------------------ device functions
 
-float Shuffle(unsigned mask, float value, unsigned source, int width) {
-  const unsigned lane = threadIdx.x % 32;
-  if (width != 32) Fail("shuffle: only width 32 is emulated");
-  if (source >= 32 || !((mask >> lane) & 1u) || !((mask >> source) & 1u)) {
-    Fail("shuffle: lane or source lane not in the mask");
+void __syncthreads() {
+  if (g_barrier.exited > 0) {
+    Fail("__syncthreads after %u thread(s) of the block returned from the kernel", g_barrier.exited);
   }
-  Warp& warp = g_warps[threadIdx.x / 32];
-  auto& gate = warp.gates[mask];
-  const uint64_t generation = gate.second;
-  float* slots = warp.slots[generation % 2];
-  slots[lane] = value;
-  if (++gate.first == __builtin_popcount(mask)) {
-    gate.first = 0;
-    ++gate.second;
+  const uint64_t generation = g_barrier.generation;
+  if (++g_barrier.arrived == blockDim.x) {
+    g_barrier.arrived = 0;
+    ++g_barrier.generation;
   } else {
-    while (gate.second == generation) SwitchToScheduler(/*dying=*/false);
+    WaitUntil("__syncthreads", [&] { return g_barrier.generation != generation; });
   }
   ++g_scheduler.progress;
-  return slots[source];
 }
 
-}  // namespace
+void __syncwarp(unsigned mask) { Meet(mask, Collective::kSyncWarp, LaneInput{}); }
 
 float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width) {
-  return Shuffle(mask, value, (threadIdx.x % 32) ^ static_cast<unsigned>(lane_mask), width);
+  return Shuffle(mask, value, Lane() ^ static_cast<unsigned>(lane_mask), width);
 }
-
+int __shfl_xor_sync(unsigned mask, int value, int lane_mask, int width) {
+  return Shuffle(mask, value, Lane() ^ static_cast<unsigned>(lane_mask), width);
+}
+unsigned __shfl_xor_sync(unsigned mask, unsigned value, int lane_mask, int width) {
+  return Shuffle(mask, value, Lane() ^ static_cast<unsigned>(lane_mask), width);
+}
 float __shfl_sync(unsigned mask, float value, int src_lane, int width) {
   return Shuffle(mask, value, static_cast<unsigned>(src_lane), width);
 }
+int __shfl_sync(unsigned mask, int value, int src_lane, int width) {
+  return Shuffle(mask, value, static_cast<unsigned>(src_lane), width);
+}
+unsigned __shfl_sync(unsigned mask, unsigned value, int src_lane, int width) {
+  return Shuffle(mask, value, static_cast<unsigned>(src_lane), width);
+}
+
+unsigned __ballot_sync(unsigned mask, int predicate) {
+  LaneInput input;
+  input.bits = predicate != 0;
+  const Meeting& m = Meet(mask, Collective::kVote, input);
+  unsigned ballot = 0;
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    if ((mask >> lane) & 1u) ballot |= m.lanes[lane].bits << lane;
+  }
+  return ballot;
+}
+int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
+int __all_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) == mask; }
+
+namespace s2attn {
+namespace gpu {
+
+namespace {
+template <typename T>
+void EmulatedMma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  constexpr Collective kind = std::is_same_v<T, __nv_bfloat16> ? Collective::kMmaBf16 : Collective::kMmaF16;
+  LaneInput input;
+  for (int i = 0; i < 4; ++i) input.mma.a[i] = a[i];
+  for (int i = 0; i < 2; ++i) input.mma.b[i] = b[i];
+  const Meeting& m = MeetWholeWarp(kind, input);
+  const unsigned g = Lane() / 4, t = Lane() % 4;
+  for (int i = 0; i < 4; ++i) {  // d[i] = (row g + 8 * (i / 2), column 2t + i % 2)
+    d[i] = static_cast<float>(static_cast<double>(d[i]) + m.result.product[g + 8 * (i / 2)][2 * t + i % 2]);
+  }
+}
+
+void EmulatedLdMatrix(Collective kind, uint32_t (&r)[4], const void* shared_row) {
+  CheckSharedRow(NameOf(kind), shared_row);
+  LaneInput input;
+  input.row = shared_row;
+  const Meeting& m = MeetWholeWarp(kind, input);
+  const unsigned g = Lane() / 4, t = Lane() % 4;
+  for (int i = 0; i < 4; ++i) {
+    const auto& x = m.result.matrices[i];
+    // Plain: row g, columns 2t and 2t + 1. Transposed: rows 2t and 2t + 1, column g.
+    r[i] = kind == Collective::kLdMatrix ? Pair(x[g][2 * t], x[g][2 * t + 1]) : Pair(x[2 * t][g], x[2 * t + 1][g]);
+  }
+}
+}  // namespace
+
+template <typename T>
+void MmaM16N8K16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  EmulatedMma<T>(d, a, b);
+}
+template void MmaM16N8K16<__nv_bfloat16>(float (&)[4], const uint32_t (&)[4], const uint32_t (&)[2]);
+template void MmaM16N8K16<__half>(float (&)[4], const uint32_t (&)[4], const uint32_t (&)[2]);
+
+void LdMatrixX4(uint32_t (&r)[4], const void* shared_row) { EmulatedLdMatrix(Collective::kLdMatrix, r, shared_row); }
+
+void LdMatrixX4Trans(uint32_t (&r)[4], const void* shared_row) {
+  EmulatedLdMatrix(Collective::kLdMatrixTrans, r, shared_row);
+}
+
+void CopyAsync16(void* shared_dst, const void* global_src) {
+  CheckSharedRow("CopyAsync16 destination", shared_dst);
+  if (reinterpret_cast<uintptr_t>(global_src) % 16 != 0) {
+    Fail("CopyAsync16: source %p is not 16-byte aligned", global_src);
+  }
+  if (InSharedBuffer(global_src)) Fail("CopyAsync16: source %p is shared memory, not global", global_src);
+  std::memcpy(shared_dst, global_src, 16);
+}
+
+}  // namespace gpu
+}  // namespace s2attn
+
+// ------------------------------------------------------------------ runtime API
 
 cudaError_t CUDARTAPI cudaGetLastError(void) {
   const cudaError_t error = g_last_error;
   g_last_error = cudaSuccess;
   return error;
+}
+
+cudaError_t CUDARTAPI cudaFuncSetAttribute(const void* func, enum cudaFuncAttribute attr, int value) {
+  switch (attr) {
+    case cudaFuncAttributeMaxDynamicSharedMemorySize:
+      if (value < 0 || static_cast<size_t>(value) > s2attn::gpu::kSharedCapacity) {
+        return g_last_error = cudaErrorInvalidValue;
+      }
+      g_shared_limits[func] = static_cast<size_t>(value);
+      return cudaSuccess;
+    case cudaFuncAttributePreferredSharedMemoryCarveout:  // a hint: nothing to emulate
+      return value >= -1 && value <= 100 ? cudaSuccess : (g_last_error = cudaErrorInvalidValue);
+    default:
+      std::fprintf(stderr, "cuda emulation: cudaFuncSetAttribute: attribute %d is not emulated\n",
+                   static_cast<int>(attr));
+      return g_last_error = cudaErrorInvalidValue;
+  }
 }
 
 cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared_bytes,
@@ -197,10 +536,14 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
       block.x == 0 || block.x > 1024 || block.x % 32 != 0 || block.y != 1 || block.z != 1) {
     return g_last_error = cudaErrorInvalidConfiguration;
   }
-  if (shared_bytes > s2attn::gpu::kSharedCapacity) return g_last_error = cudaErrorInvalidValue;
+  const auto limit = g_shared_limits.find(func);
+  if (shared_bytes > (limit == g_shared_limits.end() ? kDefaultSharedLimit : limit->second)) {
+    return g_last_error = cudaErrorInvalidValue;
+  }
   // Every kernel of cuda/gpu takes one NbhdAttnGpuParams by value.
   g_scheduler.kernel = reinterpret_cast<void (*)(s2attn::NbhdAttnGpuParams)>(const_cast<void*>(func));
   g_scheduler.params = *static_cast<const s2attn::NbhdAttnGpuParams*>(args[0]);
+  g_scheduler.shared_bytes = shared_bytes;
   g_scheduler.fibers.resize(block.x);
   blockDim = block;
   gridDim = grid;
@@ -218,7 +561,15 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
     ASAN_POISON_MEMORY_REGION(reinterpret_cast<char*>(shared) + shared_bytes,
                               s2attn::gpu::kSharedCapacity - shared_bytes);
 #endif
-    g_warps.assign(block.x / 32, Warp{});
+    // Gates start over (not reallocated: a Warp is a few KiB and blocks are many).
+    g_warps.resize(block.x / 32);
+    for (Warp& warp : g_warps) {
+      warp.full.arrived = 0;
+      warp.full.generation = 0;
+      warp.partial.clear();
+      warp.exited = 0;
+    }
+    g_barrier = BlockBarrier{};
     for (unsigned t = 0; t < block.x; ++t) ResetFiber(g_scheduler.fibers[t], t);
     // Round-robin until every fiber finished; a full round without progress is a deadlock.
     for (unsigned live = block.x; live > 0;) {
@@ -239,9 +590,7 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
         if (!f.done) ++live;
         if (f.done) ++g_scheduler.progress;
       }
-      if (live > 0 && g_scheduler.progress == progress_before) {
-        Fail("deadlock: every live thread waits at a shuffle that not all lanes of its mask reach");
-      }
+      if (live > 0 && g_scheduler.progress == progress_before) FailDeadlock();
     }
   }
 #if EMU_ASAN

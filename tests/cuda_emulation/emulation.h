@@ -1,12 +1,33 @@
 // Host emulation of the few CUDA device facilities the kernels in cuda/gpu use, so that the
-// kernels and their launchers compile with a host C++ compiler and run on the CPU (one OS
-// thread per CUDA thread). Force-included (-include) before each .cu file; the runtime side
-// (cudaLaunchKernel, shuffles, shared memory) is in emulation.cc.
+// kernels and their launchers compile with a host C++ compiler and run on the CPU (one fiber
+// per CUDA thread, see emulation.cc). Force-included (-include) before each .cu file; the
+// runtime side (cudaLaunchKernel, cudaFuncSetAttribute, barriers, warp collectives, shared
+// memory) is in emulation.cc.
 //
-// This checks the kernels' logic (indexing, walks, masks, team reductions, which elements get
-// written) against a float64 reference on machines without a GPU. It says nothing about
-// timing or the GPU memory model.
+// This checks the kernels' logic (indexing, walks, masks, team reductions, tensor-core
+// fragment layouts, which elements get written) against a float64 reference on machines
+// without a GPU. It says nothing about timing or the GPU memory model.
+//
+// The warp-level tensor-core primitives of cuda/gpu/mma_sm80.cuh (MmaM16N8K16, LdMatrixX4,
+// LdMatrixX4Trans, CopyAsync16) are only declared there under S2ATTN_HOST_EMULATION, which
+// this header defines first; emulation.cc implements them as warp collectives: the 32 lanes
+// meet, then each lane takes its fragment per the layouts documented in mma_sm80.cuh.
+// cp.async copies happen at the call (commit/wait are no-ops).
+//
+// Misuse aborts the run with a message naming the block and thread: a thread that returns
+// while others wait for it at __syncthreads or a warp collective (stricter than the hardware,
+// which lets exited threads off some barriers), lanes of one mask meeting at different kinds of
+// collective, a deadlock (listing what each thread waits at), ldmatrix rows or cp.async
+// destinations not 16-byte aligned inside the launch's dynamic shared memory.
 #pragma once
+
+#define S2ATTN_HOST_EMULATION 1
+
+// The only shared memory here is the dynamic buffer of emulation.cc (DynamicShared() declares it
+// `extern __shared__`). A static `__shared__` array would silently become one array per thread,
+// so `weak` turns it into a compile error ("weak declaration of 'x' must be public") while
+// keeping the extern declaration valid. Defined before the CUDA headers, which then keep it.
+#define __shared__ __attribute__((weak))
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,14 +49,46 @@ inline T __ldg(const T* p) {
   return *p;
 }
 
+// Bit casts of the device intrinsics (memcpy: well defined on the host).
 inline float __uint_as_float(unsigned int bits) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float __int_as_float(int bits) { return __uint_as_float(static_cast<unsigned int>(bits)); }
+inline unsigned int __float_as_uint(float f) {
+  unsigned int bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+inline int __float_as_int(float f) { return static_cast<int>(__float_as_uint(f)); }
 
-// Both block until every lane named in `mask` has called a shuffle with the same mask (they
+// Block-wide barrier: every thread of the block must reach it (a thread that exits while others
+// wait, or waits after another exited, aborts the run).
+void __syncthreads();
+// Barrier of the lanes named in `mask` (the caller must be one of them).
+void __syncwarp(unsigned mask = 0xffffffffu);
+
+// Shuffles block until every lane named in `mask` has called a shuffle with the same mask (they
 // abort on a deadlock or when the caller or its source lane is not in `mask`, which CUDA
-// leaves undefined).
+// leaves undefined). Overloads per 32-bit type, so that an int is never converted to float.
 float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width = 32);
+int __shfl_xor_sync(unsigned mask, int value, int lane_mask, int width = 32);
+unsigned __shfl_xor_sync(unsigned mask, unsigned value, int lane_mask, int width = 32);
 float __shfl_sync(unsigned mask, float value, int src_lane, int width = 32);
+int __shfl_sync(unsigned mask, int value, int src_lane, int width = 32);
+unsigned __shfl_sync(unsigned mask, unsigned value, int src_lane, int width = 32);
+
+// Votes over the lanes named in `mask`, with the same meeting rules as the shuffles.
+unsigned __ballot_sync(unsigned mask, int predicate);
+int __any_sync(unsigned mask, int predicate);
+int __all_sync(unsigned mask, int predicate);
+
+// cuda_runtime.h declares this convenience overload for nvcc only; launchers call it with the
+// kernel itself. Emulated in emulation.cc: the MaxDynamicSharedMemorySize limit (up to the
+// H200's 232448 bytes) is kept per kernel, and a launch past its kernel's limit (48 KiB unless
+// raised) fails with cudaErrorInvalidValue, as on the device.
+template <typename Kernel>
+inline cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attribute, int value) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), attribute, value);
+}

@@ -1,0 +1,252 @@
+// Self-test kernels of the host emulation (tests/test_cuda_emulation_primitives.py): the
+// tensor-core primitives of gpu/mma_sm80.cuh, __syncthreads, __syncwarp, votes and shuffles,
+// checked from Python against numpy. Compiled only for the emulation (emulation.h
+// force-included).
+//
+// The emulated cudaLaunchKernel passes every kernel one NbhdAttnGpuParams, so these kernels
+// read their inputs from q, k, v, dout (and int32 ones from arcs), write `out`, and take the
+// fault to inject from `batch` and the byte offset of their tiles in shared memory from
+// `num_arcs`.
+#include <cstdint>
+
+#include "gpu/mma_sm80.cuh"
+#include "gpu/nbhd_attn_kernels.h"
+
+namespace s2attn {
+namespace gpu {
+
+// The buffer the emulation provides (what DynamicShared() of cuda/gpu returns; outside the
+// anonymous namespace, which would make the declaration name another array).
+__device__ __forceinline__ char* SharedBytes() {
+  extern __shared__ float s2attn_dynamic_shared[];
+  return reinterpret_cast<char*>(s2attn_dynamic_shared);
+}
+
+namespace {
+
+// Bugs the failure tests inject; the emulation must abort on each (values shared with Python).
+enum Fault : int64_t {
+  kNoFault = 0,
+  kLaneSkipsMma = 1,           // lane 5 skips the second mma
+  kMisalignedLdMatrixRow = 2,  // lane 3 gives a row address 8 bytes off
+  kCopyAsyncToGlobal = 3,      // CopyAsync16 into global memory
+  kThreadSkipsSyncthreads = 4,  // thread 70 returns before the first __syncthreads
+  kThreadWaitsForItsWarp = 5     // thread 70 waits at __syncwarp while its warp waits at __syncthreads
+};
+
+constexpr int kTileElements = 16 * 16;
+constexpr int kTileBytes = kTileElements * 2;  // one 16x16 tile of 16-bit values
+
+// Two 16-bit values as one fragment register, `lo` in the low half.
+__device__ __forceinline__ uint32_t Pair(uint16_t lo, uint16_t hi) { return uint32_t{lo} | (uint32_t{hi} << 16); }
+
+// One warp; the layouts of mma_sm80.cuh taken literally, without ldmatrix: fragments of A (q,
+// 16x16 row-major) and B (k, 16x8 stored [k][n]) read from global memory, C (dout) and
+// D (out) 16x8 float.
+__global__ void MmaLayoutKernel(NbhdAttnGpuParams p) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const auto* a = static_cast<const uint16_t*>(p.q);
+  const auto* b = static_cast<const uint16_t*>(p.k);
+  auto at = [&](int row, int col) { return Pair(a[row * 16 + col], a[row * 16 + col + 1]); };
+  auto bt = [&](int k, int n) { return Pair(b[k * 8 + n], b[(k + 1) * 8 + n]); };
+  const uint32_t a_frag[4] = {at(g, 2 * t), at(g + 8, 2 * t), at(g, 2 * t + 8), at(g + 8, 2 * t + 8)};
+  const uint32_t b_frag[2] = {bt(2 * t, g), bt(2 * t + 8, g)};
+  const auto* c = static_cast<const float*>(p.dout);
+  float d[4];
+  for (int e = 0; e < 4; ++e) d[e] = c[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2];
+  if (p.dtype == ActivationType::kBF16) {
+    MmaM16N8K16<__nv_bfloat16>(d, a_frag, b_frag);
+  } else {
+    MmaM16N8K16<__half>(d, a_frag, b_frag);
+  }
+  for (int e = 0; e < 4; ++e) p.out[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d[e];
+}
+
+// One warp; lane l gives the address of row rows[l] (arcs) of a 32x8 matrix of 16-bit
+// values (q) staged in shared memory, and writes its 4 registers of ldmatrix .x4 then of
+// .x4.trans to out[8 l .. 8 l + 7] (uint32).
+__global__ void LdMatrixLayoutKernel(NbhdAttnGpuParams p) {
+  const int lane = threadIdx.x % 32;
+  auto* staged = reinterpret_cast<uint16_t*>(SharedBytes());
+  for (int e = lane; e < 32 * 8; e += 32) staged[e] = static_cast<const uint16_t*>(p.q)[e];
+  __syncwarp();
+  uint32_t plain[4], transposed[4];
+  const uint16_t* row = staged + 8 * p.arcs[lane];
+  LdMatrixX4(plain, row);
+  LdMatrixX4Trans(transposed, row);
+  auto* words = reinterpret_cast<uint32_t*>(p.out) + 8 * lane;
+  for (int i = 0; i < 4; ++i) {
+    words[i] = plain[i];
+    words[4 + i] = transposed[i];
+  }
+}
+
+// One warp. A (q) is 16x16 row-major, Bt (k) is 16x16 stored [n][k], B (v) 16x16 stored
+// [k][n], C (dout) 16x16 float. out[0] = C + A Bt^T through plain ldmatrix (the layout of
+// K in S = Q K^T), out[1] = C + A B through ldmatrix .trans (the layout of V in O = P V); both
+// as two m16n8k16 tiles (n 0..7 and 8..15).
+template <typename T>
+__global__ void TileMmaKernel(NbhdAttnGpuParams p) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  char* tiles = SharedBytes() + p.num_arcs;
+  const void* sources[3] = {p.q, p.k, p.v};
+  for (int tile = 0; tile < 3; ++tile) {  // 32 chunks of 16 bytes per tile: one per lane
+    void* destination = tiles + tile * kTileBytes + 16 * lane;
+    if (p.batch == kCopyAsyncToGlobal) destination = p.out;
+    CopyAsync16(destination, static_cast<const char*>(sources[tile]) + 16 * lane);
+  }
+  CopyAsyncCommit();
+  CopyAsyncWait<0>();
+  __syncwarp();
+
+  // ldmatrix .x4: lane 8i + r addresses row r of 8x8 matrix i. For A and for B (rows = k) the
+  // matrices are (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15); for Bt (rows = n)
+  // (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15), so that r[0..1] / r[2..3] are the B
+  // fragments of n 0..7 / 8..15 in both cases.
+  const int i = lane / 8, r = lane % 8;
+  const auto* a_tile = reinterpret_cast<const T*>(tiles);
+  const auto* bt_tile = reinterpret_cast<const T*>(tiles + kTileBytes);
+  const auto* b_tile = reinterpret_cast<const T*>(tiles + 2 * kTileBytes);
+  const int k_major = ((i % 2) * 8 + r) * 16 + (i / 2) * 8;  // A and B
+  const int n_major = ((i / 2) * 8 + r) * 16 + (i % 2) * 8;  // Bt
+  uint32_t a[4], bt[4], b[4];
+  const char* a_row = reinterpret_cast<const char*>(a_tile + k_major);
+  if (p.batch == kMisalignedLdMatrixRow && lane == 3) a_row += 8;
+  LdMatrixX4(a, a_row);
+  LdMatrixX4(bt, bt_tile + n_major);
+  LdMatrixX4Trans(b, b_tile + k_major);
+
+  const auto* c = static_cast<const float*>(p.dout);
+  for (int product = 0; product < 2; ++product) {
+    const uint32_t* fragments = product == 0 ? bt : b;
+    for (int n_tile = 0; n_tile < 2; ++n_tile) {
+      if (p.batch == kLaneSkipsMma && lane == 5 && product == 0 && n_tile == 1) continue;
+      int element[4];  // of d[e] in the 16x16 result: row g + 8 (e / 2), column 8 n_tile + 2t + e % 2
+      float d[4];
+      for (int e = 0; e < 4; ++e) {
+        element[e] = (g + 8 * (e / 2)) * 16 + 8 * n_tile + 2 * t + e % 2;
+        d[e] = c[element[e]];
+      }
+      const uint32_t b_pair[2] = {fragments[2 * n_tile], fragments[2 * n_tile + 1]};
+      MmaM16N8K16<T>(d, a, b_pair);
+      for (int e = 0; e < 4; ++e) p.out[product * kTileElements + element[e]] = d[e];
+    }
+  }
+}
+
+// Blocks of 128 threads (4 warps); block b centres its 128 values of q (float): out = x - mean,
+// the mean by a tree reduction in shared memory, with a __syncthreads after every step.
+__global__ void BlockCentreKernel(NbhdAttnGpuParams p) {
+  const unsigned tid = threadIdx.x;
+  const int64_t index = int64_t{blockIdx.x} * blockDim.x + tid;
+  auto* partial = reinterpret_cast<float*>(SharedBytes());
+  const float x = static_cast<const float*>(p.q)[index];
+  if (p.batch == kThreadSkipsSyncthreads && tid == 70) return;
+  if (p.batch == kThreadWaitsForItsWarp && tid == 70) __syncwarp();
+  partial[tid] = x;
+  __syncthreads();
+  for (unsigned stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (tid < stride) partial[tid] += partial[tid + stride];
+    __syncthreads();
+  }
+  p.out[index] = x - partial[0] / blockDim.x;
+}
+
+// One warp; lane l writes 6 words at out[6 l]: ballot(x > 0), any(x > 2), all(x > -10), an int
+// shuffle (lane ^ 3) * 7, a half-warp shuffle (lanes 0-15: x of lane ^ 1 under mask 0xffff;
+// lanes 16-31: x of lane 16 under mask 0xffff0000), and x of lane 31 - l exchanged through
+// shared memory and __syncwarp.
+__global__ void WarpVotesKernel(NbhdAttnGpuParams p) {
+  const int lane = threadIdx.x % 32;
+  const float x = static_cast<const float*>(p.q)[lane];
+  auto* words = reinterpret_cast<uint32_t*>(p.out) + 6 * lane;
+  words[0] = __ballot_sync(0xffffffffu, x > 0.0f);
+  words[1] = __any_sync(0xffffffffu, x > 2.0f);
+  words[2] = __all_sync(0xffffffffu, x > -10.0f);
+  words[3] = __shfl_xor_sync(0xffffffffu, lane * 7, 3);
+  const float half = lane < 16 ? __shfl_xor_sync(0x0000ffffu, x, 1) : __shfl_sync(0xffff0000u, x, 16);
+  words[4] = __float_as_uint(half);
+  auto* exchange = reinterpret_cast<float*>(SharedBytes());
+  exchange[lane] = x;
+  __syncwarp();
+  words[5] = __float_as_uint(exchange[31 - lane]);
+}
+
+}  // namespace
+}  // namespace gpu
+}  // namespace s2attn
+
+namespace {
+
+cudaError_t Launch(void (*kernel)(s2attn::NbhdAttnGpuParams), const s2attn::NbhdAttnGpuParams& p, unsigned blocks,
+                   unsigned threads, size_t shared_bytes) {
+  s2attn::NbhdAttnGpuParams params = p;
+  void* args[] = {&params};
+  const cudaError_t status =
+      cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(blocks), dim3(threads), args, shared_bytes, nullptr);
+  const cudaError_t last = cudaGetLastError();  // also clears a failed launch's error for the next test
+  return status != cudaSuccess ? status : last;
+}
+
+}  // namespace
+
+// dtype: 1 bf16, 2 f16 (ActivationType). a: 16x16, b: 16x8 [k][n], c, d: 16x8 float.
+extern "C" int RunMmaLayout(int dtype, const void* a, const void* b, const float* c, float* d) {
+  s2attn::NbhdAttnGpuParams p;
+  p.dtype = static_cast<s2attn::ActivationType>(dtype);
+  p.q = a;
+  p.k = b;
+  p.dout = c;
+  p.out = d;
+  return Launch(s2attn::gpu::MmaLayoutKernel, p, 1, 32, 0);
+}
+
+// matrix: 32x8 16-bit values; rows: 32 int32 (a row per lane); out: 32x8 uint32.
+extern "C" int RunLdMatrixLayout(const void* matrix, const int32_t* rows, uint32_t* out) {
+  s2attn::NbhdAttnGpuParams p;
+  p.q = matrix;
+  p.arcs = rows;
+  p.out = reinterpret_cast<float*>(out);
+  return Launch(s2attn::gpu::LdMatrixLayoutKernel, p, 1, 32, 32 * 8 * sizeof(uint16_t));
+}
+
+// dtype: 1 bf16, 2 f16 (ActivationType). Sets the kernel's dynamic shared memory limit to
+// `shared_limit`, then launches with `shared_bytes`, the tiles `shared_offset` bytes in.
+extern "C" int RunTileMma(int dtype, const void* a, const void* bt, const void* b, const float* c, float* out,
+                          int64_t shared_offset, int64_t shared_bytes, int shared_limit, int64_t fault) {
+  s2attn::NbhdAttnGpuParams p;
+  p.dtype = static_cast<s2attn::ActivationType>(dtype);
+  p.q = a;
+  p.k = bt;
+  p.v = b;
+  p.dout = c;
+  p.out = out;
+  p.batch = fault;
+  p.num_arcs = shared_offset;
+  auto* kernel = p.dtype == s2attn::ActivationType::kBF16 ? s2attn::gpu::TileMmaKernel<__nv_bfloat16>
+                                                           : s2attn::gpu::TileMmaKernel<__half>;
+  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_limit);
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // clears it for the next test
+    return status;
+  }
+  return Launch(kernel, p, 1, 32, static_cast<size_t>(shared_bytes));
+}
+
+// x, out: [blocks, 128] floats.
+extern "C" int RunBlockCentre(const float* x, float* out, int blocks, int64_t shared_bytes, int64_t fault) {
+  s2attn::NbhdAttnGpuParams p;
+  p.q = x;
+  p.out = out;
+  p.batch = fault;
+  return Launch(s2attn::gpu::BlockCentreKernel, p, static_cast<unsigned>(blocks), 128,
+                static_cast<size_t>(shared_bytes));
+}
+
+// x: 32 floats; out: 32 x 6 words.
+extern "C" int RunWarpVotes(const float* x, uint32_t* out) {
+  s2attn::NbhdAttnGpuParams p;
+  p.q = x;
+  p.out = reinterpret_cast<float*>(out);
+  return Launch(s2attn::gpu::WarpVotesKernel, p, 1, 32, 32 * sizeof(float));
+}

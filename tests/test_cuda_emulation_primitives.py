@@ -1,0 +1,220 @@
+"""Self-test of the host emulation (``tests/cuda_emulation``) on the primitives the tiled kernels
+build on: ``mma.sync`` m16n8k16, ``ldmatrix`` (plain and transposed) and ``cp.async`` of
+``cuda/gpu/mma_sm80.cuh``, ``__syncthreads``, ``__syncwarp``, votes and shuffles, and the
+dynamic shared memory limits. The kernels are in ``cuda_emulation/primitives_selftest.cu``;
+expected values come from numpy in float64. Misuses the emulation must catch abort it, so
+those run in a subprocess.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from emulation_build import EMULATION, build_emulated_library  # noqa: E402
+
+# ActivationType of nbhd_attn_kernels.h and numpy storage type of the 16-bit inputs.
+DTYPES = {"bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
+CUDA_ERROR_INVALID_VALUE = 1
+DEFAULT_SHARED_LIMIT = 48 * 1024
+MAX_SHARED = 232448  # the H200's opt-in maximum
+TILE_BYTES = 3 * 16 * 16 * 2  # A, Bt, B
+# Faults of primitives_selftest.cu.
+(NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
+ THREAD_WAITS_FOR_ITS_WARP) = range(6)  # fmt: skip
+BLOCK_THREADS = 128  # of BlockCentreKernel
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory) -> Path:
+    return build_emulated_library(tmp_path_factory.mktemp("primitives"), [EMULATION / "primitives_selftest.cu"])
+
+
+@pytest.fixture(scope="module")
+def lib(library) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(library))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.RunTileMma.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, ctypes.c_int, i64]
+    lib.RunBlockCentre.argtypes = [p, p, ctypes.c_int, i64, i64]
+    lib.RunWarpVotes.argtypes = [p, p]
+    lib.RunMmaLayout.argtypes = [ctypes.c_int, p, p, p, p]
+    lib.RunLdMatrixLayout.argtypes = [p, p, p]
+    return lib
+
+
+def _relative(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.abs(actual - expected).max() / np.abs(expected).max())
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(np.uint16).astype(np.uint32)
+
+
+def _pair(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Fragment registers of two 16-bit values, ``lo`` in the low half."""
+    return _bits(lo) | (_bits(hi) << 16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mma_takes_the_documented_fragments(lib, rng, dtype):
+    """Fragments built by plain indexing per the layout table of mma_sm80.cuh (no ldmatrix)."""
+    storage = DTYPES[dtype][1]
+    a = rng.standard_normal((16, 16)).astype(storage)
+    b = rng.standard_normal((16, 8)).astype(storage)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = np.full((16, 8), np.nan, np.float32)
+    assert lib.RunMmaLayout(DTYPES[dtype][0], a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data) == 0
+    assert _relative(d, c + a.astype(np.float64) @ b.astype(np.float64)) <= 1e-6
+
+
+def test_ldmatrix_gives_the_documented_registers(lib, rng):
+    """Lane l addresses row rows[l] of a 32x8 matrix; lanes 8i..8i+7 give the rows of matrix i.
+    Plain: register i of lane (g, t) = (row g, columns 2t, 2t+1) of matrix i; .trans: (rows 2t,
+    2t+1, column g)."""
+    matrix = rng.integers(0, 1 << 16, (32, 8), dtype=np.uint16)
+    rows = rng.permutation(32).astype(np.int32)
+    out = np.zeros((32, 2, 4), np.uint32)
+    assert lib.RunLdMatrixLayout(matrix.ctypes.data, rows.ctypes.data, out.ctypes.data) == 0
+    matrices = matrix[rows].reshape(4, 8, 8)  # [i, row, column]
+    lane = np.arange(32)[:, None]
+    g, t, i = lane // 4, lane % 4, np.arange(4)[None, :]
+    np.testing.assert_array_equal(out[:, 0], _pair(matrices[i, g, 2 * t], matrices[i, g, 2 * t + 1]))
+    np.testing.assert_array_equal(out[:, 1], _pair(matrices[i, 2 * t, g], matrices[i, 2 * t + 1, g]))
+
+
+def _tile_mma(lib, dtype, a, bt, b, c, *, shared_offset=0, shared_bytes=TILE_BYTES, shared_limit=DEFAULT_SHARED_LIMIT):
+    out = np.full((2, 16, 16), np.nan, np.float32)
+    status = lib.RunTileMma(DTYPES[dtype][0], a.ctypes.data, bt.ctypes.data, b.ctypes.data, c.ctypes.data,
+                            out.ctypes.data, shared_offset, shared_bytes, shared_limit, NO_FAULT)  # fmt: skip
+    return status, out
+
+
+def _mma_inputs(rng, dtype):
+    storage = DTYPES[dtype][1]
+    a, bt, b = (rng.standard_normal((16, 16)).astype(storage) for _ in range(3))
+    c = rng.standard_normal((16, 16)).astype(np.float32)
+    return a, bt, b, c
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("shared_offset", "shared_bytes", "shared_limit"),
+    [(0, TILE_BYTES, DEFAULT_SHARED_LIMIT), (MAX_SHARED - TILE_BYTES, MAX_SHARED, MAX_SHARED)],
+    ids=["small", "tiles-at-the-end-of-227KiB"],
+)
+def test_ldmatrix_and_mma_match_numpy(lib, rng, dtype, shared_offset, shared_bytes, shared_limit):
+    """cp.async stages A, Bt and B in shared memory; plain ldmatrix gives the fragments of A and Bt
+    (C + A Bt^T, as S = Q K^T), ldmatrix .trans those of B (C + A B, as O = P V)."""
+    a, bt, b, c = _mma_inputs(rng, dtype)
+    status, out = _tile_mma(lib, dtype, a, bt, b, c, shared_offset=shared_offset, shared_bytes=shared_bytes,
+                            shared_limit=shared_limit)  # fmt: skip
+    assert status == 0
+    a64, bt64, b64 = (x.astype(np.float64) for x in (a, bt, b))
+    assert _relative(out[0], c + a64 @ bt64.T) <= 1e-6
+    assert _relative(out[1], c + a64 @ b64) <= 1e-6
+
+
+def test_dynamic_shared_memory_limits(lib, rng):
+    """Past 48 KiB a launch needs cudaFuncSetAttribute, and no limit goes past the H200's 227 KiB."""
+    a, bt, b, c = _mma_inputs(rng, "float16")
+    assert _tile_mma(lib, "float16", a, bt, b, c, shared_bytes=DEFAULT_SHARED_LIMIT + 16)[0] == CUDA_ERROR_INVALID_VALUE
+    assert _tile_mma(lib, "float16", a, bt, b, c, shared_limit=MAX_SHARED + 1)[0] == CUDA_ERROR_INVALID_VALUE
+    x = rng.standard_normal(BLOCK_THREADS).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    status = lib.RunBlockCentre(x.ctypes.data, out.ctypes.data, 1, DEFAULT_SHARED_LIMIT + 4, NO_FAULT)
+    assert status == CUDA_ERROR_INVALID_VALUE  # never raised for this kernel
+
+
+def test_syncthreads_orders_shared_memory_across_warps(lib, rng):
+    """A tree reduction of 128 values over 4 warps through shared memory: without a working
+    barrier a thread reads partial sums not written yet (NaN: shared memory starts as NaN)."""
+    blocks = 3
+    x = rng.standard_normal((blocks, BLOCK_THREADS)).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    assert lib.RunBlockCentre(x.ctypes.data, out.ctypes.data, blocks, BLOCK_THREADS * 4, NO_FAULT) == 0
+    x64 = x.astype(np.float64)
+    assert _relative(out, x64 - x64.mean(axis=1, keepdims=True)) <= 1e-6
+
+
+def test_votes_shuffles_and_syncwarp(lib, rng):
+    x = (rng.standard_normal(32) * 3).astype(np.float32)
+    out = np.zeros((32, 6), np.uint32)
+    assert lib.RunWarpVotes(x.ctypes.data, out.ctypes.data) == 0
+    lanes = np.arange(32)
+    ballot = int(sum(1 << int(lane) for lane in lanes[x > 0]))
+    np.testing.assert_array_equal(out[:, 0], ballot)
+    np.testing.assert_array_equal(out[:, 1], int((x > 2).any()))
+    np.testing.assert_array_equal(out[:, 2], int((x > -10).all()))
+    np.testing.assert_array_equal(out[:, 3], (lanes ^ 3) * 7)
+    half_warp = np.where(lanes < 16, x[lanes ^ 1], x[16])
+    np.testing.assert_array_equal(out[:, 4].view(np.float32), half_warp)
+    np.testing.assert_array_equal(out[:, 5].view(np.float32), x[::-1])
+
+
+# Each fault in a fresh process (the emulation aborts): the call (I: int64_t) and what stderr must say.
+FAULTS = {
+    "lane-skips-mma": (
+        f"RunTileMma(1, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({LANE_SKIPS_MMA}))",
+        "returned from the kernel while other lanes of its warp wait at MmaM16N8K16<bf16> (block 0,0,0, thread 5)",
+    ),
+    "misaligned-ldmatrix-row": (
+        f"RunTileMma(2, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({MISALIGNED_LDMATRIX_ROW}))",
+        "LdMatrixX4: shared address",
+    ),
+    "copy-async-to-global": (
+        f"RunTileMma(1, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPY_ASYNC_TO_GLOBAL}))",
+        "CopyAsync16 destination: address",
+    ),
+    "thread-skips-syncthreads": (
+        f"RunBlockCentre(c, out, 1, I(512), I({THREAD_SKIPS_SYNCTHREADS}))",
+        "returned from the kernel while other threads wait at __syncthreads (block 0,0,0, thread 70)",
+    ),
+    "deadlock": (
+        f"RunBlockCentre(c, out, 1, I(512), I({THREAD_WAITS_FOR_ITS_WARP}))",
+        "threads 0..69: __syncthreads\n  threads 70..70: __syncwarp\n  threads 71..127: __syncthreads",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_misuse_aborts_with_a_message(library, fault):
+    call, message = FAULTS[fault]
+    script = f"""
+import ctypes
+import numpy as np
+lib = ctypes.CDLL({str(library)!r})
+I = ctypes.c_int64
+arrays = np.ones(16 * 16, np.uint16), np.ones(16 * 16, np.float32), np.zeros(2 * 16 * 16, np.float32)
+a, c, out = (ctypes.c_void_p(x.ctypes.data) for x in arrays)
+lib.{call}
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+# Shared memory the emulation cannot provide must not compile or link: it would silently be one
+# array per thread (static) or a null pointer (another extern name). Each declares `tile`.
+UNSUPPORTED_SHARED = {
+    "static-array": ("__shared__ float tile[64];", "weak declaration of .tile. must be public"),
+    "other-extern-name": ("extern __shared__ float tile[];", "is not provided by the emulation"),
+}
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED_SHARED)
+def test_unsupported_shared_memory_is_refused(tmp_path, case):
+    declaration, message = UNSUPPORTED_SHARED[case]
+    source = tmp_path / "kernel.cu"
+    source.write_text(
+        '#include "gpu/nbhd_attn_kernels.h"\n'
+        f"__global__ void Kernel(s2attn::NbhdAttnGpuParams p) {{ {declaration} p.out[0] = tile[threadIdx.x]; }}\n"
+    )
+    with pytest.raises(AssertionError, match=message):
+        build_emulated_library(tmp_path, [source])
