@@ -12,7 +12,7 @@ namespace {
 
 // dq_o = scale * sum_j p_oj (dout_o.v_j - delta_o) k_j. Staged: K (a), V (b).
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) TiledDqKernel(const NbhdAttnGpuParams p) {
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(const NbhdAttnGpuParams p) {
   const Windows win = ReadDeviceWindows(p);
   const Unit u = UnitOf(p, win.q, p.nq_lat, p.nq_lon);
   if (!u.live) return;
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) TiledDqKernel(const NbhdAttnGpuParam
 // dv_j = sum_o p_oj dout_o, dk_j = scale * sum_o p_oj (dout_o.v_j - delta_o) q_o over the
 // queries o that have key j as a neighbour. Staged: Q (a), dout (b), -log2e * lse, delta.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) TiledDkvKernel(const NbhdAttnGpuParams p) {
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(const NbhdAttnGpuParams p) {
   const Windows win = ReadDeviceWindows(p);
   const Unit u = UnitOf(p, win.k, p.nk_lat, p.nk_lon);
   if (!u.live) return;

@@ -44,7 +44,13 @@ constexpr int kChunk = 64;                           // staged columns per pipel
 constexpr int kBlock = 16;                           // columns per MMA k-step of P.V
 constexpr int kBlocksPerChunk = kChunk / kBlock;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kStages = 2;
+constexpr int kStages = 3;
+// Blocks per SM the launch bounds ask for (register cap 65536 / (kThreads * blocks)): enough
+// staged chunks in flight per SM to cover L2 latency, which bounds the short walks.
+template <int D>
+constexpr int MinBlocksPerSm() {
+  return D <= 64 ? 3 : 2;
+}
 // Added to a column in window mode so that the wrapped band test can never hold.
 constexpr int32_t kNoWrap = int32_t{1} << 30;
 

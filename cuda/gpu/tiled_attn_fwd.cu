@@ -12,7 +12,7 @@ namespace {
 // bias: x = log2(e) * scale * q.k + log2(w), p = exp2(x - m), lse = ln(2) * (m + log2(l)). Each
 // thread keeps partial row sums over its columns; the four lanes of a row add them at the end.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) TiledFwdKernel(const NbhdAttnGpuParams p) {
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(const NbhdAttnGpuParams p) {
   const Windows win = ReadDeviceWindows(p);
   const Unit u = UnitOf(p, win.q, p.nq_lat, p.nq_lon);
   if (!u.live) return;
