@@ -40,11 +40,21 @@ namespace tiled {
 constexpr int kWarps = 4;
 constexpr int kWarpPoints = 16;                      // rows of one MMA tile
 constexpr int kTilePoints = kWarps * kWarpPoints;    // walking points per block
-constexpr int kChunk = 64;                           // staged columns per pipeline stage
+// Pipeline shape. Macros only so that a benchmark build can compare other shapes
+// (-DS2ATTN_TILED_CHUNK=32 ...) without editing the source.
+#ifndef S2ATTN_TILED_CHUNK
+#define S2ATTN_TILED_CHUNK 64
+#endif
+#ifndef S2ATTN_TILED_STAGES
+#define S2ATTN_TILED_STAGES 3
+#endif
+constexpr int kChunk = S2ATTN_TILED_CHUNK;           // staged columns per pipeline stage
 constexpr int kBlock = 16;                           // columns per MMA k-step of P.V
 constexpr int kBlocksPerChunk = kChunk / kBlock;
+static_assert(kChunk % kBlock == 0 && kChunk <= 128, "chunks are whole MMA blocks");
 constexpr int kThreads = 32 * kWarps;
-constexpr int kStages = 3;
+constexpr int kStages = S2ATTN_TILED_STAGES;
+static_assert(kStages >= 2, "at least one chunk in flight while one is multiplied");
 // Blocks per SM the launch bounds ask for (register cap 65536 / (kThreads * blocks)): enough
 // staged chunks in flight per SM to cover L2 latency, which bounds the short walks.
 template <int D>
@@ -315,9 +325,24 @@ __device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow
   }
 }
 
+// One position of the chunk stream: a segment's window and one of its chunks.
+struct ChunkCursor {
+  SegmentWindow win;
+  int32_t chunk;
+  __device__ bool valid() const { return win.chunks > 0; }
+};
+
+// The chunk after `at` (the next segment's first chunk when `at` is its segment's last).
+__device__ __forceinline__ ChunkCursor Advance(const Walk& walk, const ChunkCursor& at, int32_t end,
+                                               const float* quad_weights) {
+  if (at.chunk + 1 < at.win.chunks) return ChunkCursor{at.win, at.chunk + 1};
+  return ChunkCursor{NextWindow(walk, at.win.index + 1, end, quad_weights), 0};
+}
+
 // Runs `compute(stage, win, chunk, band)` for every chunk of every segment of the block's row,
-// in order, staging the next chunk while the current one is multiplied. All threads of the
-// block must call it (it synchronises the block).
+// in order, with the next kStages - 1 chunks in flight (cp.async groups) while one is
+// multiplied. Stage of the n-th chunk: n % kStages. All threads of the block must call it (it
+// synchronises the block).
 template <typename T, int D, typename Compute>
 __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSource<T>& src, const float* quad_weights,
                                              const int32_t (&row_lon)[2], const bool (&row_real)[2],
@@ -325,32 +350,32 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
   if (walk.block_first > walk.block_last) return;  // padding row or no real point
   const int32_t end = min(max(__ldg(walk.offsets + walk.walk_row + 1), 0), walk.num_segments);
   const int32_t begin = min(max(__ldg(walk.offsets + walk.walk_row), 0), end);
-  SegmentWindow cur = NextWindow(walk, begin, end, quad_weights);
-  if (cur.chunks == 0) return;
-  int32_t chunk = 0;
-  int buffer = 0;
-  StageChunk<T, D>(walk, cur, 0, src, Stage<T, D>::At(0));
+  ChunkCursor cur{NextWindow(walk, begin, end, quad_weights), 0};
+  if (!cur.valid()) return;
+  // Prologue: chunks 0 .. kStages - 2, one commit group each (empty past the end).
+  ChunkCursor head = cur;
+  StageChunk<T, D>(walk, head.win, head.chunk, src, Stage<T, D>::At(0));
   CopyAsyncCommit();
-  WarpBand band = BandOf(walk, cur, row_lon, row_real);
-  for (;;) {
-    SegmentWindow next = cur;
-    int32_t next_chunk = chunk + 1;
-    if (next_chunk >= cur.chunks) {
-      next = NextWindow(walk, cur.index + 1, end, quad_weights);
-      next_chunk = 0;
-    }
-    const bool more = next.chunks > 0;
-    if (more) StageChunk<T, D>(walk, next, next_chunk, src, Stage<T, D>::At(buffer ^ 1));
+#pragma unroll
+  for (int s = 1; s < kStages - 1; ++s) {
+    if (head.valid()) head = Advance(walk, head, end, quad_weights);
+    if (head.valid()) StageChunk<T, D>(walk, head.win, head.chunk, src, Stage<T, D>::At(s));
     CopyAsyncCommit();
-    CopyAsyncWait<1>();  // everything but the group just committed has landed
+  }
+  WarpBand band = BandOf(walk, cur.win, row_lon, row_real);
+  for (int n = 0;; ++n) {
+    // Chunk n + kStages - 1 goes into the stage chunk n - 1 used (free since the last barrier).
+    if (head.valid()) head = Advance(walk, head, end, quad_weights);
+    if (head.valid()) StageChunk<T, D>(walk, head.win, head.chunk, src, Stage<T, D>::At((n + kStages - 1) % kStages));
+    CopyAsyncCommit();
+    CopyAsyncWait<kStages - 1>();  // chunk n's group has landed
     __syncthreads();
-    compute(Stage<T, D>::At(buffer), cur, chunk, band);
-    __syncthreads();  // the next iteration restages this buffer
-    if (!more) return;
-    if (next_chunk == 0) band = BandOf(walk, next, row_lon, row_real);
+    compute(Stage<T, D>::At(n % kStages), cur.win, cur.chunk, band);
+    __syncthreads();  // chunk n's stage is restaged next iteration
+    const ChunkCursor next = Advance(walk, cur, end, quad_weights);
+    if (!next.valid()) return;
+    if (next.chunk == 0) band = BandOf(walk, next.win, row_lon, row_real);
     cur = next;
-    chunk = next_chunk;
-    buffer ^= 1;
   }
 }
 
