@@ -315,7 +315,8 @@ def main() -> None:
     columns = {  # printed label -> CSV column
         "arc fwd": "ffi_arc_fwd_ms", "tiled fwd": "ffi_tiled_fwd_ms", "arc f+b": "ffi_arc_fwdbwd_ms",
         "tiled f+b": "ffi_tiled_fwdbwd_ms", "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
-        "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd", "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",
+        "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",
+        "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",
         "ref f+b": "reference_fwdbwd_ms", "ffi/ref": "speedup_fwdbwd_vs_reference",
     }
     print(f"\n{'config':<22}{'dtype':<10}" + "".join(f"{label:>10}" for label in columns))

@@ -68,15 +68,17 @@ def neighborhood_attention(
 
     Implementations:
       * ``"reference"``: pure JAX, any backend and dtype (the only one computing in float64).
-      * ``"arc"`` kernels (native, CPU and CUDA): walk each neighbour's arc segment on
-        the CPU or CUDA cores; float16, bfloat16 and float32 inputs, any head dims,
-        float32 accumulation, exact to float32 round-off. The general native path.
-      * ``"tiled"`` kernels (native, CUDA only): stage key/value tiles shared by
-        neighbouring queries and multiply them on tensor cores; bfloat16 and float16
-        inputs with ``Dk == Dv`` in 32, 64 or 128 (the instantiated tile shapes);
-        probabilities are rounded to the input dtype before the products, as in every
-        flash-attention kernel, so they are accurate to the 16-bit bar (1e-2 relative),
-        not to float32. Much faster where they apply.
+      * arc kernels (native, CPU and CUDA): each output point walks the arc segments of
+        its neighbourhood on the CPU or on CUDA cores; float16, bfloat16 and float32
+        inputs, any head dims (on CUDA ``Dk + Dv <= 6144``), float32 accumulation, exact
+        to float32 round-off. The general native path.
+      * tiled kernels (native, CUDA only): neighbouring output points share staged
+        key/value tiles, multiplied on tensor cores; bfloat16 and float16 inputs with
+        ``Dk == Dv`` in 32, 64 or 128 (the instantiated tile shapes). Probabilities and
+        score gradients are rounded to the input dtype before those products, as in
+        flash attention, so results meet the 16-bit bar (1e-2 relative to float64)
+        rather than float32 round-off; ``lse`` stays float32-exact. Much faster where
+        they apply.
 
       ``implementation="ffi"`` runs the tiled kernels where they apply and the arc
       kernels everywhere else; ``"ffi-arc"`` and ``"ffi-tiled"`` force one kernel
