@@ -5,10 +5,23 @@ configurations (spec 7.1) plus quarter-degree ones, in float32 and bfloat16:
 
 * forward and forward+backward time: median of ``--reps`` device-synchronised calls after
   warm-up, cycling through several input sets so small problems are not served from L2;
+* both native kernel families side by side: the arc kernels (``ffi_arc_*``, every row) and
+  the tiled tensor-core kernels (``ffi_tiled_*``, CUDA rows they support: 16-bit inputs,
+  head dims 32/64/128), their ratio ``arc_over_tiled_*``, and as ``ffi_*`` the one that
+  ``implementation="ffi"`` picks (``ffi_kernel``);
 * the floor: max(bytes / copy bandwidth, FLOPs / peak) with each input read and each output
-  written once (forward: q, k, v, out; backward adds out, dout, dq, dk, dv) and 2*(Dk+Dv)
-  FLOPs per pair forward, 2*(3*Dk+2*Dv) backward, at the ceilings measured on the H200
-  (4.3 TB/s copy, 790 TFLOP/s bf16 matrix, 67 TFLOP/s fp32);
+  written once (forward: q, k, v, out; backward adds out, dout, dq, dk, dv) and the useful
+  FLOPs (below), at the ceilings measured on the H200 (4.3 TB/s copy, 790 TFLOP/s bf16
+  matrix, 67 TFLOP/s fp32);
+* FLOPs, counted as 2 per multiply-add of the attention's matrix products, with ``d`` the
+  head dim and pairs summed over batch and heads. *Useful*: per (query, neighbour) pair
+  ``4d`` forward (S = QK^T, O = PV) and ``10d`` backward (S again, dP, dV, dQ, dK), so
+  ``14d`` for forward+backward. *Computed* (tiled kernels, padding and masked entries
+  included, from the walk's tile statistics): ``4d`` per computed pair of the forward walk
+  forward; the backward adds ``6d`` per computed pair of the forward walk (dQ walk: S, dP,
+  dQ) and ``8d`` per computed pair of the backward walk (dK/dV walk: S, dP, dV, dK). MMA
+  utilization ``tile_util_*`` = useful / computed pairs per walk; ``*_tflops_*`` = FLOPs /
+  measured time (computed TFLOP/s over 790 is the kernels' own efficiency, tile waste aside);
 * the pure-JAX reference measured in the same run (where it fits in time and memory);
 * torch-harmonics' CUDA module (module level: projections included) when importable.
 
@@ -33,6 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_s2attn
+from jax_s2attn.ops import _ffi  # which native kernels can run a row, and which one "ffi" picks
+
+try:  # tile statistics of the tiled kernels' walk (utilization, computed pairs)
+    from jax_s2attn.tile_walk import tile_statistics
+except ImportError:
+    tile_statistics = None
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 PEAK_FLOPS = {"bfloat16": 790e12, "float16": 790e12, "float32": 67e12}  # matrix bf16 measured; fp32 datasheet
@@ -66,18 +85,33 @@ CONFIGS = [
 QUICK = ["1deg_tc003", "hdeg_tc003", "h1deg_down_tc003", "1hdeg_up_tc003", "qdeg_default"]
 
 
+def _pairs(cfg: Config, pairs_per_item: int) -> int:
+    """Pairs over the batch and the heads."""
+    return pairs_per_item * cfg.batch * cfg.heads
+
+
+def _useful_flops(cfg: Config, plan, backward: bool) -> float:
+    """Matrix FLOPs of the neighbourhood's pairs: 4d forward, 10d more for the backward."""
+    d = cfg.channels // cfg.heads
+    return (14 if backward else 4) * d * _pairs(cfg, plan.num_pairs)
+
+
+def _computed_flops(cfg: Config, stats: dict, backward: bool) -> float:
+    """Matrix FLOPs the tiled kernels multiply: 4d per forward-walk computed pair forward; the
+    backward adds 6d per forward-walk (dQ) and 8d per backward-walk (dK/dV) computed pair."""
+    d = cfg.channels // cfg.heads
+    forward, backward_walk = (_pairs(cfg, stats[f"computed_pairs_{w}"]) for w in ("forward", "backward"))
+    return 4 * d * forward + (6 * d * forward + 8 * d * backward_walk if backward else 0)
+
+
 def _floor_ms(cfg: Config, plan, dtype: str, backward: bool) -> float:
     size = jnp.dtype(dtype).itemsize
-    d = cfg.channels // cfg.heads
     q_points = cfg.batch * math.prod(cfg.out_shape) * cfg.channels
     k_points = cfg.batch * math.prod(cfg.in_shape) * cfg.channels
-    pairs = plan.num_pairs * cfg.batch * cfg.heads
     tensors = (2 * q_points + 2 * k_points) * size  # q, out; k, v
-    flops = 2 * pairs * 2 * d
     if backward:
         tensors += (3 * q_points + 4 * k_points) * size  # out, dout, dq; k, v, dk, dv
-        flops += 2 * pairs * 5 * d
-    return 1e3 * max(tensors / COPY_BANDWIDTH, flops / PEAK_FLOPS[dtype])
+    return 1e3 * max(tensors / COPY_BANDWIDTH, _useful_flops(cfg, plan, backward) / PEAK_FLOPS[dtype])
 
 
 def _median_ms(fn, input_sets, reps: int) -> float:
@@ -150,6 +184,33 @@ def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int):
     return tuple(result)
 
 
+def _tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+
+
+def _kernel_metrics(cfg: Config, plan, row: dict) -> dict:
+    """Tile statistics, achieved TFLOP/s and arc/tiled time ratios of the timed native
+    kernels (formulas in the module docstring)."""
+    metrics = {}
+    stats = tile_statistics(plan) if tile_statistics is not None else None
+    if stats is not None:
+        metrics.update(
+            computed_pairs_fwd=stats["computed_pairs_forward"], computed_pairs_bwd=stats["computed_pairs_backward"],
+            tile_util_fwd=stats["utilization_forward"], tile_util_bwd=stats["utilization_backward"],
+        )
+    for step, backward in (("fwd", False), ("fwdbwd", True)):
+        for kernel in ("arc", "tiled"):
+            if f"ffi_{kernel}_{step}_ms" in row:
+                useful = _tflops(_useful_flops(cfg, plan, backward), row[f"ffi_{kernel}_{step}_ms"])
+                metrics[f"ffi_{kernel}_useful_tflops_{step}"] = useful
+        if f"ffi_tiled_{step}_ms" in row:
+            tiled_ms = row[f"ffi_tiled_{step}_ms"]
+            metrics[f"arc_over_tiled_{step}"] = row[f"ffi_arc_{step}_ms"] / tiled_ms
+            if stats is not None:
+                metrics[f"ffi_tiled_computed_tflops_{step}"] = _tflops(_computed_flops(cfg, stats, backward), tiled_ms)
+    return metrics
+
+
 def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
@@ -184,6 +245,8 @@ def main() -> None:
     configs = [c for c in CONFIGS if c.name in names]
     device = jax.devices()[0]
     gpu = getattr(device, "device_kind", device.platform)
+    platform = "cuda" if device.platform == "gpu" else device.platform
+    native = jax_s2attn.native_backends().get(platform, False)
     print(f"jax {jax.__version__}, device {gpu}; native: {jax_s2attn.native_backends()}")
     try:
         from tqdm import tqdm
@@ -214,37 +277,51 @@ def main() -> None:
             pairs=plan.num_pairs,
             floor_fwd_ms=_floor_ms(cfg, plan, dtype, False), floor_fwdbwd_ms=_floor_ms(cfg, plan, dtype, True),
         )
-        implementations = ["ffi"] if jax_s2attn.native_backends()[device.platform if device.platform != "gpu" else "cuda"] else []
-        if plan.num_pairs * cfg.heads * cfg.batch <= args.reference_max_pairs:
+        # The kernel implementation="ffi" runs for this row; the arc kernels are timed on every row.
+        ffi_kernel = _ffi.choose_kernel(platform, dtype, d, d) if native else None
+        implementations = []
+        if native:
+            implementations = ["ffi-arc", "ffi-tiled"] if ffi_kernel == "tiled" else ["ffi-arc"]
+        if _pairs(cfg, plan.num_pairs) <= args.reference_max_pairs:
             implementations.append("reference")
         for impl in implementations:
-            reps = args.reps if impl == "ffi" else args.reference_reps
+            reps = args.reference_reps if impl == "reference" else args.reps
             try:
                 fwd, both, memory = _jax_runs(plan, cfg, dtype, impl, reps, input_sets)
             except Exception as e:  # e.g. the reference running out of device memory
                 print(f"{cfg.name} {dtype} {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            row.update({f"{impl}_fwd_ms": fwd, f"{impl}_fwdbwd_ms": both, f"{impl}_device_bytes": memory})
+            column = impl.replace("-", "_")
+            row.update({f"{column}_fwd_ms": fwd, f"{column}_fwdbwd_ms": both, f"{column}_device_bytes": memory})
+        if f"ffi_{ffi_kernel}_fwd_ms" in row:
+            row["ffi_kernel"] = ffi_kernel
+            row.update({f"ffi_{m}": row[f"ffi_{ffi_kernel}_{m}"] for m in ("fwd_ms", "fwdbwd_ms", "device_bytes")})
         th = _torch_harmonics_runs(cfg, dtype, args.reps)
         row.update(torch_harmonics_fwd_ms=th[0] if th else "absent", torch_harmonics_fwdbwd_ms=th[1] if th else "absent")
         if "ffi_fwd_ms" in row:
-            row["ffi_gpairs_per_s"] = plan.num_pairs * cfg.heads * cfg.batch / row["ffi_fwd_ms"] / 1e6
+            row["ffi_gpairs_per_s"] = _pairs(cfg, plan.num_pairs) / row["ffi_fwd_ms"] / 1e6
             row["ffi_fwd_over_floor"] = row["ffi_fwd_ms"] / row["floor_fwd_ms"]
             row["ffi_fwdbwd_over_floor"] = row["ffi_fwdbwd_ms"] / row["floor_fwdbwd_ms"]
             if "reference_fwd_ms" in row:
                 row["speedup_fwd_vs_reference"] = row["reference_fwd_ms"] / row["ffi_fwd_ms"]
                 row["speedup_fwdbwd_vs_reference"] = row["reference_fwdbwd_ms"] / row["ffi_fwdbwd_ms"]
+        row.update(_kernel_metrics(cfg, plan, row))
         rows.append(row)
         _write_csv(path, rows)  # after every job, so an interrupted run keeps what it measured
 
     def fmt(x):
         return f"{x:9.3f}" if isinstance(x, float) else f"{str(x):>9}"
 
-    columns = ["ffi_fwd_ms", "ffi_fwdbwd_ms", "floor_fwdbwd_ms", "ffi_fwdbwd_over_floor", "reference_fwdbwd_ms",
-               "speedup_fwdbwd_vs_reference", "ffi_gpairs_per_s"]
-    print(f"\n{'config':<22}{'dtype':<10}" + "".join(f"{c[:9]:>10}" for c in columns))
+    columns = {  # printed label -> CSV column
+        "arc fwd": "ffi_arc_fwd_ms", "tiled fwd": "ffi_tiled_fwd_ms", "arc f+b": "ffi_arc_fwdbwd_ms",
+        "tiled f+b": "ffi_tiled_fwdbwd_ms", "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
+        "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",
+        "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",
+        "ref f+b": "reference_fwdbwd_ms", "ffi/ref": "speedup_fwdbwd_vs_reference",
+    }
+    print(f"\n{'config':<22}{'dtype':<10}" + "".join(f"{label:>10}" for label in columns))
     for r in rows:
-        print(f"{r['config']:<22}{r['dtype']:<10}" + "".join(" " + fmt(r.get(c, "-")) for c in columns))
+        print(f"{r['config']:<22}{r['dtype']:<10}" + "".join(" " + fmt(r.get(c, "-")) for c in columns.values()))
     print(f"\nwrote {path}")
 
 

@@ -44,7 +44,7 @@ def _parse_args(argv=None):
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--channels", type=int, default=64, help="channels over all heads (Dk = Dv)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--implementation", default=None, choices=["reference", "ffi"])
+    parser.add_argument("--implementation", default=None, choices=["reference", "ffi", "ffi-arc", "ffi-tiled"])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
     parser.add_argument("--smoke", action="store_true", help="tiny grid, few reps, virtual CPU devices, no CSV")

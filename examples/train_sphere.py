@@ -15,7 +15,7 @@ Usage (CPU, about two minutes):   python examples/train_sphere.py
   (16x32 grid, 400 steps; the validation loss falls to about 1.5% of persistence's)
 Smoke test (seconds):              python examples/train_sphere.py --quick
 Finer:                             python examples/train_sphere.py --nlat 32 --nlon 64 --steps 1000
-Options: --nlat/--nlon/--grid (resolution), --steps, --batch, --implementation {auto,reference,ffi},
+Options: --nlat/--nlon/--grid (resolution), --steps, --batch, --implementation {auto,reference,ffi,ffi-arc,ffi-tiled},
 --out (PNG path); see --help.
 """
 
@@ -234,7 +234,9 @@ def parse_args(argv=None):
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--implementation", choices=["auto", "reference", "ffi"], default="auto")
+    parser.add_argument(
+        "--implementation", choices=["auto", "reference", "ffi", "ffi-arc", "ffi-tiled"], default="auto"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--out", type=Path, default=Path("train_sphere.png"), help="PNG comparing prediction and truth")

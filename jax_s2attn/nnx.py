@@ -141,7 +141,8 @@ class NeighborhoodAttentionS2(_SphericalAttention):
       param_dtype: parameter storage dtype.
       precision: ``jax.lax.Precision`` of the projections.
       implementation: passed to :func:`jax_s2attn.neighborhood_attention`
-        (``None``: fastest available, ``"reference"``, ``"ffi"``).
+        (``None``: fastest available, ``"reference"``, ``"ffi"``, ``"ffi-arc"``,
+        ``"ffi-tiled"``) and, with a ``mesh``, to the sharded op.
       mesh: a ``jax.sharding.Mesh`` to split the attention over with
         :func:`jax_s2attn.parallel.sharded_neighborhood_attention` (same plan,
         scale and implementation); ``None`` runs it serially. The projections

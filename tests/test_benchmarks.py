@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end (tiny configurations, CPU) and write their CSVs."""
 
 import csv
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -32,6 +33,13 @@ def test_attention_benchmark(tmp_path):
     assert float(row["reference_fwd_ms"]) > 0 and float(row["reference_fwdbwd_ms"]) > 0
     if "ffi_fwd_ms" in row:  # present when the native CPU module is built (as in CI)
         assert float(row["ffi_fwdbwd_ms"]) > 0 and float(row["speedup_fwdbwd_vs_reference"]) > 0
+        # On the CPU "ffi" is the arc kernels, timed once; the tiled kernels are CUDA only.
+        assert row["ffi_kernel"] == "arc" and row["ffi_fwd_ms"] == row["ffi_arc_fwd_ms"]
+        assert float(row["ffi_arc_useful_tflops_fwdbwd"]) > 0
+        assert not any(column.startswith("ffi_tiled") for column in row)
+    if importlib.util.find_spec("jax_s2attn.tile_walk") is not None:
+        assert 0 < float(row["tile_util_fwd"]) <= 1 and 0 < float(row["tile_util_bwd"]) <= 1
+        assert int(row["computed_pairs_fwd"]) >= int(row["pairs"])
 
 
 def test_distributed_benchmark_smoke(tmp_path):

@@ -1,4 +1,5 @@
-"""Trace-time validation of user inputs: every user-facing message lives here."""
+"""Trace-time validation of user inputs (every user-facing message lives here) and the
+meaning of ``implementation``: which kernel runs where."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..plan import NeighborhoodPlan
+from . import _ffi
 
-IMPLEMENTATIONS = ("reference", "ffi")
+#: Values of ``implementation`` besides ``None`` (pick per platform, dtype and head dims).
+IMPLEMENTATIONS = ("reference", "ffi", "ffi-arc", "ffi-tiled")
+#: The native kernel each forced ``implementation`` runs ("ffi" chooses per platform).
+_FORCED_KERNELS = {"ffi-arc": "arc", "ffi-tiled": "tiled"}
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -15,9 +20,52 @@ def check_implementation(implementation) -> None:
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation={implementation!r} is not supported; use None (pick the fastest available), "
-            + " or ".join(repr(i) for i in IMPLEMENTATIONS)
-            + "."
+            + ", ".join(repr(i) for i in IMPLEMENTATIONS[:-1])
+            + f" or {IMPLEMENTATIONS[-1]!r}."
         )
+
+
+def _native_reason(implementation: str, platform: str | None, dtype, dk: int, dv: int) -> str | None:
+    """Why the native kernels ``implementation`` (one of the "ffi" values) needs cannot run."""
+    if implementation == "ffi-tiled":
+        return _ffi.tiled_unavailable_reason(platform, dtype, dk, dv)
+    if jnp.dtype(dtype) == jnp.float64:
+        return "the native kernels accumulate in float32 and do not take float64 inputs"
+    return _ffi.unavailable_reason(platform, dk, dv)
+
+
+def check_runnable(implementation, platform: str, dtype, dk: int, dv: int, *, where: str) -> None:
+    """A forced native ``implementation`` ("ffi", "ffi-arc", "ffi-tiled") must be able to run
+    inputs of ``dtype`` and head dims ``dk``/``dv`` on ``platform``; ``where`` completes
+    "cannot run ..." in the message (e.g. "on cpu")."""
+    if implementation is None or implementation == "reference":
+        return
+    reason = _native_reason(implementation, platform, dtype, dk, dv)
+    if reason is None:
+        return
+    if implementation == "ffi-tiled":
+        fix = "Use implementation='ffi' (the tiled kernels where they can run, the arc kernels elsewhere) or 'ffi-arc'."
+    else:
+        fix = "Use implementation=None or 'reference' (pure JAX: any platform, float64 included)."
+    raise ValueError(f"implementation={implementation!r} cannot run {where}: {reason}. {fix}")
+
+
+def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int) -> str:
+    """What a checked ``implementation`` runs on ``platform``: ``"reference"`` (pure JAX) or
+    the native kernel ``"arc"`` or ``"tiled"``.
+
+    ``None`` takes the native kernels where they can run, the reference elsewhere
+    (``platform=None``: a platform without native kernels) and for float64; ``"ffi"``
+    the tiled kernels where they can run (CUDA, 16-bit inputs, ``Dk == Dv`` in 32/64/128)
+    and the arc kernels elsewhere; ``"ffi-arc"``/``"ffi-tiled"`` force one kernel.
+    """
+    if implementation == "reference":
+        return "reference"
+    if implementation in _FORCED_KERNELS:
+        return _FORCED_KERNELS[implementation]
+    if implementation is None and _native_reason("ffi", platform, dtype, dk, dv) is not None:
+        return "reference"
+    return _ffi.choose_kernel(platform, dtype, dk, dv)
 
 
 def check_arrays(query, key, value) -> None:

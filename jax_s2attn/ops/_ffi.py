@@ -21,13 +21,22 @@ __all__ = [
     "FORWARD_TARGET",
     "HAS_CPU_EXT",
     "HAS_CUDA_EXT",
+    "KERNELS",
     "TARGETS",
+    "TILED_BACKWARD_DKV_TARGET",
+    "TILED_BACKWARD_DQ_TARGET",
+    "TILED_FORWARD_TARGET",
+    "TILED_DTYPES",
+    "TILED_HEAD_DIMS",
+    "TILED_TARGETS",
+    "choose_kernel",
     "ensure_registered",
     "ffi_backward_dkv",
     "ffi_backward_dq",
     "ffi_forward",
     "native_backends",
     "native_status",
+    "tiled_unavailable_reason",
     "unavailable_reason",
 ]
 
@@ -72,13 +81,34 @@ def native_status() -> str:
     return "\n".join(f"{platform}: {reason}" for platform, (_, reason) in _MODULES.items())
 
 
+# ----------------------------------------------------------------------------- targets
+# The arc-segment kernels: both modules register exactly these (the general path, exact in float32).
+FORWARD_TARGET = "jax_s2attn_nbhd_fwd"
+BACKWARD_DQ_TARGET = "jax_s2attn_nbhd_bwd_dq"
+BACKWARD_DKV_TARGET = "jax_s2attn_nbhd_bwd_dkv"
+TARGETS = (FORWARD_TARGET, BACKWARD_DQ_TARGET, BACKWARD_DKV_TARGET)
+
+# The tiled tensor-core kernels: CUDA only, same contract but walking the plan's segment tables.
+TILED_FORWARD_TARGET = "jax_s2attn_tiled_fwd"
+TILED_BACKWARD_DQ_TARGET = "jax_s2attn_tiled_bwd_dq"
+TILED_BACKWARD_DKV_TARGET = "jax_s2attn_tiled_bwd_dkv"
+TILED_TARGETS = (TILED_FORWARD_TARGET, TILED_BACKWARD_DQ_TARGET, TILED_BACKWARD_DKV_TARGET)
+
+#: The native kernel families: ``"arc"`` (arc-segment walk on CUDA cores or the CPU, any
+#: float dtype but float64 and any head dims) and ``"tiled"`` (tensor cores, see
+#: :func:`tiled_unavailable_reason`).
+KERNELS = ("arc", "tiled")
+#: Input dtypes and head dims (``Dk == Dv``) the tiled kernels are instantiated for.
+TILED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+TILED_HEAD_DIMS = (32, 64, 128)
+
 #: The CUDA kernels' general path keeps both head vectors in shared memory (Dk + Dv floats
 #: per point); the handler rejects larger head dims, so callers check before lowering.
 CUDA_MAX_HEAD_DIMS = 6144
 
 
 def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
-    """Why the native kernels of ``platform`` ("cpu" or "cuda") cannot run heads of
+    """Why the native (arc) kernels of ``platform`` ("cpu" or "cuda") cannot run heads of
     ``dk``/``dv`` channels; None if they can."""
     if platform not in _MODULES:
         return f"jax_s2attn has no native kernels for platform {platform!r} (only for cpu and cuda)"
@@ -88,6 +118,48 @@ def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
     if platform == "cuda" and dk + dv > CUDA_MAX_HEAD_DIMS:
         return f"the CUDA kernels support Dk + Dv <= {CUDA_MAX_HEAD_DIMS}, got Dk={dk}, Dv={dv}"
     return None
+
+
+def _tiled_build_reason() -> str | None:
+    """Why the CUDA module in use has no tiled kernels; None if it has them."""
+    module, reason = _MODULES["cuda"]
+    if module is None:
+        return reason
+    missing = set(TILED_TARGETS) - set(module.registrations())
+    if missing:
+        return (
+            f"the installed _s2attn_cuda was built without the tiled kernels (no {', '.join(sorted(missing))}); "
+            "rebuild jax_s2attn"
+        )
+    return None
+
+
+def tiled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str | None:
+    """Why the tiled tensor-core kernels cannot run inputs of ``dtype`` with heads of
+    ``dk``/``dv`` channels on ``platform``; None if they can.
+
+    They need a CUDA device, a CUDA module built with them, bfloat16 or float16 inputs
+    and ``Dk == Dv`` in :data:`TILED_HEAD_DIMS`. Every unmet condition is named.
+    """
+    reasons = []
+    if platform != "cuda":
+        reasons.append(f"they run only on CUDA GPUs, not on {platform}")
+    else:
+        build = _tiled_build_reason()
+        if build is not None:
+            reasons.append(build)
+    if jnp.dtype(dtype) not in TILED_DTYPES:
+        reasons.append(f"they take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}")
+    if dk != dv or dk not in TILED_HEAD_DIMS:
+        dims = ", ".join(map(str, TILED_HEAD_DIMS))
+        reasons.append(f"they need Dk == Dv in ({dims}), got Dk={dk}, Dv={dv}")
+    return f"the tiled kernels cannot run: {'; '.join(reasons)}" if reasons else None
+
+
+def choose_kernel(platform: str, dtype, dk: int, dv: int) -> str:
+    """The native kernel for these inputs on ``platform``: ``"tiled"`` where the tiled
+    kernels can run (faster), ``"arc"`` (the general path) everywhere else."""
+    return "tiled" if tiled_unavailable_reason(platform, dtype, dk, dv) is None else "arc"
 
 
 def ensure_registered() -> None:
@@ -108,11 +180,33 @@ def ensure_registered() -> None:
 
 
 # ----------------------------------------------------------------------------- FFI calls
-# Target names; each native module's registrations() has exactly these keys.
-FORWARD_TARGET = "jax_s2attn_nbhd_fwd"
-BACKWARD_DQ_TARGET = "jax_s2attn_nbhd_bwd_dq"
-BACKWARD_DKV_TARGET = "jax_s2attn_nbhd_bwd_dkv"
-TARGETS = (FORWARD_TARGET, BACKWARD_DQ_TARGET, BACKWARD_DKV_TARGET)
+# Per kernel and step: the target and the table it walks, as (offsets, entries) names of
+# PlanTables fields; the entries name is also the plan's host table (residues, shift).
+# Forward and dQ walk the forward (query-owned) table, dK/dV the backward (key-owned) one;
+# the tiled kernels read the same walks cut into segments.
+_STEPS = {
+    "arc": {
+        "forward": (FORWARD_TARGET, "forward_offsets", "forward_arcs"),
+        "dq": (BACKWARD_DQ_TARGET, "forward_offsets", "forward_arcs"),
+        "dkv": (BACKWARD_DKV_TARGET, "backward_offsets", "backward_arcs"),
+    },
+    "tiled": {
+        "forward": (TILED_FORWARD_TARGET, "forward_segment_offsets", "forward_segments"),
+        "dq": (TILED_BACKWARD_DQ_TARGET, "forward_segment_offsets", "forward_segments"),
+        "dkv": (TILED_BACKWARD_DKV_TARGET, "backward_segment_offsets", "backward_segments"),
+    },
+}
+
+
+def _step(plan, kernel: str, step: str, scale) -> tuple[str, tuple, dict]:
+    """``(target, (offsets, entries) operands, attributes)`` of ``step`` ("forward", "dq"
+    or "dkv") of ``kernel``."""
+    if kernel not in _STEPS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}.")
+    target, offsets, entries = _STEPS[kernel][step]
+    tables = plan.tables
+    operands = (getattr(tables, offsets), getattr(tables, entries))
+    return target, operands, _attributes(plan, getattr(plan, entries), scale)
 
 
 def _attributes(plan, table, scale) -> dict:
@@ -191,7 +285,7 @@ def _grid_dims(name, x) -> tuple:
     return tuple(lead), nlat, nlon, heads
 
 
-def ffi_forward(query, key, value, plan, window, row_order, *, scale, poison_results=False):
+def ffi_forward(query, key, value, plan, window, row_order, *, scale, kernel="arc", poison_results=False):
     """Forward target: ``(out, lse)`` in float32 over the keys inside ``window``.
 
     Activations ``query [..., nq_lat, nq_lon, H, Dk]``, ``key [..., nk_lat, nk_lon, H, Dk]``,
@@ -200,45 +294,48 @@ def ffi_forward(query, key, value, plan, window, row_order, *, scale, poison_res
     first. Returns ``out [..., nq_lat, nq_lon, H, Dv]`` and ``lse [..., nq_lat, nq_lon, H]``;
     a query without neighbours in the window gets ``out = 0``, ``lse = -inf``.
 
-    Beyond the query's rank, shapes and dtypes are checked by the handler
-    (``INVALID_ARGUMENT``). ``poison_results`` (all three targets) is a test aid:
-    results start as NaN, so any element a kernel leaves unwritten shows.
+    ``kernel`` (all three targets) is ``"arc"`` or ``"tiled"`` (:data:`KERNELS`); the caller
+    checks that the tiled kernels can run (:func:`tiled_unavailable_reason`). Beyond the
+    query's rank, shapes and dtypes are checked by the handler (``INVALID_ARGUMENT``).
+    ``poison_results`` (all three targets) is a test aid: results start as NaN, so any
+    element a kernel leaves unwritten shows.
     """
     ensure_registered()
-    tables = plan.tables
+    target, walk, attributes = _step(plan, kernel, "forward", scale)
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
-    operands = (query, key, value, _index(window), _index(row_order), tables.forward_offsets, tables.forward_arcs,
-                tables.quad_weights)
+    operands = (query, key, value, _index(window), _index(row_order), *walk, plan.tables.quad_weights)
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
-    out, lse = _call(FORWARD_TARGET, operands, shapes, _attributes(plan, plan.forward_arcs, scale), poison_results)
+    out, lse = _call(target, operands, shapes, attributes, poison_results)
     return out, lse
 
 
-def ffi_backward_dq(query, key, value, dout, lse, delta, plan, window, row_order, *, scale, poison_results=False):
+def ffi_backward_dq(
+    query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False
+):
     """dQ target (float32, shaped like ``query``) over the keys inside ``window``.
 
     ``lse`` and ``delta = sum(dout * out, -1)`` are float32 ``[..., nq_lat, nq_lon, H]``
     and global (merged over every key block); ``row_order`` holds local query rows.
     """
     ensure_registered()
-    tables = plan.tables
-    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), tables.forward_offsets,
-                tables.forward_arcs, tables.quad_weights)
-    (dq,) = _call(BACKWARD_DQ_TARGET, operands, [query.shape], _attributes(plan, plan.forward_arcs, scale),
-                  poison_results)
+    target, walk, attributes = _step(plan, kernel, "dq", scale)
+    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
+                plan.tables.quad_weights)
+    (dq,) = _call(target, operands, [query.shape], attributes, poison_results)
     return dq
 
 
-def ffi_backward_dkv(query, key, value, dout, lse, delta, plan, window, row_order, *, scale, poison_results=False):
+def ffi_backward_dkv(
+    query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False
+):
     """dK/dV target: ``(dk, dv)`` in float32, shaped like ``key`` and ``value``.
 
-    Sums over the queries inside ``window`` (walking the transposed arcs);
+    Sums over the queries inside ``window`` (walking the transposed table);
     ``row_order`` holds local key rows. ``lse``/``delta`` as in :func:`ffi_backward_dq`.
     """
     ensure_registered()
-    tables = plan.tables
-    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), tables.backward_offsets,
-                tables.backward_arcs, tables.quad_weights)
-    dk, dv = _call(BACKWARD_DKV_TARGET, operands, [key.shape, value.shape],
-                   _attributes(plan, plan.backward_arcs, scale), poison_results)
+    target, walk, attributes = _step(plan, kernel, "dkv", scale)
+    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
+                plan.tables.quad_weights)
+    dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results)
     return dk, dv

@@ -1,8 +1,9 @@
 """Attention of a local block of queries over a window of keys: the building block
 of the serial op's native path and of the sharded op (:mod:`jax_s2attn.parallel`).
 
-Each function has a pure-JAX (``"reference"``) and a native (``"ffi"``)
-implementation with identical semantics, documented in ``cuda/README.md``:
+Each function runs one ``kernel``: ``"reference"`` (pure JAX) or a native kernel family,
+``"arc"`` or ``"tiled"`` (:data:`jax_s2attn.ops._ffi.KERNELS`; the caller checks that it
+can run), all with identical semantics, documented in ``cuda/README.md``:
 forward results over a key window merge exactly through their log-sum-exp, and
 the backward pieces are additive over key windows (dq) and query windows (dk, dv)
 given the *global* ``lse`` and ``delta = sum(dout * out)``.
@@ -10,11 +11,13 @@ given the *global* ``lse`` and ``delta = sum(dout * out)``.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 
 from ..plan import NeighborhoodPlan
-from . import reference
+from . import _ffi, reference
 
 __all__ = [
     "full_window",
@@ -47,32 +50,28 @@ def local_row_order(plan: NeighborhoodPlan, walk: str, lat0, nrows: int):
     return jnp.argsort(rank_local).astype(jnp.int32)
 
 
-def _implementation(name: str):
-    if name == "reference":
-        return reference
-    if name == "ffi":
-        from . import _ffi
+def _local_op(kernel: str, reference_op, native_op):
+    """``reference_op`` for ``"reference"``, else the native op bound to ``kernel``."""
+    if kernel == "reference":
+        return reference_op
+    if kernel in _ffi.KERNELS:
+        return functools.partial(native_op, kernel=kernel)
+    raise ValueError(f"kernel must be 'reference' or one of {_ffi.KERNELS}, got {kernel!r}.")
 
-        return _ffi
-    raise ValueError(f"implementation must be 'reference' or 'ffi', got {name!r}.")
 
-
-def local_forward(query, key, value, plan, window, row_order, *, scale: float, implementation: str):
+def local_forward(query, key, value, plan, window, row_order, *, scale: float, kernel: str):
     """``(out, lse)`` in float32 of ``query`` over the keys inside ``window``."""
-    impl = _implementation(implementation)
-    fn = impl.reference_local_forward if impl is reference else impl.ffi_forward
+    fn = _local_op(kernel, reference.reference_local_forward, _ffi.ffi_forward)
     return fn(query, key, value, plan, window, row_order, scale=scale)
 
 
-def local_backward_dq(query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, implementation: str):
+def local_backward_dq(query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, kernel: str):
     """dq (float32) from the keys inside ``window``, given global ``lse`` and ``delta``."""
-    impl = _implementation(implementation)
-    fn = impl.reference_local_backward_dq if impl is reference else impl.ffi_backward_dq
+    fn = _local_op(kernel, reference.reference_local_backward_dq, _ffi.ffi_backward_dq)
     return fn(query, key, value, dout, lse, delta, plan, window, row_order, scale=scale)
 
 
-def local_backward_dkv(query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, implementation: str):
+def local_backward_dkv(query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, kernel: str):
     """``(dk, dv)`` (float32) from the queries inside ``window``, given global ``lse`` and ``delta``."""
-    impl = _implementation(implementation)
-    fn = impl.reference_local_backward_dkv if impl is reference else impl.ffi_backward_dkv
+    fn = _local_op(kernel, reference.reference_local_backward_dkv, _ffi.ffi_backward_dkv)
     return fn(query, key, value, dout, lse, delta, plan, window, row_order, scale=scale)

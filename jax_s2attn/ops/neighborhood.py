@@ -53,14 +53,8 @@ def neighborhood_attention(
         Pass it as an ordinary ``jit`` argument to keep its tables out of the
         compiled program; as a static argument or a closure it also works.
       scale: logit scale, default ``1/sqrt(Dk)`` (as ``jax.nn.dot_product_attention``).
-      implementation: ``"reference"`` (pure JAX, any backend and dtype), ``"ffi"``
-        (native kernels: float16, bfloat16 and float32 on CPU and CUDA, accumulating
-        in float32; a ``ValueError`` says why when they cannot run) or ``None``:
-        ``"ffi"`` on every platform whose native module is built
-        (:func:`jax_s2attn.native_backends`), ``"reference"`` elsewhere and always
-        for float64 inputs. The choice per platform is made when the computation is
-        lowered, so a program exported for CUDA from a CPU-only machine still uses
-        the CUDA kernels.
+      implementation: which kernels compute it (see "Implementations" below):
+        ``None`` (default), ``"reference"``, ``"ffi"``, ``"ffi-arc"`` or ``"ffi-tiled"``.
       return_residual: also return the log-sum-exp ``log sum_j w_j exp(s_j)``.
 
     Returns:
@@ -71,19 +65,38 @@ def neighborhood_attention(
     Differentiable in ``query``, ``key`` and ``value`` (and through ``lse``). The
     native backward pass is deterministic; its saved tensors are named
     :data:`RESIDUAL_NAME` for ``jax.checkpoint`` policies.
+
+    Implementations:
+      * ``"reference"``: pure JAX, any backend and dtype (the only one computing in float64).
+      * arc kernels (native, CPU and CUDA): each output point walks the arc segments of
+        its neighbourhood on the CPU or on CUDA cores; float16, bfloat16 and float32
+        inputs, any head dims (on CUDA ``Dk + Dv <= 6144``), float32 accumulation, exact
+        to float32 round-off. The general native path.
+      * tiled kernels (native, CUDA only): neighbouring output points share staged
+        key/value tiles, multiplied on tensor cores; bfloat16 and float16 inputs with
+        ``Dk == Dv`` in 32, 64 or 128 (the instantiated tile shapes). Probabilities and
+        score gradients are rounded to the input dtype before those products, as in
+        flash attention, so results meet the 16-bit bar (1e-2 relative to float64)
+        rather than float32 round-off; ``lse`` stays float32-exact. Much faster where
+        they apply.
+
+      ``implementation="ffi"`` runs the tiled kernels where they apply and the arc
+      kernels everywhere else; ``"ffi-arc"`` and ``"ffi-tiled"`` force one kernel
+      family. Any ``"ffi*"`` raises a ``ValueError`` naming the reason when its kernels
+      cannot run on the inputs' platform (no native module, float64, or for
+      ``"ffi-tiled"`` not CUDA, not 16-bit, other head dims). ``None`` is ``"ffi"`` on
+      every platform whose native module is built (:func:`jax_s2attn.native_backends`)
+      and ``"reference"`` elsewhere and for float64 inputs. The choice per platform is
+      made when the computation is lowered, so a program exported for CUDA from a
+      CPU-only machine still uses the CUDA kernels.
     """
     _checks.check_implementation(implementation)
     _, _, dk, dv = _checks.check_inputs(query, key, value, plan)
     scale = _checks.check_scale(scale, dk)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
-    if implementation == "ffi":
-        _check_native_runnable(query, dk, dv)
-        attention = _native_attention
-    elif implementation == "reference" or query.dtype == jnp.float64:
-        attention = _reference
-    else:
-        attention = _per_platform
-    out, lse = attention(query, key, value, plan, scale)
+    platform = _platform_of(query)
+    _checks.check_runnable(implementation, platform, query.dtype, dk, dv, where=f"on {platform}")
+    out, lse = _per_platform(query, key, value, plan, scale, implementation)
     return (out, lse) if return_residual else out
 
 
@@ -96,16 +109,7 @@ def _platform_of(x) -> str:
     return "cuda" if platform == "gpu" else platform
 
 
-def _check_native_runnable(query, dk: int, dv: int) -> None:
-    if query.dtype == jnp.float64:
-        raise ValueError(
-            "implementation='ffi' does not support float64 inputs (the native kernels accumulate in float32); "
-            "use implementation=None or 'reference', which compute float64 in pure JAX."
-        )
-    platform = _platform_of(query)
-    reason = _ffi.unavailable_reason(platform, dk, dv)
-    if reason is not None:
-        raise ValueError(f"implementation='ffi' cannot run on {platform}: {reason}. Use implementation=None.")
+_NATIVE_PLATFORMS = ("cpu", "cuda")
 
 
 def _reference(query, key, value, plan, scale):
@@ -118,33 +122,38 @@ def _reference(query, key, value, plan, scale):
     return out.reshape(*batch, *out.shape[1:]), lse.reshape(*batch, *lse.shape[1:])
 
 
-def _per_platform(query, key, value, plan, scale):
-    """Native kernels where their module is built, the reference elsewhere (chosen at lowering)."""
-    native = functools.partial(_native_attention, scale=scale)
-    reference = functools.partial(_reference, scale=scale)
-    dk, dv = query.shape[-1], value.shape[-1]
-    branches = {
-        platform: native if _ffi.unavailable_reason(platform, dk, dv) is None else reference
-        for platform in ("cpu", "cuda")
+def _per_platform(query, key, value, plan, scale, implementation):
+    """Run what ``implementation`` means on each platform (chosen when lowered)."""
+    dtype, dk, dv = query.dtype, query.shape[-1], value.shape[-1]
+    kernels = {p: _checks.kernel_for(implementation, p, dtype, dk, dv) for p in _NATIVE_PLATFORMS}
+    default = _checks.kernel_for(implementation, None, dtype, dk, dv)  # platforms without native kernels
+    # One function object per kernel: platform_dependent traces a shared branch only once.
+    functions = {
+        kernel: functools.partial(_reference, scale=scale)
+        if kernel == "reference"
+        else functools.partial(_native_attention, scale=scale, kernel=kernel)
+        for kernel in {default, *kernels.values()}
     }
-    if all(branch is reference for branch in branches.values()):
-        return reference(query, key, value, plan)
-    return jax.lax.platform_dependent(query, key, value, plan, default=reference, **branches)
+    if len(functions) == 1:
+        return functions[default](query, key, value, plan)
+    branches = {platform: functions[kernel] for platform, kernel in kernels.items()}
+    return jax.lax.platform_dependent(query, key, value, plan, default=functions[default], **branches)
 
 
 # ----------------------------------------------------------------------------- native path
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _native_attention(query, key, value, plan, scale):
-    """``(out in the input dtype, lse float32)`` from the native kernels, whole grids."""
-    outputs, _ = _native_forward(query, key, value, plan, scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _native_attention(query, key, value, plan, scale, kernel):
+    """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc" or
+    "tiled"), whole grids; the backward pass runs the same kernel family."""
+    outputs, _ = _native_forward(query, key, value, plan, scale, kernel)
     return outputs
 
 
-def _native_forward(query, key, value, plan, scale):
+def _native_forward(query, key, value, plan, scale, kernel):
     out, lse = _ffi.ffi_forward(
-        query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale
+        query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale, kernel=kernel
     )
     # The outputs are computed from the named values so that a checkpoint policy saving
     # the names can rebuild them too (they feed the caller's own backward pass).
@@ -153,7 +162,7 @@ def _native_forward(query, key, value, plan, scale):
     return (out.astype(query.dtype), lse), (saved, plan)
 
 
-def _native_backward(scale, residuals, cotangents):
+def _native_backward(scale, kernel, residuals, cotangents):
     (query, key, value, out, lse), plan = residuals
     dout, dlse = cotangents
     # delta from the float32 output, never from a rounded one. A cotangent of lse adds
@@ -161,12 +170,9 @@ def _native_backward(scale, residuals, cotangents):
     delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1) - dlse
     window = full_window(plan)
     tables = plan.tables
-    dq = _ffi.ffi_backward_dq(
-        query, key, value, dout, lse, delta, plan, window, tables.forward_row_order, scale=scale
-    )
-    dk, dv = _ffi.ffi_backward_dkv(
-        query, key, value, dout, lse, delta, plan, window, tables.backward_row_order, scale=scale
-    )
+    common = (query, key, value, dout, lse, delta, plan, window)
+    dq = _ffi.ffi_backward_dq(*common, tables.forward_row_order, scale=scale, kernel=kernel)
+    dk, dv = _ffi.ffi_backward_dkv(*common, tables.backward_row_order, scale=scale, kernel=kernel)
     plan_cotangent = jax.tree.map(_zero_cotangent, plan)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), plan_cotangent
 

@@ -32,11 +32,12 @@ __all__ = ["RingConfig", "merge_partials", "ring_attention"]
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
-    """Static parameters of the ring (hashable)."""
+    """Static parameters of the ring (hashable); ``kernel`` is what each step runs:
+    ``"reference"``, ``"arc"`` or ``"tiled"`` (see :mod:`jax_s2attn.ops.local`)."""
 
     layout: ShardLayout
     scale: float
-    implementation: str
+    kernel: str
 
 
 def merge_partials(out_a, lse_a, out_b, lse_b):
@@ -99,7 +100,7 @@ class _Ring:
 
 
 def _local_kwargs(config: RingConfig):
-    return {"scale": config.scale, "implementation": config.implementation}
+    return {"scale": config.scale, "kernel": config.kernel}
 
 
 def _forward(config: RingConfig, query, key, value, plan):
@@ -122,7 +123,7 @@ def ring_attention(config: RingConfig, query, key, value, plan):
     """Attention of this shard's queries over the keys of all longitude chunks.
 
     Args:
-      config: layout, scale and local implementation.
+      config: layout, scale and local kernel.
       query: ``[B, q_lat.block, q_lon.block, H, Dk]`` this shard's queries.
       key, value: ``[B, k_ext_block, k_lon.block, H, D]`` this shard's halo-extended keys.
       plan: the global :class:`~jax_s2attn.NeighborhoodPlan` (tables replicated).

@@ -11,7 +11,6 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..ops import _checks
-from ..ops import _ffi
 from ..plan import NeighborhoodPlan
 from .halo import exchange_halo
 from .layout import AxisSplit, ShardLayout, shard_layout
@@ -68,19 +67,13 @@ def _unpadded_view(x, padded: tuple[bool, bool], lat: AxisSplit, lon: AxisSplit)
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
-def _resolve_implementation(implementation, mesh: Mesh, dtype, dk: int, dv: int) -> str:
-    """The per-device kernels: native where they can run on the mesh's platform."""
+def _mesh_kernel(implementation, mesh: Mesh, dtype, dk: int, dv: int) -> str:
+    """What ``implementation`` runs per device on the mesh's platform ("reference", "arc"
+    or "tiled"), chosen exactly as the serial op chooses it for that platform."""
     platform = mesh.devices.flat[0].platform
     platform = "cuda" if platform == "gpu" else platform
-    if dtype == jnp.float64:
-        reason = "the native kernels accumulate in float32 and do not take float64 inputs"
-    else:
-        reason = _ffi.unavailable_reason(platform, dk, dv)
-    if implementation == "ffi" and reason is not None:
-        raise ValueError(f"implementation='ffi' cannot run on this {platform} mesh: {reason}. Use implementation=None.")
-    if implementation is None:
-        return "ffi" if reason is None else "reference"
-    return implementation
+    _checks.check_runnable(implementation, platform, dtype, dk, dv, where=f"on this {platform} mesh")
+    return _checks.kernel_for(implementation, platform, dtype, dk, dv)
 
 
 def padded_grid_shapes(plan: NeighborhoodPlan, mesh: Mesh, lat_axis: str = "lat", lon_axis: str = "lon"):
@@ -170,9 +163,11 @@ def sharded_neighborhood_attention(
       mesh: the device mesh (``jax.make_mesh``; explicit or auto axis types).
       lat_axis, lon_axis: mesh axes that split latitudes and longitudes (size 1 is fine).
       batch_axis: mesh axis that splits the first batch dimension, or ``None``.
-      implementation: the per-device kernels, ``"reference"`` (pure JAX) or ``"ffi"``
-        (native); ``None`` picks the native kernels when built for the mesh's platform
-        (the reference for float64 inputs).
+      implementation: the per-device kernels, as for
+        :func:`jax_s2attn.neighborhood_attention` on the mesh's platform: ``None``
+        (native where built, the reference elsewhere and for float64), ``"reference"``,
+        ``"ffi"`` (on CUDA the tiled kernels where they apply, else the arc kernels),
+        ``"ffi-arc"`` or ``"ffi-tiled"``.
 
     Returns:
       ``out [B..., nlat_out, nlon_out, H, Dv]`` in the input dtype (grid axes as given
@@ -194,7 +189,7 @@ def sharded_neighborhood_attention(
     batch, _, dk, dv = _checks.check_inputs(*views, plan)
     scale = _checks.check_scale(scale, dk)
     _check_batch(mesh, batch_axis, batch)
-    config = RingConfig(layout, scale, _resolve_implementation(implementation, mesh, views[0].dtype, dk, dv))
+    config = RingConfig(layout, scale, _mesh_kernel(implementation, mesh, views[0].dtype, dk, dv))
 
     def spec(lat_part, lon_part):
         return PartitionSpec(*((batch_axis,) + (None,) * (len(batch) - 1) if batch else ()), lat_part, lon_part)

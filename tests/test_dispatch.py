@@ -1,0 +1,252 @@
+"""Which kernel runs where: the tiled tensor-core kernels vs the arc kernels vs the reference.
+
+Runs without a GPU: the choice is static (platform, dtype, head dims), so it shows in the
+arguments of the choosing functions, in the errors of forced implementations and in the
+custom calls of programs exported for CUDA. The kernels' numbers are checked on the GPU
+(test_tiled_gpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_s2attn import NeighborhoodPlan, neighborhood_attention
+from jax_s2attn.ops import _checks, _ffi
+from jax_s2attn.parallel import sharded_neighborhood_attention
+from jax_s2attn.plan import PlanTables
+
+native = pytest.mark.skipif(not _ffi.HAS_CPU_EXT, reason="native CPU module not built")
+# The tiled targets read the plan's segment tables (added next to the arc tables).
+segment_tables = pytest.mark.skipif(
+    "forward_segments" not in PlanTables._fields,
+    reason="the plan has no segment tables yet (plan.tables.forward_segments)",  # TODO(integrator): drop after merge
+)
+
+BF16, F16, F32, F64 = (jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
+PLAN = NeighborhoodPlan((12, 24), (6, 12))  # downsampling: forward and backward tables differ
+
+
+@pytest.fixture
+def tiled_build(monkeypatch):
+    """Pretend the CUDA module was built with the tiled kernels (whatever this machine has),
+    so that the choice depends on platform, dtype and head dims alone."""
+    monkeypatch.setattr(_ffi, "_tiled_build_reason", lambda: None)
+
+
+def _arrays(dtype, dk, dv, heads=2, batch=2, plan=PLAN):
+    rng = np.random.default_rng(0)
+    shapes = [
+        (batch, *plan.out_shape, heads, dk),
+        (batch, *plan.in_shape, heads, dk),
+        (batch, *plan.in_shape, heads, dv),
+    ]
+    return tuple(jnp.asarray(rng.uniform(-1, 1, s), dtype) for s in shapes)
+
+
+# ----------------------------------------------------------------------------- the choice
+
+# (platform, dtype, Dk, Dv) -> kernel of implementation="ffi" with a CUDA module that has the tiled kernels.
+CHOICES = [
+    ("cuda", BF16, 64, 64, "tiled"),
+    ("cuda", F16, 64, 64, "tiled"),
+    ("cuda", BF16, 32, 32, "tiled"),
+    ("cuda", F16, 128, 128, "tiled"),
+    ("cuda", F32, 64, 64, "arc"),  # tensor cores would round float32 inputs
+    ("cuda", F64, 64, 64, "arc"),
+    ("cuda", BF16, 64, 32, "arc"),  # Dk != Dv
+    ("cuda", BF16, 5, 5, "arc"),
+    ("cuda", BF16, 16, 16, "arc"),
+    ("cuda", F16, 256, 256, "arc"),
+    ("cpu", BF16, 64, 64, "arc"),  # the tiled kernels are CUDA only
+    ("cpu", F32, 32, 32, "arc"),
+    ("rocm", BF16, 64, 64, "arc"),
+]
+
+
+@pytest.mark.parametrize("platform, dtype, dk, dv, kernel", CHOICES)
+def test_choose_kernel_truth_table(tiled_build, platform, dtype, dk, dv, kernel):
+    assert _ffi.choose_kernel(platform, dtype, dk, dv) == kernel
+    assert (_ffi.tiled_unavailable_reason(platform, dtype, dk, dv) is None) == (kernel == "tiled")
+
+
+def test_without_tiled_kernels_in_the_build_cuda_runs_the_arc_kernels(monkeypatch):
+    monkeypatch.setattr(_ffi, "_tiled_build_reason", lambda: "_s2attn_cuda is not built (test)")
+    assert _ffi.choose_kernel("cuda", BF16, 64, 64) == "arc"
+    assert "_s2attn_cuda is not built (test)" in _ffi.tiled_unavailable_reason("cuda", BF16, 64, 64)
+
+
+def test_a_cuda_module_without_the_tiled_targets_is_named(monkeypatch):
+    class ArcOnly:
+        @staticmethod
+        def registrations():
+            return dict.fromkeys(_ffi.TARGETS)
+
+    monkeypatch.setitem(_ffi._MODULES, "cuda", (ArcOnly, "available"))
+    reason = _ffi.tiled_unavailable_reason("cuda", BF16, 64, 64)
+    assert "built without the tiled kernels" in reason and _ffi.TILED_FORWARD_TARGET in reason
+
+
+def test_tiled_reason_names_every_unmet_condition():
+    reason = _ffi.tiled_unavailable_reason("cpu", F32, 5, 5)
+    assert "only on CUDA GPUs, not on cpu" in reason
+    assert "bfloat16 or float16 inputs, got float32" in reason
+    assert "Dk == Dv in (32, 64, 128), got Dk=5, Dv=5" in reason
+
+
+# (implementation, platform, dtype, Dk) -> what runs, with the native modules of both platforms
+# built and the CUDA one with the tiled kernels.
+IMPLEMENTATION_CHOICES = [
+    (None, "cuda", BF16, 64, "tiled"),
+    (None, "cuda", F32, 64, "arc"),
+    (None, "cuda", F64, 64, "reference"),  # float64 always takes the reference
+    (None, "cpu", BF16, 64, "arc"),
+    (None, None, BF16, 64, "reference"),  # a platform without native kernels
+    ("ffi", "cuda", BF16, 64, "tiled"),
+    ("ffi", "cuda", BF16, 8, "arc"),
+    ("ffi", "cpu", F16, 64, "arc"),
+    ("ffi", None, BF16, 64, "arc"),  # forced native everywhere
+    ("ffi-arc", "cuda", BF16, 64, "arc"),
+    ("ffi-tiled", "cuda", BF16, 64, "tiled"),
+    ("reference", "cuda", BF16, 64, "reference"),
+]
+
+
+@pytest.mark.parametrize("implementation, platform, dtype, dk, kernel", IMPLEMENTATION_CHOICES)
+def test_what_each_implementation_runs(tiled_build, monkeypatch, implementation, platform, dtype, dk, kernel):
+    monkeypatch.setattr(_ffi, "unavailable_reason", lambda platform, dk=1, dv=1: None if platform else "none")
+    assert _checks.kernel_for(implementation, platform, dtype, dk, dk) == kernel
+
+
+# ----------------------------------------------------------------------------- forced kernels
+
+
+def test_unknown_implementation_lists_the_choices():
+    q, k, v = _arrays(F32, 4, 4)
+    with pytest.raises(ValueError, match="'reference', 'ffi', 'ffi-arc' or 'ffi-tiled'"):
+        neighborhood_attention(q, k, v, PLAN, implementation="tiled")
+
+
+@pytest.mark.parametrize(
+    "dtype, dk, match",
+    [
+        (BF16, 64, r"only on CUDA GPUs, not on cpu"),
+        (F32, 64, r"not on cpu; they take bfloat16 or float16 inputs, got float32"),
+        (BF16, 5, r"got Dk=5, Dv=5"),
+    ],
+)
+def test_forcing_tiled_on_cpu_names_the_reason_and_the_fix(dtype, dk, match):
+    q, k, v = (jax.device_put(x, jax.devices("cpu")[0]) for x in _arrays(dtype, dk, dk))
+    with pytest.raises(ValueError, match=r"implementation='ffi-tiled' cannot run on cpu: the tiled kernels") as info:
+        neighborhood_attention(q, k, v, PLAN, implementation="ffi-tiled")
+    assert info.match(match)
+    assert info.match(r"Use implementation='ffi' .* or 'ffi-arc'\.")
+
+
+def test_forcing_tiled_on_a_cpu_mesh_names_the_mesh():
+    mesh = jax.make_mesh((2, 2), ("lat", "lon"), devices=jax.devices("cpu")[:4])
+    q, k, v = _arrays(BF16, 64, 64)
+    with pytest.raises(ValueError, match="implementation='ffi-tiled' cannot run on this cpu mesh: the tiled kernels"):
+        sharded_neighborhood_attention(q, k, v, PLAN, mesh=mesh, implementation="ffi-tiled")
+
+
+def test_forcing_a_native_kernel_with_float64_points_to_the_reference():
+    q, k, v = _arrays(F64, 4, 4)
+    match = "'ffi-arc' cannot run on cpu: .*float64.* Use implementation=None or 'reference'"
+    with pytest.raises(ValueError, match=match):
+        neighborhood_attention(q, k, v, PLAN, implementation="ffi-arc")
+
+
+@native
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_forcing_arc_on_cpu_equals_ffi(dtype):
+    """On the CPU "ffi" is the arc kernels: forcing them gives the same bits, forward and backward."""
+    q, k, v = _arrays(dtype, 8, 4)
+
+    def outputs_and_grads(implementation):
+        def loss(q, k, v):
+            out, lse = neighborhood_attention(q, k, v, PLAN, implementation=implementation, return_residual=True)
+            return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(jnp.cos(lse)), (out, lse)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    forced, ffi = outputs_and_grads("ffi-arc"), outputs_and_grads("ffi")
+    reference = outputs_and_grads("reference")
+    as_f32 = lambda tree: [np.asarray(x, np.float32) for x in jax.tree.leaves(tree)]  # noqa: E731
+    for a, b in zip(as_f32(forced), as_f32(ffi)):
+        np.testing.assert_array_equal(a, b)
+    # The reference rounds differently somewhere: the bitwise check can fail.
+    assert any(not np.array_equal(a, r) for a, r in zip(as_f32(forced), as_f32(reference)))
+
+
+@native
+def test_sharded_arc_equals_sharded_ffi_on_cpu():
+    mesh = jax.make_mesh((2, 2), ("lat", "lon"), devices=jax.devices("cpu")[:4])
+    q, k, v = _arrays(F32, 8, 4)
+
+    def run(implementation):
+        attend = functools.partial(sharded_neighborhood_attention, mesh=mesh, implementation=implementation)
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, PLAN), q, k, v)
+        return out, vjp(out)
+
+    for a, b in zip(jax.tree.leaves(jax.jit(lambda: run("ffi-arc"))()), jax.tree.leaves(jax.jit(lambda: run("ffi"))())):
+        np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- exported programs
+
+
+def _exported_module(implementation, dtype, dk, dv, platforms) -> str:
+    """MLIR text of the gradient of the op's outputs, exported for ``platforms``."""
+
+    def loss(q, k, v, plan):
+        out, lse = neighborhood_attention(q, k, v, plan, implementation=implementation, return_residual=True)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(jnp.cos(lse))
+
+    shapes = [(2, *PLAN.out_shape, 2, dk), (2, *PLAN.in_shape, 2, dk), (2, *PLAN.in_shape, 2, dv)]
+    args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    plan = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), PLAN)
+    exported = jax.export.export(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+        platforms=platforms,
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS + _ffi.TILED_TARGETS],
+    )(*args, plan)
+    return exported.mlir_module()
+
+
+def _calls(module: str, targets) -> set[str]:
+    return {t for t in targets if f"stablehlo.custom_call @{t}(" in module}
+
+
+@native
+@segment_tables
+@pytest.mark.parametrize("implementation", ["ffi", None])
+def test_export_for_cuda_runs_tiled_kernels_for_16_bit_heads_of_64(tiled_build, implementation):
+    """bfloat16, Dk = Dv = 64, exported for CUDA: the forward and both backward targets are
+    the tiled ones (the custom VJP carries the choice to the backward)."""
+    if implementation is None and not _ffi.HAS_CUDA_EXT:
+        pytest.skip("implementation=None picks native CUDA kernels only where the CUDA module is built")
+    module = _exported_module(implementation, BF16, 64, 64, ["cuda"])
+    assert _calls(module, _ffi.TILED_TARGETS) == set(_ffi.TILED_TARGETS)
+    assert not _calls(module, _ffi.TARGETS)
+
+
+@native
+@pytest.mark.parametrize("dtype, dk, dv", [(F32, 64, 64), (BF16, 64, 32), (F16, 8, 8)])
+def test_export_for_cuda_runs_arc_kernels_elsewhere(tiled_build, dtype, dk, dv):
+    module = _exported_module("ffi", dtype, dk, dv, ["cuda"])
+    assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
+    assert not _calls(module, _ffi.TILED_TARGETS)
+
+
+@native
+@segment_tables
+def test_export_for_cpu_and_cuda_chooses_per_platform(tiled_build):
+    """One program for both platforms: the arc kernels in its CPU branch, the tiled ones in its CUDA branch."""
+    module = _exported_module("ffi", BF16, 64, 64, ["cpu", "cuda"])
+    assert _calls(module, _ffi.TILED_TARGETS) == set(_ffi.TILED_TARGETS)
+    assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
