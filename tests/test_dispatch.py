@@ -18,14 +18,8 @@ import pytest
 from jax_s2attn import NeighborhoodPlan, neighborhood_attention
 from jax_s2attn.ops import _checks, _ffi
 from jax_s2attn.parallel import sharded_neighborhood_attention
-from jax_s2attn.plan import PlanTables
 
 native = pytest.mark.skipif(not _ffi.HAS_CPU_EXT, reason="native CPU module not built")
-# The tiled targets read the plan's segment tables (added next to the arc tables).
-segment_tables = pytest.mark.skipif(
-    "forward_segments" not in PlanTables._fields,
-    reason="the plan has no segment tables yet (plan.tables.forward_segments)",  # TODO(integrator): drop after merge
-)
 
 BF16, F16, F32, F64 = (jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 PLAN = NeighborhoodPlan((12, 24), (6, 12))  # downsampling: forward and backward tables differ
@@ -223,7 +217,6 @@ def _calls(module: str, targets) -> set[str]:
 
 
 @native
-@segment_tables
 @pytest.mark.parametrize("implementation", ["ffi", None])
 def test_export_for_cuda_runs_tiled_kernels_for_16_bit_heads_of_64(tiled_build, implementation):
     """bfloat16, Dk = Dv = 64, exported for CUDA: the forward and both backward targets are
@@ -244,7 +237,6 @@ def test_export_for_cuda_runs_arc_kernels_elsewhere(tiled_build, dtype, dk, dv):
 
 
 @native
-@segment_tables
 def test_export_for_cpu_and_cuda_chooses_per_platform(tiled_build):
     """One program for both platforms: the arc kernels in its CPU branch, the tiled ones in its CUDA branch."""
     module = _exported_module("ffi", BF16, 64, 64, ["cpu", "cuda"])

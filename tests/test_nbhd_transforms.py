@@ -157,9 +157,6 @@ def test_registrations_match_target_names():
         if not available:
             continue
         registered = sorted(_ffi._MODULES[platform][0].registrations())
-        if platform == "cuda" and registered == sorted(_ffi.TARGETS):
-            # TODO(integrator): drop once the CUDA module registers the tiled kernels.
-            pytest.skip("this CUDA module has no tiled kernels yet")
         assert registered == sorted(expected[platform]), platform
 
 

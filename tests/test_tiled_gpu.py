@@ -23,18 +23,11 @@ from jax_s2attn import NeighborhoodPlan, neighborhood_attention, precompute_lati
 from jax_s2attn.ops import _ffi
 from jax_s2attn.ops.local import full_window, local_row_order
 from jax_s2attn.parallel import sharded_neighborhood_attention
-from jax_s2attn.plan import PlanTables
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_nbhd_ffi import _tile, _window  # noqa: E402  (blocks of a grid with padding)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        "forward_segments" not in PlanTables._fields,
-        reason="the plan has no segment tables yet (plan.tables.forward_segments)",  # TODO(integrator): drop
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 EQ, LG, LOB = "equiangular", "legendre-gauss", "lobatto"
 DTYPES = [jnp.bfloat16, jnp.float16]
