@@ -124,13 +124,25 @@ __device__ __forceinline__ int32_t SegmentLen(const int32_t* seg, int32_t residu
   return min(max(__ldg(seg + 1 + residues + r), 0), nlon_other);
 }
 
+// w / R and w % R, without a division in the common R == 1 (self-attention, downsampling).
+struct Residue {
+  int32_t position, residue;
+};
+
+__device__ __forceinline__ Residue ResidueOf(int32_t w, int32_t residues) {
+  if (residues == 1) return Residue{w, 0};
+  return Residue{w / residues, w % residues};
+}
+
 __device__ __forceinline__ ArcSpan SpanOf(const int32_t* seg, int32_t residues, int32_t shift, int32_t nlon_other,
                                           int32_t w_first, int32_t w_last) {
   ArcSpan span{INT_MAX, INT_MIN, INT_MIN, INT_MAX, true};
+  const Residue first_point = ResidueOf(w_first, residues), last_point = ResidueOf(w_last, residues);
   for (int32_t r = 0; r < residues; ++r) {
-    const int32_t first = w_first + (r - w_first % residues + residues) % residues;
-    if (first > w_last) continue;
-    const int32_t last = w_last - (w_last % residues - r + residues) % residues;
+    // The first and last point of the range with residue r, as positions w / R.
+    const int32_t first = first_point.position + (r < first_point.residue ? 1 : 0);
+    const int32_t last = last_point.position - (r > last_point.residue ? 1 : 0);
+    if (first > last) continue;
     const int32_t len = SegmentLen(seg, residues, r, nlon_other);
     if (len == 0) {
       span.int_lo = INT_MAX;
@@ -138,8 +150,8 @@ __device__ __forceinline__ ArcSpan SpanOf(const int32_t* seg, int32_t residues, 
       continue;
     }
     const int32_t lo = SegmentLo(seg, r, nlon_other);
-    const int32_t start_first = lo + shift * (first / residues);
-    const int32_t start_last = lo + shift * (last / residues);
+    const int32_t start_first = lo + shift * first;
+    const int32_t start_last = lo + shift * last;
     span.uni_lo = min(span.uni_lo, start_first);
     span.uni_hi = max(span.uni_hi, start_last + len);
     span.int_lo = max(span.int_lo, start_last);
@@ -233,11 +245,10 @@ struct WarpBand {
 // Arc of one walking point (global longitude w) on a segment, in window coordinates.
 __device__ __forceinline__ void PointArc(const Walk& walk, const int32_t* seg, const SegmentWindow& win, int32_t w,
                                          bool real, int32_t* off, int32_t* len) {
-  const int32_t r = w % walk.residues;
-  const int32_t l = real ? SegmentLen(seg, walk.residues, r, walk.nlon_other) : 0;
-  int32_t start = SegmentLo(seg, r, walk.nlon_other) + walk.shift * (w / walk.residues);
-  start = win.wrap == kNoWrap ? start - win.lo : WrapTwice(start, walk.nlon_other);
-  *off = start;
+  const Residue at = ResidueOf(w, walk.residues);
+  const int32_t l = real ? SegmentLen(seg, walk.residues, at.residue, walk.nlon_other) : 0;
+  const int32_t start = SegmentLo(seg, at.residue, walk.nlon_other) + walk.shift * at.position;
+  *off = win.wrap == kNoWrap ? start - win.lo : WrapTwice(start, walk.nlon_other);
   *len = l;
 }
 
