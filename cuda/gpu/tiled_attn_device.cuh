@@ -37,7 +37,7 @@ namespace s2attn {
 namespace gpu {
 namespace tiled {
 
-constexpr int kWarps = 4;
+constexpr int kWarps = S2ATTN_TILED_WARPS;
 constexpr int kWarpPoints = 16;                      // rows of one MMA tile
 constexpr int kTilePoints = kWarps * kWarpPoints;    // walking points per block
 // Pipeline shape. Macros only so that a benchmark build can compare other shapes
@@ -47,6 +47,12 @@ constexpr int kTilePoints = kWarps * kWarpPoints;    // walking points per block
 #endif
 #ifndef S2ATTN_TILED_STAGES
 #define S2ATTN_TILED_STAGES 3
+#endif
+#ifndef S2ATTN_TILED_WARPS
+#define S2ATTN_TILED_WARPS 4
+#endif
+#ifndef S2ATTN_TILED_MIN_BLOCKS
+#define S2ATTN_TILED_MIN_BLOCKS 3
 #endif
 constexpr int kChunk = S2ATTN_TILED_CHUNK;           // staged columns per pipeline stage
 constexpr int kBlock = 16;                           // columns per MMA k-step of P.V
@@ -59,7 +65,7 @@ static_assert(kStages >= 2, "at least one chunk in flight while one is multiplie
 // staged chunks in flight per SM to cover L2 latency, which bounds the short walks.
 template <int D>
 constexpr int MinBlocksPerSm() {
-  return D <= 64 ? 3 : 2;
+  return D <= 64 ? S2ATTN_TILED_MIN_BLOCKS : 2;
 }
 // Added to a column in window mode so that the wrapped band test can never hold.
 constexpr int32_t kNoWrap = int32_t{1} << 30;
