@@ -57,6 +57,7 @@ def test_delta_without_dlse_is_the_plain_sum(rng, exact_random, rel_error):
 @pytest.mark.parametrize("kernel", _ffi.KERNELS)
 def test_local_delta_of_native_kernels_matches_the_reference(rng, exact_random, kernel, rel_error):
     dout, out, dlse = _operands(rng, exact_random, (2,), 3, 4, 2, 9)
+    dout = jnp.asarray(dout, jnp.float16)
     want = local_delta(dout, out, dlse, kernel="reference")
     assert rel_error(local_delta(dout, out, dlse, kernel=kernel), want) <= 1e-6
     assert rel_error(local_delta(dout, out, kernel=kernel), np.sum(np.float64(dout) * out, axis=-1)) <= 1e-6
@@ -122,12 +123,13 @@ def test_wrong_shapes_are_value_errors(dout, out, dlse, error, message):
 
 
 def test_wrong_dtypes_are_type_and_value_errors():
-    with pytest.raises(TypeError, match="dout must be float32, bfloat16 or float16, got int32"):
-        _ffi.ffi_delta(jnp.ones(SHAPE, jnp.int32), jnp.ones(SHAPE), jnp.ones(SHAPE[:-1]))
+    f32 = jnp.float32
+    with pytest.raises(TypeError, match="dout must be float32, bfloat16 or float16, got float64"):
+        _ffi.ffi_delta(jnp.ones(SHAPE, jnp.float64), jnp.ones(SHAPE, f32), jnp.ones(SHAPE[:-1], f32))
     with pytest.raises(ValueError, match="out must be float32 .* got bfloat16"):
-        _ffi.ffi_delta(jnp.ones(SHAPE), jnp.ones(SHAPE, jnp.bfloat16), jnp.ones(SHAPE[:-1]))
+        _ffi.ffi_delta(jnp.ones(SHAPE, f32), jnp.ones(SHAPE, jnp.bfloat16), jnp.ones(SHAPE[:-1], f32))
     with pytest.raises(ValueError, match="dlse must be float32 .* got float16"):
-        _ffi.ffi_delta(jnp.ones(SHAPE), jnp.ones(SHAPE), jnp.ones(SHAPE[:-1], jnp.float16))
+        _ffi.ffi_delta(jnp.ones(SHAPE, f32), jnp.ones(SHAPE, f32), jnp.ones(SHAPE[:-1], jnp.float16))
 
 
 def _raw_delta(dout, out, dlse, result_shape):
