@@ -10,8 +10,12 @@ namespace gpu {
 namespace {
 
 constexpr int kDeltaWarps = 8;  // rows per block at a time
-// Enough blocks to fill any GPU; a grid-stride loop covers the remaining rows.
-constexpr int64_t kMaxDeltaBlocks = int64_t{1} << 16;
+// Enough blocks to fill any GPU; a grid-stride loop covers the remaining rows. A macro only so
+// that the CPU emulation tests (tests/cuda_emulation) can exercise the loop with a small one.
+#ifndef S2ATTN_MAX_DELTA_BLOCKS
+#define S2ATTN_MAX_DELTA_BLOCKS 65536
+#endif
+constexpr int64_t kMaxDeltaBlocks = S2ATTN_MAX_DELTA_BLOCKS;
 
 // Lane l sums channels l, l + 32, ... in sequence; then a fixed butterfly adds the 32 lane sums.
 // Nothing in the order depends on the launch, so every program gets the same bits.
