@@ -208,7 +208,8 @@ def _exported_module(implementation, dtype, dk, dv, platforms) -> str:
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
         platforms=platforms,
         disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call(t) for t in (*_ffi.TARGETS, *_ffi.TILED_TARGETS, _ffi.DELTA_TARGET)
+            jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in (*_ffi.TARGETS, *_ffi.TILED_TARGETS, _ffi.DELTA_TARGET)
         ],
     )(*args, plan)
     return exported.mlir_module()

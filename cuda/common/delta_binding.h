@@ -22,11 +22,11 @@ namespace s2attn {
 template <typename Binding>
 auto BindDelta(Binding&& binding) {
   return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()                // dout
-      .template Arg<ffi::Buffer<ffi::F32>>()         // out
-      .template Arg<ffi::Buffer<ffi::F32>>()         // dlse
+      .template Arg<ffi::AnyBuffer>()         // dout
+      .template Arg<ffi::Buffer<ffi::F32>>()  // out
+      .template Arg<ffi::Buffer<ffi::F32>>()  // dlse
       .RemainingArgs()
-      .template Ret<ffi::Buffer<ffi::F32>>();        // delta
+      .template Ret<ffi::Buffer<ffi::F32>>();  // delta
 }
 
 // The sizes of one delta call: `rows` (point, head) rows of `dv` channels, contiguous.

@@ -95,8 +95,8 @@ inline ffi::Error CheckGridArray(const char* name, ffi::Span<const int64_t> dims
   const int64_t* tail = dims.begin() + (rank - trailing);
   const bool ok = b == batch && tail[0] == nlat && tail[1] == nlon && tail[2] == heads && (d < 0 || tail[3] == d);
   S2ATTN_CHECK(ok, name << " has the wrong shape: expected [batch..., " << nlat << ", " << nlon << ", " << heads
-                        << (d < 0 ? std::string() : ", " + std::to_string(d)) << "] with the batch dims of " << batch_of << " (" << batch
-                        << " in all)");
+                        << (d < 0 ? std::string() : ", " + std::to_string(d)) << "] with the batch dims of " << batch_of
+                        << " (" << batch << " in all)");
   return ffi::Error::Success();
 }
 
