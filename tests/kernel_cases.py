@@ -24,7 +24,7 @@ import numpy as np
 from jax_s2attn.plan import NeighborhoodPlan
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_SOURCES = [ROOT / "cuda" / "gpu" / "nbhd_attn_fwd.cu", ROOT / "cuda" / "gpu" / "nbhd_attn_bwd.cu"]
+KERNEL_SOURCES = [ROOT / "cuda" / "gpu" / name for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "delta_kernel.cu")]
 RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
 # dtype name -> (ActivationType of nbhd_attn_kernels.h, numpy storage type)

@@ -36,9 +36,12 @@ from kernel_cases import (  # noqa: E402
 
 
 def _build(out: Path, defines: tuple[str, ...] = ()):
-    """Compiles the kernels and the emulation runtime into ``out``; returns a launch callable
-    (see kernel_cases.py) that runs them on host arrays."""
-    lib = ctypes.CDLL(str(build_emulated_library(out, KERNEL_SOURCES, [RUN_TARGET_SHIM], defines)))
+    """Compiles the kernels and the emulation runtime into ``out``; returns the library (ctypes)."""
+    return ctypes.CDLL(str(build_emulated_library(out, KERNEL_SOURCES, [RUN_TARGET_SHIM], defines)))
+
+
+def _launcher(lib):
+    """A launch callable (see kernel_cases.py) that runs the attention kernels of ``lib`` on host arrays."""
 
     def launch(*args):
         status = call_run_target(lib, lambda a: a.ctypes.data, *args)
@@ -48,9 +51,14 @@ def _build(out: Path, defines: tuple[str, ...] = ()):
 
 
 @pytest.fixture(scope="session")
-def emulator(tmp_path_factory):
-    """Launch callable of the kernels built as a host shared library, or a skip where that cannot be done."""
+def emulated_library(tmp_path_factory):
+    """The kernels built as a host shared library, or a skip where that cannot be done."""
     return _build(tmp_path_factory.mktemp("cuda_emulation"))
+
+
+@pytest.fixture(scope="session")
+def emulator(emulated_library):
+    return _launcher(emulated_library)
 
 
 def _misaligned(a: np.ndarray) -> np.ndarray:
@@ -154,9 +162,47 @@ def test_corrupted_tables_stay_in_bounds(emulator, rng):
         assert not np.isnan(out).any() and not np.isnan(lse).any()
 
 
-def test_grids_past_the_block_limit_are_split(tmp_path, rng):
+@pytest.fixture(scope="module")
+def small_launch_limits(tmp_path_factory):
+    """The kernels built with launch limits small enough to pass in a test: 2 blocks in y and z
+    for the attention kernels, 2 blocks in all for delta."""
+    return _build(tmp_path_factory.mktemp("small_limits"), ("S2ATTN_MAX_GRID_YZ=2", "S2ATTN_MAX_DELTA_BLOCKS=2"))
+
+
+def test_grids_past_the_block_limit_are_split(small_launch_limits, rng):
     """More than 65535 (batch x head) indices or rows: the launchers split the grid into several
     launches (checked here with a limit of 2 blocks in y and z)."""
-    lib = _build(tmp_path, defines=("S2ATTN_MAX_GRID_YZ=2",))
-    check_case(lib, rng, PLANS["down"](), 3, 3, 32, 32, "float32")
-    check_case(lib, rng, PLANS["down"](), 2, 1, 5, 7, "bfloat16")
+    launch = _launcher(small_launch_limits)
+    check_case(launch, rng, PLANS["down"](), 3, 3, 32, 32, "float32")
+    check_case(launch, rng, PLANS["down"](), 2, 1, 5, 7, "bfloat16")
+
+
+# ----------------------------------------------------------------------------- delta
+
+
+def _check_delta(lib, rng, rows, dv, dtype):
+    """The delta kernel against float64 on ``rows`` random rows; the result starts as NaN."""
+    code, storage = DTYPES[dtype]
+    dout = rng.standard_normal((rows, dv)).astype(storage)
+    out = rng.standard_normal((rows, dv)).astype(np.float32)
+    dlse = rng.standard_normal(rows).astype(np.float32)
+    delta = np.full(rows, np.nan, np.float32)
+    status = lib.RunDelta(
+        ctypes.c_int(code), *(ctypes.c_void_p(a.ctypes.data) for a in (dout, out, dlse, delta)),
+        ctypes.c_int64(rows), ctypes.c_int64(dv),
+    )  # fmt: skip
+    assert status == 0, f"launcher returned cudaError {status}"
+    want = np.sum(dout.astype(np.float64) * out, axis=-1) - dlse
+    assert not np.isnan(delta).any()
+    assert np.abs(delta - want).max() <= 1e-6 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dv", [0, 1, 5, 31, 32, 33, 64, 130])
+def test_delta_matches_float64(emulated_library, rng, dv, dtype):
+    _check_delta(emulated_library, rng, 37, dv, dtype)  # 37 rows: a partly idle last block
+
+
+def test_delta_rows_past_the_block_limit_loop(small_launch_limits, rng):
+    """More rows than the launch has warps: the grid-stride loop covers them (2 blocks here)."""
+    _check_delta(small_launch_limits, rng, 61, 40, "bfloat16")

@@ -207,7 +207,10 @@ def _exported_module(implementation, dtype, dk, dv, platforms) -> str:
     exported = jax.export.export(
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
         platforms=platforms,
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS + _ffi.TILED_TARGETS],
+        disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in (*_ffi.TARGETS, *_ffi.TILED_TARGETS, _ffi.DELTA_TARGET)
+        ],
     )(*args, plan)
     return exported.mlir_module()
 
@@ -226,6 +229,7 @@ def test_export_for_cuda_runs_tiled_kernels_for_16_bit_heads_of_64(tiled_build, 
     module = _exported_module(implementation, BF16, 64, 64, ["cuda"])
     assert _calls(module, _ffi.TILED_TARGETS) == set(_ffi.TILED_TARGETS)
     assert not _calls(module, _ffi.TARGETS)
+    assert _calls(module, [_ffi.DELTA_TARGET])  # one delta target serves both families
 
 
 @native
@@ -234,6 +238,7 @@ def test_export_for_cuda_runs_arc_kernels_elsewhere(tiled_build, dtype, dk, dv):
     module = _exported_module("ffi", dtype, dk, dv, ["cuda"])
     assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
     assert not _calls(module, _ffi.TILED_TARGETS)
+    assert _calls(module, [_ffi.DELTA_TARGET])
 
 
 @native

@@ -142,17 +142,18 @@ def test_export_for_cuda_lowers_custom_calls(plan, implementation):
     exported = jax.export.export(
         jax.jit(lambda q, k, v, plan: _grad(q, k, v, plan, implementation)),
         platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.TARGETS],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in (*_ffi.TARGETS, _ffi.DELTA_TARGET)],
     )(*sds, plan_sds)
     module = exported.mlir_module()
     expect_native = implementation == "ffi" or _ffi.HAS_CUDA_EXT
-    for target in _ffi.TARGETS:
+    for target in (*_ffi.TARGETS, _ffi.DELTA_TARGET):
         assert (f"stablehlo.custom_call @{target}(" in module) == expect_native, target
 
 
 def test_registrations_match_target_names():
-    """The CPU module registers the arc targets, the CUDA module also the tiled ones."""
-    expected = {"cpu": _ffi.TARGETS, "cuda": _ffi.TARGETS + _ffi.TILED_TARGETS}
+    """The CPU module registers the arc targets and delta, the CUDA module also the tiled ones."""
+    common = (*_ffi.TARGETS, _ffi.DELTA_TARGET)
+    expected = {"cpu": common, "cuda": common + _ffi.TILED_TARGETS}
     for platform, available in _ffi.native_backends().items():
         if not available:
             continue

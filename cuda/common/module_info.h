@@ -24,10 +24,12 @@ nanobind::capsule HandlerCapsule(Fn* handler) {
   return nanobind::capsule(reinterpret_cast<void*>(handler));
 }
 
-// The registrations() dict of a module: target name -> handler capsule.
-template <typename Fwd, typename Dq, typename Dkv>
-nanobind::dict NbhdRegistrations(Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+// The registrations() dict of a module: target name -> handler capsule. Every module has the
+// arc targets and delta (which every native backward runs).
+template <typename Fwd, typename Dq, typename Dkv, typename Delta>
+nanobind::dict NbhdRegistrations(Fwd* forward, Dq* backward_dq, Dkv* backward_dkv, Delta* delta) {
   nanobind::dict targets;
+  targets[kTargetDelta] = HandlerCapsule(delta);
   targets[kTargetForward] = HandlerCapsule(forward);
   targets[kTargetBackwardDq] = HandlerCapsule(backward_dq);
   targets[kTargetBackwardDkv] = HandlerCapsule(backward_dkv);

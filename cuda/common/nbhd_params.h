@@ -17,6 +17,8 @@ inline constexpr char kTargetBackwardDkv[] = "jax_s2attn_nbhd_bwd_dkv";
 inline constexpr char kTargetTiledForward[] = "jax_s2attn_tiled_fwd";
 inline constexpr char kTargetTiledBackwardDq[] = "jax_s2attn_tiled_bwd_dq";
 inline constexpr char kTargetTiledBackwardDkv[] = "jax_s2attn_tiled_bwd_dkv";
+// The backward's delta = sum(dout * out, -1) - dlse, in a fixed summation order (common/delta_binding.h).
+inline constexpr char kTargetDelta[] = "jax_s2attn_delta";
 
 // What the `arc_offsets` / `arcs` operands hold: the arc table (offsets per pattern, rows of
 // (row, lo, len)) or the segment table (offsets per walking row, rows of (row, lo[R], len[R])).
@@ -81,9 +83,10 @@ inline ffi::Error SplitActivation(const char* name, ffi::Span<const int64_t> dim
 }
 
 // Checks that `dims` is [leading..., nlat, nlon, heads, d] with the leading dims
-// flattening to `batch`; d < 0 means there is no trailing head-dim axis (lse, delta).
+// flattening to `batch` (those of the operand `batch_of`); d < 0 means there is no trailing
+// head-dim axis (lse, delta).
 inline ffi::Error CheckGridArray(const char* name, ffi::Span<const int64_t> dims, int64_t batch, int64_t nlat,
-                                 int64_t nlon, int64_t heads, int64_t d) {
+                                 int64_t nlon, int64_t heads, int64_t d, const char* batch_of = "q") {
   const int64_t trailing = d < 0 ? 3 : 4;
   const int64_t rank = static_cast<int64_t>(dims.size());
   S2ATTN_CHECK(rank >= trailing, name << " has rank " << rank << "; expected at least " << trailing);
@@ -92,8 +95,8 @@ inline ffi::Error CheckGridArray(const char* name, ffi::Span<const int64_t> dims
   const int64_t* tail = dims.begin() + (rank - trailing);
   const bool ok = b == batch && tail[0] == nlat && tail[1] == nlon && tail[2] == heads && (d < 0 || tail[3] == d);
   S2ATTN_CHECK(ok, name << " has the wrong shape: expected [batch..., " << nlat << ", " << nlon << ", " << heads
-                        << (d < 0 ? std::string() : ", " + std::to_string(d)) << "] with the batch dims of q (" << batch
-                        << " in all)");
+                        << (d < 0 ? std::string() : ", " + std::to_string(d)) << "] with the batch dims of " << batch_of
+                        << " (" << batch << " in all)");
   return ffi::Error::Success();
 }
 

@@ -4,7 +4,8 @@
 
 NB_MODULE(_s2attn_cpu, m) {
   m.def("registrations", []() {
-    return s2attn::NbhdRegistrations(S2AttnNbhdForwardCpu, S2AttnNbhdBackwardDqCpu, S2AttnNbhdBackwardDkvCpu);
+    return s2attn::NbhdRegistrations(S2AttnNbhdForwardCpu, S2AttnNbhdBackwardDqCpu, S2AttnNbhdBackwardDkvCpu,
+                                     S2AttnDeltaCpu);
   });
   m.def("build_info", []() { return s2attn::BuildInfo(); });
 }

@@ -1,4 +1,5 @@
-// CPU handlers of the three neighbourhood-attention targets (contract: cuda/README.md).
+// CPU handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
+// walks and the backward's delta.
 //
 // Work is split into (batch, walking row) items taken in row_order (longest rows first)
 // by the calling thread and XLA's intra-op thread pool. Every result element is computed
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "common/arc_walk.h"
+#include "common/delta_binding.h"
 #include "common/ffi_check.h"
 #include "common/nbhd_binding.h"
 #include "common/nbhd_params.h"
@@ -262,7 +264,7 @@ NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q
 }
 
 ffi::Error OutOfMemory() {
-  return ffi::Error(ffi::ErrorCode::kResourceExhausted, "out of host memory for the float32 working copies");
+  return ffi::Error(ffi::ErrorCode::kResourceExhausted, "out of host memory");
 }
 
 // ------------------------------------------------------------------ forward
@@ -467,6 +469,55 @@ ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------ delta
+
+// delta[r] = sum_c widen(dout[r, c]) * out[r, c] - dlse[r] for `rows` contiguous rows, summed
+// sequentially over c = 0..dv-1 in float32 (an order that depends on nothing but dv).
+template <typename T, typename Widen>
+bool DeltaRows(ffi::ThreadPool& pool, const T* dout, const float* out, const float* dlse, float* delta,
+               int64_t rows, int64_t dv, Widen widen) {
+  constexpr int64_t kRowsPerItem = 4096;
+  return ParallelFor(pool, (rows + kRowsPerItem - 1) / kRowsPerItem, [&](int64_t item) {
+    const int64_t end = std::min(rows, (item + 1) * kRowsPerItem);
+    for (int64_t r = item * kRowsPerItem; r < end; ++r) {
+      const T* dout_row = dout + r * dv;
+      const float* out_row = out + r * dv;
+      float sum = 0.f;
+      for (int64_t c = 0; c < dv; ++c) sum += widen(dout_row[c]) * out_row[c];
+      delta[r] = sum - dlse[r];
+    }
+  });
+}
+
+ffi::Error Delta(ffi::ThreadPool pool, ffi::AnyBuffer dout, F32Buffer out, F32Buffer dlse,
+                 ffi::RemainingArgs /*aliased_results*/, F32Result delta) {
+  DeltaParams p;
+  S2ATTN_RETURN_IF_ERROR(DecodeDelta(dout, out.dimensions(), dlse.dimensions(), delta->dimensions(), &p));
+  if (p.rows == 0) return ffi::Error::Success();
+  const float* out_data = out.typed_data();
+  const float* dlse_data = dlse.typed_data();
+  float* delta_data = delta->typed_data();
+  const auto* bits = static_cast<const uint16_t*>(dout.untyped_data());
+  bool ok = false;
+  try {
+    switch (p.dtype) {
+      case ElementType::kF32:
+        ok = DeltaRows(pool, static_cast<const float*>(dout.untyped_data()), out_data, dlse_data, delta_data, p.rows,
+                       p.dv, [](float x) { return x; });
+        break;
+      case ElementType::kBF16:
+        ok = DeltaRows(pool, bits, out_data, dlse_data, delta_data, p.rows, p.dv, BFloat16ToFloat);
+        break;
+      case ElementType::kF16:
+        ok = DeltaRows(pool, bits, out_data, dlse_data, delta_data, p.rows, p.dv, HalfToFloat);
+        break;
+    }
+  } catch (const std::bad_alloc&) {
+    ok = false;
+  }
+  return ok ? ffi::Error::Success() : OutOfMemory();
+}
+
 }  // namespace
 }  // namespace s2attn
 
@@ -476,3 +527,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDqCpu, s2attn::BackwardDq,
                               s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCpu, s2attn::BackwardDkv,
                               s2attn::BindBackwardDkv(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCpu, s2attn::Delta,
+                              s2attn::BindDelta(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));

@@ -9,3 +9,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdForwardCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDqCpu);
 // jax_s2attn_nbhd_bwd_dkv: (q, k, v, dout, lse, delta, window, row_order, ...) -> (dk, dv)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCpu);
+// jax_s2attn_delta: (dout, out, dlse) -> delta = sum(dout * out, -1) - dlse
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnDeltaCpu);

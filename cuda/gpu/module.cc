@@ -6,7 +6,8 @@
 NB_MODULE(_s2attn_cuda, m) {
   m.def("registrations", []() {
     nanobind::dict targets =
-        s2attn::NbhdRegistrations(S2AttnNbhdForwardCuda, S2AttnNbhdBackwardDqCuda, S2AttnNbhdBackwardDkvCuda);
+        s2attn::NbhdRegistrations(S2AttnNbhdForwardCuda, S2AttnNbhdBackwardDqCuda, S2AttnNbhdBackwardDkvCuda,
+                                  S2AttnDeltaCuda);
     s2attn::AddTiledRegistrations(targets, S2AttnTiledForwardCuda, S2AttnTiledBackwardDqCuda,
                                   S2AttnTiledBackwardDkvCuda);
     return targets;

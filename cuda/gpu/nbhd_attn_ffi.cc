@@ -1,5 +1,6 @@
 // CUDA handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
-// arc-segment targets and their three tiled tensor-core twins, one handler template each.
+// arc-segment targets and their three tiled tensor-core twins, one handler template each, and
+// the backward's delta.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
 // table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream. Table *contents*
@@ -13,9 +14,11 @@
 #include <cstdint>
 #include <string>
 
+#include "common/delta_binding.h"
 #include "common/ffi_check.h"
 #include "common/nbhd_binding.h"
 #include "common/nbhd_params.h"
+#include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/tiled_attn_kernels.h"
 
@@ -211,6 +214,22 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   return LaunchStatus(Kernels::BackwardDkv(stream, g), Kernels::kBackwardDkv);
 }
 
+ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buffer dlse,
+                 ffi::RemainingArgs /*aliased_results*/, F32Result delta) {
+  DeltaParams p;
+  S2ATTN_RETURN_IF_ERROR(DecodeDelta(dout, out.dimensions(), dlse.dimensions(), delta->dimensions(), &p));
+  if (p.rows == 0) return ffi::Error::Success();
+  DeltaGpuParams g;
+  g.dtype = ToActivationType(p.dtype);
+  g.dout = dout.untyped_data();
+  g.out = out.typed_data();
+  g.dlse = dlse.typed_data();
+  g.delta = delta->typed_data();
+  g.rows = p.rows;
+  g.dv = p.dv;
+  return LaunchStatus(LaunchDelta(stream, g), kTargetDelta);
+}
+
 }  // namespace
 }  // namespace s2attn
 
@@ -224,3 +243,5 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::ArcKernels);
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledKernels);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCuda, s2attn::Delta,
+                              s2attn::BindDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));

@@ -18,6 +18,7 @@ import numpy as np
 __all__ = [
     "BACKWARD_DKV_TARGET",
     "BACKWARD_DQ_TARGET",
+    "DELTA_TARGET",
     "FORWARD_TARGET",
     "HAS_CPU_EXT",
     "HAS_CUDA_EXT",
@@ -33,6 +34,7 @@ __all__ = [
     "ensure_registered",
     "ffi_backward_dkv",
     "ffi_backward_dq",
+    "ffi_delta",
     "ffi_forward",
     "native_backends",
     "native_status",
@@ -93,6 +95,11 @@ TILED_FORWARD_TARGET = "jax_s2attn_tiled_fwd"
 TILED_BACKWARD_DQ_TARGET = "jax_s2attn_tiled_bwd_dq"
 TILED_BACKWARD_DKV_TARGET = "jax_s2attn_tiled_bwd_dkv"
 TILED_TARGETS = (TILED_FORWARD_TARGET, TILED_BACKWARD_DQ_TARGET, TILED_BACKWARD_DKV_TARGET)
+
+# The backward's delta = sum(dout * out, -1) - dlse: both modules, every kernel family. A target
+# of its own because XLA fuses that reduction differently in different programs (changing its
+# last bit, and so the gradients'); the kernels sum in an order fixed by Dv alone.
+DELTA_TARGET = "jax_s2attn_delta"
 
 #: The native kernel families: ``"arc"`` (arc-segment walk on CUDA cores or the CPU, any
 #: float dtype but float64 and any head dims) and ``"tiled"`` (tensor cores, see
@@ -339,3 +346,37 @@ def ffi_backward_dkv(
                 plan.tables.quad_weights)
     dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results)
     return dk, dv
+
+
+#: Element types of ``dout`` the delta target accepts.
+_DELTA_DOUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def ffi_delta(dout, out, dlse=None, *, poison_results=False):
+    """The backward's ``delta = sum(dout * out, -1) - dlse`` in float32, summed in a fixed order.
+
+    ``dout [..., nlat, nlon, H, Dv]`` (float32, bfloat16 or float16), ``out`` float32 of the same
+    shape (the unrounded forward output), ``dlse`` float32 ``[..., nlat, nlon, H]`` (the cotangent
+    of ``lse``; None means zero). Returns float32 ``[..., nlat, nlon, H]``, bitwise identical in
+    every compiled program (a jnp reduction is not: XLA fuses it per program).
+    """
+    ensure_registered()
+    dout, out = jnp.asarray(dout), jnp.asarray(out)
+    lead, nlat, nlon, heads = _grid_dims("dout", dout)
+    rows_shape = (*lead, nlat, nlon, heads)
+    if dout.dtype not in _DELTA_DOUT_DTYPES:
+        raise TypeError(f"dout must be float32, bfloat16 or float16, got {dout.dtype.name}.")
+    if out.shape != dout.shape or out.dtype != jnp.float32:
+        raise ValueError(
+            f"out must be float32 with the shape of dout {tuple(dout.shape)}, got {out.dtype.name} {tuple(out.shape)}."
+        )
+    if dlse is None:
+        dlse = jnp.zeros(rows_shape, jnp.float32)
+    dlse = jnp.asarray(dlse)
+    if dlse.shape != rows_shape or dlse.dtype != jnp.float32:
+        raise ValueError(
+            f"dlse must be float32 of shape {rows_shape} (dout without its last axis), "
+            f"got {dlse.dtype.name} {tuple(dlse.shape)}."
+        )
+    (delta,) = _call(DELTA_TARGET, (dout, out, dlse), [rows_shape], {}, poison_results)
+    return delta

@@ -25,6 +25,7 @@ __all__ = [
     "local_forward",
     "local_backward_dq",
     "local_backward_dkv",
+    "local_delta",
 ]
 
 
@@ -75,3 +76,20 @@ def local_backward_dkv(query, key, value, dout, lse, delta, plan, window, row_or
     """``(dk, dv)`` (float32) from the queries inside ``window``, given global ``lse`` and ``delta``."""
     fn = _local_op(kernel, reference.reference_local_backward_dkv, _ffi.ffi_backward_dkv)
     return fn(query, key, value, dout, lse, delta, plan, window, row_order, scale=scale)
+
+
+def _reference_delta(dout, out, dlse):
+    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)
+    return delta if dlse is None else delta - dlse
+
+
+def _native_delta(dout, out, dlse, *, kernel):
+    del kernel  # one delta target serves every kernel family
+    return _ffi.ffi_delta(dout, out, dlse)
+
+
+def local_delta(dout, out, dlse=None, *, kernel: str):
+    """``delta = sum(dout * out, -1) - dlse`` (float32) of the backward pieces, from the float32
+    ``out``; ``dlse`` None means zero. The native kernels sum in a fixed order, so ``delta``
+    (and with it the gradients) is the same bits in every compiled program."""
+    return _local_op(kernel, _reference_delta, _native_delta)(dout, out, dlse)

@@ -166,8 +166,9 @@ def _native_backward(scale, kernel, residuals, cotangents):
     (query, key, value, out, lse), plan = residuals
     dout, dlse = cotangents
     # delta from the float32 output, never from a rounded one. A cotangent of lse adds
-    # dlse * p_j to every score gradient, exactly as lowering delta by dlse does.
-    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1) - dlse
+    # dlse * p_j to every score gradient, exactly as lowering delta by dlse does. The native
+    # target sums in a fixed order: the gradients are the same bits in every program.
+    delta = _ffi.ffi_delta(dout, out, dlse)
     window = full_window(plan)
     tables = plan.tables
     common = (query, key, value, dout, lse, delta, plan, window)

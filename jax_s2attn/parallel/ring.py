@@ -150,7 +150,7 @@ def _ring_bwd(config, residuals, dout):
     window = ring.window(0)
     q_rows = local.local_row_order(plan, "forward", window[0], query.shape[1])
     k_rows = local.local_row_order(plan, "backward", window[4], key.shape[1])
-    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1)
+    delta = local.local_delta(dout, out, kernel=config.kernel)
     kwargs = _local_kwargs(config)
 
     def step(state, chunk, s):

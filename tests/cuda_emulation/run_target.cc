@@ -1,9 +1,10 @@
-// C entry point of the CUDA launchers for Python (ctypes): one call of forward, dq or dkv on
-// the default stream. Shared by the host emulation (tests/test_cuda_emulated.py, g++) and the
+// C entry points of the CUDA launchers for Python (ctypes): one call of forward, dq, dkv or
+// delta on the default stream. Shared by the host emulation (tests/test_cuda_emulated.py, g++) and the
 // standalone GPU harness (tests/gpu_kernel_sanitizer.py, nvcc): pointers are host memory in
 // the first and device memory in the second, except `sizes`, which is always host memory.
 #include <cstdint>
 
+#include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
 
 // target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv). sizes: batch, heads, dk,
@@ -58,4 +59,19 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, const void* q, const voi
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+// delta[r] = sum_c dout[r, c] * out[r, c] - dlse[r] for `rows` rows of `dv` channels.
+// Returns the launcher's cudaError_t.
+extern "C" int RunDelta(int dtype, const void* dout, const float* out, const float* dlse, float* delta, int64_t rows,
+                        int64_t dv) {
+  s2attn::DeltaGpuParams p;
+  p.dtype = static_cast<s2attn::ActivationType>(dtype);
+  p.dout = dout;
+  p.out = out;
+  p.dlse = dlse;
+  p.delta = delta;
+  p.rows = rows;
+  p.dv = dv;
+  return s2attn::LaunchDelta(nullptr, p);
 }

@@ -1,0 +1,62 @@
+// The backward's delta = sum(dout * out, -1) - dlse: one warp per (point, head) row.
+#include "gpu/delta_kernel.h"
+
+#include <algorithm>
+
+#include "gpu/device_common.cuh"
+
+namespace s2attn {
+namespace gpu {
+namespace {
+
+constexpr int kDeltaWarps = 8;  // rows per block at a time
+// Enough blocks to fill any GPU; a grid-stride loop covers the remaining rows. A macro only so
+// that the CPU emulation tests (tests/cuda_emulation) can exercise the loop with a small one.
+#ifndef S2ATTN_MAX_DELTA_BLOCKS
+#define S2ATTN_MAX_DELTA_BLOCKS 65536
+#endif
+constexpr int64_t kMaxDeltaBlocks = S2ATTN_MAX_DELTA_BLOCKS;
+
+// Lane l sums channels l, l + 32, ... in sequence; then a fixed butterfly adds the 32 lane sums.
+// Nothing in the order depends on the launch, so every program gets the same bits.
+template <typename T>
+__global__ void __launch_bounds__(32 * kDeltaWarps) DeltaKernel(const DeltaGpuParams p) {
+  const T* dout = static_cast<const T*>(p.dout);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t stride = int64_t{gridDim.x} * kDeltaWarps;
+  for (int64_t row = int64_t{blockIdx.x} * kDeltaWarps + threadIdx.x / 32; row < p.rows; row += stride) {
+    const T* dout_row = dout + row * p.dv;
+    const float* out_row = p.out + row * p.dv;
+    float sum = 0.f;
+    for (int64_t c = lane; c < p.dv; c += 32) sum = fmaf(ToFloat(__ldg(dout_row + c)), __ldg(out_row + c), sum);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) p.delta[row] = sum - __ldg(p.dlse + row);
+  }
+}
+
+template <typename T>
+cudaError_t Launch(cudaStream_t stream, const DeltaGpuParams& p) {
+  DeltaGpuParams params = p;
+  void* args[] = {&params};
+  const int64_t blocks = std::min<int64_t>((p.rows + kDeltaWarps - 1) / kDeltaWarps, kMaxDeltaBlocks);
+  const cudaError_t status = cudaLaunchKernel(reinterpret_cast<const void*>(DeltaKernel<T>),
+                                              dim3(static_cast<unsigned>(blocks)), dim3(32 * kDeltaWarps), args,
+                                              0, stream);
+  return status != cudaSuccess ? status : cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace gpu
+
+cudaError_t LaunchDelta(cudaStream_t stream, const DeltaGpuParams& p) {
+  if (p.rows == 0) return cudaSuccess;
+  switch (p.dtype) {
+    case ActivationType::kF32: return gpu::Launch<float>(stream, p);
+    case ActivationType::kBF16: return gpu::Launch<__nv_bfloat16>(stream, p);
+    case ActivationType::kF16: return gpu::Launch<__half>(stream, p);
+  }
+  return cudaErrorInvalidValue;  // unreachable: the handler accepts only these three
+}
+
+}  // namespace s2attn
