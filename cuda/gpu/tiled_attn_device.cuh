@@ -37,9 +37,6 @@ namespace s2attn {
 namespace gpu {
 namespace tiled {
 
-constexpr int kWarps = S2ATTN_TILED_WARPS;
-constexpr int kWarpPoints = 16;                      // rows of one MMA tile
-constexpr int kTilePoints = kWarps * kWarpPoints;    // walking points per block
 // Pipeline shape. Macros only so that a benchmark build can compare other shapes
 // (-DS2ATTN_TILED_CHUNK=32 ...) without editing the source.
 #ifndef S2ATTN_TILED_CHUNK
@@ -54,6 +51,9 @@ constexpr int kTilePoints = kWarps * kWarpPoints;    // walking points per block
 #ifndef S2ATTN_TILED_MIN_BLOCKS
 #define S2ATTN_TILED_MIN_BLOCKS 3
 #endif
+constexpr int kWarps = S2ATTN_TILED_WARPS;
+constexpr int kWarpPoints = 16;                      // rows of one MMA tile
+constexpr int kTilePoints = kWarps * kWarpPoints;    // walking points per block
 constexpr int kChunk = S2ATTN_TILED_CHUNK;           // staged columns per pipeline stage
 constexpr int kBlock = 16;                           // columns per MMA k-step of P.V
 constexpr int kBlocksPerChunk = kChunk / kBlock;
