@@ -55,6 +55,15 @@ PLANS = {
     "lon-only": lambda: NeighborhoodPlan((6, 12), (6, 6), theta_cutoff=0.7),
 }
 
+# Rows of more than one tiled block (64 points) and segment windows wider than one staged chunk
+# (64 columns); none of the longitude counts is a multiple of 64.
+LONG_ROW_PLANS = {
+    "self-72": lambda: NeighborhoodPlan((8, 72), (8, 72), theta_cutoff=0.9),  # partial arcs of 1..31
+    "up-100": lambda: NeighborhoodPlan((4, 50), (8, 100), theta_cutoff=0.6),  # residues 2
+    "down-100": lambda: NeighborhoodPlan((8, 100), (4, 50), theta_cutoff=0.6),  # shift 2
+    "rings-72": lambda: NeighborhoodPlan((6, 72), (6, 72), theta_cutoff=2.0),  # mostly whole rings
+}
+
 Launch = Callable[..., None]
 
 
@@ -182,17 +191,19 @@ def prepare_case(
     )
 
 
-def run_case(case: KernelCase, launch: Launch, kernel: str = "arc") -> dict[str, np.ndarray]:
+def run_case(case: KernelCase, launch: Launch, kernel: str = "arc", tables=None) -> dict[str, np.ndarray]:
     """Runs forward, dq and dkv of ``kernel`` ("arc" or "tiled") with ``launch`` into NaN-filled
-    results and returns them."""
+    results and returns them. ``tables``: the (forward, backward) tables walked, by default the
+    plan's arc tables ("arc") or segment tables ("tiled")."""
     q, k, v, dout, lse_in, delta, window = case.inputs
     plan, weights = case.plan, case.plan.quad_weights
     if kernel == "arc":
-        first, forward_table, backward_table = 0, plan.forward_arcs, plan.backward_arcs
+        first, default_tables = 0, (plan.forward_arcs, plan.backward_arcs)
     elif kernel == "tiled":
-        first, forward_table, backward_table = TILED_TARGETS, plan.forward_segments, plan.backward_segments
+        first, default_tables = TILED_TARGETS, (plan.forward_segments, plan.backward_segments)
     else:
         raise ValueError(f"kernel must be 'arc' or 'tiled', got {kernel!r}")
+    forward_table, backward_table = tables or default_tables
     common = (case.dtype, case.sizes, case.scale)
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
     lse = np.full(q.shape[:4], np.nan, np.float32)
