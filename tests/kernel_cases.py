@@ -64,6 +64,14 @@ LONG_ROW_PLANS = {
     "rings-72": lambda: NeighborhoodPlan((6, 72), (6, 72), theta_cutoff=2.0),  # mostly whole rings
 }
 
+# Windows (prepare_case keyword arguments) of shards whose rows start mid-ring and span two blocks.
+LONG_ROW_WINDOWS = {
+    # queries over two blocks; keys up to the seam
+    "self-72": {"q_window": (1, 3, 6, 69), "k_window": (0, 40, 8, 32), "padding": (1, 2, 1, 3)},
+    # an R = 2 walk from an odd longitude
+    "up-100": {"q_window": (1, 7, 6, 81), "k_window": (0, 13, 4, 37), "padding": (0, 3, 1, 0)},
+}
+
 Launch = Callable[..., None]
 
 

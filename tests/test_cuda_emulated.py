@@ -35,6 +35,7 @@ from kernel_cases import (  # noqa: E402
     FORWARD,
     KERNEL_SOURCES,
     LONG_ROW_PLANS,
+    LONG_ROW_WINDOWS,
     PLANS,
     RUN_TARGET_SHIM,
     TILED_TARGETS,
@@ -222,18 +223,10 @@ def test_tiled_windows_with_padding(emulator, rng, windows, dtype):
     check_case(emulator, rng, PLANS["self"](), 2, 2, 64, 64, dtype, q_window, k_window, padding, kernel="tiled")
 
 
-LONG_ROW_WINDOWS = {  # plan -> q_window, k_window, padding
-    "self-72": ((1, 3, 6, 69), (0, 40, 8, 32), (1, 2, 1, 3)),  # queries over two blocks; keys up to the seam
-    "up-100": ((1, 7, 6, 81), (0, 13, 4, 37), (0, 3, 1, 0)),  # R = 2 walk from an odd longitude
-}
-
-
 @pytest.mark.parametrize("plan_name", LONG_ROW_WINDOWS)
 def test_tiled_windows_of_long_rows(emulator, rng, plan_name):
-    """Shards whose rows start mid-ring and span two blocks."""
-    q_window, k_window, padding = LONG_ROW_WINDOWS[plan_name]
     plan = LONG_ROW_PLANS[plan_name]()
-    check_case(emulator, rng, plan, 1, 2, 64, 64, "bfloat16", q_window, k_window, padding, kernel="tiled")
+    check_case(emulator, rng, plan, 1, 2, 64, 64, "bfloat16", kernel="tiled", **LONG_ROW_WINDOWS[plan_name])
 
 
 def _corrupted(table, rng, nlat_other: int, nlon_other: int):
