@@ -29,7 +29,7 @@ from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
-    ROOT / "cuda" / "gpu" / name for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "tiled_attn_fwd.cu", "tiled_attn_bwd.cu")
+    ROOT / "cuda" / "gpu" / f"{family}_attn_{part}.cu" for family in ("nbhd", "tiled") for part in ("fwd", "bwd")
 ]
 RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
@@ -37,7 +37,7 @@ RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
 # Targets of run_target.cc: the arc kernels' forward, dq and dkv; the tiled ones' are 3 further.
 FORWARD, DQ, DKV = 0, 1, 2
-TILED_TARGETS = 3
+TILED_TARGET_OFFSET = 3
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
 # the bar is float32 round-off for every storage dtype.
 TOLERANCE = 2e-5
@@ -208,14 +208,15 @@ def run_case(case: KernelCase, launch: Launch, kernel: str = "arc", tables=None)
     if kernel == "arc":
         first, default_tables = 0, (plan.forward_arcs, plan.backward_arcs)
     elif kernel == "tiled":
-        first, default_tables = TILED_TARGETS, (plan.forward_segments, plan.backward_segments)
+        first, default_tables = TILED_TARGET_OFFSET, (plan.forward_segments, plan.backward_segments)
     else:
         raise ValueError(f"kernel must be 'arc' or 'tiled', got {kernel!r}")
     forward_table, backward_table = tables or default_tables
     common = (case.dtype, case.sizes, case.scale)
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
     lse = np.full(q.shape[:4], np.nan, np.float32)
-    launch(first + FORWARD, *common, q, k, v, None, None, None, window, case.fwd_order, forward_table, weights, out, lse)
+    launch(first + FORWARD, *common, q, k, v, None, None, None, window, case.fwd_order, forward_table, weights,
+           out, lse)  # fmt: skip
     dq = np.full(q.shape, np.nan, np.float32)
     launch(first + DQ, *common, *case.inputs, case.fwd_order, forward_table, weights, dq, None)
     dk, dv = np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32)
