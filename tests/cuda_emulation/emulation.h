@@ -52,7 +52,7 @@ inline T __ldg(const T* p) {
 // The integer and floating-point min/max that nvcc declares at global scope. Same-type overloads
 // only: a mixed signed/unsigned call, which nvcc resolves to unsigned, fails to compile here
 // instead of silently picking a type.
-#define S2ATTN_EMU_MIN_MAX(T)                   \
+#define S2ATTN_EMU_MIN_MAX(T)                      \
   inline T min(T a, T b) { return b < a ? b : a; } \
   inline T max(T a, T b) { return a < b ? b : a; }
 S2ATTN_EMU_MIN_MAX(int)
