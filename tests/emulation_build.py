@@ -53,17 +53,48 @@ def _check_shared_declarations(kernel_object: Path) -> None:
     )
 
 
+def _host_compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+# Compile and link flags of an AddressSanitizer build (-g: reports name the kernel's lines).
+ADDRESS_SANITIZER_FLAGS = ["-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
+
+
+def address_sanitizer_preload() -> str | None:
+    """``LD_PRELOAD`` under which a Python process can load an AddressSanitizer build (the ASan
+    runtime must come first; libstdc++ with it, so that ASan finds the C++ exception machinery
+    jaxlib throws through), or None where the host compiler has no ASan runtime."""
+    cxx = _host_compiler()
+    if cxx is None:
+        return None
+    libraries = []
+    for name in ("libasan.so", "libstdc++.so.6"):
+        path = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if not Path(path).is_absolute() or not Path(path).is_file():
+            return None
+        libraries.append(path)
+    return " ".join(libraries)
+
+
 def build_emulated_library(
-    out: Path, kernel_sources: Sequence[Path], host_sources: Sequence[Path] = (), defines: Sequence[str] = ()
+    out: Path,
+    kernel_sources: Sequence[Path],
+    host_sources: Sequence[Path] = (),
+    defines: Sequence[str] = (),
+    address_sanitizer: bool = False,
 ) -> Path:
     """Compiles ``kernel_sources`` (CUDA, emulated) and ``host_sources`` (C++) with the emulation
     runtime into ``out/libs2attn_emulated.so`` and returns its path; skips the calling test where
-    there is no host C++20 compiler or no CUDA headers."""
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    there is no host C++20 compiler or no CUDA headers. ``address_sanitizer``: an ASan build
+    (load it under :func:`address_sanitizer_preload`)."""
+    cxx = _host_compiler()
     include = cuda_include_dir()
     if cxx is None or include is None:
         pytest.skip("needs a host C++20 compiler and the CUDA headers (nvcc's include directory)")
-    flags = ["-std=c++20", "-O1", "-fPIC", f"-I{ROOT / 'cuda'}", f"-I{include}", *(f"-D{d}" for d in defines)]
+    sanitizer = ADDRESS_SANITIZER_FLAGS if address_sanitizer else []
+    flags = ["-std=c++20", "-O1", "-fPIC", *sanitizer, f"-I{ROOT / 'cuda'}", f"-I{include}"]
+    flags += [f"-D{d}" for d in defines]
     kernel_flags = [*flags, "-include", str(EMULATION / "emulation.h"), "-x", "c++"]
     jobs = [[cxx, *kernel_flags, "-c", str(src), "-o", str(out / (src.stem + ".o"))] for src in kernel_sources]
     runtime = (EMULATION / "emulation.cc", *host_sources)
@@ -79,7 +110,7 @@ def build_emulated_library(
     link = subprocess.run(
         # -Bsymbolic: the emulated CUDA runtime must win over a real libcudart that another test's
         # import (torch's CUDA build) already loaded into the process's global symbol scope.
-        [cxx, "-shared", "-Wl,-Bsymbolic", *objects, "-o", str(library)],
+        [cxx, "-shared", *sanitizer, "-Wl,-Bsymbolic", *objects, "-o", str(library)],
         capture_output=True,
         text=True,
     )

@@ -1,11 +1,12 @@
 """The CUDA kernels alone on a GPU (no JAX/XLA in the process), for compute-sanitizer.
 
-Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu`` and the C entry point
-``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library, uploads
-the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``, results
-poisoned with NaN), runs forward, dq and dkv on the default stream, synchronises after every
-launch and checks the results against the float64 reference of ``kernel_cases.py`` (the one
-the host-emulation tests use), including that every result element was written.
+Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,bwd}.cu`` and the C
+entry point ``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library,
+uploads the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``,
+results poisoned with NaN), runs forward, dq and dkv of the arc-segment or the tiled kernels
+on the default stream, synchronises after every launch and checks the results against the
+float64 reference of ``kernel_cases.py`` (the one the host-emulation tests use), including
+that every result element was written.
 
 Exit status: 0 all cases pass, 1 a mismatch (or a CUDA error, raised as an exception),
 2 no nvcc, cupy or CUDA device. ``--dry-run`` builds the inputs and references and compiles
@@ -38,6 +39,8 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # jax_s2attn from the
 import numpy as np  # noqa: E402
 from kernel_cases import (  # noqa: E402
     KERNEL_SOURCES,
+    LONG_ROW_PLANS,
+    LONG_ROW_WINDOWS,
     PLANS,
     ROOT,
     RUN_TARGET_SHIM,
@@ -45,24 +48,35 @@ from kernel_cases import (  # noqa: E402
     call_run_target,
     prepare_case,
     run_case,
+    tolerance_of,
     verify_case,
 )
 
 NOT_AVAILABLE = 2
-# (plan, Dk, Dv, dtype, windows): 64/64 takes the vector fast path, 5/7 the general path.
-# "self" has full polar rings and wrapping arcs; "down" has shift 2, "up" residues 2.
+# (kernel, plan, Dk, Dv, dtype, windows). Arc kernels: 64/64 takes the vector fast path, 5/7
+# the general path. "self" has full polar rings and wrapping arcs; "down" has shift 2, "up"
+# residues 2; the long-row plans (kernel_cases.LONG_ROW_PLANS) give the tiled kernels several
+# blocks per row, tails and seams inside a block, and several staged chunks per segment.
 WINDOWED = {"q_window": (2, 3, 4, 9), "k_window": (1, 5, 5, 7), "padding": (1, 2, 2, 1)}
 CASES = [
-    ("self", 64, 64, "float32", {}),
-    ("self", 64, 64, "bfloat16", {}),
-    ("self", 5, 7, "float32", {}),
-    ("self", 5, 7, "bfloat16", {}),
-    ("down", 64, 64, "float32", {}),
-    ("down", 5, 7, "bfloat16", {}),
-    ("up", 64, 64, "bfloat16", {}),
-    ("up", 5, 7, "float32", {}),
-    ("self", 64, 64, "float32", WINDOWED),
-    ("self", 5, 7, "bfloat16", WINDOWED),
+    ("arc", "self", 64, 64, "float32", {}),
+    ("arc", "self", 64, 64, "bfloat16", {}),
+    ("arc", "self", 5, 7, "float32", {}),
+    ("arc", "self", 5, 7, "bfloat16", {}),
+    ("arc", "down", 64, 64, "float32", {}),
+    ("arc", "down", 5, 7, "bfloat16", {}),
+    ("arc", "up", 64, 64, "bfloat16", {}),
+    ("arc", "up", 5, 7, "float32", {}),
+    ("arc", "self", 64, 64, "float32", WINDOWED),
+    ("arc", "self", 5, 7, "bfloat16", WINDOWED),
+    ("tiled", "self", 64, 64, "bfloat16", {}),
+    ("tiled", "self", 32, 32, "float16", WINDOWED),
+    ("tiled", "self", 128, 128, "bfloat16", WINDOWED),
+    ("tiled", "down", 64, 64, "float16", {}),
+    ("tiled", "up", 128, 128, "bfloat16", {}),
+    ("tiled", "self-72", 64, 64, "float16", LONG_ROW_WINDOWS["self-72"]),
+    ("tiled", "up-100", 32, 32, "bfloat16", LONG_ROW_WINDOWS["up-100"]),
+    ("tiled", "rings-72", 64, 64, "float16", {}),
 ]
 
 
@@ -120,8 +134,8 @@ def cupy_with_device():
     return None
 
 
-def case_name(plan, dk, dv, dtype, windows) -> str:
-    return f"{plan} Dk={dk} Dv={dv} {dtype}{' windowed+padding' if windows else ''}"
+def case_name(kernel, plan, dk, dv, dtype, windows) -> str:
+    return f"{kernel} {plan} Dk={dk} Dv={dv} {dtype}{' windowed+padding' if windows else ''}"
 
 
 def main(argv=None) -> int:
@@ -130,9 +144,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     rng = np.random.default_rng(20261129)
-    cases: list[tuple[str, KernelCase]] = [
-        (case_name(plan, dk, dv, dtype, windows), prepare_case(rng, PLANS[plan](), 2, 2, dk, dv, dtype, **windows))
-        for plan, dk, dv, dtype, windows in CASES
+    plans = PLANS | LONG_ROW_PLANS
+    cases: list[tuple[str, str, KernelCase]] = [
+        (case_name(*spec), spec[0], prepare_case(rng, plans[spec[1]](), 2, 2, *spec[2:5], **spec[5]))
+        for spec in CASES
     ]
     if shutil.which("nvcc") is None:
         print("gpu_kernel_sanitizer: needs nvcc on PATH", file=sys.stderr)
@@ -144,16 +159,16 @@ def main(argv=None) -> int:
         library = build(Path(tmp))
         print(f"gpu_kernel_sanitizer: built {library.name} in {time.perf_counter() - start:.1f} s")
         if args.dry_run:
-            for name, case in cases:
+            for name, _, case in cases:
                 assert all(np.isfinite(e).all() for n, e in case.expected.items() if n != "lse"), name
                 print(f"dry  {name}: sizes {case.sizes}")
             return 0
         cupy.cuda.set_allocator(None)  # one cudaMalloc per buffer, so memcheck sees each buffer's bounds
         launch = gpu_launch(ctypes.CDLL(str(library)), cupy)
         failures = 0
-        for name, case in cases:
+        for name, kernel, case in cases:
             try:
-                verify_case(case, run_case(case, launch))
+                verify_case(case, run_case(case, launch, kernel), tolerance_of(kernel, case.dtype))
                 print(f"ok   {name}")
             except AssertionError as error:
                 failures += 1

@@ -2,13 +2,17 @@
 and ``gpu_kernel_sanitizer.py`` (the real GPU): inputs on local blocks of the grids, a dense
 float64 reference built from the plan's arcs, the three launches, and the checks.
 
+Two kernel families run the same cases: the arc-segment kernels (``nbhd_attn_*.cu``, walking
+the plan's arc tables) and the tiled tensor-core kernels (``tiled_attn_*.cu``, walking its
+segment tables; 16-bit activations with Dk == Dv in {32, 64, 128}).
+
 A *launch* callable runs one target through ``tests/cuda_emulation/run_target.cc``::
 
     launch(target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table,
            weights, result0, result1)
 
-with numpy inputs (``None`` for unused ones) and NaN-filled numpy results that it overwrites
-in place.
+with numpy inputs (``None`` for unused ones), ``table`` an ArcTable (arc targets) or a
+SegmentTable (tiled targets), and NaN-filled numpy results that it overwrites in place.
 """
 
 from __future__ import annotations
@@ -21,18 +25,26 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from jax_s2attn.plan import NeighborhoodPlan
+from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNEL_SOURCES = [ROOT / "cuda" / "gpu" / name for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "delta_kernel.cu")]
+KERNEL_SOURCES = [
+    *(ROOT / "cuda" / "gpu" / f"{family}_attn_{part}.cu" for family in ("nbhd", "tiled") for part in ("fwd", "bwd")),
+    ROOT / "cuda" / "gpu" / "delta_kernel.cu",
+]
 RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
 # dtype name -> (ActivationType of nbhd_attn_kernels.h, numpy storage type)
 DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
+# Targets of run_target.cc: the arc kernels' forward, dq and dkv; the tiled ones' are 3 further.
 FORWARD, DQ, DKV = 0, 1, 2
-# The kernels accumulate in float32 and the reference sees the same (rounded) inputs, so the
-# bar is float32 round-off for every storage dtype.
+TILED_TARGET_OFFSET = 3
+# The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
+# the bar is float32 round-off for every storage dtype.
 TOLERANCE = 2e-5
+# The tiled kernels also round P and dS to the 16-bit storage type before the P.V and dS.K/Q
+# products (as flash-attention kernels do): the bar is that type's round-off.
+TILED_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
 
 PLANS = {
     "self": lambda: NeighborhoodPlan((8, 16), (8, 16), theta_cutoff=0.5),  # full rings, wrapping arcs
@@ -42,6 +54,23 @@ PLANS = {
     "legendre-gauss": lambda: NeighborhoodPlan((7, 12), (7, 12), "legendre-gauss", "legendre-gauss"),
     "lat-only": lambda: NeighborhoodPlan((12, 12), (6, 12), theta_cutoff=0.5),
     "lon-only": lambda: NeighborhoodPlan((6, 12), (6, 6), theta_cutoff=0.7),
+}
+
+# Rows of more than one tiled block (64 points) and segment windows wider than one staged chunk
+# (64 columns); none of the longitude counts is a multiple of 64.
+LONG_ROW_PLANS = {
+    "self-72": lambda: NeighborhoodPlan((8, 72), (8, 72), theta_cutoff=0.9),  # partial arcs of 1..31
+    "up-100": lambda: NeighborhoodPlan((4, 50), (8, 100), theta_cutoff=0.6),  # residues 2
+    "down-100": lambda: NeighborhoodPlan((8, 100), (4, 50), theta_cutoff=0.6),  # shift 2
+    "rings-72": lambda: NeighborhoodPlan((6, 72), (6, 72), theta_cutoff=2.0),  # mostly whole rings
+}
+
+# Windows (prepare_case keyword arguments) of shards whose rows start mid-ring and span two blocks.
+LONG_ROW_WINDOWS = {
+    # queries over two blocks; keys up to the seam
+    "self-72": {"q_window": (1, 3, 6, 69), "k_window": (0, 40, 8, 32), "padding": (1, 2, 1, 3)},
+    # an R = 2 walk from an odd longitude
+    "up-100": {"q_window": (1, 7, 6, 81), "k_window": (0, 13, 4, 37), "padding": (0, 3, 1, 0)},
 }
 
 Launch = Callable[..., None]
@@ -171,23 +200,37 @@ def prepare_case(
     )
 
 
-def run_case(case: KernelCase, launch: Launch) -> dict[str, np.ndarray]:
-    """Runs forward, dq and dkv with ``launch`` into NaN-filled results and returns them."""
+def run_case(case: KernelCase, launch: Launch, kernel: str = "arc", tables=None) -> dict[str, np.ndarray]:
+    """Runs forward, dq and dkv of ``kernel`` ("arc" or "tiled") with ``launch`` into NaN-filled
+    results and returns them. ``tables``: the (forward, backward) tables walked, by default the
+    plan's arc tables ("arc") or segment tables ("tiled")."""
     q, k, v, dout, lse_in, delta, window = case.inputs
     plan, weights = case.plan, case.plan.quad_weights
+    if kernel == "arc":
+        first, default_tables = 0, (plan.forward_arcs, plan.backward_arcs)
+    elif kernel == "tiled":
+        first, default_tables = TILED_TARGET_OFFSET, (plan.forward_segments, plan.backward_segments)
+    else:
+        raise ValueError(f"kernel must be 'arc' or 'tiled', got {kernel!r}")
+    forward_table, backward_table = tables or default_tables
     common = (case.dtype, case.sizes, case.scale)
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
     lse = np.full(q.shape[:4], np.nan, np.float32)
-    launch(FORWARD, *common, q, k, v, None, None, None, window, case.fwd_order, plan.forward_arcs, weights, out, lse)
+    launch(first + FORWARD, *common, q, k, v, None, None, None, window, case.fwd_order, forward_table, weights,
+           out, lse)  # fmt: skip
     dq = np.full(q.shape, np.nan, np.float32)
-    launch(DQ, *common, *case.inputs, case.fwd_order, plan.forward_arcs, weights, dq, None)
+    launch(first + DQ, *common, *case.inputs, case.fwd_order, forward_table, weights, dq, None)
     dk, dv = np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32)
-    launch(DKV, *common, *case.inputs, case.bwd_order, plan.backward_arcs, weights, dk, dv)
+    launch(first + DKV, *common, *case.inputs, case.bwd_order, backward_table, weights, dk, dv)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def verify_case(case: KernelCase, results: dict[str, np.ndarray]) -> None:
-    """Asserts that every element was written, real blocks match float64 and padding is empty."""
+def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:
+    """Asserts that every element was written, real blocks match float64 and padding is empty.
+
+    ``tolerance`` bounds out, dq, dk and dv (relative to each one's largest reference value).
+    lse is held to float32 round-off (relative to max(1, its largest value)) in every case: no
+    16-bit rounding enters it in either kernel family."""
     windows = dict.fromkeys(("out", "lse", "dq"), case.q_window) | dict.fromkeys(("dk", "dv"), case.k_window)
 
     def real(name):  # the real block of a local result
@@ -207,17 +250,32 @@ def verify_case(case: KernelCase, results: dict[str, np.ndarray]) -> None:
     assert lse_error <= TOLERANCE * max(1.0, np.abs(lse_expected[finite]).max(initial=0.0)), f"lse: error {lse_error}"
     for name in ("out", "dq", "dk", "dv"):
         error = _relative(real(name), case.expected[name])
-        assert error <= TOLERANCE, f"{name}: relative error {error:.2e} against float64"
+        assert error <= tolerance, f"{name}: relative error {error:.2e} against float64"
     for name in ("out", "dq", "dk", "dv"):
         assert (padding_of(name) == 0).all(), f"{name}: padding points must be zero"
     assert (padding_of("lse") == -np.inf).all(), "lse: padding points must be -inf"
 
 
-def check_case(launch: Launch, rng, plan, batch, heads, dk, dv, dtype, *window_args, **window_kwargs) -> None:
-    """prepare_case, run_case and verify_case in one call (arguments as prepare_case)."""
-    case = prepare_case(rng, plan, batch, heads, dk, dv, dtype, *window_args, **window_kwargs)
-    verify_case(case, run_case(case, launch))
+def tolerance_of(kernel: str, dtype: str) -> float:
+    """The relative bar of verify_case for ``kernel`` ("arc" or "tiled") on ``dtype``."""
+    return TILED_TOLERANCE[dtype] if kernel == "tiled" else TOLERANCE
 
+
+def check_case(
+    launch: Launch, rng, plan, batch, heads, dk, dv, dtype, *window_args, kernel: str = "arc", **window_kwargs
+) -> None:
+    """prepare_case, run_case and verify_case of ``kernel`` in one call (arguments as prepare_case)."""
+    case = prepare_case(rng, plan, batch, heads, dk, dv, dtype, *window_args, **window_kwargs)
+    verify_case(case, run_case(case, launch, kernel), tolerance_of(kernel, dtype))
+
+
+def table_rows(table: ArcTable | SegmentTable) -> np.ndarray:
+    """The rows the kernels walk: an ArcTable's arcs or a SegmentTable's segments."""
+    if isinstance(table, SegmentTable):
+        return table.segments
+    if isinstance(table, ArcTable):
+        return table.arcs
+    raise TypeError(f"table must be an ArcTable or a SegmentTable, got {type(table).__name__}")
 
 
 def call_run_target(
@@ -225,9 +283,10 @@ def call_run_target(
 ) -> int:
     """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable
     and returns its cudaError_t. ``address(array)`` gives the buffer address the kernels use
-    for a (non-None) numpy array."""
-    arrays = (q, k, v, dout, lse, delta, window, row_order, table.offsets, table.arcs, weights, r0, r1)
-    all_sizes = np.asarray([*sizes, table.residues, table.shift, table.arcs.shape[0]], np.int64)  # host memory
+    for a (non-None) numpy array; ``table`` is an ArcTable or a SegmentTable."""
+    rows = table_rows(table)
+    arrays = (q, k, v, dout, lse, delta, window, row_order, table.offsets, rows, weights, r0, r1)
+    all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
     return lib.RunNbhdAttnTarget(
         ctypes.c_int(target), ctypes.c_int(DTYPES[dtype][0]),
         *(ctypes.c_void_p(None if a is None else address(a)) for a in arrays),

@@ -1,12 +1,17 @@
 """The CUDA kernels of ``cuda/gpu`` compiled for the host and run on the CPU.
 
 ``tests/cuda_emulation`` emulates the few device facilities the kernels use (thread
-indices, ``__ldg``, ``__shfl_xor_sync``, dynamic shared memory, ``cudaLaunchKernel``), so
-the kernels *and their launchers* (variant dispatch, launch shapes, work decomposition) run
-unchanged on a machine without a GPU. Each test compares all three targets with a dense
-float64 reference built from the plan's arcs: the arc walks and window clipping, padding,
-tails, the vector fast path (head dims 32/64/128) and the general path (any head dims),
-16-bit widening, and that every result element is written (results start as NaN).
+indices, ``__ldg``, warp shuffles, ``__syncthreads``, ``mma.sync``/``ldmatrix``/``cp.async``,
+dynamic shared memory, ``cudaLaunchKernel``), so the kernels *and their launchers* (variant
+dispatch, launch shapes, work decomposition) run unchanged on a machine without a GPU. Each
+test compares all three targets with a dense float64 reference built from the plan's arcs,
+and checks that every result element is written (results start as NaN).
+
+Arc-segment kernels (``nbhd_attn_*.cu``): the arc walks and window clipping, padding, tails,
+the vector fast path (head dims 32/64/128) and the general path (any head dims), 16-bit
+widening. Tiled tensor-core kernels (``tiled_attn_*.cu``): the segment walks (R = 1 and 2,
+windows, whole rings), units of 64 points and chunks of 64 staged columns with their masks,
+the tile products, and the launchers' refusals (dtype, head dims, alignment).
 
 Timing and the GPU memory model are out of scope here: those are the H200 suite's
 (``tests/gpu_kernel_sanitizer.py``, ``tests/gpu_sanitizer.py`` and the GPU tests). The
@@ -16,6 +21,9 @@ cases, reference and checks live in ``kernel_cases.py``, shared with the GPU har
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -23,16 +31,28 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # emulation_build.py, kernel_cases.py (shared with the GPU harness)
-from emulation_build import build_emulated_library  # noqa: E402
+from emulation_build import address_sanitizer_preload, build_emulated_library  # noqa: E402
 from kernel_cases import (  # noqa: E402
     DTYPES,
     FORWARD,
     KERNEL_SOURCES,
+    LONG_ROW_PLANS,
+    LONG_ROW_WINDOWS,
     PLANS,
     RUN_TARGET_SHIM,
+    TILED_TARGET_OFFSET,
     call_run_target,
     check_case,
+    prepare_case,
+    run_case,
 )
+
+CUDA_ERROR_INVALID_VALUE = 1
+
+
+# A prebuilt emulated library for the session instead of a fresh build (the sanitized run of
+# test_kernels_under_address_sanitizer).
+PREBUILT_LIBRARY = "S2ATTN_EMULATED_LIBRARY"
 
 
 def _build(out: Path, defines: tuple[str, ...] = ()):
@@ -40,11 +60,17 @@ def _build(out: Path, defines: tuple[str, ...] = ()):
     return ctypes.CDLL(str(build_emulated_library(out, KERNEL_SOURCES, [RUN_TARGET_SHIM], defines)))
 
 
-def _launcher(lib):
-    """A launch callable (see kernel_cases.py) that runs the attention kernels of ``lib`` on host arrays."""
+def _status_callable(lib):
+    """A status callable of the library ``lib``: runs one target on host arrays (arguments of a
+    launch callable, see kernel_cases.py) and returns the launcher's cudaError_t."""
+    return lambda *args: call_run_target(lib, lambda a: a.ctypes.data, *args)
+
+
+def _asserting_success(status_of):
+    """The launch callable of a status callable: a launcher's error fails the test."""
 
     def launch(*args):
-        status = call_run_target(lib, lambda a: a.ctypes.data, *args)
+        status = status_of(*args)
         assert status == 0, f"launcher returned cudaError {status}"
 
     return launch
@@ -52,13 +78,22 @@ def _launcher(lib):
 
 @pytest.fixture(scope="session")
 def emulated_library(tmp_path_factory):
-    """The kernels built as a host shared library, or a skip where that cannot be done."""
-    return _build(tmp_path_factory.mktemp("cuda_emulation"))
+    """The kernels built as a host shared library (or the prebuilt one of a sanitized run), or a
+    skip where that cannot be done."""
+    prebuilt = os.environ.get(PREBUILT_LIBRARY)
+    return ctypes.CDLL(prebuilt) if prebuilt else _build(tmp_path_factory.mktemp("cuda_emulation"))
 
 
 @pytest.fixture(scope="session")
-def emulator(emulated_library):
-    return _launcher(emulated_library)
+def launch_status(emulated_library):
+    """Status callable of the emulated kernels."""
+    return _status_callable(emulated_library)
+
+
+@pytest.fixture(scope="session")
+def emulator(launch_status):
+    """Launch callable of the emulated kernels (a launcher's error fails the test)."""
+    return _asserting_success(launch_status)
 
 
 def _misaligned(a: np.ndarray) -> np.ndarray:
@@ -109,13 +144,14 @@ def test_windows_with_padding(emulator, rng, windows, dims, dtype):
     check_case(emulator, rng, PLANS["self"](), 2, 2, *dims, dtype, q_window, k_window, padding)
 
 
+@pytest.mark.parametrize(("kernel", "dtype"), [("arc", "float32"), ("tiled", "bfloat16")])
 @pytest.mark.parametrize("plan_name", ["down", "up"])
-def test_resampling_windows(emulator, rng, plan_name):
+def test_resampling_windows(emulator, rng, plan_name, kernel, dtype):
     plan = PLANS[plan_name]()
     (nlat_q, nlon_q), (nlat_k, nlon_k) = plan.out_shape, plan.in_shape
     q_window = (1, 2, nlat_q - 2, nlon_q - 4)
     k_window = (0, nlon_k // 2, nlat_k - 1, nlon_k // 2)
-    check_case(emulator, rng, plan, 1, 2, 64, 64, "float32", q_window, k_window, (1, 1, 1, 1))
+    check_case(emulator, rng, plan, 1, 2, 64, 64, dtype, q_window, k_window, (1, 1, 1, 1), kernel=kernel)
 
 
 @pytest.mark.parametrize("dims", [(4, 0), (0, 4), (1, 1), (33, 31), (64, 32), (256, 256)])
@@ -128,16 +164,19 @@ def test_unaligned_buffers_take_the_general_path(emulator, rng, dtype):
     check_case(emulator, rng, PLANS["self"](), 2, 2, 64, 64, dtype, transform=_misaligned)
 
 
-def test_empty_batch_launches_nothing(emulator):
+@pytest.mark.parametrize(("kernel", "dtype"), [("arc", "float32"), ("tiled", "bfloat16")])
+def test_empty_batch_launches_nothing(emulator, kernel, dtype):
+    """Succeeds without a launch (the emulated cudaLaunchKernel refuses an empty grid)."""
     plan = PLANS["self"]()
-    q = np.zeros((0, 8, 16, 1, 64), np.float32)
+    q = np.zeros((0, 8, 16, 1, 64), DTYPES[dtype][1])
     out = np.zeros((0, 8, 16, 1, 64), np.float32)
     lse = np.zeros((0, 8, 16, 1), np.float32)
     window = np.asarray([0, 0, 8, 16, 0, 0, 8, 16], np.int32)
     sizes = [0, 1, 64, 64, 8, 16, 8, 16, 8, 16, 8, 16]
-    table = plan.forward_arcs
-    emulator(FORWARD, "float32", sizes, 0.125, q, q, q, None, None, None, window, table.row_order, table,
-            plan.quad_weights, out, lse)  # fmt: skip
+    tiled = kernel == "tiled"
+    target, table = (TILED_TARGET_OFFSET + FORWARD, plan.forward_segments) if tiled else (FORWARD, plan.forward_arcs)
+    emulator(target, dtype, sizes, 0.125, q, q, q, None, None, None, window, plan.forward_arcs.row_order, table,
+             plan.quad_weights, out, lse)  # fmt: skip
 
 
 def test_corrupted_tables_stay_in_bounds(emulator, rng):
@@ -172,9 +211,10 @@ def small_launch_limits(tmp_path_factory):
 def test_grids_past_the_block_limit_are_split(small_launch_limits, rng):
     """More than 65535 (batch x head) indices or rows: the launchers split the grid into several
     launches (checked here with a limit of 2 blocks in y and z)."""
-    launch = _launcher(small_launch_limits)
+    launch = _asserting_success(_status_callable(small_launch_limits))
     check_case(launch, rng, PLANS["down"](), 3, 3, 32, 32, "float32")
     check_case(launch, rng, PLANS["down"](), 2, 1, 5, 7, "bfloat16")
+    check_case(launch, rng, PLANS["up"](), 3, 1, 32, 32, "float16", kernel="tiled")
 
 
 # ----------------------------------------------------------------------------- delta
@@ -206,3 +246,129 @@ def test_delta_matches_float64(emulated_library, rng, dv, dtype):
 def test_delta_rows_past_the_block_limit_loop(small_launch_limits, rng):
     """More rows than the launch has warps: the grid-stride loop covers them (2 blocks here)."""
     _check_delta(small_launch_limits, rng, 61, 40, "bfloat16")
+
+
+# ------------------------------------------------------------------ tiled tensor-core kernels
+
+TILED_DTYPES = ["bfloat16", "float16"]
+# Every plan (R = 1 and 2, shifts, lat/lon-only, Gauss rows) at D = 64; the other head dims
+# change only the fragment loops, so they run on the self plan.
+TILED_CASES = [
+    (plan_name, d, dtype)
+    for plan_name in PLANS
+    for d in ((32, 64, 128) if plan_name == "self" else (64,))
+    for dtype in TILED_DTYPES
+]
+
+
+@pytest.mark.parametrize(("plan_name", "d", "dtype"), TILED_CASES, ids=[f"{p}-d{d}-{t}" for p, d, t in TILED_CASES])
+def test_tiled_matches_float64(emulator, rng, plan_name, d, dtype):
+    check_case(emulator, rng, PLANS[plan_name](), 2, 2, d, d, dtype, kernel="tiled")
+
+
+@pytest.mark.parametrize("dtype", TILED_DTYPES)
+@pytest.mark.parametrize("plan_name", LONG_ROW_PLANS)
+def test_tiled_long_rows(emulator, rng, plan_name, dtype):
+    """Several blocks per row and several staged chunks per segment (window or whole ring)."""
+    check_case(emulator, rng, LONG_ROW_PLANS[plan_name](), 1, 2, 64, 64, dtype, kernel="tiled")
+
+
+@pytest.mark.parametrize("dtype", TILED_DTYPES)
+@pytest.mark.parametrize("windows", WINDOWS, ids=lambda w: f"q{w[0]}-k{w[1]}")
+def test_tiled_windows_with_padding(emulator, rng, windows, dtype):
+    q_window, k_window, padding = windows
+    check_case(emulator, rng, PLANS["self"](), 2, 2, 64, 64, dtype, q_window, k_window, padding, kernel="tiled")
+
+
+@pytest.mark.parametrize("plan_name", LONG_ROW_WINDOWS)
+def test_tiled_windows_of_long_rows(emulator, rng, plan_name):
+    plan = LONG_ROW_PLANS[plan_name]()
+    check_case(emulator, rng, plan, 1, 2, 64, 64, "bfloat16", kernel="tiled", **LONG_ROW_WINDOWS[plan_name])
+
+
+def _corrupted(table, rng, nlat_other: int, nlon_other: int):
+    """Copies of a segment table with garbage segments (anything; rows in range with arcs out of
+    range) or garbage offsets."""
+    segments, offsets = table.segments, table.offsets
+    big = np.iinfo(np.int32).max
+    anything = rng.integers(-big, big, size=segments.shape, dtype=np.int64)
+    plausible = rng.integers(-2 * nlon_other, 3 * nlon_other, size=segments.shape)
+    plausible[:, 0] = rng.integers(-1, nlat_other + 1, size=segments.shape[0])
+    bad_offsets = rng.integers(-50, 10 * segments.shape[0], size=offsets.shape)
+    return [
+        table._replace(segments=np.ascontiguousarray(anything, np.int32)),
+        table._replace(segments=np.ascontiguousarray(plausible, np.int32)),
+        table._replace(offsets=np.ascontiguousarray(bad_offsets, np.int32)),
+    ]
+
+
+@pytest.mark.parametrize("plan_name", ["self", "up"])
+def test_tiled_corrupted_tables_stay_in_bounds(emulator, rng, plan_name):
+    """Device tables the host cannot validate: garbage segments, offsets or windows must never
+    index outside the arrays, and every result is still written."""
+    plan = PLANS[plan_name]()
+    case = prepare_case(rng, plan, 1, 2, 64, 64, "bfloat16")
+    (nlat_q, nlon_q), (nlat_k, nlon_k) = plan.out_shape, plan.in_shape
+    forward, backward = plan.forward_segments, plan.backward_segments
+    broken_tables = [(f, backward) for f in _corrupted(forward, rng, nlat_k, nlon_k)]
+    broken_tables += [(forward, b) for b in _corrupted(backward, rng, nlat_q, nlon_q)]
+    runs = [(case, tables) for tables in broken_tables]
+    bad_window = np.asarray([nlat_q - 1, 9, 5, nlon_q, -3, 2, 8, 99], np.int32)  # does not fit: empty
+    runs.append((dataclasses.replace(case, inputs=(*case.inputs[:6], bad_window)), None))
+    for broken_case, tables in runs:
+        results = run_case(broken_case, emulator, "tiled", tables)
+        assert not any(np.isnan(r).any() for r in results.values())
+
+
+def test_tiled_runs_are_bitwise_reproducible(emulator, rng):
+    case = prepare_case(rng, LONG_ROW_PLANS["self-72"](), 1, 2, 64, 64, "bfloat16")
+    first, second = (run_case(case, emulator, "tiled") for _ in range(2))
+    for name in first:
+        assert np.array_equal(first[name], second[name]), name
+
+
+def _refused_by_tiled_launchers(launch_status, case) -> None:
+    """Asserts that each tiled launcher returns cudaErrorInvalidValue without writing a result."""
+    statuses = []
+
+    def record(*args):
+        statuses.append(launch_status(*args))
+
+    results = run_case(case, record, "tiled")
+    assert statuses == [CUDA_ERROR_INVALID_VALUE] * 3
+    assert all(np.isnan(r).all() for r in results.values())
+
+
+def test_tiled_launchers_refuse_misaligned_buffers(launch_status, rng):
+    _refused_by_tiled_launchers(launch_status, prepare_case(rng, PLANS["self"](), 1, 2, 64, 64, "bfloat16",
+                                                            transform=_misaligned))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dims", "dtype"),
+    [((48, 48), "bfloat16"), ((64, 32), "float16"), ((32, 64), "bfloat16"), ((256, 256), "float16"),
+     ((64, 64), "float32")],  # fmt: skip
+    ids=lambda x: f"dk{x[0]}-dv{x[1]}" if isinstance(x, tuple) else x,
+)
+def test_tiled_launchers_refuse_unsupported_cases(launch_status, rng, dims, dtype):
+    _refused_by_tiled_launchers(launch_status, prepare_case(rng, PLANS["down"](), 1, 1, *dims, dtype))
+
+
+# Tests run again under AddressSanitizer, in a subprocess with an ASan build of the kernels: a
+# read or write outside an array that would pass unnoticed here (garbage tables, an index past a
+# short table) aborts the run with a report naming the kernel's line.
+SANITIZED_TESTS = "corrupted or tiled_windows or resampling or (tiled_matches and d64)"
+
+
+def test_kernels_under_address_sanitizer(tmp_path):
+    if os.environ.get(PREBUILT_LIBRARY):
+        pytest.skip("this is the sanitized run")
+    preload = address_sanitizer_preload()
+    if preload is None:
+        pytest.skip("needs the host compiler's AddressSanitizer runtime")
+    library = build_emulated_library(tmp_path, KERNEL_SOURCES, [RUN_TARGET_SHIM], address_sanitizer=True)
+    environment = os.environ | {PREBUILT_LIBRARY: str(library), "LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0"}
+    # -s: an ASan report is written as the process aborts, past any capture of pytest.
+    command = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k", SANITIZED_TESTS]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}"

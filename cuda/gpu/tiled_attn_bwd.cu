@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
   const float scale2 = p.scale * kLog2e;
   const int t = threadIdx.x % 4;
 
-  ForEachChunk<T, D>(walk, src, p.quad_weights, u.row_lon, u.row_real,
+  ForEachChunk<T, D>(walk, src, /*quad_weights=*/nullptr, u.row_lon, u.row_real,
                      [&](const Stage<T, D>& stage, const SegmentWindow& sw, int32_t chunk, const WarpBand& band) {
     const int32_t c0 = chunk * kChunk;
 #pragma unroll

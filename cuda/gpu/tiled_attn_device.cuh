@@ -215,7 +215,9 @@ __device__ __forceinline__ SegmentWindow WindowOf(const Walk& walk, int32_t inde
     win.width = span.uni_hi - span.uni_lo;
   }
   win.chunks = (win.width + kChunk - 1) / kChunk;
-  win.log2_weight = log2f(__ldg(quad_weights + row));
+  // Only the query walk stages keys with a weight (the key walk stages queries; its rows index the
+  // query grid, past the end of quad_weights when that grid has more rows).
+  if (quad_weights != nullptr) win.log2_weight = log2f(__ldg(quad_weights + row));
   return win;
 }
 

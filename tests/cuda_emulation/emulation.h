@@ -49,6 +49,24 @@ inline T __ldg(const T* p) {
   return *p;
 }
 
+// The integer and floating-point min/max that nvcc declares at global scope. Same-type overloads
+// only: a mixed signed/unsigned call, which nvcc resolves to unsigned, fails to compile here
+// instead of silently picking a type.
+#define S2ATTN_EMU_MIN_MAX(T)                      \
+  inline T min(T a, T b) { return b < a ? b : a; } \
+  inline T max(T a, T b) { return a < b ? b : a; }
+S2ATTN_EMU_MIN_MAX(int)
+S2ATTN_EMU_MIN_MAX(unsigned int)
+S2ATTN_EMU_MIN_MAX(long)
+S2ATTN_EMU_MIN_MAX(unsigned long)
+S2ATTN_EMU_MIN_MAX(long long)
+S2ATTN_EMU_MIN_MAX(unsigned long long)
+#undef S2ATTN_EMU_MIN_MAX
+inline float min(float a, float b) { return fminf(a, b); }
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
+
 // Bit casts of the device intrinsics (memcpy: well defined on the host).
 inline float __uint_as_float(unsigned int bits) {
   float f;

@@ -6,15 +6,18 @@
 
 #include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
+#include "gpu/tiled_attn_kernels.h"
 
-// target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv). sizes: batch, heads, dk,
-// dv, nq_lat, nq_lon, nk_lat, nk_lon, nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs.
-// Returns the launcher's cudaError_t.
+// target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv) of the arc-segment kernels;
+// 3, 4, 5 the same of the tiled kernels, whose `arc_offsets`/`arcs` carry the segment table
+// (num_arcs = its row count). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
+// nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. Returns the launcher's cudaError_t.
 extern "C" int RunNbhdAttnTarget(int target, int dtype, const void* q, const void* k, const void* v,
                                  const void* dout, const float* lse, const float* delta, const int32_t* window,
                                  const int32_t* row_order, const int32_t* arc_offsets, const int32_t* arcs,
                                  const float* quad_weights, float* result0, float* result1, const int64_t* sizes,
                                  float scale) {
+  if (target < 0 || target > 5) return cudaErrorInvalidValue;
   s2attn::NbhdAttnGpuParams p;
   p.dtype = static_cast<s2attn::ActivationType>(dtype);
   p.q = q;
@@ -44,20 +47,19 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, const void* q, const voi
   p.shift = static_cast<int32_t>(sizes[13]);
   p.num_arcs = sizes[14];
   p.scale = scale;
-  switch (target) {
+  const bool tiled = target >= 3;
+  switch (target % 3) {
     case 0:
       p.out = result0;
       p.lse_out = result1;
-      return s2attn::LaunchNbhdAttnFwd(nullptr, p);
+      return tiled ? s2attn::LaunchTiledAttnFwd(nullptr, p) : s2attn::LaunchNbhdAttnFwd(nullptr, p);
     case 1:
       p.dq = result0;
-      return s2attn::LaunchNbhdAttnBwdDq(nullptr, p);
-    case 2:
+      return tiled ? s2attn::LaunchTiledAttnBwdDq(nullptr, p) : s2attn::LaunchNbhdAttnBwdDq(nullptr, p);
+    default:
       p.dk = result0;
       p.dv = result1;
-      return s2attn::LaunchNbhdAttnBwdDkv(nullptr, p);
-    default:
-      return cudaErrorInvalidValue;
+      return tiled ? s2attn::LaunchTiledAttnBwdDkv(nullptr, p) : s2attn::LaunchNbhdAttnBwdDkv(nullptr, p);
   }
 }
 
