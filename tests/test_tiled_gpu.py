@@ -227,7 +227,7 @@ def test_ffi_runs_tiled_kernels_where_they_apply_serial_and_sharded(exact_random
     def value_and_grads(attention):
         def run(primals):
             out, pullback = jax.vjp(attention, *primals)
-            return out, *pullback(dout)
+            return out, *pullback(dout.astype(out.dtype))
 
         return run
 
