@@ -26,6 +26,7 @@ from jax_s2attn.parallel import sharded_neighborhood_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_nbhd_ffi import _tile, _window  # noqa: E402  (blocks of a grid with padding)
+from test_nbhd_grad import _vjp  # noqa: E402  ((out, lse, dq, dk, dv) of the op)
 
 pytestmark = pytest.mark.gpu
 
@@ -60,17 +61,6 @@ def on_the_gpu():
 def _rounded(x, dtype):
     """``x`` rounded to ``dtype`` and back to float64: the values both sides compute with."""
     return np.asarray(jnp.asarray(x, dtype).astype(jnp.float64))
-
-
-def _vjp(plan, implementation, primals, cotangents):
-    """``(out, lse, dq, dk, dv)`` of the op, pulled back through both outputs."""
-
-    def attention(q, k, v):
-        return neighborhood_attention(q, k, v, plan, implementation=implementation, return_residual=True)
-
-    (out, lse), pullback = jax.vjp(attention, *primals)
-    dout, dlse = cotangents
-    return (out, lse, *pullback((dout.astype(out.dtype), dlse.astype(lse.dtype))))
 
 
 @functools.cache
