@@ -121,7 +121,18 @@ class KernelCase:
 
 
 def prepare_case(
-    rng, plan, batch, heads, dk, dv, dtype, q_window=None, k_window=None, padding=(0, 0, 0, 0), transform=None
+    rng,
+    plan,
+    batch,
+    heads,
+    dk,
+    dv,
+    dtype,
+    q_window=None,
+    k_window=None,
+    padding=(0, 0, 0, 0),
+    transform=None,
+    logit_offset=0.0,
 ) -> KernelCase:
     """Random inputs on local blocks of the grids and the float64 results they must give.
 
@@ -137,6 +148,9 @@ def prepare_case(
     scale = 1.0 / np.sqrt(max(dk, 1))
     q, dout = (rng.standard_normal((batch, nlat_q, nlon_q, heads, d)).astype(storage) for d in (dk, dv))
     k, v = (rng.standard_normal((batch, nlat_k, nlon_k, heads, d)).astype(storage) for d in (dk, dv))
+    if logit_offset < 0:  # every logit moves by about logit_offset: q_0 = a, k_0 = -a
+        q[..., 0] = np.sqrt(-logit_offset / scale)
+        k[..., 0] = -np.sqrt(-logit_offset / scale)
 
     # Float64 reference on the global grids, from the same rounded inputs.
     Q, G = (a.astype(np.float64).reshape(batch, nlat_q * nlon_q, heads, -1) for a in (q, dout))

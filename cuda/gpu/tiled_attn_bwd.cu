@@ -62,8 +62,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
     }
   });
 
-  const float scale0 = u.row_real[0] ? p.scale : 0.f, scale1 = u.row_real[1] ? p.scale : 0.f;
-  StoreRows<D>(ExistingRow(p.dq, D, u, 0), ExistingRow(p.dq, D, u, 1), acc, scale0, scale1);
+  StoreRows<D>(ExistingRow(p.dq, D, u, 0), ExistingRow(p.dq, D, u, 1), acc, p.scale, p.scale, u.row_real[0],
+               u.row_real[1]);
 }
 
 // dv_j = sum_o p_oj dout_o, dk_j = scale * sum_o p_oj (dout_o.v_j - delta_o) q_o over the
@@ -118,9 +118,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
     }
   });
 
-  const float scale0 = u.row_real[0] ? 1.f : 0.f, scale1 = u.row_real[1] ? 1.f : 0.f;
-  StoreRows<D>(ExistingRow(p.dk, D, u, 0), ExistingRow(p.dk, D, u, 1), dk, scale0 * p.scale, scale1 * p.scale);
-  StoreRows<D>(ExistingRow(p.dv, D, u, 0), ExistingRow(p.dv, D, u, 1), dv, scale0, scale1);
+  StoreRows<D>(ExistingRow(p.dk, D, u, 0), ExistingRow(p.dk, D, u, 1), dk, p.scale, p.scale, u.row_real[0],
+               u.row_real[1]);
+  StoreRows<D>(ExistingRow(p.dv, D, u, 0), ExistingRow(p.dv, D, u, 1), dv, 1.f, 1.f, u.row_real[0], u.row_real[1]);
 }
 
 }  // namespace

@@ -460,15 +460,22 @@ __device__ __forceinline__ void AccumulateRows(float (&acc)[D / 8][4], const flo
 }
 
 // Stores the thread's part of a 16 x D float accumulator tile, scaled per row; rows without a
-// destination (null) are skipped.
+// destination (null) are skipped, rows not kept are written as zeros (by select: a discarded row's
+// accumulator may hold inf or NaN, e.g. a padding key row in a block whose mask was skipped).
 template <int D>
 __device__ __forceinline__ void StoreRows(float* row0, float* row1, const float (&acc)[D / 8][4], float scale0,
-                                          float scale1) {
+                                          float scale1, bool keep0, bool keep1) {
   const int t = threadIdx.x % 4;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
-    if (row0) *reinterpret_cast<float2*>(row0 + 8 * n + 2 * t) = make_float2(acc[n][0] * scale0, acc[n][1] * scale0);
-    if (row1) *reinterpret_cast<float2*>(row1 + 8 * n + 2 * t) = make_float2(acc[n][2] * scale1, acc[n][3] * scale1);
+    if (row0) {
+      *reinterpret_cast<float2*>(row0 + 8 * n + 2 * t) =
+          keep0 ? make_float2(acc[n][0] * scale0, acc[n][1] * scale0) : make_float2(0.f, 0.f);
+    }
+    if (row1) {
+      *reinterpret_cast<float2*>(row1 + 8 * n + 2 * t) =
+          keep1 ? make_float2(acc[n][2] * scale1, acc[n][3] * scale1) : make_float2(0.f, 0.f);
+    }
   }
 }
 
@@ -570,7 +577,8 @@ __device__ __forceinline__ Walk WalkOf(const NbhdAttnGpuParams& p, const Unit& u
   Walk w;
   w.offsets = p.arc_offsets;
   w.segments = p.arcs;
-  w.num_segments = static_cast<int32_t>(p.num_arcs);
+  // num_arcs counts every copy of a broadcast table; one copy's offsets are int32.
+  w.num_segments = static_cast<int32_t>(p.num_arcs < INT32_MAX ? p.num_arcs : INT32_MAX);
   w.residues = p.residues;
   w.shift = p.shift;
   w.nlat_other = nlat_other;

@@ -88,13 +88,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
   });
 
   float scale[2];
+  bool seen[2];
   for (int h = 0; h < 2; ++h) {
     l[h] = RowSum(l[h]);
-    const bool seen = u.row_real[h] && l[h] > 0.f;  // no neighbour inside the key window: 0, -inf
-    scale[h] = seen ? 1.f / l[h] : 0.f;
-    if (t == 0 && u.row_exists[h]) p.lse_out[u.row_point[h]] = seen ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
+    seen[h] = u.row_real[h] && l[h] > 0.f;  // no neighbour inside the key window: 0, -inf
+    scale[h] = seen[h] ? 1.f / l[h] : 0.f;
+    if (t == 0 && u.row_exists[h]) p.lse_out[u.row_point[h]] = seen[h] ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
   }
-  StoreRows<D>(ExistingRow(p.out, D, u, 0), ExistingRow(p.out, D, u, 1), acc, scale[0], scale[1]);
+  StoreRows<D>(ExistingRow(p.out, D, u, 0), ExistingRow(p.out, D, u, 1), acc, scale[0], scale[1], seen[0],
+               seen[1]);
 }
 
 }  // namespace
