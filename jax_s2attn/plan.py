@@ -133,6 +133,8 @@ class SegmentTable(NamedTuple):
         smallest = np.full(keys.size, np.iinfo(np.int64).max)
         np.minimum.at(smallest, segment, lo)
         lo = lo - nlon * np.floor_divide(smallest, nlon)[segment]
+        if (lo >= 2 * nlon).any():  # the kernels wrap a start at most twice (cuda/README.md)
+            raise RuntimeError("an unwrapped segment start reached 2 * nlon")
         segments = np.zeros((keys.size, 1 + 2 * residues), dtype=np.int32)
         segments[:, 0] = keys % nrows
         segments[segment, 1 + residue] = lo
@@ -416,9 +418,10 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
     forward_segments, backward_segments = SegmentTable.from_arcs(forward), SegmentTable.from_arcs(backward)
     for arcs, segments in [(forward, forward_segments), (backward, backward_segments)]:
         # The device tables share the arc arrays when R == 1, which relies on this.
-        assert arcs.residues > 1 or (
+        if arcs.residues == 1 and not (
             np.array_equal(arcs.offsets, segments.offsets) and np.array_equal(arcs.arcs, segments.segments)
-        )
+        ):
+            raise RuntimeError("a one-residue segment table differs from its arc table")
 
     quad_weights = (np.float32(2.0 * np.pi) * w_in.astype(np.float32) / np.float32(nlon_in)).astype(np.float32)
     plan = object.__new__(NeighborhoodPlan)

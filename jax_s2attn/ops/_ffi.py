@@ -7,6 +7,7 @@ path and :func:`native_status` says why.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 
@@ -127,6 +128,7 @@ def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
     return None
 
 
+@functools.cache
 def _tiled_build_reason() -> str | None:
     """Why the CUDA module in use has no tiled kernels; None if it has them."""
     module, reason = _MODULES["cuda"]

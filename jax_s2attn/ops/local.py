@@ -51,13 +51,15 @@ def local_row_order(plan: NeighborhoodPlan, walk: str, lat0, nrows: int):
     return jnp.argsort(rank_local).astype(jnp.int32)
 
 
+def _check_kernel(kernel: str) -> None:
+    if kernel != "reference" and kernel not in _ffi.KERNELS:
+        raise ValueError(f"kernel must be 'reference' or one of {_ffi.KERNELS}, got {kernel!r}.")
+
+
 def _local_op(kernel: str, reference_op, native_op):
     """``reference_op`` for ``"reference"``, else the native op bound to ``kernel``."""
-    if kernel == "reference":
-        return reference_op
-    if kernel in _ffi.KERNELS:
-        return functools.partial(native_op, kernel=kernel)
-    raise ValueError(f"kernel must be 'reference' or one of {_ffi.KERNELS}, got {kernel!r}.")
+    _check_kernel(kernel)
+    return reference_op if kernel == "reference" else functools.partial(native_op, kernel=kernel)
 
 
 def local_forward(query, key, value, plan, window, row_order, *, scale: float, kernel: str):
@@ -83,13 +85,10 @@ def _reference_delta(dout, out, dlse):
     return delta if dlse is None else delta - dlse
 
 
-def _native_delta(dout, out, dlse, *, kernel):
-    del kernel  # one delta target serves every kernel family
-    return _ffi.ffi_delta(dout, out, dlse)
-
-
 def local_delta(dout, out, dlse=None, *, kernel: str):
     """``delta = sum(dout * out, -1) - dlse`` (float32) of the backward pieces, from the float32
-    ``out``; ``dlse`` None means zero. The native kernels sum in a fixed order, so ``delta``
-    (and with it the gradients) is the same bits in every compiled program."""
-    return _local_op(kernel, _reference_delta, _native_delta)(dout, out, dlse)
+    ``out``; ``dlse`` None means zero. The native kernels sum in a fixed order (one delta target
+    serves both kernel families), so ``delta`` (and with it the gradients) is the same bits in
+    every compiled program."""
+    _check_kernel(kernel)
+    return _reference_delta(dout, out, dlse) if kernel == "reference" else _ffi.ffi_delta(dout, out, dlse)

@@ -86,9 +86,10 @@ def neighborhood_attention(
       cannot run on the inputs' platform (no native module, float64, or for
       ``"ffi-tiled"`` not CUDA, not 16-bit, other head dims). ``None`` is ``"ffi"`` on
       every platform whose native module is built (:func:`jax_s2attn.native_backends`)
-      and ``"reference"`` elsewhere and for float64 inputs. The choice per platform is
-      made when the computation is lowered, so a program exported for CUDA from a
-      CPU-only machine still uses the CUDA kernels.
+      and ``"reference"`` elsewhere and for float64 inputs. With ``None`` the choice per
+      platform is made when the computation is lowered, so a program exported for CUDA
+      from a CPU-only machine still uses the CUDA kernels (tiled or arc); the forced
+      ``"ffi*"`` values check the platform of the inputs instead.
     """
     _checks.check_implementation(implementation)
     _, _, dk, dv = _checks.check_inputs(query, key, value, plan)
