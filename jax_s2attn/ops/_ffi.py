@@ -129,15 +129,20 @@ def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
 
 
 @functools.cache
+def _missing_tiled_targets(module) -> tuple[str, ...]:
+    """The tiled targets ``module`` does not register (registrations() builds capsules: cached)."""
+    return tuple(sorted(set(TILED_TARGETS) - set(module.registrations())))
+
+
 def _tiled_build_reason() -> str | None:
     """Why the CUDA module in use has no tiled kernels; None if it has them."""
     module, reason = _MODULES["cuda"]
     if module is None:
         return reason
-    missing = set(TILED_TARGETS) - set(module.registrations())
+    missing = _missing_tiled_targets(module)
     if missing:
         return (
-            f"the installed _s2attn_cuda was built without the tiled kernels (no {', '.join(sorted(missing))}); "
+            f"the installed _s2attn_cuda was built without the tiled kernels (no {', '.join(missing)}); "
             "rebuild jax_s2attn"
         )
     return None
