@@ -51,6 +51,8 @@ PLANS = {
     "wide": lambda: NeighborhoodPlan((10, 22), (10, 22), theta_cutoff=1.0),  # runs of 5..22: groups + tails
     "down": lambda: NeighborhoodPlan((8, 16), (4, 8), theta_cutoff=0.6),  # gather, shift 2
     "up": lambda: NeighborhoodPlan((4, 8), (8, 16), theta_cutoff=0.6),  # scatter, residues 2
+    "up3": lambda: NeighborhoodPlan((6, 8), (12, 24), theta_cutoff=0.7),  # scatter, residues 3
+    "down3": lambda: NeighborhoodPlan((8, 12), (4, 4), theta_cutoff=0.9),  # gather, shift 3; dk/dv: residues 3
     "legendre-gauss": lambda: NeighborhoodPlan((7, 12), (7, 12), "legendre-gauss", "legendre-gauss"),
     "lat-only": lambda: NeighborhoodPlan((12, 12), (6, 12), theta_cutoff=0.5),
     "lon-only": lambda: NeighborhoodPlan((6, 12), (6, 6), theta_cutoff=0.7),

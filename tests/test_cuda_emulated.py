@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_s2attn.plan import NeighborhoodPlan
+
 sys.path.insert(0, str(Path(__file__).parent))  # emulation_build.py, kernel_cases.py (shared with the GPU harness)
 from emulation_build import address_sanitizer_preload, build_emulated_library  # noqa: E402
 from kernel_cases import (  # noqa: E402
@@ -287,6 +289,13 @@ def test_tiled_padding_stays_zero_with_extreme_logits(emulator, rng, windows):
     q_window, k_window, padding = windows
     check_case(emulator, rng, PLANS["self"](), 1, 2, 64, 64, "bfloat16", q_window, k_window, padding,
                kernel="tiled", logit_offset=-120.0)  # fmt: skip
+
+
+def test_tiled_many_residues(emulator, rng):
+    """Upsampling 4 -> 400 longitudes: 100 residues per walking row (one segment row holds 201
+    values); nothing in the walk is sized by R."""
+    check_case(emulator, rng, NeighborhoodPlan((5, 4), (9, 400), theta_cutoff=1.0), 1, 1, 32, 32, "bfloat16",
+               kernel="tiled")  # fmt: skip
 
 
 @pytest.mark.parametrize("plan_name", LONG_ROW_WINDOWS)
