@@ -10,8 +10,10 @@
 // with arc start s_w = lo_r + S*(w / R) and length len_r sees window column c iff
 // 0 <= c - (s_w - lo_cta) < len_r (a band). If the window spans the whole ring, it becomes
 // the ring itself from longitude 0 (ring mode) and the test is taken modulo nlon.
-// The window is staged in chunks of kChunk columns (cp.async, double buffered, one flat stream
-// across segments so the pipeline never drains between short segments). Each warp multiplies
+// The window is staged in chunks of kChunk columns (cp.async, kStages deep, one flat stream
+// across segments so the pipeline never drains between short segments). The geometry of up to
+// kSlots segments is computed at once, one segment per thread, into shared memory; the stream
+// only reads it (and drains between such batches, i.e. only on rows with more segments). Each warp multiplies
 // only the 16-column blocks its band touches, and evaluates the band mask only on blocks that
 // are not entirely inside every one of its points' arcs. Quadrature weights (or -lse for dk/dv)
 // and columns outside the other grid's window enter as a per-column bias: -inf masks a column.
@@ -67,6 +69,9 @@ template <int D>
 constexpr int MinBlocksPerSm() {
   return D <= 64 ? S2ATTN_TILED_MIN_BLOCKS : 2;
 }
+// Segments whose geometry a block computes at once (one per thread, in parallel, into shared
+// memory) before walking their chunks; a row with more segments is walked in several batches.
+constexpr int kSlots = kThreads < 64 ? kThreads : 64;
 // Added to a column in window mode so that the wrapped band test can never hold.
 constexpr int32_t kNoWrap = int32_t{1} << 30;
 
@@ -79,7 +84,10 @@ struct StageLayout {
   static constexpr int kOperandElems = kChunk * kStride;
   static constexpr size_t kOperandBytes = size_t{kOperandElems} * 2;
   static constexpr size_t kStageBytes = 2 * kOperandBytes + 2 * kChunk * sizeof(float);
-  static constexpr size_t kSharedBytes = kStages * kStageBytes;
+  static constexpr size_t kStagesBytes = kStages * kStageBytes;
+  // Then the segment slots of the batch being walked (SegmentSlot, defined below).
+  static constexpr size_t kSlotBytes = 32 + 16 * kWarps;
+  static constexpr size_t kSharedBytes = kStagesBytes + kSlots * kSlotBytes;
   static_assert(kOperandBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
 };
 
@@ -190,7 +198,6 @@ struct Walk {
   GridWindow other;                // the other grid's window
   int32_t walk_row;                // global row of the walking grid
   int32_t block_first, block_last; // global longitudes of the block's real points (first > last: none)
-  int32_t warp_first, warp_last;   // same for this warp
 };
 
 __device__ __forceinline__ const int32_t* SegmentAt(const Walk& walk, int32_t index) {
@@ -221,16 +228,6 @@ __device__ __forceinline__ SegmentWindow WindowOf(const Walk& walk, int32_t inde
   return win;
 }
 
-// First segment at or after `index` with something to visit (chunks == 0 if none).
-__device__ __forceinline__ SegmentWindow NextWindow(const Walk& walk, int32_t index, int32_t end,
-                                                    const float* quad_weights) {
-  for (; index < end; ++index) {
-    const SegmentWindow win = WindowOf(walk, index, quad_weights);
-    if (win.chunks > 0) return win;
-  }
-  return SegmentWindow{end, -1, 0, 0, 0, kNoWrap, 0, 0.f};
-}
-
 // Local column of the other grid's arrays for window column c, or -1 (past the window's
 // width or outside the other grid's window).
 __device__ __forceinline__ int32_t LocalColumn(const Walk& walk, const SegmentWindow& win, int32_t c) {
@@ -241,12 +238,24 @@ __device__ __forceinline__ int32_t LocalColumn(const Walk& walk, const SegmentWi
   return (local >= 0 && local < walk.other.nlon) ? local : -1;
 }
 
-// A warp's view of one segment: the window columns its band touches, the columns inside every
-// one of its points' arcs, and the arc (offset into the window, length) of each of the
-// thread's two rows (g and g + 8 of the tile).
+// What a warp multiplies on one segment: the window columns its band touches, [lo, hi), and
+// the columns inside every one of its points' arcs, [full_lo, full_hi) (no mask needed there).
+struct WarpSpan {
+  int32_t lo, hi, full_lo, full_hi;
+};
+
+// The segment geometry a block computes once per segment, in shared memory while it is walked.
+struct SegmentSlot {
+  SegmentWindow win;
+  WarpSpan warp[kWarps];
+};
+static_assert(sizeof(SegmentWindow) == 32 && sizeof(SegmentSlot) == StageLayout<64>::kSlotBytes,
+              "StageLayout reserves kSlotBytes per slot");
+
+// A thread's view of one segment: its warp's span and the arc (offset into the window, length)
+// of each of the thread's two rows (g and g + 8 of the tile).
 struct WarpBand {
-  int32_t lo, hi;            // band [lo, hi)
-  int32_t full_lo, full_hi;  // no mask needed inside [full_lo, full_hi)
+  int32_t lo, hi, full_lo, full_hi;
   int32_t off[2], len[2];
 };
 
@@ -260,13 +269,12 @@ __device__ __forceinline__ void PointArc(const Walk& walk, const int32_t* seg, c
   *len = l;
 }
 
-__device__ __forceinline__ WarpBand BandOf(const Walk& walk, const SegmentWindow& win, const int32_t (&row_lon)[2],
-                                           const bool (&row_real)[2]) {
-  WarpBand band{0, 0, 0, 0, {0, 0}, {0, 0}};
-  const int32_t* seg = SegmentAt(walk, win.index);
-  for (int h = 0; h < 2; ++h) PointArc(walk, seg, win, row_lon[h], row_real[h], &band.off[h], &band.len[h]);
-  if (walk.warp_first > walk.warp_last) return band;
-  const ArcSpan span = SpanOf(seg, walk.residues, walk.shift, walk.nlon_other, walk.warp_first, walk.warp_last);
+// The span of the warp whose points are the walking longitudes [first, last] (none if first > last).
+__device__ __forceinline__ WarpSpan WarpSpanOf(const Walk& walk, const int32_t* seg, const SegmentWindow& win,
+                                               int32_t first, int32_t last) {
+  WarpSpan band{0, 0, 0, 0};
+  if (first > last) return band;
+  const ArcSpan span = SpanOf(seg, walk.residues, walk.shift, walk.nlon_other, first, last);
   if (span.uni_lo >= span.uni_hi) return band;
   if (win.wrap != kNoWrap) {
     band.hi = win.width;
@@ -277,6 +285,30 @@ __device__ __forceinline__ WarpBand BandOf(const Walk& walk, const SegmentWindow
     band.full_lo = span.int_lo - win.lo;
     band.full_hi = span.int_hi - win.lo;
   }
+  return band;
+}
+
+// Segment `index`'s window and every warp's span on it.
+__device__ __forceinline__ void FillSlot(const Walk& walk, int32_t index, const float* quad_weights,
+                                         SegmentSlot* slot) {
+  const SegmentWindow win = WindowOf(walk, index, quad_weights);
+  slot->win = win;
+  const int32_t* seg = SegmentAt(walk, index);
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int32_t first = walk.block_first + w * kWarpPoints;
+    const int32_t last = min(first + kWarpPoints - 1, walk.block_last);
+    slot->warp[w] = win.chunks > 0 ? WarpSpanOf(walk, seg, win, first, last) : WarpSpan{0, 0, 0, 0};
+  }
+}
+
+// The thread's band on a slot: its warp's span plus its two rows' arcs.
+__device__ __forceinline__ WarpBand BandOf(const Walk& walk, const SegmentSlot& slot, const int32_t (&row_lon)[2],
+                                           const bool (&row_real)[2]) {
+  const WarpSpan span = slot.warp[threadIdx.x / 32];
+  WarpBand band{span.lo, span.hi, span.full_lo, span.full_hi, {0, 0}, {0, 0}};
+  const int32_t* seg = SegmentAt(walk, slot.win.index);
+  for (int h = 0; h < 2; ++h) PointArc(walk, seg, slot.win, row_lon[h], row_real[h], &band.off[h], &band.len[h]);
   return band;
 }
 
@@ -304,64 +336,79 @@ struct StagedSource {
 };
 
 // Stages chunk `chunk` of `win` into `stage` (cp.async for real columns, zeros elsewhere) and
-// writes its column bias (and delta). All threads of the block take part.
+// writes its column bias (and delta). All threads of the block take part, kColumnThreads
+// neighbouring threads per column, each copying a contiguous part of its row.
 template <typename T, int D>
 __device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow& win, int32_t chunk,
                                            const StagedSource<T>& src, const Stage<T, D>& stage) {
   constexpr int kPieces = D / 8;  // 16-byte pieces per row
+  constexpr int kColumnThreads = kThreads / kChunk;
+  static_assert(kThreads % kChunk == 0 && kPieces % kColumnThreads == 0, "whole pieces per staging thread");
+  constexpr int kPart = D / kColumnThreads;  // elements each thread copies
   using L = StageLayout<D>;
-  const int32_t c0 = chunk * kChunk;
-  for (int idx = threadIdx.x; idx < kChunk * kPieces; idx += kThreads) {
-    const int col = idx / kPieces;
-    const int piece = idx % kPieces;
-    const int32_t local = LocalColumn(walk, win, c0 + col);
-    T* dst_a = stage.a + col * L::kStride + piece * 8;
-    T* dst_b = stage.b + col * L::kStride + piece * 8;
-    if (local >= 0) {
-      const int64_t at = src.bh_offset + win.local_row * src.row_stride + local * src.col_stride + piece * 8;
-      CopyAsync16(dst_a, src.a + at);
-      CopyAsync16(dst_b, src.b + at);
+  const int col = threadIdx.x / kColumnThreads;
+  const int part = threadIdx.x % kColumnThreads;
+  const int32_t local = LocalColumn(walk, win, chunk * kChunk + col);
+  T* dst_a = stage.a + col * L::kStride + part * kPart;
+  T* dst_b = stage.b + col * L::kStride + part * kPart;
+  if (local >= 0) {
+    const int64_t at = src.bh_offset + win.local_row * src.row_stride + local * src.col_stride + part * kPart;
+#pragma unroll
+    for (int i = 0; i < kPart; i += 8) {
+      CopyAsync16(dst_a + i, src.a + at + i);
+      CopyAsync16(dst_b + i, src.b + at + i);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPart; i += 8) {
+      *reinterpret_cast<uint4*>(dst_a + i) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dst_b + i) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  if (part != 0) return;
+  float bias = kNegInf, delta = 0.f;
+  if (local >= 0) {
+    if (src.lse == nullptr) {
+      bias = win.log2_weight;
     } else {
-      *reinterpret_cast<uint4*>(dst_a) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(dst_b) = make_uint4(0, 0, 0, 0);
+      const int64_t point = src.bh_point + win.local_row * src.point_row_stride + local * src.point_col_stride;
+      const float lse = __ldg(src.lse + point);
+      bias = lse == kNegInf ? kNegInf : -kLog2e * lse;
+      delta = __ldg(src.delta + point);
     }
   }
-  for (int col = threadIdx.x; col < kChunk; col += kThreads) {
-    const int32_t local = LocalColumn(walk, win, c0 + col);
-    float bias = kNegInf, delta = 0.f;
-    if (local >= 0) {
-      if (src.lse == nullptr) {
-        bias = win.log2_weight;
-      } else {
-        const int64_t point = src.bh_point + win.local_row * src.point_row_stride + local * src.point_col_stride;
-        const float lse = __ldg(src.lse + point);
-        bias = lse == kNegInf ? kNegInf : -kLog2e * lse;
-        delta = __ldg(src.delta + point);
-      }
-    }
-    stage.bias[col] = bias;
-    stage.delta[col] = delta;
-  }
+  stage.bias[col] = bias;
+  stage.delta[col] = delta;
 }
 
-// One position of the chunk stream: a segment's window and one of its chunks.
+// The segment slots of the block (shared memory after the stages).
+template <int D>
+__device__ __forceinline__ SegmentSlot* Slots() {
+  return reinterpret_cast<SegmentSlot*>(reinterpret_cast<char*>(DynamicShared()) + StageLayout<D>::kStagesBytes);
+}
+
+// One position of the chunk stream: a slot of the batch and one of its segment's chunks
+// (slot == count: past the end).
 struct ChunkCursor {
-  SegmentWindow win;
-  int32_t chunk;
-  __device__ bool valid() const { return win.chunks > 0; }
+  int32_t slot, chunk;
 };
 
-// The chunk after `at` (the next segment's first chunk when `at` is its segment's last).
-__device__ __forceinline__ ChunkCursor Advance(const Walk& walk, const ChunkCursor& at, int32_t end,
-                                               const float* quad_weights) {
-  if (at.chunk + 1 < at.win.chunks) return ChunkCursor{at.win, at.chunk + 1};
-  return ChunkCursor{NextWindow(walk, at.win.index + 1, end, quad_weights), 0};
+// The first slot at or after `slot` with something to visit.
+__device__ __forceinline__ ChunkCursor FirstChunk(const SegmentSlot* slots, int32_t slot, int32_t count) {
+  while (slot < count && slots[slot].win.chunks == 0) ++slot;
+  return ChunkCursor{slot, 0};
+}
+
+__device__ __forceinline__ ChunkCursor Advance(const SegmentSlot* slots, const ChunkCursor& at, int32_t count) {
+  if (at.chunk + 1 < slots[at.slot].win.chunks) return ChunkCursor{at.slot, at.chunk + 1};
+  return FirstChunk(slots, at.slot + 1, count);
 }
 
 // Runs `compute(stage, win, chunk, band)` for every chunk of every segment of the block's row,
 // in order, with the next kStages - 1 chunks in flight (cp.async groups) while one is
-// multiplied. Stage of the n-th chunk: n % kStages. All threads of the block must call it (it
-// synchronises the block).
+// multiplied. Segment geometry is computed kSlots segments at a time, one per thread, into
+// shared memory, so the stream itself only reads it. All threads of the block must call it
+// (it synchronises the block).
 template <typename T, int D, typename Compute>
 __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSource<T>& src, const float* quad_weights,
                                              const int32_t (&row_lon)[2], const bool (&row_real)[2],
@@ -369,32 +416,42 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
   if (walk.block_first > walk.block_last) return;  // padding row or no real point
   const int32_t end = min(max(__ldg(walk.offsets + walk.walk_row + 1), 0), walk.num_segments);
   const int32_t begin = min(max(__ldg(walk.offsets + walk.walk_row), 0), end);
-  ChunkCursor cur{NextWindow(walk, begin, end, quad_weights), 0};
-  if (!cur.valid()) return;
-  // Prologue: chunks 0 .. kStages - 2, one commit group each (empty past the end).
-  ChunkCursor head = cur;
-  StageChunk<T, D>(walk, head.win, head.chunk, src, Stage<T, D>::At(0));
-  CopyAsyncCommit();
-#pragma unroll
-  for (int s = 1; s < kStages - 1; ++s) {
-    if (head.valid()) head = Advance(walk, head, end, quad_weights);
-    if (head.valid()) StageChunk<T, D>(walk, head.win, head.chunk, src, Stage<T, D>::At(s));
-    CopyAsyncCommit();
-  }
-  WarpBand band = BandOf(walk, cur.win, row_lon, row_real);
-  for (int n = 0;; ++n) {
-    // Chunk n + kStages - 1 goes into the stage chunk n - 1 used (free since the last barrier).
-    if (head.valid()) head = Advance(walk, head, end, quad_weights);
-    if (head.valid()) StageChunk<T, D>(walk, head.win, head.chunk, src, Stage<T, D>::At((n + kStages - 1) % kStages));
-    CopyAsyncCommit();
-    CopyAsyncWait<kStages - 1>();  // chunk n's group has landed
+  SegmentSlot* slots = Slots<D>();
+  for (int32_t first = begin; first < end; first += kSlots) {
+    const int32_t count = min(end - first, kSlots);
+    __syncthreads();  // the previous batch's slots and stages are no longer read
+    if (static_cast<int32_t>(threadIdx.x) < count) FillSlot(walk, first + threadIdx.x, quad_weights, &slots[threadIdx.x]);
     __syncthreads();
-    compute(Stage<T, D>::At(n % kStages), cur.win, cur.chunk, band);
-    __syncthreads();  // chunk n's stage is restaged next iteration
-    const ChunkCursor next = Advance(walk, cur, end, quad_weights);
-    if (!next.valid()) return;
-    if (next.chunk == 0) band = BandOf(walk, next.win, row_lon, row_real);
-    cur = next;
+    ChunkCursor cur = FirstChunk(slots, 0, count);
+    if (cur.slot == count) continue;
+    // Prologue: chunks 0 .. kStages - 2, one commit group each (empty past the end).
+    ChunkCursor head = cur;
+    StageChunk<T, D>(walk, slots[head.slot].win, head.chunk, src, Stage<T, D>::At(0));
+    CopyAsyncCommit();
+#pragma unroll
+    for (int s = 1; s < kStages - 1; ++s) {
+      if (head.slot < count) head = Advance(slots, head, count);
+      if (head.slot < count) StageChunk<T, D>(walk, slots[head.slot].win, head.chunk, src, Stage<T, D>::At(s));
+      CopyAsyncCommit();
+    }
+    WarpBand band = BandOf(walk, slots[cur.slot], row_lon, row_real);
+    for (int n = 0;; ++n) {
+      // Chunk n + kStages - 1 goes into the stage chunk n - 1 used (free since the last barrier).
+      if (head.slot < count) head = Advance(slots, head, count);
+      if (head.slot < count) {
+        StageChunk<T, D>(walk, slots[head.slot].win, head.chunk, src, Stage<T, D>::At((n + kStages - 1) % kStages));
+      }
+      CopyAsyncCommit();
+      CopyAsyncWait<kStages - 1>();  // chunk n's group has landed
+      __syncthreads();
+      const SegmentWindow win = slots[cur.slot].win;
+      compute(Stage<T, D>::At(n % kStages), win, cur.chunk, band);
+      __syncthreads();  // chunk n's stage is restaged next iteration
+      const ChunkCursor next = Advance(slots, cur, count);
+      if (next.slot == count) break;
+      if (next.chunk == 0) band = BandOf(walk, slots[next.slot], row_lon, row_real);
+      cur = next;
+    }
   }
 }
 
@@ -416,16 +473,22 @@ __device__ __forceinline__ void LoadOwnFragments(uint32_t (&a)[D / 16][4], const
 }
 
 // s = A . B^T for the 16 staged rows starting at `rows` (two n8 tiles: rows 0-7 and 8-15).
+// Alternate k-steps go to two partial sums: the walks are bound by latency, and this halves the
+// chain of dependent MMAs before the scores can be used.
 template <typename T, int D>
 __device__ __forceinline__ void RowProducts(float (&s)[2][4], const uint32_t (&a)[D / 16][4], const T* rows) {
   constexpr int kStride = StageLayout<D>::kStride;
   const int lane = threadIdx.x % 32;
   // ldmatrix.x4 matrices: (rows 0-7, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 0-7), (rows 8-15, cols 8-15).
   const T* lane_row = rows + ((lane & 7) + (lane >> 4) * 8) * kStride + ((lane >> 3) & 1) * 8;
+  float part[2][2][4];
 #pragma unroll
-  for (int n = 0; n < 2; ++n) {
+  for (int k = 0; k < 2; ++k) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[k][n][e] = 0.f;
+    }
   }
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
@@ -433,8 +496,13 @@ __device__ __forceinline__ void RowProducts(float (&s)[2][4], const uint32_t (&a
     LdMatrixX4(b, lane_row + 16 * ks);
     const uint32_t b0[2] = {b[0], b[1]};
     const uint32_t b1[2] = {b[2], b[3]};
-    MmaM16N8K16<T>(s[0], a[ks], b0);
-    MmaM16N8K16<T>(s[1], a[ks], b1);
+    MmaM16N8K16<T>(part[ks % 2][0], a[ks], b0);
+    MmaM16N8K16<T>(part[ks % 2][1], a[ks], b1);
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = part[0][n][e] + part[1][n][e];
   }
 }
 
@@ -586,11 +654,8 @@ __device__ __forceinline__ Walk WalkOf(const NbhdAttnGpuParams& p, const Unit& u
   w.other = other;
   w.walk_row = walk_win.lat0 + u.local_row;
   const int32_t real_end = u.padding_row ? 0 : walk_win.nlon;  // local columns [0, real_end) are real
-  const int32_t warp_col = u.first_col + (threadIdx.x / 32) * kWarpPoints;
   w.block_first = walk_win.lon0 + u.first_col;
   w.block_last = walk_win.lon0 + min(u.first_col + kTilePoints, real_end) - 1;
-  w.warp_first = walk_win.lon0 + warp_col;
-  w.warp_last = walk_win.lon0 + min(warp_col + kWarpPoints, real_end) - 1;
   return w;
 }
 
