@@ -13,11 +13,11 @@
 // The window is staged in chunks of kChunk columns (cp.async, kStages deep, one flat stream
 // across segments so the pipeline never drains between short segments). The geometry of up to
 // kSlots segments is computed at once, one segment per thread, into shared memory; the stream
-// only reads it (and drains between such batches, i.e. only on rows with more segments). Each warp multiplies
-// only the 16-column blocks its band touches, and evaluates the band mask only on blocks that
-// are not entirely inside every one of its points' arcs. Quadrature weights (or -lse for dk/dv)
-// and columns outside the other grid's window enter as a per-column bias: -inf masks a column.
-// jax_s2attn/tile_walk.py emulates this walk on the host (coverage and tile statistics).
+// only reads it (and drains between such batches, i.e. only on rows with more segments). Each warp
+// multiplies only the 16-column blocks its band touches, and evaluates the band mask only on blocks
+// that are not entirely inside every one of its points' arcs. Quadrature weights (or -lse for
+// dk/dv) and columns outside the other grid's window enter as a per-column bias: -inf masks a
+// column. jax_s2attn/tile_walk.py emulates this walk on the host (coverage and tile statistics).
 //
 // Everything a block computes is owned by that block and summed in a fixed order: results are
 // bitwise reproducible, without atomics.
@@ -473,22 +473,16 @@ __device__ __forceinline__ void LoadOwnFragments(uint32_t (&a)[D / 16][4], const
 }
 
 // s = A . B^T for the 16 staged rows starting at `rows` (two n8 tiles: rows 0-7 and 8-15).
-// Alternate k-steps go to two partial sums: the walks are bound by latency, and this halves the
-// chain of dependent MMAs before the scores can be used.
 template <typename T, int D>
 __device__ __forceinline__ void RowProducts(float (&s)[2][4], const uint32_t (&a)[D / 16][4], const T* rows) {
   constexpr int kStride = StageLayout<D>::kStride;
   const int lane = threadIdx.x % 32;
   // ldmatrix.x4 matrices: (rows 0-7, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 0-7), (rows 8-15, cols 8-15).
   const T* lane_row = rows + ((lane & 7) + (lane >> 4) * 8) * kStride + ((lane >> 3) & 1) * 8;
-  float part[2][2][4];
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
+  for (int n = 0; n < 2; ++n) {
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) part[k][n][e] = 0.f;
-    }
+    for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
   }
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
@@ -496,13 +490,8 @@ __device__ __forceinline__ void RowProducts(float (&s)[2][4], const uint32_t (&a
     LdMatrixX4(b, lane_row + 16 * ks);
     const uint32_t b0[2] = {b[0], b[1]};
     const uint32_t b1[2] = {b[2], b[3]};
-    MmaM16N8K16<T>(part[ks % 2][0], a[ks], b0);
-    MmaM16N8K16<T>(part[ks % 2][1], a[ks], b1);
-  }
-#pragma unroll
-  for (int n = 0; n < 2; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] = part[0][n][e] + part[1][n][e];
+    MmaM16N8K16<T>(s[0], a[ks], b0);
+    MmaM16N8K16<T>(s[1], a[ks], b1);
   }
 }
 
