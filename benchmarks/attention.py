@@ -220,13 +220,16 @@ def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
 
 
 def _commit() -> str:
+    # JAX_S2ATTN_COMMIT first: a copied work tree (the H200 box) can carry a stale .git.
+    if os.environ.get("JAX_S2ATTN_COMMIT"):
+        return os.environ["JAX_S2ATTN_COMMIT"]
     try:
         root = pathlib.Path(__file__).resolve().parent.parent
         return subprocess.check_output(
             ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
         ).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("JAX_S2ATTN_COMMIT", "unknown")
+        return "unknown"
 
 
 def main() -> None:
