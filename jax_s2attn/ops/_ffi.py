@@ -68,6 +68,8 @@ def _load(name: str):
 
 
 _MODULES = {"cpu": _load("_s2attn_cpu"), "cuda": _load("_s2attn_cuda")}
+#: Platforms with native kernels, named as the FFI names them.
+NATIVE_PLATFORMS = tuple(_MODULES)
 HAS_CPU_EXT = _MODULES["cpu"][0] is not None
 HAS_CUDA_EXT = _MODULES["cuda"][0] is not None
 _registered = False
@@ -113,6 +115,11 @@ TILED_HEAD_DIMS = (32, 64, 128)
 #: The CUDA kernels' general path keeps both head vectors in shared memory (Dk + Dv floats
 #: per point); the handler rejects larger head dims, so callers check before lowering.
 CUDA_MAX_HEAD_DIMS = 6144
+
+
+def ffi_platform(platform: str) -> str:
+    """The FFI's name of a jax platform name (jax says "gpu" for CUDA devices)."""
+    return "cuda" if platform == "gpu" else platform
 
 
 def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:

@@ -107,10 +107,7 @@ def _platform_of(x) -> str:
         platform = next(iter(x.devices())).platform
     except (AttributeError, jax.errors.ConcretizationTypeError):  # tracers and numpy arrays
         platform = jax.default_backend()
-    return "cuda" if platform == "gpu" else platform
-
-
-_NATIVE_PLATFORMS = ("cpu", "cuda")
+    return _ffi.ffi_platform(platform)
 
 
 def _reference(query, key, value, plan, scale):
@@ -126,7 +123,7 @@ def _reference(query, key, value, plan, scale):
 def _per_platform(query, key, value, plan, scale, implementation):
     """Run what ``implementation`` means on each platform (chosen when lowered)."""
     dtype, dk, dv = query.dtype, query.shape[-1], value.shape[-1]
-    kernels = {p: _checks.kernel_for(implementation, p, dtype, dk, dv) for p in _NATIVE_PLATFORMS}
+    kernels = {p: _checks.kernel_for(implementation, p, dtype, dk, dv) for p in _ffi.NATIVE_PLATFORMS}
     default = _checks.kernel_for(implementation, None, dtype, dk, dv)  # platforms without native kernels
     # One function object per kernel: platform_dependent traces a shared branch only once.
     functions = {

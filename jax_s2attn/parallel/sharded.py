@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ..ops import _checks
+from ..ops import _checks, _ffi
 from ..plan import NeighborhoodPlan
 from .halo import exchange_halo
 from .layout import AxisSplit, ShardLayout, shard_layout
@@ -70,8 +70,7 @@ def _unpadded_view(x, padded: tuple[bool, bool], lat: AxisSplit, lon: AxisSplit)
 def _mesh_kernel(implementation, mesh: Mesh, dtype, dk: int, dv: int) -> str:
     """What ``implementation`` runs per device on the mesh's platform ("reference", "arc"
     or "tiled"), chosen exactly as the serial op chooses it for that platform."""
-    platform = mesh.devices.flat[0].platform
-    platform = "cuda" if platform == "gpu" else platform
+    platform = _ffi.ffi_platform(mesh.devices.flat[0].platform)
     _checks.check_runnable(implementation, platform, dtype, dk, dv, where=f"on this {platform} mesh")
     return _checks.kernel_for(implementation, platform, dtype, dk, dv)
 
