@@ -3,8 +3,11 @@
 import csv
 import importlib.util
 import pathlib
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -48,3 +51,53 @@ def test_distributed_benchmark_smoke(tmp_path):
     modes = {line.split()[0] for line in table if line.split() and line.split()[0] in ("strong", "weak")}
     assert modes == {"strong", "weak"}
     assert not list(tmp_path.glob("*.csv"))
+
+
+def _occupancy_module():
+    spec = importlib.util.spec_from_file_location("occupancy", ROOT / "benchmarks" / "occupancy.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("occupancy", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_occupancy_arithmetic():
+    occupancy = _occupancy_module()
+    # (registers, warps per block, dynamic shared bytes) -> warps/SM by registers, by shared, resident.
+    # Session 2's tiled kernels: ncu on the H200 reported 3 blocks per SM, limited by registers (its
+    # shared-memory limit, also 3, was for the 196 KiB carveout the driver chose; 228 KiB allows 4).
+    assert occupancy.resident_warps(168, 4, 56832) == (12, 16, 12)
+    # 128 registers (4096 per warp: 4 warps per sub-partition) do not help while shared memory allows 3 blocks.
+    assert occupancy.resident_warps(128, 4, 62976) == (16, 12, 12)
+    # 255 registers round up to 8192 per warp: 2 warps per sub-partition.
+    assert occupancy.resident_warps(255, 4, 112128) == (8, 8, 8)
+    # Tiny blocks stop at 32 blocks per SM.
+    assert occupancy.resident_warps(32, 1, 0) == (64, 228, 32)
+
+
+def test_occupancy_reads_ptxas_logs():
+    log = """ptxas info    : Compiling entry function '_Z5otherPf' for 'sm_90'
+ptxas info    : Used 20 registers, used 0 barriers
+ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__c27e54b6_17_tiled_attn_bwd_cu_3892373f14TiledDkvKernelI13__nv_bfloat16Li64EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN6s2attn3gpu5tiled50_GLOBAL__N__c27e54b6_17_tiled_attn_bwd_cu_3892373f14TiledDkvKernelI13__nv_bfloat16Li64EEEvNS_17NbhdAttnGpuParamsE
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 8 bytes cumulative stack size
+ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__59ef16a0_17_tiled_attn_fwd_cu_295e0f0d14TiledFwdKernelI6__halfLi128EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
+ptxas info    : Used 240 registers, used 1 barriers
+"""
+    occupancy = _occupancy_module()
+    assert occupancy.parse_ptxas(log) == [
+        occupancy.KernelResources("TiledDkv", "bfloat16", 64, 168, 4),
+        occupancy.KernelResources("TiledFwd", "float16", 128, 240, 0),
+    ]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_occupancy_report(tmp_path):
+    lines = _run("occupancy.py", cwd=tmp_path).splitlines()
+    rows = [line.split() for line in lines if line.startswith("Tiled")]
+    # Every instantiation: 3 kernels x 2 dtypes x 3 head dims, each with at least one resident warp.
+    assert {(r[0], r[1], int(r[2])) for r in rows} == {
+        (k, t, d) for k in ("TiledFwd", "TiledDq", "TiledDkv") for t in ("bfloat16", "float16") for d in (32, 64, 128)
+    }
+    assert all(0 < int(r[-1]) <= 64 and 0 < int(r[3]) <= 255 for r in rows)

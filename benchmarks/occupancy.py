@@ -1,0 +1,139 @@
+"""Registers, shared memory and resident warps per SM of the tiled CUDA kernels, without a GPU.
+
+The tiled kernels are bound by latency at the warps an SM keeps resident (``NOTES.md``), so a
+tiling variant is worth timing only if it changes them. This script answers that on any machine
+with ``nvcc``:
+
+* registers and spills of every tiled kernel instantiation, from ``nvcc -Xptxas -v`` on
+  ``cuda/gpu/tiled_attn_{fwd,bwd}.cu`` (with ``-D`` overrides of the ``S2ATTN_TILED_*`` macros);
+* dynamic shared memory per block and threads per block, printed by a small host program built
+  from the same headers (the kernels' own ``StageLayout``, not a copy of its arithmetic);
+* resident warps per SM from Hopper's limits (compute capability 9.0, the CUDA occupancy
+  calculator's rules): 16 K registers per SM sub-partition (four per SM) allocated in units of
+  256 per warp, 228 KiB of shared memory per SM with 1 KiB reserved per block, 32 blocks and
+  64 warps per SM.
+
+Run: ``python benchmarks/occupancy.py [-D S2ATTN_TILED_WARPS=2 -D S2ATTN_TILED_CHUNK=32 ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCES = ("gpu/tiled_attn_fwd.cu", "gpu/tiled_attn_bwd.cu")
+
+# Hopper (sm_90) SM limits.
+SUB_PARTITIONS = 4
+REGISTERS_PER_SUB_PARTITION = 16384
+REGISTER_UNIT_PER_WARP = 256
+SHARED_PER_SM = 228 * 1024
+SHARED_RESERVED_PER_BLOCK = 1024
+SHARED_UNIT = 128
+MAX_BLOCKS = 32
+MAX_WARPS = 64
+
+_ENTRY = re.compile(r"Compiling entry function '(\S+)'")
+_SPILLS = re.compile(r"(\d+) bytes spill stores")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_KERNEL = re.compile(r"(Tiled\w+?)Kernel(?:I|<)(6__half|13__nv_bfloat16)Li(\d+)E")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelResources:
+    kernel: str  # "TiledFwd", "TiledDq", "TiledDkv"
+    dtype: str  # "bfloat16" or "float16"
+    head_dim: int
+    registers: int
+    spill_bytes: int
+
+
+def parse_ptxas(log: str) -> list[KernelResources]:
+    """The tiled kernels' registers and spill stores in a ``ptxas -v`` log (other entries skipped)."""
+    found, entry, spills = [], None, 0
+    for line in log.splitlines():
+        if m := _ENTRY.search(line):
+            entry, spills = _KERNEL.search(m.group(1)), 0
+        elif (m := _SPILLS.search(line)) and entry:
+            spills = int(m.group(1))
+        elif (m := _REGISTERS.search(line)) and entry:
+            name, dtype, dim = entry.groups()
+            found.append(KernelResources(name, "float16" if dtype == "6__half" else "bfloat16", int(dim),
+                                         int(m.group(1)), spills))
+            entry = None
+    return found
+
+
+def resident_warps(registers: int, warps_per_block: int, shared_bytes: int) -> tuple[int, int, int]:
+    """Warps per SM allowed by registers, by shared memory, and resident (the smaller, in whole blocks)."""
+    per_warp = -(-registers * 32 // REGISTER_UNIT_PER_WARP) * REGISTER_UNIT_PER_WARP
+    warps_by_registers = SUB_PARTITIONS * (REGISTERS_PER_SUB_PARTITION // per_warp)
+    blocks_by_registers = warps_by_registers // warps_per_block
+    per_block = -(-(shared_bytes + SHARED_RESERVED_PER_BLOCK) // SHARED_UNIT) * SHARED_UNIT
+    blocks_by_shared = SHARED_PER_SM // per_block
+    blocks = min(blocks_by_registers, blocks_by_shared, MAX_BLOCKS, MAX_WARPS // warps_per_block)
+    return blocks_by_registers * warps_per_block, blocks_by_shared * warps_per_block, blocks * warps_per_block
+
+
+def _nvcc(nvcc: str, arch: str, defines: list[str]) -> list[str]:
+    return [nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", f"-I{ROOT / 'cuda'}", *(f"-D{d}" for d in defines)]
+
+
+def _ptxas_log(command: list[str], source: str) -> str:
+    result = subprocess.run([*command, "-Xptxas", "-v", "-c", str(ROOT / "cuda" / source), "-o", "/dev/null"],
+                            capture_output=True, text=True, check=True)
+    return result.stderr
+
+
+_LAYOUT_PROGRAM = """
+#include <cstdio>
+#include "gpu/tiled_attn_device.cuh"
+int main() {
+  using namespace s2attn::gpu::tiled;
+  std::printf("%d %zu %zu %zu\\n", kWarps, StageLayout<32>::kSharedBytes, StageLayout<64>::kSharedBytes,
+              StageLayout<128>::kSharedBytes);
+}
+"""
+
+
+def _layout(command: list[str]) -> tuple[int, dict[int, int]]:
+    """Warps per block and dynamic shared memory per block by head dim, from the kernels' headers."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source, binary = pathlib.Path(tmp) / "layout.cu", pathlib.Path(tmp) / "layout"
+        source.write_text(_LAYOUT_PROGRAM)
+        subprocess.run([*command, str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
+        warps, *shared = map(int, subprocess.run([str(binary)], check=True, capture_output=True,
+                                                 text=True).stdout.split())
+    return warps, dict(zip((32, 64, 128), shared))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-D", dest="defines", action="append", default=[], help="macro, e.g. S2ATTN_TILED_WARPS=2")
+    parser.add_argument("--arch", default="90")
+    parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
+    args = parser.parse_args()
+    command = _nvcc(args.nvcc, args.arch, args.defines)
+    with concurrent.futures.ThreadPoolExecutor() as pool:
+        logs = pool.map(lambda source: _ptxas_log(command, source), SOURCES)
+        layout = pool.submit(_layout, command)
+        kernels = [k for log in logs for k in parse_ptxas(log)]
+        warps_per_block, shared = layout.result()
+    print(f"defines: {' '.join(args.defines) or '(defaults)'}; {warps_per_block} warps per block")
+    print(f"{'kernel':<10}{'dtype':<10}{'D':>4}{'regs':>6}{'spills B':>10}{'shared KiB':>12}"
+          f"{'warps/SM: by regs':>19}{'by shared':>11}{'resident':>10}")
+    for k in sorted(kernels, key=lambda k: (k.kernel, k.dtype, k.head_dim)):
+        by_registers, by_shared, resident = resident_warps(k.registers, warps_per_block, shared[k.head_dim])
+        print(f"{k.kernel:<10}{k.dtype:<10}{k.head_dim:>4}{k.registers:>6}{k.spill_bytes:>10}"
+              f"{shared[k.head_dim] / 1024:>12.1f}{by_registers:>19}{by_shared:>11}{resident:>10}")
+
+
+if __name__ == "__main__":
+    main()
