@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the H200 box: build against the box's jax, run the GPU tests, the sanitizers
-# and the benchmark. Usage (from the repository root): bash benchmarks/run_h200.sh [tests|sanitize|bench|all] ...
-# Logs and CSVs go to $OUT (or ./out) so the device tool brings them back.
+# and the benchmark. Usage (from the repository root): bash benchmarks/run_h200.sh [tests|sanitize|bench|profile|all] ...
+# Logs and CSVs go to $OUT (or ./out) so the device tool brings them back. "profile" (not part of
+# "all") writes ncu's raw metrics of the tiled kernels, stall reasons included.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -38,6 +39,17 @@ if has sanitize; then
       > "$OUT/sanitizer-$tool.log" 2>&1
     rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -3 "$OUT/sanitizer-$tool.log"
     status=$(( status | rc ))
+  done
+fi
+if [[ " $steps " == *" profile "* ]]; then
+  # ncu reads counters on the Firecracker machines only; leave the clocks alone (METHOD.md).
+  for name in qdeg_tc003:"--theta-cutoff 0.03" qdeg_default:""; do
+    timeout ${PROFILE_TIMEOUT:-300} ncu --clock-control none -k regex:Tiled --launch-skip 1 --launch-count 3 \
+      --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
+      --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --page raw --csv python3 benchmarks/profile_tiled.py --grid 721 1440 ${name#*:} \
+      > "$OUT/ncu-${name%%:*}.csv" 2> "$OUT/ncu-${name%%:*}.log"
+    echo "ncu ${name%%:*}: exit $?"
   done
 fi
 if has bench; then

@@ -101,3 +101,12 @@ def test_occupancy_report(tmp_path):
         (k, t, d) for k in ("TiledFwd", "TiledDq", "TiledDkv") for t in ("bfloat16", "float16") for d in (32, 64, 128)
     }
     assert all(0 < int(r[-1]) <= 64 and 0 < int(r[3]) <= 255 for r in rows)
+
+
+def test_profile_driver_runs_each_configuration(tmp_path):
+    # The ncu driver of run_h200.sh, on the CPU with the reference: one line per configuration.
+    out = _run("profile_tiled.py", "--grid", "9", "18", "--theta-cutoff", "0.8", "--grid", "12", "24",
+               "--theta-cutoff", "0.5", "--implementation", "reference", "--dtype", "float32", cwd=tmp_path)
+    assert [line.split(":")[0] for line in out.splitlines()] == [
+        "(9, 18) theta_cutoff=0.8", "(12, 24) theta_cutoff=0.5"
+    ]

@@ -1,0 +1,54 @@
+"""Runs the tiled kernels once per configuration (a forward, then a forward+backward) for a profiler.
+
+Meant to run under Nsight Compute, which selects the kernels by name; ``run_h200.sh profile``
+does that and keeps the report. Per configuration the kernels run as a forward (one launch), then
+as a forward+backward (forward, dq, dk/dv); ``ncu --launch-skip 1 --launch-count 3`` takes the
+three kernels of the second, one configuration per ncu call.
+
+Run: ``python benchmarks/profile_tiled.py --grid 721 1440 --theta-cutoff 0.03 [--grid ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_s2attn import NeighborhoodPlan, neighborhood_attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", type=int, nargs=2, action="append", required=True, metavar=("NLAT", "NLON"))
+    parser.add_argument("--theta-cutoff", type=float, action="append",
+                        help="one per --grid; omit for the default cutoff of every grid")
+    parser.add_argument("--channels", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--implementation", default="ffi-tiled")
+    args = parser.parse_args()
+    cutoffs = args.theta_cutoff or [None] * len(args.grid)
+    if len(cutoffs) != len(args.grid):
+        parser.error("give one --theta-cutoff per --grid, or none")
+
+    forward = jax.jit(lambda q, k, v, plan: neighborhood_attention(q, k, v, plan, implementation=args.implementation))
+
+    def loss(q, k, v, plan, cotangent):
+        return jnp.sum(forward(q, k, v, plan).astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+    gradients = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    rng = np.random.default_rng(0)
+    for shape, cutoff in zip(map(tuple, args.grid), cutoffs):
+        plan = NeighborhoodPlan(shape, shape, theta_cutoff=cutoff)
+        q, k, v, cotangent = (
+            jnp.asarray(rng.standard_normal((1, *shape, 1, args.channels), dtype=np.float32), args.dtype)
+            for _ in range(4)
+        )
+        jax.block_until_ready(forward(q, k, v, plan))
+        jax.block_until_ready(gradients(q, k, v, plan, cotangent))
+        print(f"{shape} theta_cutoff={plan.theta_cutoff:.4g}: forward and forward+backward ran", flush=True)
+
+
+if __name__ == "__main__":
+    main()
