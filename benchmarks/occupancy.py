@@ -43,7 +43,7 @@ MAX_WARPS = 64
 _ENTRY = re.compile(r"Compiling entry function '(\S+)'")
 _SPILLS = re.compile(r"(\d+) bytes spill stores")
 _REGISTERS = re.compile(r"Used (\d+) registers")
-_KERNEL = re.compile(r"(Tiled\w+?)Kernel(?:I|<)(6__half|13__nv_bfloat16)Li(\d+)E")
+_KERNEL = re.compile(r"(Tiled\w+?)KernelI(6__half|13__nv_bfloat16)Li(\d+)E")
 
 
 @dataclasses.dataclass(frozen=True)
