@@ -436,17 +436,17 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
     }
     WarpBand band = BandOf(walk, slots[cur.slot], row_lon, row_real);
     for (int n = 0;; ++n) {
-      // Chunk n + kStages - 1 goes into the stage chunk n - 1 used (free since the last barrier).
+      CopyAsyncWait<kStages - 2>();  // chunk n's group has landed (chunks up to n + kStages - 2 are committed)
+      // One barrier per chunk: chunk n is visible to every thread, and every thread is done with
+      // chunk n - 1, whose stage takes chunk n + kStages - 1 next.
+      __syncthreads();
       if (head.slot < count) head = Advance(slots, head, count);
       if (head.slot < count) {
         StageChunk<T, D>(walk, slots[head.slot].win, head.chunk, src, Stage<T, D>::At((n + kStages - 1) % kStages));
       }
       CopyAsyncCommit();
-      CopyAsyncWait<kStages - 1>();  // chunk n's group has landed
-      __syncthreads();
       const SegmentWindow win = slots[cur.slot].win;
       compute(Stage<T, D>::At(n % kStages), win, cur.chunk, band);
-      __syncthreads();  // chunk n's stage is restaged next iteration
       const ChunkCursor next = Advance(slots, cur, count);
       if (next.slot == count) break;
       if (next.chunk == 0) band = BandOf(walk, slots[next.slot], row_lon, row_real);
