@@ -248,7 +248,7 @@ def main() -> None:
     configs = [c for c in CONFIGS if c.name in names]
     device = jax.devices()[0]
     gpu = getattr(device, "device_kind", device.platform)
-    platform = "cuda" if device.platform == "gpu" else device.platform
+    platform = _ffi.ffi_platform(device.platform)
     native = jax_s2attn.native_backends().get(platform, False)
     print(f"jax {jax.__version__}, device {gpu}; native: {jax_s2attn.native_backends()}")
     try:

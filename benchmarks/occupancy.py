@@ -86,10 +86,16 @@ def _nvcc(nvcc: str, arch: str, defines: list[str]) -> list[str]:
     return [nvcc, "-std=c++17", "-O3", f"-arch=sm_{arch}", f"-I{ROOT / 'cuda'}", *(f"-D{d}" for d in defines)]
 
 
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    """Runs ``command``; on failure raises with its output (e.g. a shape the kernels' static_asserts reject)."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    return result
+
+
 def _ptxas_log(command: list[str], source: str) -> str:
-    result = subprocess.run([*command, "-Xptxas", "-v", "-c", str(ROOT / "cuda" / source), "-o", "/dev/null"],
-                            capture_output=True, text=True, check=True)
-    return result.stderr
+    return _run([*command, "-Xptxas", "-v", "-c", str(ROOT / "cuda" / source), "-o", "/dev/null"]).stderr
 
 
 _LAYOUT_PROGRAM = """
@@ -108,16 +114,15 @@ def _layout(command: list[str]) -> tuple[int, dict[int, int]]:
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = pathlib.Path(tmp) / "layout.cu", pathlib.Path(tmp) / "layout"
         source.write_text(_LAYOUT_PROGRAM)
-        subprocess.run([*command, str(source), "-o", str(binary)], check=True, capture_output=True, text=True)
-        warps, *shared = map(int, subprocess.run([str(binary)], check=True, capture_output=True,
-                                                 text=True).stdout.split())
+        _run([*command, str(source), "-o", str(binary)])
+        warps, *shared = map(int, _run([str(binary)]).stdout.split())
     return warps, dict(zip((32, 64, 128), shared))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-D", dest="defines", action="append", default=[], help="macro, e.g. S2ATTN_TILED_WARPS=2")
-    parser.add_argument("--arch", default="90")
+    parser.add_argument("--arch", default="90", choices=["90", "90a"], help="the limits above are Hopper's")
     parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
     args = parser.parse_args()
     command = _nvcc(args.nvcc, args.arch, args.defines)

@@ -42,14 +42,17 @@ if has sanitize; then
   done
 fi
 if [[ " $steps " == *" profile "* ]]; then
-  # ncu reads counters on the Firecracker machines only; leave the clocks alone (METHOD.md).
+  # ncu reads counters on the Firecracker machines only; leave the clocks alone (METHOD.md). The
+  # report is exported whole, then its raw metrics (stall reasons included) are written as CSV.
   for name in qdeg_tc003:"--theta-cutoff 0.03" qdeg_default:""; do
+    report="$OUT/ncu-${name%%:*}"
     timeout ${PROFILE_TIMEOUT:-300} ncu --clock-control none -k regex:Tiled --launch-skip 1 --launch-count 3 \
       --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
       --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      --page raw --csv python3 benchmarks/profile_tiled.py --grid 721 1440 ${name#*:} \
-      > "$OUT/ncu-${name%%:*}.csv" 2> "$OUT/ncu-${name%%:*}.log"
-    echo "ncu ${name%%:*}: exit $?"
+      --export "$report" --force-overwrite python3 benchmarks/profile_tiled.py --grid 721 1440 ${name#*:} \
+      > "$report.log" 2>&1 && ncu --import "$report.ncu-rep" --page raw --csv > "$report.csv"
+    rc=$?; echo "ncu ${name%%:*}: exit $rc"
+    status=$(( status | rc ))
   done
 fi
 if has bench; then

@@ -67,6 +67,11 @@ LONG_ROW_PLANS = {
     "rings-72": lambda: NeighborhoodPlan((6, 72), (6, 72), theta_cutoff=2.0),  # mostly whole rings
 }
 
+# Walking rows with more segments than a tiled block lays out at once (kSlots = 64 segment slots in
+# cuda/gpu/tiled_attn_device.cuh), so the walk runs in batches: up to 150 segments, three batches.
+MANY_SEGMENTS_PLAN = lambda: NeighborhoodPlan((150, 8), (150, 8), theta_cutoff=3.0)  # noqa: E731
+TILED_SEGMENT_SLOTS = 64
+
 # Windows (prepare_case keyword arguments) of shards whose rows start mid-ring and span two blocks.
 LONG_ROW_WINDOWS = {
     # queries over two blocks; keys up to the seam

@@ -56,7 +56,7 @@ def test_distributed_benchmark_smoke(tmp_path):
 def _occupancy_module():
     spec = importlib.util.spec_from_file_location("occupancy", ROOT / "benchmarks" / "occupancy.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("occupancy", module)  # dataclasses look their module up there
+    sys.modules["occupancy"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

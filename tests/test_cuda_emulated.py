@@ -40,8 +40,10 @@ from kernel_cases import (  # noqa: E402
     KERNEL_SOURCES,
     LONG_ROW_PLANS,
     LONG_ROW_WINDOWS,
+    MANY_SEGMENTS_PLAN,
     PLANS,
     RUN_TARGET_SHIM,
+    TILED_SEGMENT_SLOTS,
     TILED_TARGET_OFFSET,
     call_run_target,
     check_case,
@@ -273,6 +275,18 @@ def test_tiled_matches_float64(emulator, rng, plan_name, d, dtype):
 def test_tiled_long_rows(emulator, rng, plan_name, dtype):
     """Several blocks per row and several staged chunks per segment (window or whole ring)."""
     check_case(emulator, rng, LONG_ROW_PLANS[plan_name](), 1, 2, 64, 64, dtype, kernel="tiled")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "k_window"),
+    [("bfloat16", None), ("float16", (100, 0, 50, 8))],
+    ids=["whole-grid", "keys-of-the-last-rows"],  # the latter: no segment to visit in a query row's first batch
+)
+def test_tiled_rows_of_several_segment_batches(emulator, rng, dtype, k_window):
+    plan = MANY_SEGMENTS_PLAN()
+    for table in (plan.forward_segments, plan.backward_segments):
+        assert np.diff(table.offsets).max() > 2 * TILED_SEGMENT_SLOTS  # three batches on the longest rows
+    check_case(emulator, rng, plan, 1, 2, 64, 64, dtype, k_window=k_window, kernel="tiled")
 
 
 @pytest.mark.parametrize("dtype", TILED_DTYPES)

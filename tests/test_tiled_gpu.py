@@ -44,6 +44,7 @@ CASES = [
     (((66, 144), (33, 72), LG, LG, 0.2), 4, 32),  # down, pscale 2
     (((17, 36), (33, 72), EQ, EQ, None), 4, 64),  # up, pscale 2
     (((33, 50), (65, 100), LOB, LOB, 0.15), 1, 32),  # up, pscale 2, odd
+    (((150, 8), (150, 8), EQ, EQ, 3.0), 1, 64),  # up to 150 segments a row: several batches of segment slots
 ]
 
 

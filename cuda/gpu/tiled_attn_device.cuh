@@ -40,7 +40,9 @@ namespace gpu {
 namespace tiled {
 
 // Pipeline shape. Macros only so that a benchmark build can compare other shapes
-// (-DS2ATTN_TILED_CHUNK=32 ...) without editing the source.
+// (-DS2ATTN_TILED_CHUNK=32 ...) without editing the source; benchmarks/occupancy.py reports what a
+// shape costs in registers, shared memory and resident warps. StageChunk gives every staged column
+// a whole number of threads: the block's threads (32 * warps) must be a multiple of the chunk.
 #ifndef S2ATTN_TILED_CHUNK
 #define S2ATTN_TILED_CHUNK 64
 #endif

@@ -68,7 +68,8 @@ def _load(name: str):
 
 
 _MODULES = {"cpu": _load("_s2attn_cpu"), "cuda": _load("_s2attn_cuda")}
-#: Platforms with native kernels, named as the FFI names them.
+#: Platforms jax_s2attn has native kernels for (built or not: see :func:`native_backends`), named
+#: as the FFI names them.
 NATIVE_PLATFORMS = tuple(_MODULES)
 HAS_CPU_EXT = _MODULES["cpu"][0] is not None
 HAS_CUDA_EXT = _MODULES["cuda"][0] is not None
