@@ -338,31 +338,36 @@ struct StagedSource {
 };
 
 // Stages chunk `chunk` of `win` into `stage` (cp.async for real columns, zeros elsewhere) and
-// writes its column bias (and delta). All threads of the block take part, kColumnThreads
-// neighbouring threads per column, each copying a contiguous part of its row.
+// writes its column bias (and delta). All threads of the block take part, kColumnThreads per column:
+// with each copy, the threads of a column copy neighbouring 16-byte pieces (whole 32-byte sectors:
+// cp.async.cg reads L2 sectors, not L1 lines), and a quarter-warp's columns are kColumnThreads
+// apart so that its eight shared-memory stores fall in different banks.
 template <typename T, int D>
 __device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow& win, int32_t chunk,
                                            const StagedSource<T>& src, const Stage<T, D>& stage) {
   constexpr int kPieces = D / 8;  // 16-byte pieces per row
   constexpr int kColumnThreads = kThreads / kChunk;
-  static_assert(kThreads % kChunk == 0 && kPieces % kColumnThreads == 0, "whole pieces per staging thread");
-  constexpr int kPart = D / kColumnThreads;  // elements each thread copies
+  static_assert(kThreads % kChunk == 0 && 8 % kColumnThreads == 0 && kPieces % kColumnThreads == 0,
+                "whole pieces per staging thread");
   using L = StageLayout<D>;
-  const int col = threadIdx.x / kColumnThreads;
-  const int part = threadIdx.x % kColumnThreads;
+  const int lane = threadIdx.x % 32, quarter = lane / 8;
+  const int part = lane % kColumnThreads;
+  const int col = (threadIdx.x / 32) * (32 / kColumnThreads) + (quarter / kColumnThreads) * 8 +
+                  quarter % kColumnThreads + (lane % 8 / kColumnThreads) * kColumnThreads;
   const int32_t local = LocalColumn(walk, win, chunk * kChunk + col);
-  T* dst_a = stage.a + col * L::kStride + part * kPart;
-  T* dst_b = stage.b + col * L::kStride + part * kPart;
+  T* dst_a = stage.a + col * L::kStride + part * 8;
+  T* dst_b = stage.b + col * L::kStride + part * 8;
+  constexpr int kStep = 8 * kColumnThreads;  // elements between a thread's pieces
   if (local >= 0) {
-    const int64_t at = src.bh_offset + win.local_row * src.row_stride + local * src.col_stride + part * kPart;
+    const int64_t at = src.bh_offset + win.local_row * src.row_stride + local * src.col_stride + part * 8;
 #pragma unroll
-    for (int i = 0; i < kPart; i += 8) {
+    for (int i = 0; i < D; i += kStep) {
       CopyAsync16(dst_a + i, src.a + at + i);
       CopyAsync16(dst_b + i, src.b + at + i);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kPart; i += 8) {
+    for (int i = 0; i < D; i += kStep) {
       *reinterpret_cast<uint4*>(dst_a + i) = make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(dst_b + i) = make_uint4(0, 0, 0, 0);
     }
@@ -419,8 +424,8 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
   const int32_t end = min(max(__ldg(walk.offsets + walk.walk_row + 1), 0), walk.num_segments);
   const int32_t begin = min(max(__ldg(walk.offsets + walk.walk_row), 0), end);
   SegmentSlot* slots = Slots<D>();
-  for (int32_t first = begin; first < end; first += kSlots) {
-    const int32_t count = min(end - first, kSlots);
+  for (int32_t first = begin, count = 0; first < end; first += count) {
+    count = min(end - first, kSlots);
     __syncthreads();  // the previous batch's slots and stages are no longer read
     if (static_cast<int32_t>(threadIdx.x) < count) FillSlot(walk, first + threadIdx.x, quad_weights, &slots[threadIdx.x]);
     __syncthreads();
@@ -438,17 +443,17 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
     }
     WarpBand band = BandOf(walk, slots[cur.slot], row_lon, row_real);
     for (int n = 0;; ++n) {
-      // Chunk n + kStages - 1 goes into the stage chunk n - 1 used (free since the last barrier).
+      CopyAsyncWait<kStages - 2>();  // chunk n's group has landed (chunks up to n + kStages - 2 are committed)
+      // One barrier per chunk: chunk n is visible to every thread, and every thread is done with
+      // chunk n - 1, whose stage takes chunk n + kStages - 1 next.
+      __syncthreads();
       if (head.slot < count) head = Advance(slots, head, count);
       if (head.slot < count) {
         StageChunk<T, D>(walk, slots[head.slot].win, head.chunk, src, Stage<T, D>::At((n + kStages - 1) % kStages));
       }
       CopyAsyncCommit();
-      CopyAsyncWait<kStages - 1>();  // chunk n's group has landed
-      __syncthreads();
       const SegmentWindow win = slots[cur.slot].win;
       compute(Stage<T, D>::At(n % kStages), win, cur.chunk, band);
-      __syncthreads();  // chunk n's stage is restaged next iteration
       const ChunkCursor next = Advance(slots, cur, count);
       if (next.slot == count) break;
       if (next.chunk == 0) band = BandOf(walk, slots[next.slot], row_lon, row_real);
