@@ -41,22 +41,23 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
 #pragma unroll
     for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
       const int32_t cb = c0 + kBlock * kb;
-      if (!(cb < band.hi && cb + kBlock > band.lo && cb < sw.width)) continue;
+      if (!band.Touches(cb, sw.width)) continue;
       const T* k_rows = stage.BlockA(kb);
       float s[2][4], dp[2][4];
       RowProducts<T, D>(s, qa, k_rows);
       RowProducts<T, D>(dp, da, stage.BlockB(kb));
-      const bool full = cb >= band.full_lo && cb + kBlock <= band.full_hi;
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int col = kBlock * kb + 8 * n + 2 * t + (e & 1);
-          const int h = e >> 1;
-          const bool on = full || OnArc(c0 + col, band.off[h], band.len[h], sw.wrap);
-          const float prob = on ? Exp2(fmaf(s[n][e], scale2, stage.bias[col]) - lse2[h]) : 0.f;
-          s[n][e] = prob * (dp[n][e] - delta[h]);
+          s[n][e] = fmaf(s[n][e], scale2, stage.bias[kBlock * kb + 8 * n + 2 * t + (e & 1)]) - lse2[e >> 1];
         }
+      }
+      if (!band.Covers(cb)) MaskOffArc(s, cb, band, sw.wrap);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = Exp2(s[n][e]) * (dp[n][e] - delta[e >> 1]);
       }
       AccumulateRows<T, D>(acc, s, k_rows);
     }
@@ -94,23 +95,24 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
 #pragma unroll
     for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
       const int32_t cb = c0 + kBlock * kb;
-      if (!(cb < band.hi && cb + kBlock > band.lo && cb < sw.width)) continue;
+      if (!band.Touches(cb, sw.width)) continue;
       const T* q_rows = stage.BlockA(kb);
       const T* dout_rows = stage.BlockB(kb);
       float s[2][4], dp[2][4];
       RowProducts<T, D>(s, ka, q_rows);
       RowProducts<T, D>(dp, va, dout_rows);
-      const bool full = cb >= band.full_lo && cb + kBlock <= band.full_hi;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = fmaf(s[n][e], scale2, log2_weight + stage.bias[kBlock * kb + 8 * n + 2 * t + (e & 1)]);
+      }
+      if (!band.Covers(cb)) MaskOffArc(s, cb, band, sw.wrap);
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int col = kBlock * kb + 8 * n + 2 * t + (e & 1);
-          const int h = e >> 1;
-          const bool on = full || OnArc(c0 + col, band.off[h], band.len[h], sw.wrap);
-          const float prob = on ? Exp2(fmaf(s[n][e], scale2, log2_weight + stage.bias[col])) : 0.f;
-          s[n][e] = prob;
-          dp[n][e] = prob * (dp[n][e] - stage.delta[col]);
+          s[n][e] = Exp2(s[n][e]);
+          dp[n][e] = s[n][e] * (dp[n][e] - stage.delta[kBlock * kb + 8 * n + 2 * t + (e & 1)]);
         }
       }
       AccumulateRows<T, D>(dv, s, dout_rows);

@@ -259,6 +259,14 @@ static_assert(sizeof(SegmentWindow) == 32 && sizeof(SegmentSlot) == StageLayout<
 struct WarpBand {
   int32_t lo, hi, full_lo, full_hi;
   int32_t off[2], len[2];
+
+  // Whether the warp multiplies the 16-column block starting at window column `first` (of a
+  // window `width` columns wide).
+  __device__ bool Touches(int32_t first, int32_t width) const {
+    return first < hi && first + kBlock > lo && first < width;
+  }
+  // Whether every column of that block lies on every one of the warp's arcs (no mask needed).
+  __device__ bool Covers(int32_t first) const { return first >= full_lo && first + kBlock <= full_hi; }
 };
 
 // Arc of one walking point (global longitude w) on a segment, in window coordinates.
@@ -314,11 +322,36 @@ __device__ __forceinline__ WarpBand BandOf(const Walk& walk, const SegmentSlot& 
   return band;
 }
 
-// Whether window column c lies on the arc (off, len); `wrap` folds ring-mode arcs through
-// longitude 0.
-__device__ __forceinline__ bool OnArc(int32_t c, int32_t off, int32_t len, int32_t wrap) {
-  return static_cast<uint32_t>(c - off) < static_cast<uint32_t>(len) ||
-         static_cast<uint32_t>(c + wrap - off) < static_cast<uint32_t>(len);
+template <bool kRing>
+__device__ __forceinline__ void MaskOffArcOf(float (&x)[2][4], int32_t first, const WarpBand& band, int32_t wrap) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    // The thread's column j of the block (8n + e % 2 past column 2t) lies on row h's arc iff
+    // j - rel < len, unsigned; in ring mode also one turn later (arcs through longitude 0).
+    const int32_t rel = band.off[h] - first - 2 * static_cast<int32_t>(threadIdx.x % 4);
+    const uint32_t len = static_cast<uint32_t>(band.len[h]);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int32_t col = 8 * n + j;
+        bool on = static_cast<uint32_t>(col - rel) < len;
+        if (kRing) on = on || static_cast<uint32_t>(col + wrap - rel) < len;
+        if (!on) x[n][2 * h + j] = kNegInf;
+      }
+    }
+  }
+}
+
+// Sets the logits x (score tile layout) of the 16-column block starting at window column
+// `first` to -inf where the column lies off the arc of the thread's row; `wrap` folds ring-mode
+// arcs through longitude 0. Only for blocks the band does not cover.
+__device__ __forceinline__ void MaskOffArc(float (&x)[2][4], int32_t first, const WarpBand& band, int32_t wrap) {
+  if (wrap == kNoWrap) {
+    MaskOffArcOf<false>(x, first, band, wrap);
+  } else {
+    MaskOffArcOf<true>(x, first, band, wrap);
+  }
 }
 
 // ------------------------------------------------------------------------------ the chunk stream

@@ -38,22 +38,19 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
 #pragma unroll
     for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
       const int32_t cb = c0 + kBlock * kb;
-      active[kb] = cb < band.hi && cb + kBlock > band.lo && cb < sw.width;
+      active[kb] = band.Touches(cb, sw.width);
       any = any || active[kb];
       if (!active[kb]) continue;
       RowProducts<T, D>(s[kb], qa, stage.BlockA(kb));
-      const bool full = cb >= band.full_lo && cb + kBlock <= band.full_hi;
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = kBlock * kb + 8 * n + 2 * t + (e & 1);
-          const int h = e >> 1;
-          float x = fmaf(s[kb][n][e], scale2, stage.bias[col]);
-          if (!full && !OnArc(c0 + col, band.off[h], band.len[h], sw.wrap)) x = kNegInf;
-          s[kb][n][e] = x;
-          mx[h] = fmaxf(mx[h], x);
-        }
+        for (int e = 0; e < 4; ++e) s[kb][n][e] = fmaf(s[kb][n][e], scale2, stage.bias[kBlock * kb + 8 * n + 2 * t + (e & 1)]);
+      }
+      if (!band.Covers(cb)) MaskOffArc(s[kb], cb, band, sw.wrap);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], fmaxf(fmaxf(s[kb][0][2 * h], s[kb][0][2 * h + 1]), fmaxf(s[kb][1][2 * h], s[kb][1][2 * h + 1])));
       }
     }
     if (!any) return;  // warp-uniform: this chunk lies outside the warp's band
@@ -77,12 +74,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float prob = Exp2(s[kb][n][e] - base[e >> 1]);
-          l[e >> 1] += prob;
-          s[kb][n][e] = prob;
-        }
+        for (int e = 0; e < 4; ++e) s[kb][n][e] = Exp2(s[kb][n][e] - base[e >> 1]);
       }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) l[h] += (s[kb][0][2 * h] + s[kb][0][2 * h + 1]) + (s[kb][1][2 * h] + s[kb][1][2 * h + 1]);
       AccumulateRows<T, D>(acc, s[kb], stage.BlockB(kb));
     }
   });
