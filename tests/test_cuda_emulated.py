@@ -1,7 +1,7 @@
 """The CUDA kernels of ``cuda/gpu`` compiled for the host and run on the CPU.
 
 ``tests/cuda_emulation`` emulates the few device facilities the kernels use (thread
-indices, ``__ldg``, warp shuffles, ``__syncthreads``, ``mma.sync``/``ldmatrix``/``cp.async``,
+indices, ``__ldg``, warp shuffles, ``__syncthreads``, ``mma.sync``/``ldmatrix``/``cp.async``, mbarriers,
 dynamic shared memory, ``cudaLaunchKernel``), so the kernels *and their launchers* (variant
 dispatch, launch shapes, work decomposition) run unchanged on a machine without a GPU. Each
 test compares all three targets with a dense float64 reference built from the plan's arcs,

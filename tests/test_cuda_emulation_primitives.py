@@ -1,6 +1,6 @@
 """Self-test of the host emulation (``tests/cuda_emulation``) on the primitives the tiled kernels
 build on: ``mma.sync`` m16n8k16, ``ldmatrix`` (plain and transposed) and ``cp.async`` of
-``cuda/gpu/mma_sm80.cuh``, ``__syncthreads``, ``__syncwarp``, votes and shuffles, and the
+``cuda/gpu/mma_sm80.cuh``, the mbarriers of ``cuda/gpu/mbarrier_sm90.cuh``, ``__syncthreads``, ``__syncwarp``, votes and shuffles, and the
 dynamic shared memory limits. The kernels are in ``cuda_emulation/primitives_selftest.cu``;
 expected values come from numpy in float64. Misuses the emulation must catch abort it, so
 those run in a subprocess.
@@ -28,7 +28,7 @@ MAX_SHARED = 232448  # the H200's opt-in maximum
 TILE_BYTES = 3 * 16 * 16 * 2  # A, Bt, B
 # Faults of primitives_selftest.cu.
 (NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
- THREAD_WAITS_FOR_ITS_WARP) = range(6)  # fmt: skip
+ THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL, UNINITIALISED_BARRIER) = range(8)  # fmt: skip
 BLOCK_THREADS = 128  # of BlockCentreKernel
 
 
@@ -44,6 +44,7 @@ def lib(library) -> ctypes.CDLL:
     lib.RunTileMma.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, ctypes.c_int, i64]
     lib.RunBlockCentre.argtypes = [p, p, ctypes.c_int, i64, i64]
     lib.RunWarpVotes.argtypes = [p, p]
+    lib.RunMbarrierRing.argtypes = [p, p, i64, i64]
     lib.RunMmaLayout.argtypes = [ctypes.c_int, p, p, p, p]
     lib.RunLdMatrixLayout.argtypes = [p, p, p]
     return lib
@@ -143,6 +144,16 @@ def test_syncthreads_orders_shared_memory_across_warps(lib, rng):
     assert _relative(out, x64 - x64.mean(axis=1, keepdims=True)) <= 1e-6
 
 
+def test_mbarriers_hand_a_ring_of_rows_between_warps(lib, rng):
+    """Seven rounds through two rows: each round's output is its own input reversed, which needs
+    both barriers (written before read, read before overwritten) to wait for every thread."""
+    rounds = 7
+    x = rng.standard_normal((rounds, BLOCK_THREADS)).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    assert lib.RunMbarrierRing(x.ctypes.data, out.ctypes.data, rounds, NO_FAULT) == 0
+    np.testing.assert_array_equal(out, x[:, ::-1])
+
+
 def test_votes_shuffles_and_syncwarp(lib, rng):
     x = (rng.standard_normal(32) * 3).astype(np.float32)
     out = np.zeros((32, 6), np.uint32)
@@ -179,6 +190,14 @@ FAULTS = {
     "deadlock": (
         f"RunBlockCentre(c, out, 1, I(512), I({THREAD_WAITS_FOR_ITS_WARP}))",
         "threads 0..69: __syncthreads\n  threads 70..70: __syncwarp\n  threads 71..127: __syncthreads",
+    ),
+    "mbarrier-missing-arrival": (
+        f"RunMbarrierRing(c, out, I(3), I({THREAD_SKIPS_ARRIVAL}))",
+        "threads 0..127: MbarrierWait",
+    ),
+    "mbarrier-not-initialised": (
+        f"RunMbarrierRing(c, out, I(3), I({UNINITIALISED_BARRIER}))",
+        "MbarrierArrive: barrier",
     ),
 }
 

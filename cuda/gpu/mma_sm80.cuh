@@ -47,9 +47,6 @@ void LdMatrixX4(uint32_t (&r)[4], const void* shared_row);
 void LdMatrixX4Trans(uint32_t (&r)[4], const void* shared_row);
 // Copies 16 bytes global -> shared (immediately, in the emulation).
 void CopyAsync16(void* shared_dst, const void* global_src);
-inline void CopyAsyncCommit() {}
-template <int kPending>
-inline void CopyAsyncWait() {}
 
 #else
 
@@ -94,14 +91,6 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* sh
 // 16 bytes global -> shared, bypassing L1 (K/V windows are reused from shared memory, not L1).
 __device__ __forceinline__ void CopyAsync16(void* shared_dst, const void* global_src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(shared_dst)), "l"(global_src));
-}
-
-__device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most kPending committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void CopyAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 #endif

@@ -11,7 +11,9 @@
 // 0 <= c - (s_w - lo_cta) < len_r (a band). If the window spans the whole ring, it becomes
 // the ring itself from longitude 0 (ring mode) and the test is taken modulo nlon.
 // The window is staged in chunks of kChunk columns (cp.async, kStages deep, one flat stream
-// across segments so the pipeline never drains between short segments). The geometry of up to
+// across segments so the pipeline never drains between short segments), handed from the threads
+// that stage a chunk to the warps that multiply it by mbarriers per stage, not by block barriers,
+// so a warp with less work on a chunk goes on to the next. The geometry of up to
 // kSlots segments is computed at once, one segment per thread, into shared memory; the stream
 // only reads it (and drains between such batches, i.e. only on rows with more segments). Each warp
 // multiplies only the 16-column blocks its band touches, and evaluates the band mask only on blocks
@@ -32,6 +34,7 @@
 
 #include "common/arc_walk.h"
 #include "gpu/device_common.cuh"
+#include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
 
@@ -87,9 +90,11 @@ struct StageLayout {
   static constexpr size_t kOperandBytes = size_t{kOperandElems} * 2;
   static constexpr size_t kStageBytes = 2 * kOperandBytes + 2 * kChunk * sizeof(float);
   static constexpr size_t kStagesBytes = kStages * kStageBytes;
-  // Then the segment slots of the batch being walked (SegmentSlot, defined below).
+  // Then the segment slots of the batch being walked (SegmentSlot, defined below), then the
+  // pipeline's barriers: per stage one for "staged" and one for "free".
   static constexpr size_t kSlotBytes = 32 + 16 * kWarps;
-  static constexpr size_t kSharedBytes = kStagesBytes + kSlots * kSlotBytes;
+  static constexpr size_t kBarriersOffset = kStagesBytes + kSlots * kSlotBytes;
+  static constexpr size_t kSharedBytes = kBarriersOffset + 2 * kStages * sizeof(uint64_t);
   static_assert(kOperandBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
 };
 
@@ -444,11 +449,47 @@ __device__ __forceinline__ ChunkCursor Advance(const SegmentSlot* slots, const C
   return FirstChunk(slots, at.slot + 1, count);
 }
 
+// The pipeline of staged chunks: chunk m of the block's stream (numbered across slot batches)
+// lives in stage m % kStages; its "staged" barrier completes when every thread staged its part of
+// it, its "free" barrier when every thread is done multiplying it.
+template <typename T, int D>
+struct ChunkPipeline {
+  uint64_t* staged;  // [kStages]
+  uint64_t* free;    // [kStages]
+
+  __device__ static ChunkPipeline Create() {
+    uint64_t* barriers = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(DynamicShared()) +
+                                                     StageLayout<D>::kBarriersOffset);
+    return ChunkPipeline{barriers, barriers + kStages};
+  }
+  // By one thread, before the block's first barrier.
+  __device__ void Init() const {
+    for (int s = 0; s < kStages; ++s) {
+      MbarrierInit(&staged[s], kThreads);
+      MbarrierInit(&free[s], kThreads);
+    }
+  }
+  // Stages the thread's part of stream chunk m (chunk `chunk` of `win`) once every thread is done
+  // with chunk m - kStages, which used its stage.
+  __device__ void Issue(uint32_t m, const Walk& walk, const SegmentWindow& win, int32_t chunk,
+                        const StagedSource<T>& src) const {
+    const uint32_t s = m % kStages;
+    if (m >= kStages) MbarrierWait(&free[s], (m / kStages - 1) & 1);
+    StageChunk<T, D>(walk, win, chunk, src, Stage<T, D>::At(s));
+    CopyAsyncArriveOn(&staged[s]);
+    MbarrierArrive(&staged[s]);
+  }
+  __device__ void WaitStaged(uint32_t n) const { MbarrierWait(&staged[n % kStages], (n / kStages) & 1); }
+  __device__ void Release(uint32_t n) const { MbarrierArrive(&free[n % kStages]); }
+};
+
 // Runs `compute(stage, win, chunk, band)` for every chunk of every segment of the block's row,
-// in order, with the next kStages - 1 chunks in flight (cp.async groups) while one is
-// multiplied. Segment geometry is computed kSlots segments at a time, one per thread, into
-// shared memory, so the stream itself only reads it. All threads of the block must call it
-// (it synchronises the block).
+// in order, with the next kStages - 1 chunks staged ahead (cp.async) while one is multiplied.
+// Segment geometry is computed kSlots segments at a time, one per thread, into shared memory, so
+// the stream itself only reads it. Chunks are handed over by barriers per stage, not per block:
+// a warp that finished chunk n can multiply chunk n + 1 while another still works on chunk n
+// (warps' bands differ, so their work per chunk does too). All threads of the block must call
+// it (it synchronises the block between slot batches).
 template <typename T, int D, typename Compute>
 __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSource<T>& src, const float* quad_weights,
                                              const int32_t (&row_lon)[2], const bool (&row_real)[2],
@@ -457,36 +498,31 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
   const int32_t end = min(max(__ldg(walk.offsets + walk.walk_row + 1), 0), walk.num_segments);
   const int32_t begin = min(max(__ldg(walk.offsets + walk.walk_row), 0), end);
   SegmentSlot* slots = Slots<D>();
+  const ChunkPipeline<T, D> pipe = ChunkPipeline<T, D>::Create();
+  if (threadIdx.x == 0) pipe.Init();
+  uint32_t issued = 0, consumed = 0;  // chunks of the stream staged and multiplied so far
   for (int32_t first = begin, count = 0; first < end; first += count) {
     count = min(end - first, kSlots);
-    __syncthreads();  // the previous batch's slots and stages are no longer read
+    __syncthreads();  // barriers initialised; the previous batch's slots are no longer read
     if (static_cast<int32_t>(threadIdx.x) < count) FillSlot(walk, first + threadIdx.x, quad_weights, &slots[threadIdx.x]);
     __syncthreads();
     ChunkCursor cur = FirstChunk(slots, 0, count);
     if (cur.slot == count) continue;
-    // Prologue: chunks 0 .. kStages - 2, one commit group each (empty past the end).
-    ChunkCursor head = cur;
-    StageChunk<T, D>(walk, slots[head.slot].win, head.chunk, src, Stage<T, D>::At(0));
-    CopyAsyncCommit();
-#pragma unroll
-    for (int s = 1; s < kStages - 1; ++s) {
-      if (head.slot < count) head = Advance(slots, head, count);
-      if (head.slot < count) StageChunk<T, D>(walk, slots[head.slot].win, head.chunk, src, Stage<T, D>::At(s));
-      CopyAsyncCommit();
+    ChunkCursor head = cur;  // the next chunk to stage
+    for (int s = 0; s < kStages - 1 && head.slot < count; ++s) {
+      pipe.Issue(issued++, walk, slots[head.slot].win, head.chunk, src);
+      head = Advance(slots, head, count);
     }
     WarpBand band = BandOf(walk, slots[cur.slot], row_lon, row_real);
-    for (int n = 0;; ++n) {
-      CopyAsyncWait<kStages - 2>();  // chunk n's group has landed (chunks up to n + kStages - 2 are committed)
-      // One barrier per chunk: chunk n is visible to every thread, and every thread is done with
-      // chunk n - 1, whose stage takes chunk n + kStages - 1 next.
-      __syncthreads();
-      if (head.slot < count) head = Advance(slots, head, count);
+    for (;;) {
+      const uint32_t n = consumed++;
+      pipe.WaitStaged(n);
+      compute(Stage<T, D>::At(n % kStages), slots[cur.slot].win, cur.chunk, band);
+      pipe.Release(n);
       if (head.slot < count) {
-        StageChunk<T, D>(walk, slots[head.slot].win, head.chunk, src, Stage<T, D>::At((n + kStages - 1) % kStages));
+        pipe.Issue(issued++, walk, slots[head.slot].win, head.chunk, src);
+        head = Advance(slots, head, count);
       }
-      CopyAsyncCommit();
-      const SegmentWindow win = slots[cur.slot].win;
-      compute(Stage<T, D>::At(n % kStages), win, cur.chunk, band);
       const ChunkCursor next = Advance(slots, cur, count);
       if (next.slot == count) break;
       if (next.chunk == 0) band = BandOf(walk, slots[next.slot], row_lon, row_real);

@@ -502,6 +502,56 @@ void CopyAsync16(void* shared_dst, const void* global_src) {
   std::memcpy(shared_dst, global_src, 16);
 }
 
+// mbarrier: the 8 bytes of the barrier hold the arrivals a phase needs (tagged, so that a barrier
+// never initialised is caught: shared memory starts as NaN here) and, in `state`, the arrivals so
+// far (low 31 bits) and the parity of the current phase (top bit).
+namespace {
+struct EmulatedMbarrier {
+  uint32_t tagged_expected;
+  uint32_t state;
+};
+static_assert(sizeof(EmulatedMbarrier) == sizeof(uint64_t), "an mbarrier is 8 bytes");
+constexpr uint32_t kInitTag = 0xa5000000u, kCountMask = 0x00ffffffu;
+constexpr uint32_t kPhaseBit = 0x80000000u;
+
+EmulatedMbarrier* MbarrierAt(const char* what, uint64_t* barrier) {
+  const auto base = reinterpret_cast<uintptr_t>(s2attn_dynamic_shared);
+  const auto address = reinterpret_cast<uintptr_t>(barrier);
+  if (address < base || address - base + 8 > g_scheduler.shared_bytes || address % 8 != 0) {
+    Fail("%s: %p is not an 8-byte aligned barrier inside the launch's dynamic shared memory", what, barrier);
+  }
+  return reinterpret_cast<EmulatedMbarrier*>(barrier);
+}
+
+EmulatedMbarrier* InitialisedMbarrier(const char* what, uint64_t* barrier) {
+  EmulatedMbarrier* m = MbarrierAt(what, barrier);
+  if ((m->tagged_expected & ~kCountMask) != kInitTag) Fail("%s: barrier %p was not initialised", what, barrier);
+  return m;
+}
+}  // namespace
+
+void MbarrierInit(uint64_t* barrier, uint32_t count) {
+  if (count == 0 || count > kCountMask) Fail("MbarrierInit: count %u out of range", count);
+  *MbarrierAt("MbarrierInit", barrier) = EmulatedMbarrier{kInitTag | count, 0};
+}
+
+void MbarrierArrive(uint64_t* barrier) {
+  EmulatedMbarrier* m = InitialisedMbarrier("MbarrierArrive", barrier);
+  const uint32_t arrived = (m->state & ~kPhaseBit) + 1;
+  const uint32_t phase = m->state & kPhaseBit;
+  m->state = arrived == (m->tagged_expected & kCountMask) ? phase ^ kPhaseBit : phase | arrived;
+  ++g_scheduler.progress;
+}
+
+// Copies land at the call here, so the barrier has nothing to track.
+void CopyAsyncArriveOn(uint64_t* barrier) { InitialisedMbarrier("CopyAsyncArriveOn", barrier); }
+
+void MbarrierWait(uint64_t* barrier, uint32_t parity) {
+  const EmulatedMbarrier* m = InitialisedMbarrier("MbarrierWait", barrier);
+  WaitUntil("MbarrierWait", [&] { return (m->state >> 31) != (parity & 1u); });
+  ++g_scheduler.progress;
+}
+
 }  // namespace gpu
 }  // namespace s2attn
 

@@ -12,7 +12,8 @@
 // LdMatrixX4Trans, CopyAsync16) are only declared there under S2ATTN_HOST_EMULATION, which
 // this header defines first; emulation.cc implements them as warp collectives: the 32 lanes
 // meet, then each lane takes its fragment per the layouts documented in mma_sm80.cuh.
-// cp.async copies happen at the call (commit/wait are no-ops).
+// cp.async copies happen at the call (commit/wait are no-ops). The mbarrier functions of
+// cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a waiter yields until the phase completed.
 //
 // Misuse aborts the run with a message naming the block and thread: a thread that returns
 // while others wait for it at __syncthreads or a warp collective (stricter than the hardware,

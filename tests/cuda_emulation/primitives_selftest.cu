@@ -1,5 +1,6 @@
 // Self-test kernels of the host emulation (tests/test_cuda_emulation_primitives.py): the
-// tensor-core primitives of gpu/mma_sm80.cuh, __syncthreads, __syncwarp, votes and shuffles,
+// tensor-core primitives of gpu/mma_sm80.cuh, the barriers of gpu/mbarrier_sm90.cuh,
+// __syncthreads, __syncwarp, votes and shuffles,
 // checked from Python against numpy. Compiled only for the emulation (emulation.h
 // force-included).
 //
@@ -9,6 +10,7 @@
 // `num_arcs`.
 #include <cstdint>
 
+#include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
 
@@ -31,7 +33,9 @@ enum Fault : int64_t {
   kMisalignedLdMatrixRow = 2,  // lane 3 gives a row address 8 bytes off
   kCopyAsyncToGlobal = 3,      // CopyAsync16 into global memory
   kThreadSkipsSyncthreads = 4,  // thread 70 returns before the first __syncthreads
-  kThreadWaitsForItsWarp = 5     // thread 70 waits at __syncwarp while its warp waits at __syncthreads
+  kThreadWaitsForItsWarp = 5,    // thread 70 waits at __syncwarp while its warp waits at __syncthreads
+  kThreadSkipsArrival = 6,       // thread 70 does not arrive on the "written" barrier of round 1
+  kUninitialisedBarrier = 7      // the barriers are never initialised
 };
 
 constexpr int kTileElements = 16 * 16;
@@ -95,9 +99,7 @@ __global__ void TileMmaKernel(NbhdAttnGpuParams p) {
     if (p.batch == kCopyAsyncToGlobal) destination = p.out;
     CopyAsync16(destination, static_cast<const char*>(sources[tile]) + 16 * lane);
   }
-  CopyAsyncCommit();
-  CopyAsyncWait<0>();
-  __syncwarp();
+  __syncwarp();  // the emulation copies at the call; the kernels hand copies over by mbarrier
 
   // ldmatrix .x4: lane 8i + r addresses row r of 8x8 matrix i. For A and for B (rows = k) the
   // matrices are (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15); for Bt (rows = n)
@@ -150,6 +152,37 @@ __global__ void BlockCentreKernel(NbhdAttnGpuParams p) {
     __syncthreads();
   }
   p.out[index] = x - partial[0] / blockDim.x;
+}
+
+// Blocks of 128 threads (4 warps) pass `rounds` (dout as an int) rows of 128 floats (q) through
+// a ring of two shared-memory rows with mbarriers, the way the tiled kernels' chunk pipeline does:
+// round r waits until every thread is done reading the row of round r - 2, writes its value,
+// arrives on "written", waits for the row to be complete and writes the value of thread 127 - tid
+// to out. Warps drift apart by up to a round; a barrier that did not wait would read NaN (shared
+// memory starts as NaN) or the previous round's row.
+__global__ void MbarrierRingKernel(NbhdAttnGpuParams p) {
+  const unsigned tid = threadIdx.x;
+  const int rounds = static_cast<int>(p.num_arcs);
+  auto* rows = reinterpret_cast<float*>(SharedBytes());              // [2][128]
+  auto* written = reinterpret_cast<uint64_t*>(SharedBytes() + 2 * 128 * sizeof(float));  // [2]
+  uint64_t* read = written + 2;                                       // [2]
+  if (tid == 0 && p.batch != kUninitialisedBarrier) {
+    for (int s = 0; s < 2; ++s) {
+      MbarrierInit(&written[s], blockDim.x);
+      MbarrierInit(&read[s], blockDim.x);
+    }
+  }
+  __syncthreads();
+  const auto* x = static_cast<const float*>(p.q);
+  for (int r = 0; r < rounds; ++r) {
+    const int s = r % 2;
+    if (r >= 2) MbarrierWait(&read[s], (r / 2 - 1) & 1);
+    rows[s * 128 + tid] = x[r * 128 + tid];
+    if (!(p.batch == kThreadSkipsArrival && tid == 70 && r == 1)) MbarrierArrive(&written[s]);
+    MbarrierWait(&written[s], (r / 2) & 1);
+    p.out[r * 128 + tid] = rows[s * 128 + 127 - tid];
+    MbarrierArrive(&read[s]);
+  }
 }
 
 // One warp; lane l writes 6 words at out[6 l]: ballot(x > 0), any(x > 2), all(x > -10), an int
@@ -241,6 +274,16 @@ extern "C" int RunBlockCentre(const float* x, float* out, int blocks, int64_t sh
   p.batch = fault;
   return Launch(s2attn::gpu::BlockCentreKernel, p, static_cast<unsigned>(blocks), 128,
                 static_cast<size_t>(shared_bytes));
+}
+
+// x, out: [rounds, 128] floats.
+extern "C" int RunMbarrierRing(const float* x, float* out, int64_t rounds, int64_t fault) {
+  s2attn::NbhdAttnGpuParams p;
+  p.q = x;
+  p.out = out;
+  p.num_arcs = rounds;
+  p.batch = fault;
+  return Launch(s2attn::gpu::MbarrierRingKernel, p, 1, 128, 2 * 128 * sizeof(float) + 4 * sizeof(uint64_t));
 }
 
 // x: 32 floats; out: 32 x 6 words.

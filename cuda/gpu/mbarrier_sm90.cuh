@@ -1,0 +1,59 @@
+// Shared-memory barrier objects (PTX mbarrier, try_wait needs sm_90) for the tiled kernels'
+// chunk pipeline. One concern: a phase of a barrier completes when `count` threads arrived and
+// every cp.async copy tracked on it landed; a waiter then sees everything the arrivers wrote
+// before arriving. Unlike __syncthreads, a warp waits only for the chunk it needs, so warps of a
+// block can drift apart by a chunk (tiled_attn_device.cuh, ForEachChunk).
+//
+// Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are
+// declared here and implemented by the emulation runtime (copies land at once there).
+#pragma once
+
+#include <cstdint>
+
+#include "gpu/mma_sm80.cuh"
+
+namespace s2attn {
+namespace gpu {
+
+#if defined(S2ATTN_HOST_EMULATION)
+
+void MbarrierInit(uint64_t* barrier, uint32_t count);
+void MbarrierArrive(uint64_t* barrier);
+void CopyAsyncArriveOn(uint64_t* barrier);
+void MbarrierWait(uint64_t* barrier, uint32_t parity);
+
+#else
+
+// One thread initialises; the block must synchronise before anyone else uses the barrier.
+__device__ __forceinline__ void MbarrierInit(uint64_t* barrier, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SharedAddress(barrier)), "r"(count) : "memory");
+}
+
+// One arrival (release: the thread's earlier shared-memory stores are visible to the waiters).
+__device__ __forceinline__ void MbarrierArrive(uint64_t* barrier) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(SharedAddress(barrier))
+               : "memory");
+}
+
+// The current phase also waits for every cp.async copy the thread issued so far (no arrival of
+// its own: the pending count is raised and lowered again when the copies land).
+__device__ __forceinline__ void CopyAsyncArriveOn(uint64_t* barrier) {
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(SharedAddress(barrier)) : "memory");
+}
+
+// Waits until the phase of the given parity (0 for the first phase, then alternating) completed.
+__device__ __forceinline__ void MbarrierWait(uint64_t* barrier, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SharedAddress(barrier)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+#endif
+
+}  // namespace gpu
+}  // namespace s2attn
