@@ -1,4 +1,4 @@
-// Shared-memory barrier objects (PTX mbarrier, try_wait needs sm_90) for the tiled kernels'
+// Shared-memory barrier objects (PTX mbarrier: sm_80, try_wait sm_90) for the tiled kernels'
 // chunk pipeline. One concern: a phase of a barrier completes when `count` threads arrived and
 // every cp.async copy tracked on it landed; a waiter then sees everything the arrivers wrote
 // before arriving. Unlike __syncthreads, a warp waits only for the chunk it needs, so warps of a
@@ -42,11 +42,17 @@ __device__ __forceinline__ void CopyAsyncArriveOn(uint64_t* barrier) {
 }
 
 // Waits until the phase of the given parity (0 for the first phase, then alternating) completed.
+// try_wait (sm_90) suspends the thread for a while inside the instruction; test_wait (sm_80, for
+// builds of older targets) only tests.
 __device__ __forceinline__ void MbarrierWait(uint64_t* barrier, uint32_t parity) {
   uint32_t done;
   do {
     asm volatile(
+#if __CUDA_ARCH__ >= 900
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+#else
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+#endif
         : "=r"(done)
         : "r"(SharedAddress(barrier)), "r"(parity)
         : "memory");

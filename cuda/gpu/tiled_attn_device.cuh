@@ -67,7 +67,9 @@ constexpr int kBlocksPerChunk = kChunk / kBlock;
 static_assert(kChunk % kBlock == 0 && kChunk <= 128, "chunks are whole MMA blocks");
 constexpr int kThreads = 32 * kWarps;
 constexpr int kStages = S2ATTN_TILED_STAGES;
-static_assert(kStages >= 2, "at least one chunk in flight while one is multiplied");
+// A stage is restaged once every warp is done with its chunk, i.e. after the chunk that follows it
+// is multiplied: kStages - 2 chunks are in flight while one is multiplied.
+static_assert(kStages >= 3, "at least one chunk in flight while one is multiplied");
 // Blocks per SM the launch bounds ask for (register cap 65536 / (kThreads * blocks)): enough
 // staged chunks in flight per SM to cover L2 latency, which bounds the short walks.
 template <int D>
@@ -91,7 +93,7 @@ struct StageLayout {
   static constexpr size_t kStageBytes = 2 * kOperandBytes + 2 * kChunk * sizeof(float);
   static constexpr size_t kStagesBytes = kStages * kStageBytes;
   // Then the segment slots of the batch being walked (SegmentSlot, defined below), then the
-  // pipeline's barriers: per stage one for "staged" and one for "free".
+  // pipeline's barriers: per stage one for "staged" and one for "released".
   static constexpr size_t kSlotBytes = 32 + 16 * kWarps;
   static constexpr size_t kBarriersOffset = kStagesBytes + kSlots * kSlotBytes;
   static constexpr size_t kSharedBytes = kBarriersOffset + 2 * kStages * sizeof(uint64_t);
@@ -451,11 +453,11 @@ __device__ __forceinline__ ChunkCursor Advance(const SegmentSlot* slots, const C
 
 // The pipeline of staged chunks: chunk m of the block's stream (numbered across slot batches)
 // lives in stage m % kStages; its "staged" barrier completes when every thread staged its part of
-// it, its "free" barrier when every thread is done multiplying it.
+// it, its "released" barrier when every thread is done multiplying it.
 template <typename T, int D>
 struct ChunkPipeline {
-  uint64_t* staged;  // [kStages]
-  uint64_t* free;    // [kStages]
+  uint64_t* staged;    // [kStages]
+  uint64_t* released;  // [kStages]
 
   __device__ static ChunkPipeline Create() {
     uint64_t* barriers = reinterpret_cast<uint64_t*>(reinterpret_cast<char*>(DynamicShared()) +
@@ -466,7 +468,7 @@ struct ChunkPipeline {
   __device__ void Init() const {
     for (int s = 0; s < kStages; ++s) {
       MbarrierInit(&staged[s], kThreads);
-      MbarrierInit(&free[s], kThreads);
+      MbarrierInit(&released[s], kThreads);
     }
   }
   // Stages the thread's part of stream chunk m (chunk `chunk` of `win`) once every thread is done
@@ -474,17 +476,17 @@ struct ChunkPipeline {
   __device__ void Issue(uint32_t m, const Walk& walk, const SegmentWindow& win, int32_t chunk,
                         const StagedSource<T>& src) const {
     const uint32_t s = m % kStages;
-    if (m >= kStages) MbarrierWait(&free[s], (m / kStages - 1) & 1);
+    if (m >= kStages) MbarrierWait(&released[s], (m / kStages - 1) & 1);
     StageChunk<T, D>(walk, win, chunk, src, Stage<T, D>::At(s));
     CopyAsyncArriveOn(&staged[s]);
     MbarrierArrive(&staged[s]);
   }
   __device__ void WaitStaged(uint32_t n) const { MbarrierWait(&staged[n % kStages], (n / kStages) & 1); }
-  __device__ void Release(uint32_t n) const { MbarrierArrive(&free[n % kStages]); }
+  __device__ void Release(uint32_t n) const { MbarrierArrive(&released[n % kStages]); }
 };
 
 // Runs `compute(stage, win, chunk, band)` for every chunk of every segment of the block's row,
-// in order, with the next kStages - 1 chunks staged ahead (cp.async) while one is multiplied.
+// in order, with kStages - 2 chunks in flight (cp.async) while one is multiplied.
 // Segment geometry is computed kSlots segments at a time, one per thread, into shared memory, so
 // the stream itself only reads it. Chunks are handed over by barriers per stage, not per block:
 // a warp that finished chunk n can multiply chunk n + 1 while another still works on chunk n
