@@ -25,10 +25,11 @@ DTYPES = {"bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
 CUDA_ERROR_INVALID_VALUE = 1
 DEFAULT_SHARED_LIMIT = 48 * 1024
 MAX_SHARED = 232448  # the H200's opt-in maximum
-TILE_BYTES = 3 * 16 * 16 * 2  # A, Bt, B
+TILE_BYTES = 16 + 3 * 16 * 16 * 2  # the barrier the copies land on (8 bytes, padded), then A, Bt, B
 # Faults of primitives_selftest.cu.
 (NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
- THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL, UNINITIALISED_BARRIER) = range(8)  # fmt: skip
+ THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL, UNINITIALISED_BARRIER, COPY_NOT_TRACKED,
+ THREAD_ARRIVES_TWICE) = range(10)  # fmt: skip
 BLOCK_THREADS = 128  # of BlockCentreKernel
 
 
@@ -111,8 +112,9 @@ def _mma_inputs(rng, dtype):
     ids=["small", "tiles-at-the-end-of-227KiB"],
 )
 def test_ldmatrix_and_mma_match_numpy(lib, rng, dtype, shared_offset, shared_bytes, shared_limit):
-    """cp.async stages A, Bt and B in shared memory; plain ldmatrix gives the fragments of A and Bt
-    (C + A Bt^T, as S = Q K^T), ldmatrix .trans those of B (C + A B, as O = P V)."""
+    """cp.async stages A, Bt and B in shared memory (landing on an mbarrier); plain ldmatrix gives
+    the fragments of A and Bt (C + A Bt^T, as S = Q K^T), ldmatrix .trans those of B (C + A B, as
+    O = P V)."""
     a, bt, b, c = _mma_inputs(rng, dtype)
     status, out = _tile_mma(lib, dtype, a, bt, b, c, shared_offset=shared_offset, shared_bytes=shared_bytes,
                             shared_limit=shared_limit)  # fmt: skip
@@ -194,6 +196,14 @@ FAULTS = {
     "mbarrier-missing-arrival": (
         f"RunMbarrierRing(c, out, I(3), I({THREAD_SKIPS_ARRIVAL}))",
         "threads 0..127: MbarrierWait",
+    ),
+    "copy-not-tracked": (
+        f"RunTileMma(1, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPY_NOT_TRACKED}))",
+        "MbarrierArrive with cp.async copies that no barrier tracks (CopyAsyncArriveOn first)",
+    ),
+    "mbarrier-double-arrival": (
+        f"RunMbarrierRing(c, out, I(3), I({THREAD_ARRIVES_TWICE}))",
+        "MbarrierArrive: thread arrives twice in one phase of barrier",
     ),
     "mbarrier-not-initialised": (
         f"RunMbarrierRing(c, out, I(3), I({UNINITIALISED_BARRIER}))",

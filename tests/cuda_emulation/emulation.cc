@@ -101,6 +101,7 @@ struct Fiber {
   unsigned thread = 0;
   bool done = false;
   const char* waiting_at = nullptr;  // what it waits at, for the deadlock report
+  bool untracked_copies = false;     // cp.async copies issued since its last CopyAsyncArriveOn
   void* asan_fake_stack = nullptr;
 };
 
@@ -117,6 +118,14 @@ struct Scheduler {
   size_t scheduler_stack_size = 0;
 };
 Scheduler g_scheduler;
+
+// cp.async copies are only known to have landed through a barrier that tracks them; a thread that
+// synchronises with copies no barrier tracks would hand over a stage that may still be filling.
+void CheckCopiesTracked(const char* at) {
+  if (g_scheduler.current->untracked_copies) {
+    Fail("%s with cp.async copies that no barrier tracks (CopyAsyncArriveOn first)", at);
+  }
+}
 
 void SwitchToScheduler(bool dying) {
   Fiber* self = g_scheduler.current;
@@ -402,6 +411,7 @@ void ResetFiber(Fiber& f, unsigned thread) {
 // ------------------------------------------------------------------ device functions
 
 void __syncthreads() {
+  CheckCopiesTracked("__syncthreads");
   if (g_barrier.exited > 0) {
     Fail("__syncthreads after %u thread(s) of the block returned from the kernel", g_barrier.exited);
   }
@@ -415,7 +425,10 @@ void __syncthreads() {
   ++g_scheduler.progress;
 }
 
-void __syncwarp(unsigned mask) { Meet(mask, Collective::kSyncWarp, LaneInput{}); }
+void __syncwarp(unsigned mask) {
+  CheckCopiesTracked("__syncwarp");
+  Meet(mask, Collective::kSyncWarp, LaneInput{});
+}
 
 float __shfl_xor_sync(unsigned mask, float value, int lane_mask, int width) {
   return Shuffle(mask, value, Lane() ^ static_cast<unsigned>(lane_mask), width);
@@ -500,6 +513,7 @@ void CopyAsync16(void* shared_dst, const void* global_src) {
   }
   if (InSharedBuffer(global_src)) Fail("CopyAsync16: source %p is shared memory, not global", global_src);
   std::memcpy(shared_dst, global_src, 16);
+  g_scheduler.current->untracked_copies = true;
 }
 
 // mbarrier: the 8 bytes of the barrier hold the arrivals a phase needs (tagged, so that a barrier
@@ -523,6 +537,10 @@ EmulatedMbarrier* MbarrierAt(const char* what, uint64_t* barrier) {
   return reinterpret_cast<EmulatedMbarrier*>(barrier);
 }
 
+// Which threads of the block arrived in the current phase of each barrier (a second arrival in
+// one phase would complete it early on the device).
+std::map<const void*, std::vector<bool>> g_mbarrier_arrivals;
+
 EmulatedMbarrier* InitialisedMbarrier(const char* what, uint64_t* barrier) {
   EmulatedMbarrier* m = MbarrierAt(what, barrier);
   if ((m->tagged_expected & ~kCountMask) != kInitTag) Fail("%s: barrier %p was not initialised", what, barrier);
@@ -533,18 +551,29 @@ EmulatedMbarrier* InitialisedMbarrier(const char* what, uint64_t* barrier) {
 void MbarrierInit(uint64_t* barrier, uint32_t count) {
   if (count == 0 || count > kCountMask) Fail("MbarrierInit: count %u out of range", count);
   *MbarrierAt("MbarrierInit", barrier) = EmulatedMbarrier{kInitTag | count, 0};
+  g_mbarrier_arrivals[barrier].assign(blockDim.x, false);
 }
 
 void MbarrierArrive(uint64_t* barrier) {
   EmulatedMbarrier* m = InitialisedMbarrier("MbarrierArrive", barrier);
+  CheckCopiesTracked("MbarrierArrive");
+  std::vector<bool>& arrivals = g_mbarrier_arrivals[barrier];
+  if (arrivals.size() != blockDim.x) arrivals.assign(blockDim.x, false);
+  if (arrivals[threadIdx.x]) Fail("MbarrierArrive: thread arrives twice in one phase of barrier %p", barrier);
+  arrivals[threadIdx.x] = true;
   const uint32_t arrived = (m->state & ~kPhaseBit) + 1;
   const uint32_t phase = m->state & kPhaseBit;
-  m->state = arrived == (m->tagged_expected & kCountMask) ? phase ^ kPhaseBit : phase | arrived;
+  const bool completes = arrived == (m->tagged_expected & kCountMask);
+  m->state = completes ? phase ^ kPhaseBit : phase | arrived;
+  if (completes) arrivals.assign(blockDim.x, false);
   ++g_scheduler.progress;
 }
 
-// Copies land at the call here, so the barrier has nothing to track.
-void CopyAsyncArriveOn(uint64_t* barrier) { InitialisedMbarrier("CopyAsyncArriveOn", barrier); }
+// Copies land at the call here; the barrier only has to be named before the thread synchronises.
+void CopyAsyncArriveOn(uint64_t* barrier) {
+  InitialisedMbarrier("CopyAsyncArriveOn", barrier);
+  g_scheduler.current->untracked_copies = false;
+}
 
 void MbarrierWait(uint64_t* barrier, uint32_t parity) {
   const EmulatedMbarrier* m = InitialisedMbarrier("MbarrierWait", barrier);

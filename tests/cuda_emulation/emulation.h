@@ -19,7 +19,8 @@
 // while others wait for it at __syncthreads or a warp collective (stricter than the hardware,
 // which lets exited threads off some barriers), lanes of one mask meeting at different kinds of
 // collective, a deadlock (listing what each thread waits at), ldmatrix rows or cp.async
-// destinations not 16-byte aligned inside the launch's dynamic shared memory.
+// destinations not 16-byte aligned inside the launch's dynamic shared memory, a thread that
+// synchronises with cp.async copies no mbarrier tracks, a second arrival of a thread in one phase.
 #pragma once
 
 #define S2ATTN_HOST_EMULATION 1

@@ -35,7 +35,9 @@ enum Fault : int64_t {
   kThreadSkipsSyncthreads = 4,  // thread 70 returns before the first __syncthreads
   kThreadWaitsForItsWarp = 5,    // thread 70 waits at __syncwarp while its warp waits at __syncthreads
   kThreadSkipsArrival = 6,       // thread 70 does not arrive on the "written" barrier of round 1
-  kUninitialisedBarrier = 7      // the barriers are never initialised
+  kUninitialisedBarrier = 7,     // the barriers are never initialised
+  kCopyNotTracked = 8,           // the copies of TileMmaKernel are not put on its barrier
+  kThreadArrivesTwice = 9        // thread 70 arrives twice on the "written" barrier of round 0
 };
 
 constexpr int kTileElements = 16 * 16;
@@ -92,14 +94,20 @@ __global__ void LdMatrixLayoutKernel(NbhdAttnGpuParams p) {
 template <typename T>
 __global__ void TileMmaKernel(NbhdAttnGpuParams p) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  char* tiles = SharedBytes() + p.num_arcs;
+  // At p.num_arcs: the barrier the copies land on, then (16 bytes in) the tiles.
+  auto* landed = reinterpret_cast<uint64_t*>(SharedBytes() + p.num_arcs);
+  char* tiles = SharedBytes() + p.num_arcs + 16;
+  if (lane == 0) MbarrierInit(landed, 32);
+  __syncwarp();
   const void* sources[3] = {p.q, p.k, p.v};
   for (int tile = 0; tile < 3; ++tile) {  // 32 chunks of 16 bytes per tile: one per lane
     void* destination = tiles + tile * kTileBytes + 16 * lane;
     if (p.batch == kCopyAsyncToGlobal) destination = p.out;
     CopyAsync16(destination, static_cast<const char*>(sources[tile]) + 16 * lane);
   }
-  __syncwarp();  // the emulation copies at the call; the kernels hand copies over by mbarrier
+  if (p.batch != kCopyNotTracked) CopyAsyncArriveOn(landed);
+  MbarrierArrive(landed);
+  MbarrierWait(landed, 0);
 
   // ldmatrix .x4: lane 8i + r addresses row r of 8x8 matrix i. For A and for B (rows = k) the
   // matrices are (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15); for Bt (rows = n)
@@ -179,6 +187,7 @@ __global__ void MbarrierRingKernel(NbhdAttnGpuParams p) {
     if (r >= 2) MbarrierWait(&read[s], (r / 2 - 1) & 1);
     rows[s * 128 + tid] = x[r * 128 + tid];
     if (!(p.batch == kThreadSkipsArrival && tid == 70 && r == 1)) MbarrierArrive(&written[s]);
+    if (p.batch == kThreadArrivesTwice && tid == 70 && r == 0) MbarrierArrive(&written[s]);
     MbarrierWait(&written[s], (r / 2) & 1);
     p.out[r * 128 + tid] = rows[s * 128 + 127 - tid];
     MbarrierArrive(&read[s]);
