@@ -47,6 +47,7 @@ from kernel_cases import (  # noqa: E402
     TILED_TARGET_OFFSET,
     call_run_target,
     check_case,
+    neighbour_mask,
     prepare_case,
     run_case,
 )
@@ -404,3 +405,29 @@ def test_kernels_under_address_sanitizer(tmp_path):
     command = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k", SANITIZED_TESTS]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
+
+
+@pytest.mark.parametrize(("kernel", "dtype"), [("arc", "float32"), ("tiled", "bfloat16")])
+@pytest.mark.parametrize("operand", ["q", "k"])
+def test_forward_propagates_nan(emulator, rng, kernel, dtype, operand):
+    """A NaN in one query (one key) makes that query's (every query that has that key as a
+    neighbour's) output row and lse NaN, and leaves the others finite: NaN never turns into a
+    plausible zero."""
+    plan = PLANS["self"]()
+    case = prepare_case(rng, plan, 1, 1, 64, 64, dtype)
+    q, k = case.inputs[:2]
+    nlon = q.shape[2]
+    point = (plan.out_shape[0] // 2) * nlon + 3  # a query (key) point of a middle row
+    array = q if operand == "q" else k
+    array[0, point // nlon, point % nlon, 0, 5] = np.nan
+    results = run_case(case, emulator, kernel=kernel)
+    mask = neighbour_mask(plan)  # [queries, keys]
+    poisoned = np.zeros(mask.shape[0], bool)
+    if operand == "q":
+        poisoned[point] = True
+    else:
+        poisoned = mask[:, point]
+    out = results["out"].reshape(mask.shape[0], -1)
+    lse = results["lse"].reshape(mask.shape[0])
+    assert np.isnan(out[poisoned]).all() and np.isnan(lse[poisoned]).all()
+    assert np.isfinite(out[~poisoned]).all() and np.isfinite(lse[~poisoned]).all()

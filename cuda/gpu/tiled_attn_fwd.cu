@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
   bool seen[2];
   for (int h = 0; h < 2; ++h) {
     l[h] = RowSum(l[h]);
-    seen[h] = u.row_real[h] && l[h] > 0.f;  // no neighbour inside the key window: 0, -inf
+    // No neighbour inside the key window: 0, -inf. A NaN sum stays NaN (not "no neighbour").
+    seen[h] = u.row_real[h] && !(l[h] == 0.f);
     scale[h] = seen[h] ? 1.f / l[h] : 0.f;
     if (t == 0 && u.row_exists[h]) p.lse_out[u.row_point[h]] = seen[h] ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
   }
