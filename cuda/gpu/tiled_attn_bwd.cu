@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[n][e] = fmaf(s[n][e], scale2, stage.bias[kBlock * kb + 8 * n + 2 * t + (e & 1)]) - lse2[e >> 1];
+          s[n][e] = fmaf(s[n][e], scale2, stage.bias[ScoreColumn(kb, n, e, t)]) - lse2[e >> 1];
         }
       }
       if (!band.Covers(cb)) MaskOffArc(s, cb, band, sw.wrap);
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = fmaf(s[n][e], scale2, log2_weight + stage.bias[kBlock * kb + 8 * n + 2 * t + (e & 1)]);
+        for (int e = 0; e < 4; ++e) s[n][e] = fmaf(s[n][e], scale2, log2_weight + stage.bias[ScoreColumn(kb, n, e, t)]);
       }
       if (!band.Covers(cb)) MaskOffArc(s, cb, band, sw.wrap);
 #pragma unroll
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           s[n][e] = Exp2(s[n][e]);
-          dp[n][e] = s[n][e] * (dp[n][e] - stage.delta[kBlock * kb + 8 * n + 2 * t + (e & 1)]);
+          dp[n][e] = s[n][e] * (dp[n][e] - stage.delta[ScoreColumn(kb, n, e, t)]);
         }
       }
       AccumulateRows<T, D>(dv, s, dout_rows);

@@ -506,7 +506,9 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
   for (int32_t first = begin, count = 0; first < end; first += count) {
     count = min(end - first, kSlots);
     __syncthreads();  // barriers initialised; the previous batch's slots are no longer read
-    if (static_cast<int32_t>(threadIdx.x) < count) FillSlot(walk, first + threadIdx.x, quad_weights, &slots[threadIdx.x]);
+    if (static_cast<int32_t>(threadIdx.x) < count) {
+      FillSlot(walk, first + threadIdx.x, quad_weights, &slots[threadIdx.x]);
+    }
     __syncthreads();
     ChunkCursor cur = FirstChunk(slots, 0, count);
     if (cur.slot == count) continue;
@@ -548,6 +550,12 @@ __device__ __forceinline__ void LoadOwnFragments(uint32_t (&a)[D / 16][4], const
     a[ks][2] = row0 ? LoadPair(row0 + 16 * ks + 8 + 2 * t) : 0u;
     a[ks][3] = row1 ? LoadPair(row1 + 16 * ks + 8 + 2 * t) : 0u;
   }
+}
+
+// The staged-chunk column of the thread's score element e of n8 tile n in 16-column block kb: the
+// score tile layout of RowProducts, columns 8n + 2t + e % 2 of the block (t = lane % 4).
+__device__ __forceinline__ int ScoreColumn(int kb, int n, int e, int t) {
+  return kBlock * kb + 8 * n + 2 * t + (e & 1);
 }
 
 // s = A . B^T for the 16 staged rows starting at `rows` (two n8 tiles: rows 0-7 and 8-15).

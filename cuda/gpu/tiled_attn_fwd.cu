@@ -45,12 +45,13 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[kb][n][e] = fmaf(s[kb][n][e], scale2, stage.bias[kBlock * kb + 8 * n + 2 * t + (e & 1)]);
+        for (int e = 0; e < 4; ++e) s[kb][n][e] = fmaf(s[kb][n][e], scale2, stage.bias[ScoreColumn(kb, n, e, t)]);
       }
       if (!band.Covers(cb)) MaskOffArc(s[kb], cb, band, sw.wrap);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], fmaxf(fmaxf(s[kb][0][2 * h], s[kb][0][2 * h + 1]), fmaxf(s[kb][1][2 * h], s[kb][1][2 * h + 1])));
+        const float (&x)[2][4] = s[kb];
+        mx[h] = fmaxf(mx[h], fmaxf(fmaxf(x[0][2 * h], x[0][2 * h + 1]), fmaxf(x[1][2 * h], x[1][2 * h + 1])));
       }
     }
     if (!any) return;  // warp-uniform: this chunk lies outside the warp's band
@@ -77,7 +78,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
         for (int e = 0; e < 4; ++e) s[kb][n][e] = Exp2(s[kb][n][e] - base[e >> 1]);
       }
 #pragma unroll
-      for (int h = 0; h < 2; ++h) l[h] += (s[kb][0][2 * h] + s[kb][0][2 * h + 1]) + (s[kb][1][2 * h] + s[kb][1][2 * h + 1]);
+      for (int h = 0; h < 2; ++h) {
+        l[h] += (s[kb][0][2 * h] + s[kb][0][2 * h + 1]) + (s[kb][1][2 * h] + s[kb][1][2 * h + 1]);
+      }
       AccumulateRows<T, D>(acc, s[kb], stage.BlockB(kb));
     }
   });
