@@ -47,6 +47,8 @@ void LdMatrixX4(uint32_t (&r)[4], const void* shared_row);
 void LdMatrixX4Trans(uint32_t (&r)[4], const void* shared_row);
 // Copies 16 bytes global -> shared (immediately, in the emulation).
 void CopyAsync16(void* shared_dst, const void* global_src);
+// Copies 4 bytes global -> shared (immediately, in the emulation).
+void CopyAsync4(void* shared_dst, const void* global_src);
 
 #else
 
@@ -91,6 +93,11 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* sh
 // 16 bytes global -> shared, bypassing L1 (K/V windows are reused from shared memory, not L1).
 __device__ __forceinline__ void CopyAsync16(void* shared_dst, const void* global_src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(shared_dst)), "l"(global_src));
+}
+
+// 4 bytes global -> shared (cp.async takes sizes below 16 only through L1, .ca).
+__device__ __forceinline__ void CopyAsync4(void* shared_dst, const void* global_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(SharedAddress(shared_dst)), "l"(global_src));
 }
 
 #endif

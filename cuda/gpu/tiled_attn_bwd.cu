@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
 }
 
 // dv_j = sum_o p_oj dout_o, dk_j = scale * sum_o p_oj (dout_o.v_j - delta_o) q_o over the
-// queries o that have key j as a neighbour. Staged: Q (a), dout (b), -log2e * lse, delta.
+// queries o that have key j as a neighbour. Staged: Q (a), dout (b), lse, delta.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(const NbhdAttnGpuParams p) {
   const Windows win = ReadDeviceWindows(p);
@@ -104,7 +104,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = fmaf(s[n][e], scale2, log2_weight + stage.bias[ScoreColumn(kb, n, e, t)]);
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] = fmaf(s[n][e], scale2, log2_weight + KeyWalkBias(stage.bias[ScoreColumn(kb, n, e, t)]));
+        }
       }
       if (!band.Covers(cb)) MaskOffArc(s, cb, band, sw.wrap);
 #pragma unroll

@@ -17,9 +17,10 @@
 // kSlots segments is computed at once, one segment per thread, into shared memory; the stream
 // only reads it (and drains between such batches, i.e. only on rows with more segments). Each warp
 // multiplies only the 16-column blocks its band touches, and evaluates the band mask only on blocks
-// that are not entirely inside every one of its points' arcs. Quadrature weights (or -lse for
-// dk/dv) and columns outside the other grid's window enter as a per-column bias: -inf masks a
-// column. jax_s2attn/tile_walk.py emulates this walk on the host (coverage and tile statistics).
+// that are not entirely inside every one of its points' arcs. Quadrature weights (query walk) or
+// the staged queries' lse (key walk, see KeyWalkBias) enter as a per-column bias, which also masks
+// the columns outside the other grid's window (-inf). jax_s2attn/tile_walk.py emulates this walk
+// on the host (coverage and tile statistics).
 //
 // Everything a block computes is owned by that block and summed in a fixed order: results are
 // bitwise reproducible, without atomics.
@@ -104,7 +105,7 @@ template <typename T, int D>
 struct Stage {
   T* a;             // [kChunk][kStride]: K (query walk) or Q (key walk)
   T* b;             // [kChunk][kStride]: V (query walk) or dout (key walk)
-  float* bias;      // [kChunk]: log2 w (query walk) or -log2e * lse (key walk); -inf masks the column
+  float* bias;      // [kChunk]: log2 w (query walk; -inf masks the column) or lse (key walk, see KeyWalkBias)
   float* delta;     // [kChunk]: delta of the staged query (key walk only)
 
   // The 16 staged rows of MMA block kb of the chunk.
@@ -377,11 +378,12 @@ struct StagedSource {
   int64_t point_row_stride, point_col_stride;  // the same strides in lse / delta
 };
 
-// Stages chunk `chunk` of `win` into `stage` (cp.async for real columns, zeros elsewhere) and
-// writes its column bias (and delta). All threads of the block take part, kColumnThreads per column:
-// with each copy, the threads of a column copy neighbouring 16-byte pieces (whole 32-byte sectors:
-// cp.async.cg reads L2 sectors, not L1 lines), and a quarter-warp's columns are kColumnThreads
-// apart so that its eight shared-memory stores fall in different banks.
+// Stages chunk `chunk` of `win` into `stage` (cp.async for real columns, zeros elsewhere) with its
+// per-column values: the bias log2 w (query walk, written) or lse and delta (key walk, copied).
+// All threads of the block take part, kColumnThreads per column: with each copy, the threads of a
+// column copy neighbouring 16-byte pieces (whole 32-byte sectors: cp.async.cg reads L2 sectors,
+// not L1 lines), and a quarter-warp's columns are kColumnThreads apart so that its eight
+// shared-memory stores fall in different banks.
 template <typename T, int D>
 __device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow& win, int32_t chunk,
                                            const StagedSource<T>& src, const Stage<T, D>& stage) {
@@ -413,20 +415,23 @@ __device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow
     }
   }
   if (part != 0) return;
-  float bias = kNegInf, delta = 0.f;
-  if (local >= 0) {
-    if (src.lse == nullptr) {
-      bias = win.log2_weight;
-    } else {
-      const int64_t point = src.bh_point + win.local_row * src.point_row_stride + local * src.point_col_stride;
-      const float lse = __ldg(src.lse + point);
-      bias = lse == kNegInf ? kNegInf : -kLog2e * lse;
-      delta = __ldg(src.delta + point);
-    }
+  if (src.lse == nullptr) {
+    stage.bias[col] = local >= 0 ? win.log2_weight : kNegInf;
+  } else if (local >= 0) {
+    // Copied, not loaded: a load here would hold up the thread's next instructions until it lands.
+    const int64_t point = src.bh_point + win.local_row * src.point_row_stride + local * src.point_col_stride;
+    CopyAsync4(stage.bias + col, src.lse + point);
+    CopyAsync4(stage.delta + col, src.delta + point);
+  } else {
+    stage.bias[col] = -kNegInf;  // KeyWalkBias(+inf) = -inf masks the column
+    stage.delta[col] = 0.f;
   }
-  stage.bias[col] = bias;
-  stage.delta[col] = delta;
 }
+
+// The key walk's bias of a staged query column of log-sum-exp `lse`: -log2e * lse, and -inf (the
+// column is masked) for lse = +inf (outside the query window) and lse = -inf (a query without
+// neighbours).
+__device__ __forceinline__ float KeyWalkBias(float lse) { return lse == kNegInf ? kNegInf : -kLog2e * lse; }
 
 // The segment slots of the block (shared memory after the stages).
 template <int D>

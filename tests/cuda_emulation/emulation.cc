@@ -322,15 +322,15 @@ T Shuffle(unsigned mask, T value, unsigned source, int width) {
   return value;
 }
 
-// Fails unless [p, p + 16) is 16-byte aligned and inside the launch's dynamic shared memory.
-void CheckSharedRow(const char* what, const void* p) {
+// Fails unless [p, p + bytes) is `bytes`-aligned and inside the launch's dynamic shared memory.
+void CheckShared(const char* what, const void* p, size_t bytes) {
   const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
   const auto address = reinterpret_cast<uintptr_t>(p);
-  if (address < base || address - base + 16 > g_scheduler.shared_bytes) {
+  if (address < base || address - base + bytes > g_scheduler.shared_bytes) {
     Fail("%s: address %p is not inside the launch's %zu bytes of dynamic shared memory", what, p,
          g_scheduler.shared_bytes);
   }
-  if (address % 16 != 0) Fail("%s: shared address %p is not 16-byte aligned", what, p);
+  if (address % bytes != 0) Fail("%s: shared address %p is not %zu-byte aligned", what, p, bytes);
 }
 
 bool InSharedBuffer(const void* p) {
@@ -480,7 +480,7 @@ void EmulatedMma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) 
 }
 
 void EmulatedLdMatrix(Collective kind, uint32_t (&r)[4], const void* shared_row) {
-  CheckSharedRow(NameOf(kind), shared_row);
+  CheckShared(NameOf(kind), shared_row, 16);
   LaneInput input;
   input.row = shared_row;
   const Meeting& m = MeetWholeWarp(kind, input);
@@ -506,14 +506,25 @@ void LdMatrixX4Trans(uint32_t (&r)[4], const void* shared_row) {
   EmulatedLdMatrix(Collective::kLdMatrixTrans, r, shared_row);
 }
 
-void CopyAsync16(void* shared_dst, const void* global_src) {
-  CheckSharedRow("CopyAsync16 destination", shared_dst);
-  if (reinterpret_cast<uintptr_t>(global_src) % 16 != 0) {
-    Fail("CopyAsync16: source %p is not 16-byte aligned", global_src);
+namespace {
+void EmulatedCopyAsync(const char* name, const char* destination, void* shared_dst, const void* global_src,
+                       size_t bytes) {
+  CheckShared(destination, shared_dst, bytes);
+  if (reinterpret_cast<uintptr_t>(global_src) % bytes != 0) {
+    Fail("%s: source %p is not %zu-byte aligned", name, global_src, bytes);
   }
-  if (InSharedBuffer(global_src)) Fail("CopyAsync16: source %p is shared memory, not global", global_src);
-  std::memcpy(shared_dst, global_src, 16);
+  if (InSharedBuffer(global_src)) Fail("%s: source %p is shared memory, not global", name, global_src);
+  std::memcpy(shared_dst, global_src, bytes);
   g_scheduler.current->untracked_copies = true;
+}
+}  // namespace
+
+void CopyAsync16(void* shared_dst, const void* global_src) {
+  EmulatedCopyAsync("CopyAsync16", "CopyAsync16 destination", shared_dst, global_src, 16);
+}
+
+void CopyAsync4(void* shared_dst, const void* global_src) {
+  EmulatedCopyAsync("CopyAsync4", "CopyAsync4 destination", shared_dst, global_src, 4);
 }
 
 // mbarrier: the 8 bytes of the barrier hold the arrivals a phase needs (tagged, so that a barrier
@@ -529,11 +540,7 @@ constexpr uint32_t kInitTag = 0xa5000000u, kCountMask = 0x00ffffffu;
 constexpr uint32_t kPhaseBit = 0x80000000u;
 
 EmulatedMbarrier* MbarrierAt(const char* what, uint64_t* barrier) {
-  const auto base = reinterpret_cast<uintptr_t>(s2attn_dynamic_shared);
-  const auto address = reinterpret_cast<uintptr_t>(barrier);
-  if (address < base || address - base + 8 > g_scheduler.shared_bytes || address % 8 != 0) {
-    Fail("%s: %p is not an 8-byte aligned barrier inside the launch's dynamic shared memory", what, barrier);
-  }
+  CheckShared(what, barrier, sizeof(EmulatedMbarrier));
   return reinterpret_cast<EmulatedMbarrier*>(barrier);
 }
 

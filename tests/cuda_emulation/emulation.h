@@ -9,7 +9,7 @@
 // without a GPU. It says nothing about timing or the GPU memory model.
 //
 // The warp-level tensor-core primitives of cuda/gpu/mma_sm80.cuh (MmaM16N8K16, LdMatrixX4,
-// LdMatrixX4Trans, CopyAsync16) are only declared there under S2ATTN_HOST_EMULATION, which
+// LdMatrixX4Trans, CopyAsync16, CopyAsync4) are only declared there under S2ATTN_HOST_EMULATION, which
 // this header defines first; emulation.cc implements them as warp collectives: the 32 lanes
 // meet, then each lane takes its fragment per the layouts documented in mma_sm80.cuh.
 // cp.async copies happen at the call (commit/wait are no-ops). The mbarrier functions of
