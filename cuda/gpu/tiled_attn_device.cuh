@@ -456,9 +456,22 @@ __device__ __forceinline__ ChunkCursor Advance(const SegmentSlot* slots, const C
   return FirstChunk(slots, at.slot + 1, count);
 }
 
-// The pipeline of staged chunks: chunk m of the block's stream (numbered across slot batches)
-// lives in stage m % kStages; its "staged" barrier completes when every thread staged its part of
-// it, its "released" barrier when every thread is done multiplying it.
+// A position in the ring of stages: chunk round * kStages + stage of the block's stream (numbered
+// across slot batches), counted up without divisions.
+struct StagePosition {
+  uint32_t stage = 0, round = 0;
+
+  __device__ void Next() {
+    if (++stage == kStages) {
+      stage = 0;
+      ++round;
+    }
+  }
+};
+
+// The pipeline of staged chunks: a chunk lives in its position's stage; that stage's "staged"
+// barrier completes (once per round) when every thread staged its part of the chunk, its "released"
+// barrier when every thread is done multiplying it.
 template <typename T, int D>
 struct ChunkPipeline {
   uint64_t* staged;    // [kStages]
@@ -476,18 +489,17 @@ struct ChunkPipeline {
       MbarrierInit(&released[s], kThreads);
     }
   }
-  // Stages the thread's part of stream chunk m (chunk `chunk` of `win`) once every thread is done
-  // with chunk m - kStages, which used its stage.
-  __device__ void Issue(uint32_t m, const Walk& walk, const SegmentWindow& win, int32_t chunk,
+  // Stages the thread's part of chunk `chunk` of `win` at position `at` once every thread is done
+  // with the chunk of the previous round, which used the same stage.
+  __device__ void Issue(const StagePosition& at, const Walk& walk, const SegmentWindow& win, int32_t chunk,
                         const StagedSource<T>& src) const {
-    const uint32_t s = m % kStages;
-    if (m >= kStages) MbarrierWait(&released[s], (m / kStages - 1) & 1);
-    StageChunk<T, D>(walk, win, chunk, src, Stage<T, D>::At(s));
-    CopyAsyncArriveOn(&staged[s]);
-    MbarrierArrive(&staged[s]);
+    if (at.round > 0) MbarrierWait(&released[at.stage], (at.round - 1) & 1);
+    StageChunk<T, D>(walk, win, chunk, src, Stage<T, D>::At(at.stage));
+    CopyAsyncArriveOn(&staged[at.stage]);
+    MbarrierArrive(&staged[at.stage]);
   }
-  __device__ void WaitStaged(uint32_t n) const { MbarrierWait(&staged[n % kStages], (n / kStages) & 1); }
-  __device__ void Release(uint32_t n) const { MbarrierArrive(&released[n % kStages]); }
+  __device__ void WaitStaged(const StagePosition& at) const { MbarrierWait(&staged[at.stage], at.round & 1); }
+  __device__ void Release(const StagePosition& at) const { MbarrierArrive(&released[at.stage]); }
 };
 
 // Runs `compute(stage, win, chunk, band)` for every chunk of every segment of the block's row,
@@ -507,7 +519,7 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
   SegmentSlot* slots = Slots<D>();
   const ChunkPipeline<T, D> pipe = ChunkPipeline<T, D>::Create();
   if (threadIdx.x == 0) pipe.Init();
-  uint32_t issued = 0, consumed = 0;  // chunks of the stream staged and multiplied so far
+  StagePosition issued, consumed;  // the next chunk to stage and to multiply
   for (int32_t first = begin, count = 0; first < end; first += count) {
     count = min(end - first, kSlots);
     __syncthreads();  // barriers initialised; the previous batch's slots are no longer read
@@ -519,17 +531,19 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
     if (cur.slot == count) continue;
     ChunkCursor head = cur;  // the next chunk to stage
     for (int s = 0; s < kStages - 1 && head.slot < count; ++s) {
-      pipe.Issue(issued++, walk, slots[head.slot].win, head.chunk, src);
+      pipe.Issue(issued, walk, slots[head.slot].win, head.chunk, src);
+      issued.Next();
       head = Advance(slots, head, count);
     }
     WarpBand band = BandOf(walk, slots[cur.slot], row_lon, row_real);
     for (;;) {
-      const uint32_t n = consumed++;
-      pipe.WaitStaged(n);
-      compute(Stage<T, D>::At(n % kStages), slots[cur.slot].win, cur.chunk, band);
-      pipe.Release(n);
+      pipe.WaitStaged(consumed);
+      compute(Stage<T, D>::At(consumed.stage), slots[cur.slot].win, cur.chunk, band);
+      pipe.Release(consumed);
+      consumed.Next();
       if (head.slot < count) {
-        pipe.Issue(issued++, walk, slots[head.slot].win, head.chunk, src);
+        pipe.Issue(issued, walk, slots[head.slot].win, head.chunk, src);
+        issued.Next();
         head = Advance(slots, head, count);
       }
       const ChunkCursor next = Advance(slots, cur, count);
