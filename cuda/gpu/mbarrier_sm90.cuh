@@ -1,7 +1,7 @@
 // Shared-memory barrier objects (PTX mbarrier: sm_80, try_wait sm_90) for the tiled kernels'
-// chunk pipeline. One concern: a phase of a barrier completes when `count` threads arrived and
-// every cp.async copy tracked on it landed; a waiter then sees everything the arrivers wrote
-// before arriving. Unlike __syncthreads, a warp waits only for the chunk it needs, so warps of a
+// chunk pipeline. One concern: a phase of a barrier completes after `count` arrivals (of threads,
+// and of threads' cp.async copies once they landed); a waiter then sees everything the arrivers
+// wrote before arriving, copies included. Unlike __syncthreads, a warp waits only for the chunk it needs, so warps of a
 // block can drift apart by a chunk (tiled_attn_device.cuh, ForEachChunk).
 //
 // Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are
@@ -35,10 +35,12 @@ __device__ __forceinline__ void MbarrierArrive(uint64_t* barrier) {
                : "memory");
 }
 
-// The current phase also waits for every cp.async copy the thread issued so far (no arrival of
-// its own: the pending count is raised and lowered again when the copies land).
+// One arrival of the thread once every cp.async copy it issued so far landed (.noinc: the arrival
+// counts towards the barrier's count, so a thread that also arrives for its plain stores arrives
+// twice per phase). The form without .noinc (net zero on the count) is not used: compute-sanitizer's
+// synccheck counts it as an arrival and reports the phases as broken.
 __device__ __forceinline__ void CopyAsyncArriveOn(uint64_t* barrier) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(SharedAddress(barrier)) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SharedAddress(barrier)) : "memory");
 }
 
 // Waits until the phase of the given parity (0 for the first phase, then alternating) completed.

@@ -485,7 +485,7 @@ struct ChunkPipeline {
   // By one thread, before the block's first barrier.
   __device__ void Init() const {
     for (int s = 0; s < kStages; ++s) {
-      MbarrierInit(&staged[s], kThreads);
+      MbarrierInit(&staged[s], 2 * kThreads);  // per thread: its copies landed, its plain stores done
       MbarrierInit(&released[s], kThreads);
     }
   }

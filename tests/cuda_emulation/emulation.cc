@@ -544,8 +544,8 @@ EmulatedMbarrier* MbarrierAt(const char* what, uint64_t* barrier) {
   return reinterpret_cast<EmulatedMbarrier*>(barrier);
 }
 
-// Which threads of the block arrived in the current phase of each barrier (a second arrival in
-// one phase would complete it early on the device).
+// Which threads of the block arrived in the current phase of each barrier, per thread its own
+// arrival and its copies' (a second one of a kind in one phase would complete it early on the device).
 std::map<const void*, std::vector<bool>> g_mbarrier_arrivals;
 
 EmulatedMbarrier* InitialisedMbarrier(const char* what, uint64_t* barrier) {
@@ -558,27 +558,36 @@ EmulatedMbarrier* InitialisedMbarrier(const char* what, uint64_t* barrier) {
 void MbarrierInit(uint64_t* barrier, uint32_t count) {
   if (count == 0 || count > kCountMask) Fail("MbarrierInit: count %u out of range", count);
   *MbarrierAt("MbarrierInit", barrier) = EmulatedMbarrier{kInitTag | count, 0};
-  g_mbarrier_arrivals[barrier].assign(blockDim.x, false);
+  g_mbarrier_arrivals[barrier].assign(2 * blockDim.x, false);
 }
 
-void MbarrierArrive(uint64_t* barrier) {
-  EmulatedMbarrier* m = InitialisedMbarrier("MbarrierArrive", barrier);
-  CheckCopiesTracked("MbarrierArrive");
+namespace {
+// One arrival of the current thread, of kind `kind` (0: its own, 1: its landed copies'): each
+// thread may arrive once of each kind per phase.
+void Arrive(const char* what, uint64_t* barrier, int kind) {
+  EmulatedMbarrier* m = InitialisedMbarrier(what, barrier);
   std::vector<bool>& arrivals = g_mbarrier_arrivals[barrier];
-  if (arrivals.size() != blockDim.x) arrivals.assign(blockDim.x, false);
-  if (arrivals[threadIdx.x]) Fail("MbarrierArrive: thread arrives twice in one phase of barrier %p", barrier);
-  arrivals[threadIdx.x] = true;
+  if (arrivals.size() != 2 * blockDim.x) arrivals.assign(2 * blockDim.x, false);
+  std::vector<bool>::reference arrived_before = arrivals[2 * threadIdx.x + kind];
+  if (arrived_before) Fail("%s: thread arrives twice in one phase of barrier %p", what, barrier);
+  arrived_before = true;
   const uint32_t arrived = (m->state & ~kPhaseBit) + 1;
   const uint32_t phase = m->state & kPhaseBit;
   const bool completes = arrived == (m->tagged_expected & kCountMask);
   m->state = completes ? phase ^ kPhaseBit : phase | arrived;
-  if (completes) arrivals.assign(blockDim.x, false);
+  if (completes) arrivals.assign(2 * blockDim.x, false);
   ++g_scheduler.progress;
 }
+}  // namespace
 
-// Copies land at the call here; the barrier only has to be named before the thread synchronises.
+void MbarrierArrive(uint64_t* barrier) {
+  CheckCopiesTracked("MbarrierArrive");
+  Arrive("MbarrierArrive", barrier, 0);
+}
+
+// Copies land at the call here, so their arrival is immediate.
 void CopyAsyncArriveOn(uint64_t* barrier) {
-  InitialisedMbarrier("CopyAsyncArriveOn", barrier);
+  Arrive("CopyAsyncArriveOn", barrier, 1);
   g_scheduler.current->untracked_copies = false;
 }
 

@@ -97,7 +97,7 @@ __global__ void TileMmaKernel(NbhdAttnGpuParams p) {
   // At p.num_arcs: the barrier the copies land on, then (16 bytes in) the tiles.
   auto* landed = reinterpret_cast<uint64_t*>(SharedBytes() + p.num_arcs);
   char* tiles = SharedBytes() + p.num_arcs + 16;
-  if (lane == 0) MbarrierInit(landed, 32);
+  if (lane == 0) MbarrierInit(landed, 64);  // every lane: its copies landed, then its own arrival
   __syncwarp();
   const void* sources[3] = {p.q, p.k, p.v};
   for (int tile = 0; tile < 3; ++tile) {  // 32 chunks of 16 bytes per tile: one per lane
