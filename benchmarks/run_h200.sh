@@ -34,7 +34,7 @@ if has tests; then
 fi
 if has sanitize; then
   # Our kernels alone (no XLA in the process: XLA's own compilation crashes under the sanitizer).
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tests/gpu_kernel_sanitizer.py \
       > "$OUT/sanitizer-$tool.log" 2>&1
     rc=$?; echo "compute-sanitizer $tool: exit $rc"; tail -3 "$OUT/sanitizer-$tool.log"

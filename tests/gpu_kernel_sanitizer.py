@@ -17,6 +17,7 @@ Usage, from the repository root (cupy for the installed CUDA, e.g. cupy-cuda13x)
     python3 tests/gpu_kernel_sanitizer.py [--dry-run]
     compute-sanitizer --tool memcheck  --error-exitcode 9 python3 tests/gpu_kernel_sanitizer.py
     compute-sanitizer --tool racecheck --error-exitcode 9 python3 tests/gpu_kernel_sanitizer.py
+    compute-sanitizer --tool synccheck --error-exitcode 9 python3 tests/gpu_kernel_sanitizer.py
 """
 
 from __future__ import annotations
