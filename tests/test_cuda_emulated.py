@@ -319,6 +319,25 @@ def test_tiled_windows_of_long_rows(emulator, rng, plan_name):
     check_case(emulator, rng, plan, 1, 2, 64, 64, "bfloat16", kernel="tiled", **LONG_ROW_WINDOWS[plan_name])
 
 
+# Pipeline shapes the benchmark variants and benchmarks/occupancy.py compare (macros of
+# cuda/gpu/tiled_attn_device.cuh): wide units of 8 warps under a 2-blocks-per-SM register cap, and
+# narrow units with short chunks and a deeper ring. Each is a build of its own.
+PIPELINE_SHAPES = {
+    "8-warps": ("S2ATTN_TILED_WARPS=8", "S2ATTN_TILED_MIN_BLOCKS=2"),
+    "2-warps-chunk32-4-stages": ("S2ATTN_TILED_WARPS=2", "S2ATTN_TILED_CHUNK=32", "S2ATTN_TILED_STAGES=4"),
+}
+
+
+@pytest.mark.parametrize("shape", PIPELINE_SHAPES)
+def test_tiled_pipeline_shapes(tmp_path_factory, rng, shape):
+    """Other unit widths, chunk sizes and ring depths walk the same pairs (rows of several
+    blocks, ring rows, several segment batches, residues)."""
+    launch = _asserting_success(_status_callable(_build(tmp_path_factory.mktemp(shape), PIPELINE_SHAPES[shape])))
+    for plan in (LONG_ROW_PLANS["rings-72"](), LONG_ROW_PLANS["up-100"](), MANY_SEGMENTS_PLAN()):
+        check_case(launch, rng, plan, 1, 2, 64, 64, "bfloat16", kernel="tiled")
+    check_case(launch, rng, PLANS["down3"](), 2, 1, 32, 32, "float16", kernel="tiled")
+
+
 def _corrupted(table, rng, nlat_other: int, nlon_other: int):
     """Copies of a segment table with garbage segments (anything; rows in range with arcs out of
     range) or garbage offsets."""
