@@ -29,7 +29,7 @@ TILE_BYTES = 16 + 3 * 16 * 16 * 2  # the barrier the copies land on (8 bytes, pa
 # Faults of primitives_selftest.cu.
 (NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
  THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL, UNINITIALISED_BARRIER, COPY_NOT_TRACKED,
- THREAD_ARRIVES_TWICE) = range(10)  # fmt: skip
+ THREAD_ARRIVES_TWICE, COPIES_ARRIVE_TWICE) = range(11)  # fmt: skip
 BLOCK_THREADS = 128  # of BlockCentreKernel
 
 
@@ -204,6 +204,10 @@ FAULTS = {
     "mbarrier-double-arrival": (
         f"RunMbarrierRing(c, out, I(3), I({THREAD_ARRIVES_TWICE}))",
         "MbarrierArrive: thread arrives twice in one phase of barrier",
+    ),
+    "mbarrier-double-copy-arrival": (
+        f"RunTileMma(1, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPIES_ARRIVE_TWICE}))",
+        "CopyAsyncArriveOn: thread arrives twice in one phase of barrier",
     ),
     "mbarrier-not-initialised": (
         f"RunMbarrierRing(c, out, I(3), I({UNINITIALISED_BARRIER}))",

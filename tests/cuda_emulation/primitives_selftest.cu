@@ -37,7 +37,8 @@ enum Fault : int64_t {
   kThreadSkipsArrival = 6,       // thread 70 does not arrive on the "written" barrier of round 1
   kUninitialisedBarrier = 7,     // the barriers are never initialised
   kCopyNotTracked = 8,           // the copies of TileMmaKernel are not put on its barrier
-  kThreadArrivesTwice = 9        // thread 70 arrives twice on the "written" barrier of round 0
+  kThreadArrivesTwice = 9,       // thread 70 arrives twice on the "written" barrier of round 0
+  kCopiesArriveTwice = 10        // lane 7 puts its copies on TileMmaKernel's barrier twice
 };
 
 constexpr int kTileElements = 16 * 16;
@@ -106,6 +107,7 @@ __global__ void TileMmaKernel(NbhdAttnGpuParams p) {
     CopyAsync16(destination, static_cast<const char*>(sources[tile]) + 16 * lane);
   }
   if (p.batch != kCopyNotTracked) CopyAsyncArriveOn(landed);
+  if (p.batch == kCopiesArriveTwice && lane == 7) CopyAsyncArriveOn(landed);
   MbarrierArrive(landed);
   MbarrierWait(landed, 0);
 
