@@ -1,8 +1,8 @@
 // Shared-memory barrier objects (PTX mbarrier: sm_80, try_wait sm_90) for the tiled kernels'
 // chunk pipeline. One concern: a phase of a barrier completes after `count` arrivals (of threads,
 // and of threads' cp.async copies once they landed); a waiter then sees everything the arrivers
-// wrote before arriving, copies included. Unlike __syncthreads, a warp waits only for the chunk it needs, so warps of a
-// block can drift apart by a chunk (tiled_attn_device.cuh, ForEachChunk).
+// wrote before arriving, copies included. Unlike __syncthreads, a warp waits only for the chunk it
+// needs, so warps of a block can drift apart by a chunk (tiled_attn_device.cuh, ForEachChunk).
 //
 // Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are
 // declared here and implemented by the emulation runtime (copies land at once there).
