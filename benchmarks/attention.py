@@ -22,6 +22,10 @@ configurations (spec 7.1) plus quarter-degree ones, in float32 and bfloat16:
   dQ) and ``8d`` per computed pair of the backward walk (dK/dV walk: S, dP, dV, dK). MMA
   utilization ``tile_util_*`` = useful / computed pairs per walk; ``*_tflops_*`` = FLOPs /
   measured time (computed TFLOP/s over 790 is the kernels' own efficiency, tile waste aside);
+* each native kernel family's targets alone (``ffi_<kernel>_{forward,dq,dkv,delta}_target_ms``:
+  the forward, dQ, dK/dV and delta custom calls on their own, fed with the forward's lse and a
+  delta from the same inputs), so a change can be placed in one walk; forward+backward is their
+  sum plus XLA's glue;
 * the pure-JAX reference measured in the same run (where it fits in time and memory);
 * torch-harmonics' CUDA module (module level: projections included) when importable.
 
@@ -47,6 +51,7 @@ import numpy as np
 
 import jax_s2attn
 from jax_s2attn.ops import _ffi  # which native kernels can run a row, and which one "ffi" picks
+from jax_s2attn.ops.local import full_window
 
 try:  # tile statistics of the tiled kernels' walk (utilization, computed pairs)
     from jax_s2attn.tile_walk import tile_statistics
@@ -143,6 +148,31 @@ def _jax_runs(plan, cfg: Config, dtype: str, implementation: str, reps: int, inp
     q, k, v, g = input_sets[0]
     memory = _compiled_bytes(both, q, k, v, plan, g)
     return fwd_ms, both_ms, memory
+
+
+def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
+    """Median ms of the forward, dq, dkv and delta targets of ``kernel`` ("arc" or "tiled"), each
+    alone: the backward targets read the lse, out and delta of a forward of the same inputs."""
+    window, scale = full_window(plan), float(input_sets[0][0].shape[-1]) ** -0.5
+    forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(
+        q, k, v, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel))  # fmt: skip
+    dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dq(
+        q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel))  # fmt: skip
+    dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dkv(
+        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, scale=scale, kernel=kernel))  # fmt: skip
+    delta = jax.jit(_ffi.ffi_delta)
+    forward_sets = [(q, k, v, plan) for q, k, v, _ in input_sets]
+    delta_sets, backward_sets = [], []
+    for q, k, v, g in input_sets:
+        out, lse = forward(q, k, v, plan)
+        delta_sets.append((g, out))
+        backward_sets.append((q, k, v, g, lse, delta(g, out), plan))
+    return {
+        "forward": _median_ms(forward, forward_sets, reps),
+        "dq": _median_ms(dq, backward_sets, reps),
+        "dkv": _median_ms(dkv, backward_sets, reps),
+        "delta": _median_ms(delta, delta_sets, reps),
+    }
 
 
 def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int):
@@ -296,6 +326,9 @@ def main() -> None:
                 continue
             column = impl.replace("-", "_")
             row.update({f"{column}_fwd_ms": fwd, f"{column}_fwdbwd_ms": both, f"{column}_device_bytes": memory})
+            if impl.startswith("ffi-"):
+                targets = _target_runs(plan, impl.removeprefix("ffi-"), reps, input_sets)
+                row.update({f"{column}_{target}_target_ms": ms for target, ms in targets.items()})
         if f"ffi_{ffi_kernel}_fwd_ms" in row:
             row["ffi_kernel"] = ffi_kernel
             row.update({f"ffi_{m}": row[f"ffi_{ffi_kernel}_{m}"] for m in ("fwd_ms", "fwdbwd_ms", "device_bytes")})
@@ -317,7 +350,8 @@ def main() -> None:
 
     columns = {  # printed label -> CSV column
         "arc fwd": "ffi_arc_fwd_ms", "tiled fwd": "ffi_tiled_fwd_ms", "arc f+b": "ffi_arc_fwdbwd_ms",
-        "tiled f+b": "ffi_tiled_fwdbwd_ms", "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
+        "tiled f+b": "ffi_tiled_fwdbwd_ms", "tiled dq": "ffi_tiled_dq_target_ms", "tiled dkv": "ffi_tiled_dkv_target_ms",
+        "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
         "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",
         "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",
         "ref f+b": "reference_fwdbwd_ms", "ffi/ref": "speedup_fwdbwd_vs_reference",

@@ -39,6 +39,8 @@ def test_attention_benchmark(tmp_path):
         # On the CPU "ffi" is the arc kernels, timed once; the tiled kernels are CUDA only.
         assert row["ffi_kernel"] == "arc" and row["ffi_fwd_ms"] == row["ffi_arc_fwd_ms"]
         assert float(row["ffi_arc_useful_tflops_fwdbwd"]) > 0
+        targets = [float(row[f"ffi_arc_{t}_target_ms"]) for t in ("forward", "dq", "dkv", "delta")]
+        assert min(targets) > 0 and sum(targets) < 2 * float(row["ffi_arc_fwdbwd_ms"])
         assert not any(column.startswith("ffi_tiled") for column in row)
     if importlib.util.find_spec("jax_s2attn.tile_walk") is not None:
         assert 0 < float(row["tile_util_fwd"]) <= 1 and 0 < float(row["tile_util_bwd"]) <= 1
