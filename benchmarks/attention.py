@@ -350,7 +350,8 @@ def main() -> None:
 
     columns = {  # printed label -> CSV column
         "arc fwd": "ffi_arc_fwd_ms", "tiled fwd": "ffi_tiled_fwd_ms", "arc f+b": "ffi_arc_fwdbwd_ms",
-        "tiled f+b": "ffi_tiled_fwdbwd_ms", "tiled dq": "ffi_tiled_dq_target_ms", "tiled dkv": "ffi_tiled_dkv_target_ms",
+        "tiled f+b": "ffi_tiled_fwdbwd_ms",
+        "tiled dq": "ffi_tiled_dq_target_ms", "tiled dkv": "ffi_tiled_dkv_target_ms",
         "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
         "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",
         "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",

@@ -93,6 +93,18 @@ def neighbour_mask(plan: NeighborhoodPlan) -> np.ndarray:
     return mask
 
 
+def check_nan_poisoning(plan: NeighborhoodPlan, out, lse, point: int, operand: str) -> None:
+    """Asserts that a NaN placed in global query (``operand="q"``) or key (``"k"``) point ``point``
+    made exactly the query rows that see it NaN in ``out`` and ``lse`` (that query; every query with
+    that key as a neighbour) and left every other row finite."""
+    queries = plan.nlat_out * plan.nlon_out
+    poisoned = neighbour_mask(plan)[:, point] if operand == "k" else np.arange(queries) == point
+    out, lse = np.asarray(out).reshape(queries, -1), np.asarray(lse).reshape(queries)
+    assert poisoned.any()
+    assert np.isnan(out[poisoned]).all() and np.isnan(lse[poisoned]).all()
+    assert np.isfinite(out[~poisoned]).all() and np.isfinite(lse[~poisoned]).all()
+
+
 def _logsumexp(x):
     m = x.max(-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)

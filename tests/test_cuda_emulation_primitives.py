@@ -1,9 +1,9 @@
 """Self-test of the host emulation (``tests/cuda_emulation``) on the primitives the tiled kernels
 build on: ``mma.sync`` m16n8k16, ``ldmatrix`` (plain and transposed) and ``cp.async`` of
-``cuda/gpu/mma_sm80.cuh``, the mbarriers of ``cuda/gpu/mbarrier_sm90.cuh``, ``__syncthreads``, ``__syncwarp``, votes and shuffles, and the
-dynamic shared memory limits. The kernels are in ``cuda_emulation/primitives_selftest.cu``;
-expected values come from numpy in float64. Misuses the emulation must catch abort it, so
-those run in a subprocess.
+``cuda/gpu/mma_sm80.cuh``, the mbarriers of ``cuda/gpu/mbarrier_sm90.cuh``, ``__syncthreads``,
+``__syncwarp``, votes and shuffles, and the dynamic shared memory limits. The kernels are in
+``cuda_emulation/primitives_selftest.cu``; expected values come from numpy in float64. Misuses the
+emulation must catch abort it, so those run in a subprocess.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -507,9 +508,8 @@ void LdMatrixX4Trans(uint32_t (&r)[4], const void* shared_row) {
 }
 
 namespace {
-void EmulatedCopyAsync(const char* name, const char* destination, void* shared_dst, const void* global_src,
-                       size_t bytes) {
-  CheckShared(destination, shared_dst, bytes);
+void EmulatedCopyAsync(const char* name, void* shared_dst, const void* global_src, size_t bytes) {
+  CheckShared((std::string(name) + " destination").c_str(), shared_dst, bytes);
   if (reinterpret_cast<uintptr_t>(global_src) % bytes != 0) {
     Fail("%s: source %p is not %zu-byte aligned", name, global_src, bytes);
   }
@@ -520,11 +520,11 @@ void EmulatedCopyAsync(const char* name, const char* destination, void* shared_d
 }  // namespace
 
 void CopyAsync16(void* shared_dst, const void* global_src) {
-  EmulatedCopyAsync("CopyAsync16", "CopyAsync16 destination", shared_dst, global_src, 16);
+  EmulatedCopyAsync("CopyAsync16", shared_dst, global_src, 16);
 }
 
 void CopyAsync4(void* shared_dst, const void* global_src) {
-  EmulatedCopyAsync("CopyAsync4", "CopyAsync4 destination", shared_dst, global_src, 4);
+  EmulatedCopyAsync("CopyAsync4", shared_dst, global_src, 4);
 }
 
 // mbarrier: the 8 bytes of the barrier hold the arrivals a phase needs (tagged, so that a barrier

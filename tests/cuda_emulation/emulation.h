@@ -12,15 +12,17 @@
 // LdMatrixX4Trans, CopyAsync16, CopyAsync4) are only declared there under S2ATTN_HOST_EMULATION, which
 // this header defines first; emulation.cc implements them as warp collectives: the 32 lanes
 // meet, then each lane takes its fragment per the layouts documented in mma_sm80.cuh.
-// cp.async copies happen at the call (commit/wait are no-ops). The mbarrier functions of
-// cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a waiter yields until the phase completed.
+// cp.async copies happen at the call, so their arrival on an mbarrier (CopyAsyncArriveOn) is
+// immediate. The mbarrier functions of cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a
+// waiter yields until the phase completed.
 //
 // Misuse aborts the run with a message naming the block and thread: a thread that returns
 // while others wait for it at __syncthreads or a warp collective (stricter than the hardware,
 // which lets exited threads off some barriers), lanes of one mask meeting at different kinds of
 // collective, a deadlock (listing what each thread waits at), ldmatrix rows or cp.async
-// destinations not 16-byte aligned inside the launch's dynamic shared memory, a thread that
-// synchronises with cp.async copies no mbarrier tracks, a second arrival of a thread in one phase.
+// destinations not aligned to their size inside the launch's dynamic shared memory, a thread that
+// synchronises with cp.async copies no mbarrier tracks, a second arrival of one kind (own, copies')
+// of a thread in one phase.
 #pragma once
 
 #define S2ATTN_HOST_EMULATION 1
