@@ -5,9 +5,10 @@ tiling variant is worth timing only if it changes them. This script answers that
 with ``nvcc``:
 
 * registers and spills of every tiled kernel instantiation, from ``nvcc -Xptxas -v`` on
-  ``cuda/gpu/tiled_attn_{fwd,bwd}.cu`` (with ``-D`` overrides of the ``S2ATTN_TILED_*`` macros);
+  ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu`` (with ``-D`` overrides of the ``S2ATTN_TILED_*`` macros);
 * dynamic shared memory per block and threads per block, printed by a small host program built
-  from the same headers (the kernels' own ``StageLayout``, not a copy of its arithmetic);
+  from the same headers as each kernel file includes them (the kernels' own ``StageLayout`` in
+  the kernel's own pipeline shape, not a copy of its arithmetic);
 * resident warps per SM from Hopper's limits (compute capability 9.0, the CUDA occupancy
   calculator's rules): 16 K registers per SM sub-partition (four per SM) allocated in units of
   256 per warp, 228 KiB of shared memory per SM with 1 KiB reserved per block, 32 blocks and
@@ -28,7 +29,7 @@ import subprocess
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = ("gpu/tiled_attn_fwd.cu", "gpu/tiled_attn_bwd.cu")
+SOURCES = ("gpu/tiled_attn_fwd.cu", "gpu/tiled_attn_dq.cu", "gpu/tiled_attn_dkv.cu")
 
 # Hopper (sm_90) SM limits.
 SUB_PARTITIONS = 4
@@ -100,21 +101,26 @@ def _ptxas_log(command: list[str], source: str) -> str:
 
 _LAYOUT_PROGRAM = """
 #include <cstdio>
-#include "gpu/tiled_attn_device.cuh"
-int main() {
+{includes}
+int main() {{
   using namespace s2attn::gpu::tiled;
   std::printf("%d %zu %zu %zu\\n", kWarps, StageLayout<32>::kSharedBytes, StageLayout<64>::kSharedBytes,
               StageLayout<128>::kSharedBytes);
-}
+}}
 """
 
 
-def _layout(command: list[str]) -> tuple[int, dict[int, int]]:
-    """Warps per block and dynamic shared memory per block by head dim, from the kernels' headers."""
+def _layout(command: list[str], source: str) -> tuple[int, dict[int, int]]:
+    """Warps per block and dynamic shared memory per block by head dim of the kernel in ``source``,
+    from the kernels' headers as ``source`` includes them (a kernel file may pick its own pipeline
+    shape before the device header)."""
+    lines = (ROOT / "cuda" / source).read_text().splitlines()
+    header = lines.index('#include "gpu/tiled_attn_device.cuh"')
+    includes = [line for line in lines[: header + 1] if line.startswith("#")]
     with tempfile.TemporaryDirectory() as tmp:
-        source, binary = pathlib.Path(tmp) / "layout.cu", pathlib.Path(tmp) / "layout"
-        source.write_text(_LAYOUT_PROGRAM)
-        _run([*command, str(source), "-o", str(binary)])
+        program, binary = pathlib.Path(tmp) / "layout.cu", pathlib.Path(tmp) / "layout"
+        program.write_text(_LAYOUT_PROGRAM.format(includes="\n".join(includes)))
+        _run([*command, str(program), "-o", str(binary)])
         warps, *shared = map(int, _run([str(binary)]).stdout.split())
     return warps, dict(zip((32, 64, 128), shared))
 
@@ -128,17 +134,15 @@ def main() -> None:
     command = _nvcc(args.nvcc, args.arch, args.defines)
     with concurrent.futures.ThreadPoolExecutor() as pool:
         logs = pool.map(lambda source: _ptxas_log(command, source), SOURCES)
-        layout = pool.submit(_layout, command)
-        kernels = [k for log in logs for k in parse_ptxas(log)]
-        warps_per_block, shared = layout.result()
-    print(f"defines: {' '.join(args.defines) or '(defaults)'}; {warps_per_block} warps per block")
-    print(f"{'kernel':<10}{'dtype':<10}{'D':>4}{'regs':>6}{'spills B':>10}{'shared KiB':>12}"
+        layouts = pool.map(lambda source: _layout(command, source), SOURCES)
+        rows = [(k, layout) for log, layout in zip(logs, layouts) for k in parse_ptxas(log)]
+    print(f"defines: {' '.join(args.defines) or '(defaults)'}")
+    print(f"{'kernel':<10}{'dtype':<10}{'D':>4}{'warps':>6}{'regs':>6}{'spills B':>10}{'shared KiB':>12}"
           f"{'warps/SM: by regs':>19}{'by shared':>11}{'resident':>10}")
-    for k in sorted(kernels, key=lambda k: (k.kernel, k.dtype, k.head_dim)):
+    for k, (warps_per_block, shared) in sorted(rows, key=lambda row: (row[0].kernel, row[0].dtype, row[0].head_dim)):
         by_registers, by_shared, resident = resident_warps(k.registers, warps_per_block, shared[k.head_dim])
-        print(f"{k.kernel:<10}{k.dtype:<10}{k.head_dim:>4}{k.registers:>6}{k.spill_bytes:>10}"
+        print(f"{k.kernel:<10}{k.dtype:<10}{k.head_dim:>4}{warps_per_block:>6}{k.registers:>6}{k.spill_bytes:>10}"
               f"{shared[k.head_dim] / 1024:>12.1f}{by_registers:>19}{by_shared:>11}{resident:>10}")
-
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """The CUDA kernels alone on a GPU (no JAX/XLA in the process), for compute-sanitizer.
 
-Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,bwd}.cu`` and the C
+Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu`` and the C
 entry point ``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library,
 uploads the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``,
 results poisoned with NaN), runs forward, dq and dkv of the arc-segment or the tiled kernels

@@ -29,8 +29,9 @@ from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
-    *(ROOT / "cuda" / "gpu" / f"{family}_attn_{part}.cu" for family in ("nbhd", "tiled") for part in ("fwd", "bwd")),
-    ROOT / "cuda" / "gpu" / "delta_kernel.cu",
+    ROOT / "cuda" / "gpu" / name
+    for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "tiled_attn_fwd.cu", "tiled_attn_dq.cu",
+                 "tiled_attn_dkv.cu", "delta_kernel.cu")
 ]
 RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 

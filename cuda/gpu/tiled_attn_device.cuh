@@ -1,4 +1,4 @@
-// Building blocks of the tiled tensor-core kernels (tiled_attn_fwd.cu, tiled_attn_bwd.cu):
+// Building blocks of the tiled tensor-core kernels (tiled_attn_fwd.cu, tiled_attn_dq.cu, tiled_attn_dkv.cu):
 // unit and segment geometry, the staged chunk stream, and the warp-level tile products.
 //
 // Work decomposition. A block of kWarps warps owns a *unit*: kTilePoints consecutive longitudes
@@ -43,10 +43,13 @@ namespace s2attn {
 namespace gpu {
 namespace tiled {
 
-// Pipeline shape. Macros only so that a benchmark build can compare other shapes
-// (-DS2ATTN_TILED_CHUNK=32 ...) without editing the source; benchmarks/occupancy.py reports what a
-// shape costs in registers, shared memory and resident warps. StageChunk gives every staged column
-// a whole number of threads: the block's threads (32 * warps) must be a multiple of the chunk.
+// Pipeline shape: defaults here, a kernel's own shape defined before the include
+// (tiled_narrow_shape.cuh), any of them overridden by a benchmark build (-DS2ATTN_TILED_CHUNK=32 ...);
+// benchmarks/occupancy.py reports what a shape costs in registers, shared memory and resident
+// warps. Everything below lives in an inline namespace named after the shape, so kernels of
+// different shapes link into one module without sharing (ODR-violating) definitions. StageChunk
+// gives every staged column a whole number of threads: the block's threads (32 * warps) must be a
+// multiple of the chunk.
 #ifndef S2ATTN_TILED_CHUNK
 #define S2ATTN_TILED_CHUNK 64
 #endif
@@ -59,6 +62,11 @@ namespace tiled {
 #ifndef S2ATTN_TILED_MIN_BLOCKS
 #define S2ATTN_TILED_MIN_BLOCKS 3
 #endif
+#define S2ATTN_TILED_SHAPE_NAME_(chunk, stages, warps, blocks) shape_c##chunk##_s##stages##_w##warps##_b##blocks
+#define S2ATTN_TILED_SHAPE_NAME(chunk, stages, warps, blocks) S2ATTN_TILED_SHAPE_NAME_(chunk, stages, warps, blocks)
+inline namespace S2ATTN_TILED_SHAPE_NAME(S2ATTN_TILED_CHUNK, S2ATTN_TILED_STAGES, S2ATTN_TILED_WARPS,
+                                         S2ATTN_TILED_MIN_BLOCKS) {
+
 constexpr int kWarps = S2ATTN_TILED_WARPS;
 constexpr int kWarpPoints = 16;                      // rows of one MMA tile
 constexpr int kTilePoints = kWarps * kWarpPoints;    // walking points per block
@@ -608,7 +616,8 @@ __device__ __forceinline__ void AccumulateRows(float (&acc)[D / 8][4], const flo
   const int lane = threadIdx.x % 32;
   const uint32_t pa[4] = {PackPair<T>(p[0][0], p[0][1]), PackPair<T>(p[0][2], p[0][3]),
                           PackPair<T>(p[1][0], p[1][1]), PackPair<T>(p[1][2], p[1][3])};
-  // ldmatrix.x4.trans matrices: (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15).
+  // ldmatrix.x4.trans matrices: (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15),
+  // (rows 8-15, cols 8-15).
   const T* lane_row = rows + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8;
 #pragma unroll
   for (int np = 0; np < D / 16; ++np) {
@@ -753,6 +762,7 @@ __device__ __forceinline__ Walk WalkOf(const NbhdAttnGpuParams& p, const Unit& u
   return w;
 }
 
+}  // inline namespace (the pipeline shape)
 }  // namespace tiled
 }  // namespace gpu
 }  // namespace s2attn

@@ -12,6 +12,8 @@
 namespace s2attn {
 namespace gpu {
 namespace tiled {
+inline namespace S2ATTN_TILED_SHAPE_NAME(S2ATTN_TILED_CHUNK, S2ATTN_TILED_STAGES, S2ATTN_TILED_WARPS,
+                                         S2ATTN_TILED_MIN_BLOCKS) {
 
 template <typename T, int D>
 struct Variant {
@@ -49,6 +51,7 @@ cudaError_t LaunchUnits(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, 
   return LaunchRowGrid(kernel, stream, p, rows, tiles, kThreads, kShared);
 }
 
+}  // inline namespace (the pipeline shape)
 }  // namespace tiled
 }  // namespace gpu
 }  // namespace s2attn

@@ -1,5 +1,6 @@
 // Tiled forward: out and lse of a unit of 64 queries, K/V windows staged once per block and
 // multiplied on tensor cores (tiled_attn_device.cuh describes the walk).
+#include "gpu/tiled_narrow_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
 
@@ -101,6 +102,12 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
 }  // namespace
 }  // namespace tiled
 }  // namespace gpu
+
+bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
+  const bool sixteen_bit = p.dtype == ActivationType::kBF16 || p.dtype == ActivationType::kF16;
+  const bool dims = p.head_dim_k == p.head_dim_v && (p.head_dim_k == 32 || p.head_dim_k == 64 || p.head_dim_k == 128);
+  return sixteen_bit && dims && gpu::Aligned16({p.q, p.k, p.v, p.dout});
+}
 
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {

@@ -1,0 +1,82 @@
+// Tiled dq without atomics: per unit of 64 queries, walking the forward segments, recomputing
+// p = w exp(s - lse) from the saved lse and using delta = sum(dout * out) formed in float32 by the
+// caller (cuda/README.md).
+#include "gpu/tiled_narrow_shape.cuh"  // before the device header: this kernel's pipeline shape
+#include "gpu/tiled_attn_device.cuh"
+#include "gpu/tiled_attn_dispatch.cuh"
+
+namespace s2attn {
+namespace gpu {
+namespace tiled {
+namespace {
+
+// dq_o = scale * sum_j p_oj (dout_o.v_j - delta_o) k_j. Staged: K (a), V (b).
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(const NbhdAttnGpuParams p) {
+  const Windows win = ReadDeviceWindows(p);
+  const Unit u = UnitOf(p, win.q, p.nq_lat, p.nq_lon);
+  if (!u.live) return;
+  const T* q = static_cast<const T*>(p.q);
+  const T* dout = static_cast<const T*>(p.dout);
+  uint32_t qa[D / 16][4], da[D / 16][4];
+  LoadOwnFragments<T, D>(qa, RealRow(q, D, u, 0), RealRow(q, D, u, 1));
+  LoadOwnFragments<T, D>(da, RealRow(dout, D, u, 0), RealRow(dout, D, u, 1));
+  float lse2[2], delta[2];
+  for (int h = 0; h < 2; ++h) {
+    // A row without neighbours anywhere (lse = -inf) or outside the window: p = exp2(x - inf) = 0.
+    const float lse = u.row_real[h] ? __ldg(p.lse + u.row_point[h]) : kNegInf;
+    lse2[h] = lse == kNegInf ? -kNegInf : lse * kLog2e;
+    delta[h] = u.row_real[h] ? __ldg(p.delta + u.row_point[h]) : 0.f;
+  }
+  const Walk walk = WalkOf(p, u, win.q, win.k, p.nlat_k, p.nlon_k);
+  const StagedSource<T> src = SourceOf<T>(p.k, p.v, nullptr, nullptr, u, p.nk_lat, p.nk_lon, p.heads, D);
+  float acc[D / 8][4];
+  ZeroAccumulator<D>(acc);
+  const float scale2 = p.scale * kLog2e;
+  const int t = threadIdx.x % 4;
+
+  ForEachChunk<T, D>(walk, src, p.quad_weights, u.row_lon, u.row_real,
+                     [&](const Stage<T, D>& stage, const SegmentWindow& sw, int32_t chunk, const WarpBand& band) {
+    const int32_t c0 = chunk * kChunk;
+#pragma unroll
+    for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
+      const int32_t cb = c0 + kBlock * kb;
+      if (!band.Touches(cb, sw.width)) continue;
+      const T* k_rows = stage.BlockA(kb);
+      float s[2][4], dp[2][4];
+      RowProducts<T, D>(s, qa, k_rows);
+      RowProducts<T, D>(dp, da, stage.BlockB(kb));
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] = fmaf(s[n][e], scale2, stage.bias[ScoreColumn(kb, n, e, t)]) - lse2[e >> 1];
+        }
+      }
+      if (!band.Covers(cb)) MaskOffArc(s, cb, band, sw.wrap);
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = Exp2(s[n][e]) * (dp[n][e] - delta[e >> 1]);
+      }
+      AccumulateRows<T, D>(acc, s, k_rows);
+    }
+  });
+
+  StoreRows<D>(ExistingRow(p.dq, D, u, 0), ExistingRow(p.dq, D, u, 1), acc, p.scale, p.scale, u.row_real[0],
+               u.row_real[1]);
+}
+
+}  // namespace
+}  // namespace tiled
+}  // namespace gpu
+
+cudaError_t LaunchTiledAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::tiled::DispatchTiled(p, [&](auto variant) {
+    using V = decltype(variant);
+    return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledDqKernel<typename V::Element, V::kDim>, stream, p,
+                                            p.nq_lat, p.nq_lon);
+  });
+}
+
+}  // namespace s2attn
