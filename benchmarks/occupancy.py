@@ -104,25 +104,42 @@ _LAYOUT_PROGRAM = """
 {includes}
 int main() {{
   using namespace s2attn::gpu::tiled;
-  std::printf("%d %zu %zu %zu\\n", kWarps, StageLayout<32>::kSharedBytes, StageLayout<64>::kSharedBytes,
-              StageLayout<128>::kSharedBytes);
+  std::printf("%d %d %d %zu %zu %zu\\n", kWarps, kChunk, kStages, StageLayout<32>::kSharedBytes,
+              StageLayout<64>::kSharedBytes, StageLayout<128>::kSharedBytes);
 }}
 """
+_DEVICE_HEADER = re.compile(r'^\s*#\s*include\s+"gpu/tiled_attn_device\.cuh"')
 
 
-def _layout(command: list[str], source: str) -> tuple[int, dict[int, int]]:
-    """Warps per block and dynamic shared memory per block by head dim of the kernel in ``source``,
-    from the kernels' headers as ``source`` includes them (a kernel file may pick its own pipeline
-    shape before the device header)."""
-    lines = (ROOT / "cuda" / source).read_text().splitlines()
-    header = lines.index('#include "gpu/tiled_attn_device.cuh"')
-    includes = [line for line in lines[: header + 1] if line.startswith("#")]
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A kernel file's pipeline shape and dynamic shared memory per block by head dim."""
+
+    warps: int
+    chunk: int
+    stages: int
+    shared: dict[int, int]
+
+
+def shape_includes(text: str, source: str) -> list[str]:
+    """The preprocessor lines of a kernel file up to its include of the device header: what fixes
+    its pipeline shape (a file may pick its own before that include)."""
+    lines = text.splitlines()
+    header = next((i for i, line in enumerate(lines) if _DEVICE_HEADER.match(line)), None)
+    if header is None:
+        raise SystemExit(f"{source}: no #include of gpu/tiled_attn_device.cuh to take the pipeline shape from")
+    return [line for line in lines[: header + 1] if line.lstrip().startswith("#")]
+
+
+def _layout(command: list[str], source: str) -> Shape:
+    """The pipeline shape of the kernel in ``source``, from the kernels' headers as it includes them."""
+    includes = shape_includes((ROOT / "cuda" / source).read_text(), source)
     with tempfile.TemporaryDirectory() as tmp:
         program, binary = pathlib.Path(tmp) / "layout.cu", pathlib.Path(tmp) / "layout"
         program.write_text(_LAYOUT_PROGRAM.format(includes="\n".join(includes)))
         _run([*command, str(program), "-o", str(binary)])
-        warps, *shared = map(int, _run([str(binary)]).stdout.split())
-    return warps, dict(zip((32, 64, 128), shared))
+        warps, chunk, stages, *shared = map(int, _run([str(binary)]).stdout.split())
+    return Shape(warps, chunk, stages, dict(zip((32, 64, 128), shared)))
 
 
 def main() -> None:
@@ -135,14 +152,17 @@ def main() -> None:
     with concurrent.futures.ThreadPoolExecutor() as pool:
         logs = pool.map(lambda source: _ptxas_log(command, source), SOURCES)
         layouts = pool.map(lambda source: _layout(command, source), SOURCES)
-        rows = [(k, layout) for log, layout in zip(logs, layouts) for k in parse_ptxas(log)]
+        rows = [(k, shape) for log, shape in zip(logs, layouts) for k in parse_ptxas(log)]
     print(f"defines: {' '.join(args.defines) or '(defaults)'}")
-    print(f"{'kernel':<10}{'dtype':<10}{'D':>4}{'warps':>6}{'regs':>6}{'spills B':>10}{'shared KiB':>12}"
-          f"{'warps/SM: by regs':>19}{'by shared':>11}{'resident':>10}")
-    for k, (warps_per_block, shared) in sorted(rows, key=lambda row: (row[0].kernel, row[0].dtype, row[0].head_dim)):
-        by_registers, by_shared, resident = resident_warps(k.registers, warps_per_block, shared[k.head_dim])
-        print(f"{k.kernel:<10}{k.dtype:<10}{k.head_dim:>4}{warps_per_block:>6}{k.registers:>6}{k.spill_bytes:>10}"
-              f"{shared[k.head_dim] / 1024:>12.1f}{by_registers:>19}{by_shared:>11}{resident:>10}")
+    print(f"{'kernel':<10}{'dtype':<10}{'D':>4}{'warps':>6}{'chunk':>6}{'stages':>7}{'regs':>6}{'spills B':>10}"
+          f"{'shared KiB':>12}{'warps/SM: by regs':>19}{'by shared':>11}{'resident':>10}")
+    for k, shape in sorted(rows, key=lambda row: (row[0].kernel, row[0].dtype, row[0].head_dim)):
+        shared = shape.shared[k.head_dim]
+        by_registers, by_shared, resident = resident_warps(k.registers, shape.warps, shared)
+        print(f"{k.kernel:<10}{k.dtype:<10}{k.head_dim:>4}{shape.warps:>6}{shape.chunk:>6}{shape.stages:>7}"
+              f"{k.registers:>6}{k.spill_bytes:>10}{shared / 1024:>12.1f}{by_registers:>19}{by_shared:>11}"
+              f"{resident:>10}")
+
 
 if __name__ == "__main__":
     main()

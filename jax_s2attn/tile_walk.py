@@ -36,7 +36,9 @@ __all__ = ["BLOCK", "CHUNK", "TILE", "WARP", "TileWalk", "computed_pairs", "tile
 # These mirror the CUDA kernel's constants (cuda/gpu/tiled_attn_device.cuh); keep them in sync.
 TILE = 64  # walking points per CTA
 WARP = 16  # walking points per warp: the M of one MMA
-CHUNK = 64  # other-grid columns staged at a time
+# Other-grid columns staged at a time by dk/dv (forward and dq stage 32: tiled_narrow_shape.cuh). The
+# blocks lie on one BLOCK-column grid either way, so the walk's pairs and counts do not depend on it.
+CHUNK = 64
 BLOCK = 16  # columns of one multiplied block: the N of one MMA
 
 _WARPS = TILE // WARP

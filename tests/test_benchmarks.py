@@ -80,8 +80,8 @@ def test_occupancy_arithmetic():
 def test_occupancy_reads_ptxas_logs():
     log = """ptxas info    : Compiling entry function '_Z5otherPf' for 'sm_90'
 ptxas info    : Used 20 registers, used 0 barriers
-ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__c27e54b6_17_tiled_attn_bwd_cu_3892373f14TiledDkvKernelI13__nv_bfloat16Li64EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
-ptxas info    : Function properties for _ZN6s2attn3gpu5tiled50_GLOBAL__N__c27e54b6_17_tiled_attn_bwd_cu_3892373f14TiledDkvKernelI13__nv_bfloat16Li64EEEvNS_17NbhdAttnGpuParamsE
+ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__c27e54b6_17_tiled_attn_dkv_cu_3892373f14TiledDkvKernelI13__nv_bfloat16Li64EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN6s2attn3gpu5tiled50_GLOBAL__N__c27e54b6_17_tiled_attn_dkv_cu_3892373f14TiledDkvKernelI13__nv_bfloat16Li64EEEvNS_17NbhdAttnGpuParamsE
     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
 ptxas info    : Used 168 registers, used 1 barriers, 8 bytes cumulative stack size
 ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__59ef16a0_17_tiled_attn_fwd_cu_295e0f0d14TiledFwdKernelI6__halfLi128EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
@@ -102,7 +102,18 @@ def test_occupancy_report(tmp_path):
     assert {(r[0], r[1], int(r[2])) for r in rows} == {
         (k, t, d) for k in ("TiledFwd", "TiledDq", "TiledDkv") for t in ("bfloat16", "float16") for d in (32, 64, 128)
     }
-    assert all(0 < int(r[-1]) <= 64 and 0 < int(r[3]) <= 255 for r in rows)
+    assert all(0 < int(r[-1]) <= 64 and 0 < int(r[6]) <= 255 for r in rows)
+    # Each kernel file's own pipeline shape (warps, chunk, stages): dk/dv keeps the header's default.
+    shapes = {r[0]: tuple(map(int, r[3:6])) for r in rows}
+    assert shapes == {"TiledFwd": (4, 32, 4), "TiledDq": (4, 32, 4), "TiledDkv": (4, 64, 3)}
+
+
+def test_occupancy_takes_each_kernels_shape_from_its_includes():
+    occupancy = _occupancy_module()
+    text = '#include "gpu/tiled_narrow_shape.cuh"  // shape\n#include "gpu/tiled_attn_device.cuh"\n#include "x.cuh"\n'
+    assert occupancy.shape_includes(text, "k.cu") == text.splitlines()[:2]
+    with pytest.raises(SystemExit, match="k.cu: no #include of gpu/tiled_attn_device.cuh"):
+        occupancy.shape_includes('#include "gpu/tiled_attn_dispatch.cuh"\n', "k.cu")
 
 
 def test_profile_driver_runs_each_configuration(tmp_path):

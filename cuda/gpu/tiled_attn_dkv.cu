@@ -1,6 +1,7 @@
 // Tiled dk and dv without atomics: per unit of 64 keys, walking the transposed (backward)
 // segments, recomputing p = w exp(s - lse) from the staged queries' lse and using their delta =
-// sum(dout * out) (cuda/README.md).
+// sum(dout * out) (cuda/README.md). The header's default pipeline shape, not the forward's narrow
+// one: with two accumulators this kernel spills 428 bytes at its 128-register cap (tiled_narrow_shape.cuh).
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
 
