@@ -64,8 +64,10 @@ namespace tiled {
 #endif
 #define S2ATTN_TILED_SHAPE_NAME_(chunk, stages, warps, blocks) shape_c##chunk##_s##stages##_w##warps##_b##blocks
 #define S2ATTN_TILED_SHAPE_NAME(chunk, stages, warps, blocks) S2ATTN_TILED_SHAPE_NAME_(chunk, stages, warps, blocks)
-inline namespace S2ATTN_TILED_SHAPE_NAME(S2ATTN_TILED_CHUNK, S2ATTN_TILED_STAGES, S2ATTN_TILED_WARPS,
-                                         S2ATTN_TILED_MIN_BLOCKS) {
+// The inline namespace of this translation unit's shape (tiled_attn_dispatch.cuh opens it too).
+#define S2ATTN_TILED_SHAPE \
+  S2ATTN_TILED_SHAPE_NAME(S2ATTN_TILED_CHUNK, S2ATTN_TILED_STAGES, S2ATTN_TILED_WARPS, S2ATTN_TILED_MIN_BLOCKS)
+inline namespace S2ATTN_TILED_SHAPE {
 
 constexpr int kWarps = S2ATTN_TILED_WARPS;
 constexpr int kWarpPoints = 16;                      // rows of one MMA tile

@@ -12,8 +12,7 @@
 namespace s2attn {
 namespace gpu {
 namespace tiled {
-inline namespace S2ATTN_TILED_SHAPE_NAME(S2ATTN_TILED_CHUNK, S2ATTN_TILED_STAGES, S2ATTN_TILED_WARPS,
-                                         S2ATTN_TILED_MIN_BLOCKS) {
+inline namespace S2ATTN_TILED_SHAPE {
 
 template <typename T, int D>
 struct Variant {
