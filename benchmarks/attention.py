@@ -3,8 +3,10 @@
 Op-level timings (the attention op alone, no projections) of the torch-harmonics benchmark
 configurations (spec 7.1) plus quarter-degree ones, in float32 and bfloat16:
 
-* forward and forward+backward time: median of ``--reps`` device-synchronised calls after
-  warm-up, cycling through several input sets so small problems are not served from L2;
+* forward and forward+backward time: median over ``--reps`` samples after warm-up, each the
+  time per call of a burst of calls enqueued back to back (device time: the host's dispatch
+  overlaps the kernels instead of adding to each call), cycling through several input sets so
+  small problems are not served from L2;
 * both native kernel families side by side: the arc kernels (``ffi_arc_*``, every row) and
   the tiled tensor-core kernels (``ffi_tiled_*``, CUDA rows they support: 16-bit inputs,
   head dims 32/64/128), their ratio ``arc_over_tiled_*``, and as ``ffi_*`` the one that
@@ -43,7 +45,7 @@ import math
 import os
 import pathlib
 import subprocess
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +54,9 @@ import numpy as np
 import jax_s2attn
 from jax_s2attn.ops import _ffi  # which native kernels can run a row, and which one "ffi" picks
 from jax_s2attn.ops.local import full_window
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling timing module, also under -P
+from timing import median_ms  # noqa: E402
 
 try:  # tile statistics of the tiled kernels' walk (utilization, computed pairs)
     from jax_s2attn.tile_walk import tile_statistics
@@ -119,18 +124,6 @@ def _floor_ms(cfg: Config, plan, dtype: str, backward: bool) -> float:
     return 1e3 * max(tensors / COPY_BANDWIDTH, _useful_flops(cfg, plan, backward) / PEAK_FLOPS[dtype])
 
 
-def _median_ms(fn, input_sets, reps: int) -> float:
-    for args in input_sets:  # compile and warm up
-        jax.block_until_ready(fn(*args))
-    times = []
-    for i in range(reps):
-        args = input_sets[i % len(input_sets)]
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
-
-
 def _compiled_bytes(fn, *args) -> int:
     analysis = fn.lower(*args).compile().memory_analysis()
     if analysis is None:
@@ -143,8 +136,8 @@ def _jax_runs(plan, cfg: Config, dtype: str, implementation: str, reps: int, inp
     forward = jax.jit(attend)
     loss = lambda q, k, v, p, g: jnp.vdot(attend(q, k, v, p).astype(jnp.float32), g)
     both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-    fwd_ms = _median_ms(forward, [(q, k, v, plan) for q, k, v, _ in input_sets], reps)
-    both_ms = _median_ms(both, [(q, k, v, plan, g) for q, k, v, g in input_sets], reps)
+    fwd_ms = median_ms(forward, [(q, k, v, plan) for q, k, v, _ in input_sets], reps)
+    both_ms = median_ms(both, [(q, k, v, plan, g) for q, k, v, g in input_sets], reps)
     q, k, v, g = input_sets[0]
     memory = _compiled_bytes(both, q, k, v, plan, g)
     return fwd_ms, both_ms, memory
@@ -168,10 +161,10 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
         delta_sets.append((g, out))
         backward_sets.append((q, k, v, g, lse, delta(g, out), plan))
     return {
-        "forward": _median_ms(forward, forward_sets, reps),
-        "dq": _median_ms(dq, backward_sets, reps),
-        "dkv": _median_ms(dkv, backward_sets, reps),
-        "delta": _median_ms(delta, delta_sets, reps),
+        "forward": median_ms(forward, forward_sets, reps),
+        "dq": median_ms(dq, backward_sets, reps),
+        "dkv": median_ms(dkv, backward_sets, reps),
+        "delta": median_ms(delta, delta_sets, reps),
     }
 
 

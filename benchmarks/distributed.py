@@ -1,9 +1,9 @@
 """Scaling of the sharded neighbourhood attention (latitude halo + longitude ring) over device meshes.
 
 For every mesh ``LATxLON`` (devices taken in order from ``jax.devices()``) it measures the
-op alone, forward and forward+backward (median of ``--reps`` synchronised calls after
-warm-up), and the per-device memory of the compiled forward+backward (arguments +
-outputs + temporaries, from XLA's memory analysis; on GPUs also the allocator's peak).
+op alone, forward and forward+backward (device time per call, ``timing.median_ms``), and the
+per-device memory of the compiled forward+backward (arguments + outputs + temporaries, from
+XLA's memory analysis; on GPUs also the allocator's peak).
 
 * strong scaling: one global grid (``--grid``) on every mesh;
   efficiency = (t_base * n_base) / (t * n).
@@ -31,7 +31,6 @@ import datetime
 import os
 import pathlib
 import sys
-import time
 
 
 def _parse_args(argv=None):
@@ -73,20 +72,14 @@ def main(argv=None) -> None:
     import jax_s2attn
     from jax_s2attn.parallel import padded_grid_shapes, sharded_neighborhood_attention
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling timing module, also under -P
+    from timing import median_ms
+
     spec = P(None, "lat", "lon")
 
     def make_mesh(shape):
         devices = np.asarray(jax.devices()[: shape[0] * shape[1]]).reshape(shape)
         return Mesh(devices, ("lat", "lon"), axis_types=(AxisType.Explicit,) * 2)
-
-    def median_ms(fn, *fn_args):
-        jax.block_until_ready(fn(*fn_args))  # compile and warm up
-        times = []
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*fn_args))
-            times.append(time.perf_counter() - start)
-        return 1e3 * float(np.median(times))
 
     def measure(grid, theta_cutoff, mesh_shape, rng):
         mesh = make_mesh(mesh_shape)
@@ -109,7 +102,8 @@ def main(argv=None) -> None:
             grid="x".join(map(str, grid)), padded="x".join(map(str, padded)),
             mesh="x".join(map(str, mesh_shape)), devices=mesh.size,
             theta_cutoff=f"{plan.theta_cutoff:.6g}", pairs=plan.num_pairs,
-            fwd_ms=median_ms(forward, q, k, v, plan), fwdbwd_ms=median_ms(both, q, k, v, plan, g),
+            fwd_ms=median_ms(forward, [(q, k, v, plan)], args.reps),
+            fwdbwd_ms=median_ms(both, [(q, k, v, plan, g)], args.reps),
         )
         if memory is not None:
             row["compiled_bytes_per_device"] = int(

@@ -47,6 +47,39 @@ def test_attention_benchmark(tmp_path):
         assert int(row["computed_pairs_fwd"]) >= int(row["pairs"])
 
 
+def _benchmark_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_median_ms_times_bursts_of_calls():
+    import time
+
+    import jax.numpy as jnp
+
+    timing = _benchmark_module("timing")
+    seen = []
+
+    def fast(x):
+        seen.append(x)
+        return jnp.asarray(x)
+
+    # A fast call is timed in bursts of max_burst calls, cycling through the input sets.
+    timing.median_ms(fast, [(0,), (1,), (2,)], reps=3, sample_ms=1e4, max_burst=7)
+    assert seen[:4] == [0, 1, 2, 0]  # warm-up of every set, then the one call that sizes the burst
+    assert seen[4:] == [i % 3 for i in range(3 * 7)]
+
+    def slow(x):
+        time.sleep(0.02)
+        return jnp.asarray(x)
+
+    # A call longer than a sample is timed alone, and its time is what the median reports.
+    assert timing.median_ms(slow, [(0,)], reps=3, sample_ms=5.0) >= 20.0
+
+
 def test_distributed_benchmark_smoke(tmp_path):
     # --smoke: tiny grids on virtual CPU devices, table only (no CSV).
     table = _run("distributed.py", "--smoke", cwd=tmp_path).splitlines()
@@ -55,16 +88,8 @@ def test_distributed_benchmark_smoke(tmp_path):
     assert not list(tmp_path.glob("*.csv"))
 
 
-def _occupancy_module():
-    spec = importlib.util.spec_from_file_location("occupancy", ROOT / "benchmarks" / "occupancy.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["occupancy"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_occupancy_arithmetic():
-    occupancy = _occupancy_module()
+    occupancy = _benchmark_module("occupancy")
     # (registers, warps per block, dynamic shared bytes) -> warps/SM by registers, by shared, resident.
     # Session 2's tiled kernels: ncu on the H200 reported 3 blocks per SM, limited by registers (its
     # shared-memory limit, also 3, was for the 196 KiB carveout the driver chose; 228 KiB allows 4).
@@ -87,7 +112,7 @@ ptxas info    : Used 168 registers, used 1 barriers, 8 bytes cumulative stack si
 ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__59ef16a0_17_tiled_attn_fwd_cu_295e0f0d14TiledFwdKernelI6__halfLi128EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
 ptxas info    : Used 240 registers, used 1 barriers
 """
-    occupancy = _occupancy_module()
+    occupancy = _benchmark_module("occupancy")
     assert occupancy.parse_ptxas(log) == [
         occupancy.KernelResources("TiledDkv", "bfloat16", 64, 168, 4),
         occupancy.KernelResources("TiledFwd", "float16", 128, 240, 0),
@@ -109,7 +134,7 @@ def test_occupancy_report(tmp_path):
 
 
 def test_occupancy_takes_each_kernels_shape_from_its_includes():
-    occupancy = _occupancy_module()
+    occupancy = _benchmark_module("occupancy")
     text = '#include "gpu/tiled_narrow_shape.cuh"  // shape\n#include "gpu/tiled_attn_device.cuh"\n#include "x.cuh"\n'
     assert occupancy.shape_includes(text, "k.cu") == text.splitlines()[:2]
     with pytest.raises(SystemExit, match="k.cu: no #include of gpu/tiled_attn_device.cuh"):
