@@ -25,6 +25,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jax_s2attn.grids import precompute_latitudes, precompute_longitudes
 from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,13 +154,15 @@ def prepare_case(
     padding=(0, 0, 0, 0),
     transform=None,
     logit_offset=0.0,
+    smooth_values=False,
 ) -> KernelCase:
     """Random inputs on local blocks of the grids and the float64 results they must give.
 
     ``q_window``/``k_window`` are the real blocks ``(lat0, lon0, nlat, nlon)`` of the global
     grids; ``padding`` adds garbage rows/columns ``(q_lat, q_lon, k_lat, k_lon)`` to the local
     arrays. ``transform`` (optional) maps each local activation array before use (e.g. to a
-    misaligned copy).
+    misaligned copy). ``smooth_values``: values smooth in position (1 % noise), where dP - delta
+    nearly cancels in the score gradients (see :func:`run_case_as_op`).
     """
     (nlat_q, nlon_q), (nlat_k, nlon_k) = plan.out_shape, plan.in_shape
     q_window = q_window or (0, 0, nlat_q, nlon_q)
@@ -168,6 +171,12 @@ def prepare_case(
     scale = 1.0 / np.sqrt(max(dk, 1))
     q, dout = (rng.standard_normal((batch, nlat_q, nlon_q, heads, d)).astype(storage) for d in (dk, dv))
     k, v = (rng.standard_normal((batch, nlat_k, nlon_k, heads, d)).astype(storage) for d in (dk, dv))
+    if smooth_values:
+        theta = precompute_latitudes(nlat_k, plan.grid_in)[0][:, None, None]
+        phi = precompute_longitudes(nlon_k)[None, :, None]
+        channel = np.arange(dv)[None, None, :]
+        field = np.sin(theta) * np.cos(phi + 0.1 * channel) + np.cos(theta) * np.sin(0.05 * channel + 0.3)
+        v = (field[None, :, :, None, :] + 0.01 * v.astype(np.float64)).astype(storage)
     if logit_offset < 0:  # every logit moves by about logit_offset: q_0 = a, k_0 = -a
         q[..., 0] = np.sqrt(-logit_offset / scale)
         k[..., 0] = -np.sqrt(-logit_offset / scale)
@@ -257,6 +266,16 @@ def run_case(case: KernelCase, launch: Launch, kernel: str = "arc", tables=None)
     dk, dv = np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32)
     launch(first + DKV, *common, *case.inputs, case.bwd_order, backward_table, weights, dk, dv)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def run_case_as_op(case: KernelCase, launch: Launch, kernel: str = "arc") -> dict[str, np.ndarray]:
+    """run_case, but the backward targets get the lse of the kernels' own forward and a delta
+    from their own out (float32), as the op feeds them, instead of the exact float64 ones."""
+    results = run_case(case, launch, kernel)
+    q, k, v, dout, _, _, window = case.inputs
+    delta = (dout.astype(np.float64) * results["out"]).sum(-1).astype(np.float32)
+    as_op = dataclasses.replace(case, inputs=(q, k, v, dout, results["lse"], delta, window))
+    return {**run_case(as_op, launch, kernel), "out": results["out"], "lse": results["lse"]}
 
 
 def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:

@@ -50,6 +50,9 @@ from kernel_cases import (  # noqa: E402
     check_nan_poisoning,
     prepare_case,
     run_case,
+    run_case_as_op,
+    tolerance_of,
+    verify_case,
 )
 
 CUDA_ERROR_INVALID_VALUE = 1
@@ -269,6 +272,17 @@ TILED_CASES = [
 @pytest.mark.parametrize(("plan_name", "d", "dtype"), TILED_CASES, ids=[f"{p}-d{d}-{t}" for p, d, t in TILED_CASES])
 def test_tiled_matches_float64(emulator, rng, plan_name, d, dtype):
     check_case(emulator, rng, PLANS[plan_name](), 2, 2, d, d, dtype, kernel="tiled")
+
+
+@pytest.mark.parametrize("kernel", ["arc", "tiled"])
+@pytest.mark.parametrize("dtype", TILED_DTYPES)
+def test_smooth_values_keep_gradients_accurate(emulator, rng, kernel, dtype):
+    """Values smooth in position: dP - delta nearly cancels in the score gradients, so dq and dk
+    keep the bar only if out, from which the op takes delta, is accurate well beyond it (the
+    backward targets get the kernels' own lse and delta here, as in the op)."""
+    plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.15)
+    case = prepare_case(rng, plan, 2, 1, 64, 64, dtype, smooth_values=True)
+    verify_case(case, run_case_as_op(case, emulator, kernel), tolerance_of(kernel, dtype))
 
 
 @pytest.mark.parametrize("dtype", TILED_DTYPES)
