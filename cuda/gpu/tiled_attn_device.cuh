@@ -375,43 +375,56 @@ __device__ __forceinline__ void MaskOffArc(float (&x)[2][4], int32_t first, cons
 // ------------------------------------------------------------------------------ the chunk stream
 
 // Where the staged operands come from: rows [batch, nlat, nlon, heads, D] of the other grid.
+// Pointers are to the unit's (batch, head) at local (0, 0), so a staged column's address is one
+// product per row and one per column away.
 template <typename T>
 struct StagedSource {
   const T* a;
   const T* b;
   const float* lse;    // key walk: lse and delta of the staged queries; null for the query walk
   const float* delta;
-  int64_t row_stride;  // elements between local rows
-  int64_t col_stride;  // elements between local columns (heads * D)
-  int64_t bh_offset;   // element offset of (batch, head) at local (0, 0)
-  int64_t bh_point;    // (batch * nlat * nlon) * heads + head: index of (0, 0) in lse / delta
-  int64_t point_row_stride, point_col_stride;  // the same strides in lse / delta
+  int64_t row_stride;        // elements between local rows
+  int64_t point_row_stride;  // the same in lse / delta
+  int32_t col_stride;        // elements between local columns (heads * D)
+  int32_t point_col_stride;  // the same in lse / delta (heads)
 };
+
+// A thread's part in staging a chunk, the same for every chunk: kColumnThreads threads per column;
+// with each copy, the threads of a column copy neighbouring 16-byte pieces (whole 32-byte sectors:
+// cp.async.cg reads L2 sectors, not L1 lines), and a quarter-warp's columns are kColumnThreads
+// apart so that its eight shared-memory stores fall in different banks.
+struct StagingLane {
+  int32_t col;   // column of the chunk
+  int32_t part;  // first 16-byte piece of the column's row
+};
+
+template <int D>
+__device__ __forceinline__ StagingLane StagingLaneOf() {
+  constexpr int kColumnThreads = kThreads / kChunk;
+  static_assert(kThreads % kChunk == 0 && 8 % kColumnThreads == 0 && (D / 8) % kColumnThreads == 0,
+                "whole pieces per staging thread");
+  const int lane = threadIdx.x % 32, quarter = lane / 8;
+  return StagingLane{static_cast<int32_t>((threadIdx.x / 32) * (32 / kColumnThreads) +
+                                          (quarter / kColumnThreads) * 8 + quarter % kColumnThreads +
+                                          (lane % 8 / kColumnThreads) * kColumnThreads),
+                     lane % kColumnThreads};
+}
 
 // Stages chunk `chunk` of `win` into `stage` (cp.async for real columns, zeros elsewhere) with its
 // per-column values: the bias log2 w (query walk, written) or lse and delta (key walk, copied).
-// All threads of the block take part, kColumnThreads per column: with each copy, the threads of a
-// column copy neighbouring 16-byte pieces (whole 32-byte sectors: cp.async.cg reads L2 sectors,
-// not L1 lines), and a quarter-warp's columns are kColumnThreads apart so that its eight
-// shared-memory stores fall in different banks.
+// All threads of the block take part, each as its StagingLane says.
 template <typename T, int D>
 __device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow& win, int32_t chunk,
-                                           const StagedSource<T>& src, const Stage<T, D>& stage) {
-  constexpr int kPieces = D / 8;  // 16-byte pieces per row
-  constexpr int kColumnThreads = kThreads / kChunk;
-  static_assert(kThreads % kChunk == 0 && 8 % kColumnThreads == 0 && kPieces % kColumnThreads == 0,
-                "whole pieces per staging thread");
+                                           const StagedSource<T>& src, const Stage<T, D>& stage,
+                                           const StagingLane& lane) {
   using L = StageLayout<D>;
-  const int lane = threadIdx.x % 32, quarter = lane / 8;
-  const int part = lane % kColumnThreads;
-  const int col = (threadIdx.x / 32) * (32 / kColumnThreads) + (quarter / kColumnThreads) * 8 +
-                  quarter % kColumnThreads + (lane % 8 / kColumnThreads) * kColumnThreads;
+  const int32_t col = lane.col;
   const int32_t local = LocalColumn(walk, win, chunk * kChunk + col);
-  T* dst_a = stage.a + col * L::kStride + part * 8;
-  T* dst_b = stage.b + col * L::kStride + part * 8;
-  constexpr int kStep = 8 * kColumnThreads;  // elements between a thread's pieces
+  T* dst_a = stage.a + col * L::kStride + lane.part * 8;
+  T* dst_b = stage.b + col * L::kStride + lane.part * 8;
+  constexpr int kStep = 8 * (kThreads / kChunk);  // elements between a thread's pieces
   if (local >= 0) {
-    const int64_t at = src.bh_offset + win.local_row * src.row_stride + local * src.col_stride + part * 8;
+    const int64_t at = win.local_row * src.row_stride + int64_t{local} * src.col_stride + lane.part * 8;
 #pragma unroll
     for (int i = 0; i < D; i += kStep) {
       CopyAsync16(dst_a + i, src.a + at + i);
@@ -424,12 +437,12 @@ __device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow
       *reinterpret_cast<uint4*>(dst_b + i) = make_uint4(0, 0, 0, 0);
     }
   }
-  if (part != 0) return;
+  if (lane.part != 0) return;
   if (src.lse == nullptr) {
     stage.bias[col] = local >= 0 ? win.log2_weight : kNegInf;
   } else if (local >= 0) {
     // Copied, not loaded: a load here would hold up the thread's next instructions until it lands.
-    const int64_t point = src.bh_point + win.local_row * src.point_row_stride + local * src.point_col_stride;
+    const int64_t point = win.local_row * src.point_row_stride + int64_t{local} * src.point_col_stride;
     CopyAsync4(stage.bias + col, src.lse + point);
     CopyAsync4(stage.delta + col, src.delta + point);
   } else {
@@ -502,9 +515,9 @@ struct ChunkPipeline {
   // Stages the thread's part of chunk `chunk` of `win` at position `at` once every thread is done
   // with the chunk of the previous round, which used the same stage.
   __device__ void Issue(const StagePosition& at, const Walk& walk, const SegmentWindow& win, int32_t chunk,
-                        const StagedSource<T>& src) const {
+                        const StagedSource<T>& src, const StagingLane& lane) const {
     if (at.round > 0) MbarrierWait(&released[at.stage], (at.round - 1) & 1);
-    StageChunk<T, D>(walk, win, chunk, src, Stage<T, D>::At(at.stage));
+    StageChunk<T, D>(walk, win, chunk, src, Stage<T, D>::At(at.stage), lane);
     CopyAsyncArriveOn(&staged[at.stage]);
     MbarrierArrive(&staged[at.stage]);
   }
@@ -530,6 +543,7 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
   const ChunkPipeline<T, D> pipe = ChunkPipeline<T, D>::Create();
   if (threadIdx.x == 0) pipe.Init();
   StagePosition issued, consumed;  // the next chunk to stage and to multiply
+  const StagingLane lane = StagingLaneOf<D>();
   for (int32_t first = begin, count = 0; first < end; first += count) {
     count = min(end - first, kSlots);
     __syncthreads();  // barriers initialised; the previous batch's slots are no longer read
@@ -541,7 +555,7 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
     if (cur.slot == count) continue;
     ChunkCursor head = cur;  // the next chunk to stage
     for (int s = 0; s < kStages - 1 && head.slot < count; ++s) {
-      pipe.Issue(issued, walk, slots[head.slot].win, head.chunk, src);
+      pipe.Issue(issued, walk, slots[head.slot].win, head.chunk, src, lane);
       issued.Next();
       head = Advance(slots, head, count);
     }
@@ -552,7 +566,7 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
       pipe.Release(consumed);
       consumed.Next();
       if (head.slot < count) {
-        pipe.Issue(issued, walk, slots[head.slot].win, head.chunk, src);
+        pipe.Issue(issued, walk, slots[head.slot].win, head.chunk, src, lane);
         issued.Next();
         head = Advance(slots, head, count);
       }
@@ -730,17 +744,16 @@ template <typename T>
 __device__ __forceinline__ StagedSource<T> SourceOf(const void* a, const void* b, const float* lse,
                                                     const float* delta, const Unit& u, int32_t nlat, int32_t nlon,
                                                     int64_t heads, int d) {
+  const int64_t bh_point = int64_t{u.batch} * nlat * nlon * heads + u.head;  // (0, 0) in lse / delta
   StagedSource<T> src;
-  src.a = static_cast<const T*>(a);
-  src.b = static_cast<const T*>(b);
-  src.lse = lse;
-  src.delta = delta;
-  src.point_col_stride = heads;
+  src.a = static_cast<const T*>(a) + bh_point * d;
+  src.b = static_cast<const T*>(b) + bh_point * d;
+  src.lse = lse == nullptr ? nullptr : lse + bh_point;
+  src.delta = delta == nullptr ? nullptr : delta + bh_point;
   src.point_row_stride = nlon * heads;
-  src.bh_point = int64_t{u.batch} * nlat * nlon * heads + u.head;
-  src.col_stride = heads * d;
   src.row_stride = src.point_row_stride * d;
-  src.bh_offset = src.bh_point * d;
+  src.point_col_stride = static_cast<int32_t>(heads);
+  src.col_stride = static_cast<int32_t>(heads * d);
   return src;
 }
 
