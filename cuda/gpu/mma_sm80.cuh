@@ -47,6 +47,8 @@ void LdMatrixX4(uint32_t (&r)[4], const void* shared_row);
 void LdMatrixX4Trans(uint32_t (&r)[4], const void* shared_row);
 // Copies 16 bytes global -> shared (immediately, in the emulation).
 void CopyAsync16(void* shared_dst, const void* global_src);
+// The same if `copy`, else 16 zero bytes (the source is not read).
+void CopyAsync16OrZero(void* shared_dst, const void* global_src, bool copy);
 // Copies 4 bytes global -> shared (immediately, in the emulation).
 void CopyAsync4(void* shared_dst, const void* global_src);
 
@@ -93,6 +95,13 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* sh
 // 16 bytes global -> shared, bypassing L1 (K/V windows are reused from shared memory, not L1).
 __device__ __forceinline__ void CopyAsync16(void* shared_dst, const void* global_src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(SharedAddress(shared_dst)), "l"(global_src));
+}
+
+// CopyAsync16 if `copy`, else 16 zero bytes (source size 0: the copy fills the rest with zeros and
+// reads nothing), so that a thread stages a real or an empty column without a branch.
+__device__ __forceinline__ void CopyAsync16OrZero(void* shared_dst, const void* global_src, bool copy) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SharedAddress(shared_dst)), "l"(global_src),
+               "r"(copy ? 16 : 0));
 }
 
 // 4 bytes global -> shared (cp.async takes sizes below 16 only through L1, .ca).

@@ -105,7 +105,7 @@ struct StageLayout {
   static constexpr size_t kStagesBytes = kStages * kStageBytes;
   // Then the segment slots of the batch being walked (SegmentSlot, defined below), then the
   // pipeline's barriers: per stage one for "staged" and one for "released".
-  static constexpr size_t kSlotBytes = 32 + 16 * kWarps;
+  static constexpr size_t kSlotBytes = 40 + 16 * kWarps;
   static constexpr size_t kBarriersOffset = kStagesBytes + kSlots * kSlotBytes;
   static constexpr size_t kSharedBytes = kBarriersOffset + 2 * kStages * sizeof(uint64_t);
   static_assert(kOperandBytes % 16 == 0 && kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
@@ -206,6 +206,7 @@ struct SegmentWindow {
   int32_t wrap;       // nlon_other in ring mode, else kNoWrap
   int32_t chunks;
   float log2_weight;  // log2 of the row's quadrature weight (query walk)
+  int64_t row_offset;  // elements from the staged operands' local (0, 0) to the row (FillSlot)
 };
 
 // Static description of one walk: which table, which grids, which points the block owns.
@@ -225,7 +226,7 @@ __device__ __forceinline__ const int32_t* SegmentAt(const Walk& walk, int32_t in
 }
 
 __device__ __forceinline__ SegmentWindow WindowOf(const Walk& walk, int32_t index, const float* quad_weights) {
-  SegmentWindow win{index, -1, 0, 0, 0, kNoWrap, 0, 0.f};
+  SegmentWindow win{index, -1, 0, 0, 0, kNoWrap, 0, 0.f, 0};
   const int32_t* seg = SegmentAt(walk, index);
   const int32_t row = __ldg(seg);
   if (row < 0 || row >= walk.nlat_other || walk.block_first > walk.block_last) return win;
@@ -269,7 +270,7 @@ struct SegmentSlot {
   SegmentWindow win;
   WarpSpan warp[kWarps];
 };
-static_assert(sizeof(SegmentWindow) == 32 && sizeof(SegmentSlot) == StageLayout<64>::kSlotBytes,
+static_assert(sizeof(SegmentWindow) == 40 && sizeof(SegmentSlot) == StageLayout<64>::kSlotBytes,
               "StageLayout reserves kSlotBytes per slot");
 
 // A thread's view of one segment: its warp's span and the arc (offset into the window, length)
@@ -316,10 +317,12 @@ __device__ __forceinline__ WarpSpan WarpSpanOf(const Walk& walk, const int32_t* 
   return band;
 }
 
-// Segment `index`'s window and every warp's span on it.
+// Segment `index`'s window (with its row's offset in operands of `row_stride` elements per row)
+// and every warp's span on it.
 __device__ __forceinline__ void FillSlot(const Walk& walk, int32_t index, const float* quad_weights,
-                                         SegmentSlot* slot) {
-  const SegmentWindow win = WindowOf(walk, index, quad_weights);
+                                         int64_t row_stride, SegmentSlot* slot) {
+  SegmentWindow win = WindowOf(walk, index, quad_weights);
+  win.row_offset = win.local_row * row_stride;
   slot->win = win;
   const int32_t* seg = SegmentAt(walk, index);
 #pragma unroll
@@ -423,19 +426,14 @@ __device__ __forceinline__ void StageChunk(const Walk& walk, const SegmentWindow
   T* dst_a = stage.a + col * L::kStride + lane.part * 8;
   T* dst_b = stage.b + col * L::kStride + lane.part * 8;
   constexpr int kStep = 8 * (kThreads / kChunk);  // elements between a thread's pieces
-  if (local >= 0) {
-    const int64_t at = win.local_row * src.row_stride + int64_t{local} * src.col_stride + lane.part * 8;
+  // Columns past the window or outside the other grid's window are staged as zeros (by the same
+  // copies, reading nothing), so every thread takes the same path.
+  const bool real = local >= 0;
+  const int64_t at = real ? win.row_offset + int64_t{local} * src.col_stride + lane.part * 8 : 0;
 #pragma unroll
-    for (int i = 0; i < D; i += kStep) {
-      CopyAsync16(dst_a + i, src.a + at + i);
-      CopyAsync16(dst_b + i, src.b + at + i);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < D; i += kStep) {
-      *reinterpret_cast<uint4*>(dst_a + i) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(dst_b + i) = make_uint4(0, 0, 0, 0);
-    }
+  for (int i = 0; i < D; i += kStep) {
+    CopyAsync16OrZero(dst_a + i, src.a + at + i, real);
+    CopyAsync16OrZero(dst_b + i, src.b + at + i, real);
   }
   if (lane.part != 0) return;
   if (src.lse == nullptr) {
@@ -548,7 +546,7 @@ __device__ __forceinline__ void ForEachChunk(const Walk& walk, const StagedSourc
     count = min(end - first, kSlots);
     __syncthreads();  // barriers initialised; the previous batch's slots are no longer read
     if (static_cast<int32_t>(threadIdx.x) < count) {
-      FillSlot(walk, first + threadIdx.x, quad_weights, &slots[threadIdx.x]);
+      FillSlot(walk, first + threadIdx.x, quad_weights, src.row_stride, &slots[threadIdx.x]);
     }
     __syncthreads();
     ChunkCursor cur = FirstChunk(slots, 0, count);

@@ -523,6 +523,16 @@ void CopyAsync16(void* shared_dst, const void* global_src) {
   EmulatedCopyAsync("CopyAsync16", shared_dst, global_src, 16);
 }
 
+void CopyAsync16OrZero(void* shared_dst, const void* global_src, bool copy) {
+  if (copy) {
+    EmulatedCopyAsync("CopyAsync16OrZero", shared_dst, global_src, 16);
+    return;
+  }
+  CheckShared("CopyAsync16OrZero destination", shared_dst, 16);
+  std::memset(shared_dst, 0, 16);
+  g_scheduler.current->untracked_copies = true;
+}
+
 void CopyAsync4(void* shared_dst, const void* global_src) {
   EmulatedCopyAsync("CopyAsync4", shared_dst, global_src, 4);
 }
