@@ -148,3 +148,17 @@ def test_profile_driver_runs_each_configuration(tmp_path):
     assert [line.split(":")[0] for line in out.splitlines()] == [
         "(9, 18) theta_cutoff=0.8", "(12, 24) theta_cutoff=0.5"
     ]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_staging_bandwidth_program_builds(tmp_path):
+    # It runs only on an sm_90 GPU (benchmarks/staging_bandwidth.sh); here it must at least compile
+    # for sm_90 and link against the CUDA runtime.
+    binary = tmp_path / "staging_bandwidth"
+    result = subprocess.run(
+        ["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-o", str(binary),
+         str(ROOT / "cuda" / "bench" / "staging_bandwidth.cu")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert binary.stat().st_size > 0
