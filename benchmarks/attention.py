@@ -3,10 +3,10 @@
 Op-level timings (the attention op alone, no projections) of the torch-harmonics benchmark
 configurations (spec 7.1) plus quarter-degree ones, in float32 and bfloat16:
 
-* forward and forward+backward time: median over ``--reps`` samples after warm-up, each the
-  time per call of a burst of calls enqueued back to back (device time: the host's dispatch
-  overlaps the kernels instead of adding to each call), cycling through several input sets so
-  small problems are not served from L2;
+* forward and forward+backward time: device time per call, the median over ``--reps`` samples
+  after warm-up of (a burst of calls enqueued back to back minus one call alone) per extra call
+  (``timing.median_ms``: the host's dispatch and the final wait cancel), cycling through several
+  input sets so small problems are not served from L2;
 * both native kernel families side by side: the arc kernels (``ffi_arc_*``, every row) and
   the tiled tensor-core kernels (``ffi_tiled_*``, CUDA rows they support: 16-bit inputs,
   head dims 32/64/128), their ratio ``arc_over_tiled_*``, and as ``ffi_*`` the one that

@@ -8,24 +8,31 @@ import jax
 import numpy as np
 
 
+def _wall_ms(fn, input_sets, first: int, count: int) -> float:
+    """Wall time of ``count`` calls enqueued back to back (cycling from set ``first``), waited for once."""
+    start = time.perf_counter()
+    for j in range(count):
+        result = fn(*input_sets[(first + j) % len(input_sets)])
+    jax.block_until_ready(result)
+    return 1e3 * (time.perf_counter() - start)
+
+
 def median_ms(fn, input_sets, reps: int, sample_ms: float = 5.0, max_burst: int = 50) -> float:
     """Median device time per call of ``fn`` in ms over ``reps`` samples.
 
-    Each sample enqueues a burst of calls back to back (cycling through ``input_sets``, tuples of
-    arguments) and waits once, so the host's dispatch overlaps the device's work instead of adding
-    to every call; the burst is sized from one timed call to last about ``sample_ms``.
+    Each sample times one call alone and a burst of ``n >= 2`` calls enqueued back to back
+    (cycling through ``input_sets``, tuples of arguments) and takes ``(t_burst - t_one) / (n - 1)``:
+    the host's dispatch of a burst's first call and the final wait cost the same in both and
+    cancel, and the host dispatches the other calls while the device runs. ``n`` is sized from one
+    call to make a burst last about ``sample_ms``. Calls the host dispatches more slowly than the
+    device runs them measure the host instead (an upper bound on device time).
     """
     for args in input_sets:  # compile and warm up
         jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*input_sets[0]))
-    single_ms = 1e3 * (time.perf_counter() - start)
-    burst = int(min(max_burst, max(1, round(sample_ms / max(single_ms, 1e-3)))))
+    single_ms = _wall_ms(fn, input_sets, 0, 1)
+    burst = int(min(max_burst, max(2, round(sample_ms / max(single_ms, 1e-3)))))
     times = []
     for i in range(reps):
-        start = time.perf_counter()
-        for j in range(burst):
-            result = fn(*input_sets[(i * burst + j) % len(input_sets)])
-        jax.block_until_ready(result)
-        times.append((time.perf_counter() - start) / burst)
-    return 1e3 * float(np.median(times))
+        one = _wall_ms(fn, input_sets, i, 1)
+        times.append((_wall_ms(fn, input_sets, i + 1, burst) - one) / (burst - 1))
+    return float(np.median(times))

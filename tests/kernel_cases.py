@@ -141,6 +141,15 @@ class KernelCase:
     expected: dict[str, np.ndarray]  # out, lse, dq, dk, dv on the real (window) blocks
 
 
+def smooth_field(nlat: int, nlon: int, dim: int, grid: str) -> np.ndarray:
+    """``[nlat, nlon, dim]`` values smooth in position, different per channel (the smooth-field
+    cases: there dP - delta nearly cancels in the score gradients)."""
+    theta = precompute_latitudes(nlat, grid)[0][:, None, None]
+    phi = precompute_longitudes(nlon)[None, :, None]
+    channel = np.arange(dim)[None, None, :]
+    return np.sin(theta) * np.cos(phi + 0.1 * channel) + np.cos(theta) * np.sin(0.05 * channel + 0.3)
+
+
 def prepare_case(
     rng,
     plan,
@@ -172,10 +181,7 @@ def prepare_case(
     q, dout = (rng.standard_normal((batch, nlat_q, nlon_q, heads, d)).astype(storage) for d in (dk, dv))
     k, v = (rng.standard_normal((batch, nlat_k, nlon_k, heads, d)).astype(storage) for d in (dk, dv))
     if smooth_values:
-        theta = precompute_latitudes(nlat_k, plan.grid_in)[0][:, None, None]
-        phi = precompute_longitudes(nlon_k)[None, :, None]
-        channel = np.arange(dv)[None, None, :]
-        field = np.sin(theta) * np.cos(phi + 0.1 * channel) + np.cos(theta) * np.sin(0.05 * channel + 0.3)
+        field = smooth_field(nlat_k, nlon_k, dv, plan.grid_in)
         v = (field[None, :, :, None, :] + 0.01 * v.astype(np.float64)).astype(storage)
     if logit_offset < 0:  # every logit moves by about logit_offset: q_0 = a, k_0 = -a
         q[..., 0] = np.sqrt(-logit_offset / scale)
@@ -270,7 +276,10 @@ def run_case(case: KernelCase, launch: Launch, kernel: str = "arc", tables=None)
 
 def run_case_as_op(case: KernelCase, launch: Launch, kernel: str = "arc") -> dict[str, np.ndarray]:
     """run_case, but the backward targets get the lse of the kernels' own forward and a delta
-    from their own out (float32), as the op feeds them, instead of the exact float64 ones."""
+    from their own out (float32), as the op feeds them, instead of the exact float64 ones. Whole
+    grids only: the forward's lse covers the window's keys, the backward needs every key's."""
+    if case.sizes[4:8] != case.sizes[8:12]:
+        raise ValueError("run_case_as_op needs whole grids (no windows, no padding)")
     results = run_case(case, launch, kernel)
     q, k, v, dout, _, _, window = case.inputs
     delta = (dout.astype(np.float64) * results["out"]).sum(-1).astype(np.float32)

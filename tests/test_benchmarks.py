@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _run(script: str, *args: str, cwd: pathlib.Path) -> str:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        [sys.executable, "-P", str(ROOT / "benchmarks" / script), *args],  # -P: as on the H200 box
         cwd=cwd, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -67,17 +67,33 @@ def test_median_ms_times_bursts_of_calls():
         seen.append(x)
         return jnp.asarray(x)
 
-    # A fast call is timed in bursts of max_burst calls, cycling through the input sets.
-    timing.median_ms(fast, [(0,), (1,), (2,)], reps=3, sample_ms=1e4, max_burst=7)
-    assert seen[:4] == [0, 1, 2, 0]  # warm-up of every set, then the one call that sizes the burst
-    assert seen[4:] == [i % 3 for i in range(3 * 7)]
+    # Warm-up of every set, one call that sizes the burst (here max_burst), then per sample one
+    # call alone and a burst, cycling through the input sets.
+    timing.median_ms(fast, [(0,), (1,), (2,)], reps=2, sample_ms=1e4, max_burst=7)
+    assert seen[:4] == [0, 1, 2, 0]
+    assert seen[4:] == [0] + [(1 + j) % 3 for j in range(7)] + [1] + [(2 + j) % 3 for j in range(7)]
 
-    def slow(x):
-        time.sleep(0.02)
-        return jnp.asarray(x)
+    def sleeping(seconds):
+        calls = []
 
-    # A call longer than a sample is timed alone, and its time is what the median reports.
-    assert timing.median_ms(slow, [(0,)], reps=3, sample_ms=5.0) >= 20.0
+        def fn(x):
+            calls.append(x)
+            time.sleep(seconds)
+            return jnp.asarray(x)
+
+        return fn, calls
+
+    # A call's own time is reported per call, whatever the burst: 2 ms calls come in bursts of
+    # about 5 ms / 2 ms = 2, 20 ms calls in the minimum burst of 2 (calls: warm-up, sizing, and per
+    # sample one alone plus the burst).
+    for seconds in (0.002, 0.02):
+        fn, calls = sleeping(seconds)
+        ms = timing.median_ms(fn, [(0,)], reps=3, sample_ms=5.0)
+        assert 0.9e3 * seconds <= ms <= 1.5e3 * seconds, (seconds, ms)
+        assert len(calls) == 2 + 3 * (1 + 2)
+    fn, calls = sleeping(0.0005)  # 0.5 ms calls (sleep overshoots a little): bursts of several calls
+    assert 0.45 <= timing.median_ms(fn, [(0,)], reps=3, sample_ms=5.0) <= 0.9
+    assert len(calls) >= 2 + 3 * (1 + 4)
 
 
 def test_distributed_benchmark_smoke(tmp_path):
@@ -148,3 +164,17 @@ def test_profile_driver_runs_each_configuration(tmp_path):
     assert [line.split(":")[0] for line in out.splitlines()] == [
         "(9, 18) theta_cutoff=0.8", "(12, 24) theta_cutoff=0.5"
     ]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_staging_bandwidth_program_builds(tmp_path):
+    # It runs only on an sm_90 GPU (benchmarks/staging_bandwidth.sh); here it must at least compile
+    # for sm_90 and link against the CUDA runtime.
+    binary = tmp_path / "staging_bandwidth"
+    result = subprocess.run(
+        ["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-o", str(binary),
+         str(ROOT / "cuda" / "bench" / "staging_bandwidth.cu")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert binary.stat().st_size > 0

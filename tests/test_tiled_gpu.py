@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_s2attn import NeighborhoodPlan, neighborhood_attention, precompute_latitudes, precompute_longitudes
+from jax_s2attn import NeighborhoodPlan, neighborhood_attention
 from jax_s2attn.ops import _ffi
 from jax_s2attn.ops.local import full_window, local_row_order
 from jax_s2attn.parallel import sharded_neighborhood_attention
@@ -27,7 +27,7 @@ from jax_s2attn.parallel import sharded_neighborhood_attention
 sys.path.insert(0, str(Path(__file__).parent))
 from test_nbhd_ffi import _tile, _window  # noqa: E402  (blocks of a grid with padding)
 from test_nbhd_grad import _vjp  # noqa: E402  ((out, lse, dq, dk, dv) of the op)
-from kernel_cases import check_nan_poisoning  # noqa: E402  (which rows a NaN input must reach)
+from kernel_cases import check_nan_poisoning, smooth_field  # noqa: E402  (NaN reach; smooth values)
 
 pytestmark = pytest.mark.gpu
 
@@ -105,11 +105,7 @@ def test_smooth_values_keep_gradients_accurate(dtype, rng, dense_attention, rel_
     the arc kernels on the CPU)."""
     plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.15)
     heads, dim = 1, 64
-    theta = precompute_latitudes(33, EQ)[0][:, None, None]
-    phi = precompute_longitudes(72)[None, :, None]
-    channel = np.arange(dim)[None, None, :]
-    field = np.sin(theta) * np.cos(phi + 0.1 * channel) + np.cos(theta) * np.sin(0.05 * channel + 0.3)
-    v = field[None, :, :, None, :] + 0.01 * rng.standard_normal((2, 33, 72, heads, dim))
+    v = smooth_field(33, 72, dim, EQ)[None, :, :, None, :] + 0.01 * rng.standard_normal((2, 33, 72, heads, dim))
     q, k = (rng.standard_normal((2, 33, 72, heads, dim)) for _ in range(2))
     dout = rng.standard_normal((2, 33, 72, heads, dim))
     primals = tuple(_rounded(x, dtype) for x in (q, k, v))
