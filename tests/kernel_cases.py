@@ -171,7 +171,7 @@ def prepare_case(
     grids; ``padding`` adds garbage rows/columns ``(q_lat, q_lon, k_lat, k_lon)`` to the local
     arrays. ``transform`` (optional) maps each local activation array before use (e.g. to a
     misaligned copy). ``smooth_values``: values smooth in position (1 % noise), where dP - delta
-    nearly cancels in the score gradients (see :func:`run_case_as_op`).
+    nearly cancels in the score gradients (see ``run_case(as_op=True)``).
     """
     (nlat_q, nlon_q), (nlat_k, nlon_k) = plan.out_shape, plan.in_shape
     q_window = q_window or (0, 0, nlat_q, nlon_q)
@@ -249,11 +249,18 @@ def prepare_case(
     )
 
 
-def run_case(case: KernelCase, launch: Launch, kernel: str = "arc", tables=None) -> dict[str, np.ndarray]:
+def run_case(
+    case: KernelCase, launch: Launch, kernel: str = "arc", tables=None, as_op: bool = False
+) -> dict[str, np.ndarray]:
     """Runs forward, dq and dkv of ``kernel`` ("arc" or "tiled") with ``launch`` into NaN-filled
     results and returns them. ``tables``: the (forward, backward) tables walked, by default the
-    plan's arc tables ("arc") or segment tables ("tiled")."""
+    plan's arc tables ("arc") or segment tables ("tiled"). ``as_op``: the backward targets get the
+    lse of this forward and a delta from its out (float32), as the op feeds them, instead of the
+    case's exact float64 ones; whole grids only (the forward's lse covers the window's keys, the
+    backward needs every key's)."""
     q, k, v, dout, lse_in, delta, window = case.inputs
+    if as_op and case.sizes[4:8] != case.sizes[8:12]:
+        raise ValueError("as_op needs whole grids (no windows, no padding)")
     plan, weights = case.plan, case.plan.quad_weights
     if kernel == "arc":
         first, default_tables = 0, (plan.forward_arcs, plan.backward_arcs)
@@ -267,24 +274,14 @@ def run_case(case: KernelCase, launch: Launch, kernel: str = "arc", tables=None)
     lse = np.full(q.shape[:4], np.nan, np.float32)
     launch(first + FORWARD, *common, q, k, v, None, None, None, window, case.fwd_order, forward_table, weights,
            out, lse)  # fmt: skip
+    if as_op:
+        lse_in, delta = lse, (dout.astype(np.float64) * out).sum(-1).astype(np.float32)
+    backward_inputs = (q, k, v, dout, lse_in, delta, window)
     dq = np.full(q.shape, np.nan, np.float32)
-    launch(first + DQ, *common, *case.inputs, case.fwd_order, forward_table, weights, dq, None)
+    launch(first + DQ, *common, *backward_inputs, case.fwd_order, forward_table, weights, dq, None)
     dk, dv = np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32)
-    launch(first + DKV, *common, *case.inputs, case.bwd_order, backward_table, weights, dk, dv)
+    launch(first + DKV, *common, *backward_inputs, case.bwd_order, backward_table, weights, dk, dv)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-
-
-def run_case_as_op(case: KernelCase, launch: Launch, kernel: str = "arc") -> dict[str, np.ndarray]:
-    """run_case, but the backward targets get the lse of the kernels' own forward and a delta
-    from their own out (float32), as the op feeds them, instead of the exact float64 ones. Whole
-    grids only: the forward's lse covers the window's keys, the backward needs every key's."""
-    if case.sizes[4:8] != case.sizes[8:12]:
-        raise ValueError("run_case_as_op needs whole grids (no windows, no padding)")
-    results = run_case(case, launch, kernel)
-    q, k, v, dout, _, _, window = case.inputs
-    delta = (dout.astype(np.float64) * results["out"]).sum(-1).astype(np.float32)
-    as_op = dataclasses.replace(case, inputs=(q, k, v, dout, results["lse"], delta, window))
-    return {**run_case(as_op, launch, kernel), "out": results["out"], "lse": results["lse"]}
 
 
 def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:

@@ -50,7 +50,6 @@ from kernel_cases import (  # noqa: E402
     check_nan_poisoning,
     prepare_case,
     run_case,
-    run_case_as_op,
     tolerance_of,
     verify_case,
 )
@@ -282,7 +281,7 @@ def test_smooth_values_keep_gradients_accurate(emulator, rng, kernel, dtype):
     backward targets get the kernels' own lse and delta here, as in the op)."""
     plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.15)
     case = prepare_case(rng, plan, 2, 1, 64, 64, dtype, smooth_values=True)
-    verify_case(case, run_case_as_op(case, emulator, kernel), tolerance_of(kernel, dtype))
+    verify_case(case, run_case(case, emulator, kernel, as_op=True), tolerance_of(kernel, dtype))
 
 
 @pytest.mark.parametrize("dtype", TILED_DTYPES)
