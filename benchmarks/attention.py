@@ -149,10 +149,11 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
     window, scale = full_window(plan), float(input_sets[0][0].shape[-1]) ** -0.5
     forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(
         q, k, v, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel))  # fmt: skip
+    gradients = dict(scale=scale, kernel=kernel, gradient_dtype=_ffi.op_gradient_dtype(kernel, input_sets[0][0].dtype))
     dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dq(
-        q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel))  # fmt: skip
+        q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, **gradients))  # fmt: skip
     dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dkv(
-        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, scale=scale, kernel=kernel))  # fmt: skip
+        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, **gradients))  # fmt: skip
     delta = jax.jit(_ffi.ffi_delta)
     forward_sets = [(q, k, v, plan) for q, k, v, _ in input_sets]
     delta_sets, backward_sets = [], []

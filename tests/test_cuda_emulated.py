@@ -396,6 +396,27 @@ def test_tiled_runs_are_bitwise_reproducible(emulator, rng):
         assert np.array_equal(first[name], second[name]), name
 
 
+@pytest.mark.parametrize("dtype", TILED_DTYPES)
+@pytest.mark.parametrize("windows", WINDOWS[::2], ids=lambda w: f"q{w[0]}-k{w[1]}")
+def test_tiled_gradients_in_the_activations_type_are_the_rounded_float32_ones(emulator, rng, windows, dtype):
+    """16-bit dq, dk, dv: every element written, with the bits of the float32 result rounded to
+    nearest (what the op's cast gave before), padding zeros included."""
+    case = prepare_case(rng, PLANS["self"](), 2, 2, 64, 64, dtype, *windows)
+    wide, narrow = (run_case(case, emulator, "tiled", narrow_gradients=n) for n in (False, True))
+    for name in ("dq", "dk", "dv"):
+        assert narrow[name].dtype == DTYPES[dtype][1], name
+        assert not np.isnan(narrow[name]).any(), f"{name}: some elements were never written"
+        assert np.array_equal(narrow[name].view(np.uint16), wide[name].astype(DTYPES[dtype][1]).view(np.uint16)), name
+
+
+def test_arc_launchers_refuse_16_bit_gradients(launch_status, rng):
+    case = prepare_case(rng, PLANS["self"](), 1, 1, 64, 64, "bfloat16")
+    statuses = []
+    results = run_case(case, lambda *args: statuses.append(launch_status(*args)), "arc", narrow_gradients=True)
+    assert statuses == [0, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE]
+    assert all(np.isnan(results[name]).all() for name in ("dq", "dk", "dv"))
+
+
 def _refused_by_tiled_launchers(launch_status, case) -> None:
     """Asserts that each tiled launcher returns cudaErrorInvalidValue without writing a result."""
     statuses = []
@@ -426,7 +447,7 @@ def test_tiled_launchers_refuse_unsupported_cases(launch_status, rng, dims, dtyp
 # Tests run again under AddressSanitizer, in a subprocess with an ASan build of the kernels: a
 # read or write outside an array that would pass unnoticed here (garbage tables, an index past a
 # short table) aborts the run with a report naming the kernel's line.
-SANITIZED_TESTS = "corrupted or tiled_windows or resampling or (tiled_matches and d64)"
+SANITIZED_TESTS = "corrupted or tiled_windows or resampling or (tiled_matches and d64) or rounded_float32"
 
 
 def test_kernels_under_address_sanitizer(tmp_path):

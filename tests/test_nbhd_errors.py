@@ -181,3 +181,29 @@ def test_cuda_head_dim_limit_is_known_before_lowering():
         pytest.skip("the CUDA module is not built")
     assert _ffi.unavailable_reason("cuda", 64, 64) is None
     assert "Dk + Dv <= 6144" in _ffi.unavailable_reason("cuda", 4000, 4000)
+
+
+@pytest.mark.parametrize(("kernel", "dtype", "allowed"), [("arc", jnp.bfloat16, "float32 for"),
+                                                          ("tiled", jnp.float16, "float32 or bfloat16")])  # fmt: skip
+def test_gradient_dtype_is_checked_before_lowering(plan, kernel, dtype, allowed):
+    args = _backward_args(plan)
+    args.update(query=args["query"].astype(jnp.bfloat16), key=args["key"].astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=f"gradient_dtype must be {allowed}"):
+        _ffi.ffi_backward_dq(**args, row_order=plan.tables.forward_row_order, scale=0.5, kernel=kernel,
+                             gradient_dtype=dtype)  # fmt: skip
+
+
+@native
+@pytest.mark.parametrize("target", ["dq", "dkv"])
+def test_arc_handlers_refuse_16_bit_gradients(platform, plan, target, monkeypatch):
+    """The handlers' own check, behind the Python one (bypassed here)."""
+    _skip_on_cuda(platform)
+    monkeypatch.setattr(_ffi, "_gradient_dtype", lambda gradient_dtype, kernel, query: jnp.dtype(gradient_dtype))
+    args = _backward_args(plan)
+    if target == "dq":
+        call = lambda: _ffi.ffi_backward_dq(**args, row_order=plan.tables.forward_row_order, scale=0.5,  # noqa: E731
+                                            gradient_dtype=jnp.float16)  # fmt: skip
+    else:
+        call = lambda: _ffi.ffi_backward_dkv(**args, row_order=plan.tables.backward_row_order, scale=0.5,  # noqa: E731
+                                             gradient_dtype=jnp.float16)  # fmt: skip
+    _expect_invalid_argument(call, "must be float32 \\(16-bit gradients come from the tiled CUDA targets\\)")

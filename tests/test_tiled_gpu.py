@@ -127,7 +127,8 @@ WINDOW_CASES = [CASES[4][0], CASES[6][0]]
 def test_windowed_targets_write_every_result_and_match_the_arc_kernels(geometry, rng, exact_random, rel_error):
     """Query blocks x key blocks with padding: every tiled result (poisoned with NaN first)
     is written, padding holds zeros (-inf for lse), and each partial matches the arc
-    kernel's partial of the same window."""
+    kernel's partial of the same window. Gradients written in the activations' dtype (also
+    poisoned first) are the float32 ones rounded, bit for bit."""
     plan = NeighborhoodPlan(*geometry)
     dtype, heads, dim, scale = jnp.bfloat16, 2, 64, 0.125
     q = _rounded(exact_random(2, *plan.out_shape, heads, dim), dtype).astype(np.float32)
@@ -145,9 +146,10 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(geometry,
             activations = [jnp.asarray(x, dtype) for x in (ql, kl, vl, doutl)]
             window = _window(qb, kb)
 
+            backward = (*activations, lsel, deltal, plan, window)
+
             def run(kernel):
                 kwargs = dict(scale=scale, kernel=kernel, poison_results=True)
-                backward = (*activations, lsel, deltal, plan, window)
                 return (
                     *_ffi.ffi_forward(*activations[:3], plan, window, q_rows, **kwargs),
                     _ffi.ffi_backward_dq(*backward, q_rows, **kwargs),
@@ -156,6 +158,13 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(geometry,
 
             tiled = [np.asarray(x) for x in run("tiled")]
             arc = [np.asarray(x) for x in run("arc")]
+            narrow = dict(scale=scale, kernel="tiled", poison_results=True, gradient_dtype=dtype)
+            gradients = (_ffi.ffi_backward_dq(*backward, q_rows, **narrow),
+                         *_ffi.ffi_backward_dkv(*backward, k_rows, **narrow))  # fmt: skip
+            for name, got, wide in zip(NAMES[2:], gradients, tiled[2:]):
+                assert got.dtype == dtype, name
+                want = np.asarray(jnp.asarray(wide).astype(dtype))
+                np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16), err_msg=name)
             for name, t, a, block in zip(NAMES, tiled, arc, (qb, qb, qb, kb, kb)):
                 assert not np.isnan(t).any(), name
                 assert (block.padding(t) == (-np.inf if name == "lse" else 0)).all(), name

@@ -67,16 +67,20 @@ auto BindBackwardArgs(Binding&& binding) {
       .RemainingArgs();
 }
 
+// Gradient results are float32, or on the tiled CUDA targets also the activations' dtype
+// (CheckGradientTypes in nbhd_params.h); the handlers check which.
+
 // jax_s2attn_nbhd_bwd_dq: backward operands -> dq.
 template <typename Binding>
 auto BindBackwardDq(Binding&& binding) {
-  return BindAttrs(BindBackwardArgs(std::move(binding)).template Ret<F32Buffer>());
+  return BindAttrs(BindBackwardArgs(std::move(binding)).template Ret<ffi::AnyBuffer>());
 }
 
 // jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv).
 template <typename Binding>
 auto BindBackwardDkv(Binding&& binding) {
-  return BindAttrs(BindBackwardArgs(std::move(binding)).template Ret<F32Buffer>().template Ret<F32Buffer>());
+  return BindAttrs(
+      BindBackwardArgs(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>());
 }
 
 }  // namespace s2attn

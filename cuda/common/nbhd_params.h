@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "common/ffi_check.h"
@@ -170,6 +171,19 @@ inline ffi::Error CheckBackwardOperands(const ffi::AnyBuffer& q, const ffi::AnyB
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dout", dout.dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
   return CheckGridArray("delta", delta_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1);
+}
+
+// The element type of the gradient results `names` (dq, or dk and dv) of `types`: all float32, or,
+// where `narrow_allowed` (the tiled CUDA targets), all of the activations' type.
+inline ffi::Error CheckGradientTypes(const char* names, std::initializer_list<ffi::DataType> types,
+                                     ElementType activations, bool narrow_allowed, ElementType* gradient_type) {
+  const ffi::DataType first = *types.begin();
+  bool ok = ToElementType(first, gradient_type).success() &&
+            (*gradient_type == ElementType::kF32 || (narrow_allowed && *gradient_type == activations));
+  for (const ffi::DataType type : types) ok = ok && type == first;
+  S2ATTN_CHECK(ok, names << (narrow_allowed ? " must be float32 or the dtype of q, all alike"
+                                            : " must be float32 (16-bit gradients come from the tiled CUDA targets)"));
+  return ffi::Error::Success();
 }
 
 }  // namespace s2attn

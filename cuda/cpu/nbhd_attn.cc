@@ -30,6 +30,7 @@ namespace s2attn {
 namespace {
 
 using F32Result = ffi::ResultBuffer<ffi::F32>;
+using AnyResult = ffi::Result<ffi::AnyBuffer>;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -360,7 +361,7 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, cons
 
 ffi::Error BackwardDq(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                       F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
-                      I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, F32Result dq,
+                      I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
                       float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                       int64_t nlon_k) {
   Backward bw;
@@ -370,13 +371,15 @@ ffi::Error BackwardDq(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   const NbhdParams& p = bw.p;
   const Walk& walk = bw.walk;
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dk));
+  ElementType gradient_type;
+  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes("dq", {dq->element_type()}, p.dtype, false, &gradient_type));
   if (dq->element_count() == 0) return ffi::Error::Success();
   try {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);
     const FloatActivation doutf(dout, p.dtype, pool);
     const int64_t H = p.heads, dk = p.dk, dv = p.dv;
     const float* weights = quad_weights.typed_data();
-    float* dq_data = dq->typed_data();
+    float* dq_data = static_cast<float*>(dq->untyped_data());
     const bool ok = ForEachWalkingRow(pool, p, walk, p.nq_lat, [&](int64_t b, int64_t i) {
       for (int64_t j = 0; j < p.nq_lon; ++j) {
         const int64_t point = (b * p.nq_lat + i) * p.nq_lon + j;
@@ -413,8 +416,8 @@ ffi::Error BackwardDq(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                        F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
-                       I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, F32Result dk,
-                       F32Result dv, float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q,
+                       I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dk,
+                       AnyResult dv, float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q,
                        int64_t nlat_k, int64_t nlon_k) {
   Backward bw;
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs, quad_weights,
@@ -424,6 +427,9 @@ ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   const Walk& walk = bw.walk;
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dk", dk->dimensions(), p.batch, p.nk_lat, p.nk_lon, p.heads, p.dk));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dv", dv->dimensions(), p.batch, p.nk_lat, p.nk_lon, p.heads, p.dv));
+  ElementType gradient_type;
+  S2ATTN_RETURN_IF_ERROR(
+      CheckGradientTypes("dk and dv", {dk->element_type(), dv->element_type()}, p.dtype, false, &gradient_type));
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
   try {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);
@@ -433,8 +439,8 @@ ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
     const bool ok = ForEachWalkingRow(pool, p, walk, p.nk_lat, [&](int64_t b, int64_t i) {
       for (int64_t j = 0; j < p.nk_lon; ++j) {
         const int64_t point = (b * p.nk_lat + i) * p.nk_lon + j;
-        float* dk_pt = dk->typed_data() + point * H * dkh;
-        float* dv_pt = dv->typed_data() + point * H * dvh;
+        float* dk_pt = static_cast<float*>(dk->untyped_data()) + point * H * dkh;
+        float* dv_pt = static_cast<float*>(dv->untyped_data()) + point * H * dvh;
         std::fill(dk_pt, dk_pt + H * dkh, 0.f);
         std::fill(dv_pt, dv_pt + H * dvh, 0.f);
         if (!walk.IsReal(i, j)) continue;

@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
       p, p.nq_lat, p.nq_lon, threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
       [&](int32_t i, int32_t j, int64_t b, int64_t head) {
         const int64_t query = ((b * p.nq_lat + i) * p.nq_lon + j) * heads + head;  // (point, head) index
-        float* dq = p.dq + query * dk;
+        float* dq = static_cast<float*>(p.dq) + query * dk;
         Ch ch(warp_shared);
         const bool real = i < win.q.nlat && j < win.q.nlon;
         const float lse = real ? __ldg(p.lse + query) : kNegInf;
@@ -87,8 +87,8 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
       p, p.nk_lat, p.nk_lon, threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
       [&](int32_t i, int32_t j, int64_t b, int64_t head) {
         const int64_t key = ((b * p.nk_lat + i) * p.nk_lon + j) * heads + head;  // (point, head) index
-        float* dk_out = p.dk + key * dk;
-        float* dv_out = p.dv + key * dv;
+        float* dk_out = static_cast<float*>(p.dk) + key * dk;
+        float* dv_out = static_cast<float*>(p.dv) + key * dv;
         Ch ch(warp_shared);
         if (i >= win.k.nlat || j >= win.k.nlon) {  // padding
           ch.StoreZero(dk_out, dk);
@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
 }  // namespace gpu
 
 cudaError_t LaunchNbhdAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  if (p.gradient_dtype != ActivationType::kF32) return cudaErrorInvalidValue;  // float32 gradients only
   const bool aligned = gpu::Aligned16({p.q, p.k, p.v, p.dout, p.dq});
   return gpu::DispatchVariant(p, aligned, [&](auto variant) {
     using V = decltype(variant);
@@ -155,6 +156,7 @@ cudaError_t LaunchNbhdAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p)
 }
 
 cudaError_t LaunchNbhdAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  if (p.gradient_dtype != ActivationType::kF32) return cudaErrorInvalidValue;  // float32 gradients only
   const bool aligned = gpu::Aligned16({p.q, p.k, p.v, p.dout, p.dk, p.dv});
   return gpu::DispatchVariant(p, aligned, [&](auto variant) {
     using V = decltype(variant);

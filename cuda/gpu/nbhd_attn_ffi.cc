@@ -12,6 +12,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "common/delta_binding.h"
@@ -26,6 +27,7 @@ namespace s2attn {
 namespace {
 
 using F32Result = ffi::ResultBuffer<ffi::F32>;
+using AnyResult = ffi::Result<ffi::AnyBuffer>;
 using CudaStream = ffi::PlatformStream<cudaStream_t>;
 
 ActivationType ToActivationType(ElementType type) {
@@ -99,6 +101,7 @@ struct ArcKernels {
   static constexpr const char* kForward = kTargetForward;
   static constexpr const char* kBackwardDq = kTargetBackwardDq;
   static constexpr const char* kBackwardDkv = kTargetBackwardDkv;
+  static constexpr bool kNarrowGradients = false;
   static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnFwd(s, g); }
   static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnBwdDq(s, g); }
   static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnBwdDkv(s, g); }
@@ -110,6 +113,7 @@ struct TiledKernels {
   static constexpr const char* kForward = kTargetTiledForward;
   static constexpr const char* kBackwardDq = kTargetTiledBackwardDq;
   static constexpr const char* kBackwardDkv = kTargetTiledBackwardDkv;
+  static constexpr bool kNarrowGradients = true;
   static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnFwd(s, g); }
   static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDq(s, g); }
   static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDkv(s, g); }
@@ -173,10 +177,22 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, cons
   return ffi::Error::Success();
 }
 
+// Sets g->gradient_dtype from the gradient results' types (CheckGradientTypes).
+ffi::Error GradientType(const char* names, std::initializer_list<ffi::DataType> types, NbhdAttnGpuParams& g,
+                        bool narrow_allowed) {
+  const ElementType activations = g.dtype == ActivationType::kBF16  ? ElementType::kBF16
+                                  : g.dtype == ActivationType::kF16 ? ElementType::kF16
+                                                                    : ElementType::kF32;
+  ElementType type;
+  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes(names, types, activations, narrow_allowed, &type));
+  g.gradient_dtype = ToActivationType(type);
+  return ffi::Error::Success();
+}
+
 template <typename Kernels>
 ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                       F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
-                      I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, F32Result dq,
+                      I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
                       float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                       int64_t nlon_k) {
   NbhdAttnGpuParams g;
@@ -185,8 +201,9 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                                         /*walk_keys=*/false, Kernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dq", dq->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_k));
+  S2ATTN_RETURN_IF_ERROR(GradientType("dq", {dq->element_type()}, g, Kernels::kNarrowGradients));
   if (dq->element_count() == 0) return ffi::Error::Success();
-  g.dq = dq->typed_data();
+  g.dq = dq->untyped_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::BackwardDq(stream, g), Kernels::kBackwardDq);
 }
@@ -195,7 +212,7 @@ template <typename Kernels>
 ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order,
                        I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                       ffi::RemainingArgs /*aliased_results*/, F32Result dk, F32Result dv, float scale,
+                       ffi::RemainingArgs /*aliased_results*/, AnyResult dk, AnyResult dv, float scale,
                        int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                        int64_t nlon_k) {
   NbhdAttnGpuParams g;
@@ -206,9 +223,11 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
       CheckGridArray("dk", dk->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_k));
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dv", dv->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_v));
+  S2ATTN_RETURN_IF_ERROR(
+      GradientType("dk and dv", {dk->element_type(), dv->element_type()}, g, Kernels::kNarrowGradients));
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
-  g.dk = dk->typed_data();
-  g.dv = dv->typed_data();
+  g.dk = dk->untyped_data();
+  g.dv = dv->untyped_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::BackwardDkv(stream, g), Kernels::kBackwardDkv);
 }

@@ -10,7 +10,8 @@
 
 namespace s2attn {
 
-// Element type of q, k, v and dout. Accumulation and every result are float32.
+// Element type of q, k, v and dout. Accumulation is float32, and so is every result but the
+// gradients of the tiled kernels, which may be stored in the activations' type (gradient_dtype).
 enum class ActivationType : int { kF32, kBF16, kF16 };
 
 // One call of any of the three targets, passed to the kernels by value. Activations are
@@ -34,12 +35,15 @@ struct NbhdAttnGpuParams {
   const int32_t* arcs = nullptr;         // [num_arcs, 3] = (global row, lo, len) on the other grid
   const float* quad_weights = nullptr;   // [nlat_k] weight of every global key row
 
-  // Results (device memory, float32). Unused ones are null.
+  // Results (device memory). Unused ones are null.
   float* out = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
   float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
-  float* dq = nullptr;       // like q
-  float* dk = nullptr;       // like k
-  float* dv = nullptr;       // like v
+  void* dq = nullptr;        // like q, of gradient_dtype
+  void* dk = nullptr;        // like k, of gradient_dtype
+  void* dv = nullptr;        // like v, of gradient_dtype
+  // kF32, or `dtype` (tiled kernels only): each gradient element is its float32 sum rounded to
+  // nearest, the bits a float32 result cast by XLA would have, at half the bytes written.
+  ActivationType gradient_dtype = ActivationType::kF32;
 
   int64_t batch = 0;
   int64_t heads = 0;               // batch * heads < 2^31

@@ -644,23 +644,28 @@ __device__ __forceinline__ void AccumulateRows(float (&acc)[D / 8][4], const flo
   }
 }
 
-// Stores the thread's part of a 16 x D float accumulator tile, scaled per row; rows without a
-// destination (null) are skipped, rows not kept are written as zeros (by select: a discarded row's
-// accumulator may hold inf or NaN, e.g. a padding key row in a block whose mask was skipped).
-template <int D>
-__device__ __forceinline__ void StoreRows(float* row0, float* row1, const float (&acc)[D / 8][4], float scale0,
+// Two adjacent result elements, float32 or rounded to nearest in a 16-bit type.
+__device__ __forceinline__ void StorePair(float* dst, float a, float b) {
+  *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+}
+
+template <typename T>
+__device__ __forceinline__ void StorePair(T* dst, float a, float b) {
+  *reinterpret_cast<uint32_t*>(dst) = PackPair<T>(a, b);
+}
+
+// Stores the thread's part of a 16 x D float accumulator tile, scaled per row, as elements of
+// type O; rows without a destination (null) are skipped, rows not kept are written as zeros (by
+// select: a discarded row's accumulator may hold inf or NaN, e.g. a padding key row in a block
+// whose mask was skipped).
+template <int D, typename O>
+__device__ __forceinline__ void StoreRows(O* row0, O* row1, const float (&acc)[D / 8][4], float scale0,
                                           float scale1, bool keep0, bool keep1) {
   const int t = threadIdx.x % 4;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
-    if (row0) {
-      *reinterpret_cast<float2*>(row0 + 8 * n + 2 * t) =
-          keep0 ? make_float2(acc[n][0] * scale0, acc[n][1] * scale0) : make_float2(0.f, 0.f);
-    }
-    if (row1) {
-      *reinterpret_cast<float2*>(row1 + 8 * n + 2 * t) =
-          keep1 ? make_float2(acc[n][2] * scale1, acc[n][3] * scale1) : make_float2(0.f, 0.f);
-    }
+    if (row0) StorePair(row0 + 8 * n + 2 * t, keep0 ? acc[n][0] * scale0 : 0.f, keep0 ? acc[n][1] * scale0 : 0.f);
+    if (row1) StorePair(row1 + 8 * n + 2 * t, keep1 ? acc[n][2] * scale1 : 0.f, keep1 ? acc[n][3] * scale1 : 0.f);
   }
 }
 
@@ -734,6 +739,22 @@ __device__ __forceinline__ P* RealRow(P* base, int d, const Unit& u, int h) {
 template <typename P>
 __device__ __forceinline__ P* ExistingRow(P* base, int d, const Unit& u, int h) {
   return u.row_exists[h] ? base + u.row_point[h] * d : nullptr;
+}
+
+// Stores the unit's tile of a gradient (dq, dk or dv: [batch, rows, cols, heads, D] at `base`)
+// times `scale`, in p.gradient_dtype (float32 or T); rows outside the walking window get zeros.
+template <typename T, int D>
+__device__ __forceinline__ void StoreGradient(void* base, const NbhdAttnGpuParams& p, const Unit& u,
+                                              const float (&acc)[D / 8][4], float scale) {
+  const auto store = [&](auto* rows) {
+    StoreRows<D>(ExistingRow(rows, D, u, 0), ExistingRow(rows, D, u, 1), acc, scale, scale, u.row_real[0],
+                 u.row_real[1]);
+  };
+  if (p.gradient_dtype == ActivationType::kF32) {
+    store(static_cast<float*>(base));
+  } else {
+    store(static_cast<T*>(base));
+  }
 }
 
 // The staged operands a, b (and for the key walk lse, delta) of the other grid, local arrays

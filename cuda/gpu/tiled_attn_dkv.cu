@@ -65,9 +65,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
     }
   });
 
-  StoreRows<D>(ExistingRow(p.dk, D, u, 0), ExistingRow(p.dk, D, u, 1), dk, p.scale, p.scale, u.row_real[0],
-               u.row_real[1]);
-  StoreRows<D>(ExistingRow(p.dv, D, u, 0), ExistingRow(p.dv, D, u, 1), dv, 1.f, 1.f, u.row_real[0], u.row_real[1]);
+  StoreGradient<T, D>(p.dk, p, u, dk, p.scale);
+  StoreGradient<T, D>(p.dv, p, u, dv, 1.f);
 }
 
 }  // namespace

@@ -63,8 +63,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
     }
   });
 
-  StoreRows<D>(ExistingRow(p.dq, D, u, 0), ExistingRow(p.dq, D, u, 1), acc, p.scale, p.scale, u.row_real[0],
-               u.row_real[1]);
+  StoreGradient<T, D>(p.dq, p, u, acc, p.scale);
 }
 
 }  // namespace

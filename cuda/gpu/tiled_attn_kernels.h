@@ -10,8 +10,9 @@
 
 namespace s2attn {
 
-// Whether the tiled kernels run this case: 16-bit activations, Dk == Dv in {32, 64, 128}, and
-// 16-byte aligned activations. The handlers turn `false` into INVALID_ARGUMENT.
+// Whether the tiled kernels run this case: 16-bit activations, Dk == Dv in {32, 64, 128},
+// gradients of float32 or the activations' type, and 16-byte aligned activations. The handlers
+// turn `false` into INVALID_ARGUMENT.
 bool TiledAttnSupported(const NbhdAttnGpuParams& params);
 
 // Same results and contract as LaunchNbhdAttnFwd / BwdDq / BwdDkv (cuda/README.md).

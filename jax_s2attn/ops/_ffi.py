@@ -264,21 +264,21 @@ def _vary_together(operands):
     ]
 
 
-def _result_type(like, shape) -> jax.ShapeDtypeStruct:
-    """float32 result type; inside ``shard_map`` it varies over ``like``'s manual axes."""
+def _result_type(like, shape, dtype) -> jax.ShapeDtypeStruct:
+    """Result type; inside ``shard_map`` it varies over ``like``'s manual axes."""
     aval = jax.typeof(like)
     if not aval.manual_axis_type.varying:
-        return jax.ShapeDtypeStruct(shape, jnp.float32)
+        return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(
         shape,
-        jnp.float32,
+        dtype,
         sharding=jax.NamedSharding(aval.sharding.mesh, jax.sharding.PartitionSpec()),
         manual_axis_type=aval.manual_axis_type,
     )
 
 
-def _call(target, operands, result_shapes, attributes, poison_results):
-    """One ``ffi_call`` with float32 results of ``result_shapes``.
+def _call(target, operands, result_shapes, attributes, poison_results, result_dtype=jnp.float32):
+    """One ``ffi_call`` with results of ``result_shapes``, all of ``result_dtype``.
 
     With ``poison_results`` (a test aid) every result buffer starts as NaN: NaN-filled
     operands are appended and aliased to the results, so an element a kernel forgets
@@ -286,9 +286,9 @@ def _call(target, operands, result_shapes, attributes, poison_results):
     """
     operands = [jnp.asarray(x) for x in operands]
     if poison_results:
-        operands += [jnp.full(shape, jnp.nan, jnp.float32) for shape in result_shapes]
+        operands += [jnp.full(shape, jnp.nan, result_dtype) for shape in result_shapes]
     operands = _vary_together(operands)
-    results = [_result_type(operands[0], shape) for shape in result_shapes]
+    results = [_result_type(operands[0], shape, result_dtype) for shape in result_shapes]
     first_alias = len(operands) - len(result_shapes)
     aliases = {first_alias + i: i for i in range(len(result_shapes))} if poison_results else None
     call = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all", input_output_aliases=aliases)
@@ -332,35 +332,57 @@ def ffi_forward(query, key, value, plan, window, row_order, *, scale, kernel="ar
 
 
 def ffi_backward_dq(
-    query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False
-):
-    """dQ target (float32, shaped like ``query``) over the keys inside ``window``.
+    query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False,
+    gradient_dtype=jnp.float32,
+):  # fmt: skip
+    """dQ target (shaped like ``query``) over the keys inside ``window``.
 
     ``lse`` and ``delta = sum(dout * out, -1)`` are float32 ``[..., nq_lat, nq_lon, H]``
     and global (merged over every key block); ``row_order`` holds local query rows.
+    ``gradient_dtype`` (both backward targets): float32, or with ``kernel="tiled"`` also the
+    activations' dtype, each element the float32 result rounded to nearest (the same bits as
+    ``.astype``), written at half the bytes.
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "dq", scale)
+    dtype = _gradient_dtype(gradient_dtype, kernel, query)
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
                 plan.tables.quad_weights)
-    (dq,) = _call(target, operands, [query.shape], attributes, poison_results)
+    (dq,) = _call(target, operands, [query.shape], attributes, poison_results, dtype)
     return dq
 
 
 def ffi_backward_dkv(
-    query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False
-):
-    """dK/dV target: ``(dk, dv)`` in float32, shaped like ``key`` and ``value``.
+    query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False,
+    gradient_dtype=jnp.float32,
+):  # fmt: skip
+    """dK/dV target: ``(dk, dv)``, shaped like ``key`` and ``value``.
 
-    Sums over the queries inside ``window`` (walking the transposed table);
-    ``row_order`` holds local key rows. ``lse``/``delta`` as in :func:`ffi_backward_dq`.
+    Sums over the queries inside ``window`` (walking the transposed table); ``row_order``
+    holds local key rows. ``lse``/``delta``/``gradient_dtype`` as in :func:`ffi_backward_dq`.
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "dkv", scale)
+    dtype = _gradient_dtype(gradient_dtype, kernel, query)
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
                 plan.tables.quad_weights)
-    dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results)
+    dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results, dtype)
     return dk, dv
+
+
+def op_gradient_dtype(kernel: str, dtype) -> jnp.dtype:
+    """The gradients' dtype the op asks of ``kernel`` for activations of ``dtype``: that dtype on
+    the tiled kernels (the bits a cast would give, half the bytes), float32 on the arc kernels."""
+    return jnp.dtype(dtype) if kernel == "tiled" else jnp.dtype(jnp.float32)
+
+
+def _gradient_dtype(gradient_dtype, kernel: str, query) -> jnp.dtype:
+    """``gradient_dtype`` checked: float32, or the activations' dtype on the tiled kernels."""
+    dtype = jnp.dtype(gradient_dtype)
+    if dtype == jnp.float32 or (kernel == "tiled" and dtype == query.dtype):
+        return dtype
+    allowed = "float32" + (f" or {jnp.dtype(query.dtype).name} (the dtype of query)" if kernel == "tiled" else "")
+    raise ValueError(f"gradient_dtype must be {allowed} for the {kernel} kernels, got {dtype.name}.")
 
 
 #: Element types of ``dout`` the delta target accepts.

@@ -170,8 +170,9 @@ def _native_backward(scale, kernel, residuals, cotangents):
     window = full_window(plan)
     tables = plan.tables
     common = (query, key, value, dout, lse, delta, plan, window)
-    dq = _ffi.ffi_backward_dq(*common, tables.forward_row_order, scale=scale, kernel=kernel)
-    dk, dv = _ffi.ffi_backward_dkv(*common, tables.backward_row_order, scale=scale, kernel=kernel)
+    gradients = dict(scale=scale, kernel=kernel, gradient_dtype=_ffi.op_gradient_dtype(kernel, query.dtype))
+    dq = _ffi.ffi_backward_dq(*common, tables.forward_row_order, **gradients)
+    dk, dv = _ffi.ffi_backward_dkv(*common, tables.backward_row_order, **gradients)
     plan_cotangent = jax.tree.map(_zero_cotangent, plan)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), plan_cotangent
 

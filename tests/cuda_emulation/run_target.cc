@@ -11,15 +11,18 @@
 // target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv) of the arc-segment kernels;
 // 3, 4, 5 the same of the tiled kernels, whose `arc_offsets`/`arcs` carry the segment table
 // (num_arcs = its row count). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
-// nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. Returns the launcher's cudaError_t.
-extern "C" int RunNbhdAttnTarget(int target, int dtype, const void* q, const void* k, const void* v,
-                                 const void* dout, const float* lse, const float* delta, const int32_t* window,
-                                 const int32_t* row_order, const int32_t* arc_offsets, const int32_t* arcs,
-                                 const float* quad_weights, float* result0, float* result1, const int64_t* sizes,
-                                 float scale) {
+// nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
+// of the activations and of the gradient results (forward results are float32). Returns the
+// launcher's cudaError_t.
+extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
+                                 const void* v, const void* dout, const float* lse, const float* delta,
+                                 const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
+                                 const int32_t* arcs, const float* quad_weights, void* result0, void* result1,
+                                 const int64_t* sizes, float scale) {
   if (target < 0 || target > 5) return cudaErrorInvalidValue;
   s2attn::NbhdAttnGpuParams p;
   p.dtype = static_cast<s2attn::ActivationType>(dtype);
+  p.gradient_dtype = static_cast<s2attn::ActivationType>(gradient_dtype);
   p.q = q;
   p.k = k;
   p.v = v;
@@ -50,8 +53,8 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, const void* q, const voi
   const bool tiled = target >= 3;
   switch (target % 3) {
     case 0:
-      p.out = result0;
-      p.lse_out = result1;
+      p.out = static_cast<float*>(result0);
+      p.lse_out = static_cast<float*>(result1);
       return tiled ? s2attn::LaunchTiledAttnFwd(nullptr, p) : s2attn::LaunchNbhdAttnFwd(nullptr, p);
     case 1:
       p.dq = result0;
