@@ -251,15 +251,15 @@ def prepare_case(
 
 def run_case(
     case: KernelCase, launch: Launch, kernel: str = "arc", tables=None, as_op: bool = False,
-    narrow_gradients: bool = False,
+    gradient_type=np.float32,
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """Runs forward, dq and dkv of ``kernel`` ("arc" or "tiled") with ``launch`` into NaN-filled
     results and returns them. ``tables``: the (forward, backward) tables walked, by default the
     plan's arc tables ("arc") or segment tables ("tiled"). ``as_op``: the backward targets get the
     lse of this forward and a delta from its out (float32), as the op feeds them, instead of the
     case's exact float64 ones; whole grids only (the forward's lse covers the window's keys, the
-    backward needs every key's). ``narrow_gradients``: dq, dk, dv in the activations' storage
-    type instead of float32."""
+    backward needs every key's). ``gradient_type``: the numpy type of dq, dk and dv (float32,
+    or for the tiled kernels the activations' storage type)."""
     q, k, v, dout, lse_in, delta, window = case.inputs
     if as_op and case.sizes[4:8] != case.sizes[8:12]:
         raise ValueError("as_op needs whole grids (no windows, no padding)")
@@ -279,7 +279,6 @@ def run_case(
     if as_op:
         lse_in, delta = lse, (dout.astype(np.float64) * out).sum(-1).astype(np.float32)
     backward_inputs = (q, k, v, dout, lse_in, delta, window)
-    gradient_type = DTYPES[case.dtype][1] if narrow_gradients else np.float32
     dq = np.full(q.shape, np.nan, gradient_type)
     launch(first + DQ, *common, *backward_inputs, case.fwd_order, forward_table, weights, dq, None)
     dk, dv = np.full(k.shape, np.nan, gradient_type), np.full(v.shape, np.nan, gradient_type)
@@ -346,11 +345,11 @@ def call_run_target(
     """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable
     and returns its cudaError_t. ``address(array)`` gives the buffer address the kernels use
     for a (non-None) numpy array; ``table`` is an ArcTable or a SegmentTable. The gradient
-    results' dtype (float32 or ``dtype``) is that of ``r0``."""
+    results' type is that of ``r0`` (forward results are float32)."""
     rows = table_rows(table)
     arrays = (q, k, v, dout, lse, delta, window, row_order, table.offsets, rows, weights, r0, r1)
     all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
-    gradient_dtype = DTYPES["float32" if r0.dtype == np.float32 else dtype][0]
+    gradient_dtype = next(code for code, storage in DTYPES.values() if np.dtype(storage) == r0.dtype)
     return lib.RunNbhdAttnTarget(
         ctypes.c_int(target), ctypes.c_int(DTYPES[dtype][0]), ctypes.c_int(gradient_dtype),
         *(ctypes.c_void_p(None if a is None else address(a)) for a in arrays),

@@ -27,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -251,8 +252,9 @@ def test_delta_matches_float64(emulated_library, rng, dv, dtype):
 
 
 def test_delta_rows_past_the_block_limit_loop(small_launch_limits, rng):
-    """More rows than the launch has warps: the grid-stride loop covers them (2 blocks here)."""
-    _check_delta(small_launch_limits, rng, 61, 40, "bfloat16")
+    """More rows than one sweep of the launch covers (2 blocks of 8 warps, 4 rows each, here): the
+    grid-stride loop takes the rest, three sweeps, the last one partial."""
+    _check_delta(small_launch_limits, rng, 150, 40, "bfloat16")
 
 
 # ------------------------------------------------------------------ tiled tensor-core kernels
@@ -396,23 +398,26 @@ def test_tiled_runs_are_bitwise_reproducible(emulator, rng):
         assert np.array_equal(first[name], second[name]), name
 
 
-@pytest.mark.parametrize("dtype", TILED_DTYPES)
+@pytest.mark.parametrize(("dtype", "d"), [("bfloat16", 64), ("float16", 64), ("bfloat16", 32), ("float16", 128)])
 @pytest.mark.parametrize("windows", WINDOWS[::2], ids=lambda w: f"q{w[0]}-k{w[1]}")
-def test_tiled_gradients_in_the_activations_type_are_the_rounded_float32_ones(emulator, rng, windows, dtype):
+def test_tiled_gradients_in_the_activations_type_are_the_rounded_float32_ones(emulator, rng, windows, dtype, d):
     """16-bit dq, dk, dv: every element written, with the bits of the float32 result rounded to
     nearest (what the op's cast gave before), padding zeros included."""
-    case = prepare_case(rng, PLANS["self"](), 2, 2, 64, 64, dtype, *windows)
-    wide, narrow = (run_case(case, emulator, "tiled", narrow_gradients=n) for n in (False, True))
+    storage = DTYPES[dtype][1]
+    case = prepare_case(rng, PLANS["self"](), 2, 2, d, d, dtype, *windows)
+    wide, narrow = (run_case(case, emulator, "tiled", gradient_type=t) for t in (np.float32, storage))
     for name in ("dq", "dk", "dv"):
-        assert narrow[name].dtype == DTYPES[dtype][1], name
+        assert narrow[name].dtype == storage, name
         assert not np.isnan(narrow[name]).any(), f"{name}: some elements were never written"
-        assert np.array_equal(narrow[name].view(np.uint16), wide[name].astype(DTYPES[dtype][1]).view(np.uint16)), name
+        assert np.array_equal(narrow[name].view(np.uint16), wide[name].astype(storage).view(np.uint16)), name
 
 
-def test_arc_launchers_refuse_16_bit_gradients(launch_status, rng):
+@pytest.mark.parametrize(("kernel", "gradient_type"), [("arc", ml_dtypes.bfloat16), ("tiled", np.float16)])
+def test_backward_launchers_refuse_other_gradient_types(launch_status, rng, kernel, gradient_type):
+    """Arc kernels: float32 gradients only; tiled: float32 or the activations' type (bfloat16 here)."""
     case = prepare_case(rng, PLANS["self"](), 1, 1, 64, 64, "bfloat16")
     statuses = []
-    results = run_case(case, lambda *args: statuses.append(launch_status(*args)), "arc", narrow_gradients=True)
+    results = run_case(case, lambda *args: statuses.append(launch_status(*args)), kernel, gradient_type=gradient_type)
     assert statuses == [0, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE]
     assert all(np.isnan(results[name]).all() for name in ("dq", "dk", "dv"))
 
@@ -447,7 +452,9 @@ def test_tiled_launchers_refuse_unsupported_cases(launch_status, rng, dims, dtyp
 # Tests run again under AddressSanitizer, in a subprocess with an ASan build of the kernels: a
 # read or write outside an array that would pass unnoticed here (garbage tables, an index past a
 # short table) aborts the run with a report naming the kernel's line.
-SANITIZED_TESTS = "corrupted or tiled_windows or resampling or (tiled_matches and d64) or rounded_float32"
+SANITIZED_TESTS = (
+    "corrupted or tiled_windows or resampling or (tiled_matches and d64) or rounded_float32 or delta"
+)
 
 
 def test_kernels_under_address_sanitizer(tmp_path):

@@ -183,14 +183,17 @@ def test_cuda_head_dim_limit_is_known_before_lowering():
     assert "Dk + Dv <= 6144" in _ffi.unavailable_reason("cuda", 4000, 4000)
 
 
-@pytest.mark.parametrize(("kernel", "dtype", "allowed"), [("arc", jnp.bfloat16, "float32 for"),
+@pytest.mark.parametrize(("kernel", "dtype", "allowed"), [("arc", jnp.bfloat16, r"float32 \(16-bit gradients need"),
                                                           ("tiled", jnp.float16, "float32 or bfloat16")])  # fmt: skip
-def test_gradient_dtype_is_checked_before_lowering(plan, kernel, dtype, allowed):
-    args = _backward_args(plan)
-    args.update(query=args["query"].astype(jnp.bfloat16), key=args["key"].astype(jnp.bfloat16))
+@pytest.mark.parametrize("target", ["dq", "dkv"])
+def test_gradient_dtype_is_checked_before_lowering(plan, kernel, dtype, allowed, target):
+    q, k, v = _arrays(plan, dtype=jnp.bfloat16)
+    rows = np.zeros(q.shape[:-1], np.float32)
+    args = dict(query=q, key=k, value=v, dout=np.ones((*q.shape[:-1], v.shape[-1]), jnp.bfloat16), lse=rows,
+                delta=rows, plan=plan, window=full_window(plan), scale=0.5, kernel=kernel, gradient_dtype=dtype)
+    call = _ffi.ffi_backward_dq if target == "dq" else _ffi.ffi_backward_dkv
     with pytest.raises(ValueError, match=f"gradient_dtype must be {allowed}"):
-        _ffi.ffi_backward_dq(**args, row_order=plan.tables.forward_row_order, scale=0.5, kernel=kernel,
-                             gradient_dtype=dtype)  # fmt: skip
+        call(**args, row_order=plan.tables.forward_row_order)
 
 
 @native
@@ -206,4 +209,17 @@ def test_arc_handlers_refuse_16_bit_gradients(platform, plan, target, monkeypatc
     else:
         call = lambda: _ffi.ffi_backward_dkv(**args, row_order=plan.tables.backward_row_order, scale=0.5,  # noqa: E731
                                              gradient_dtype=jnp.float16)  # fmt: skip
-    _expect_invalid_argument(call, "must be float32 \\(16-bit gradients come from the tiled CUDA targets\\)")
+    message = r"must be float32 \(16-bit gradients come from the tiled CUDA targets\), got float16"
+    _expect_invalid_argument(call, message)
+
+
+@native
+def test_handlers_refuse_mixed_gradient_types(platform, plan, monkeypatch):
+    """dk float32 with dv float16: the handler names both (the Python wrappers never ask for it)."""
+    _skip_on_cuda(platform)
+    args = _backward_args(plan)
+    value_shape, result_type = tuple(args["value"].shape), _ffi._result_type
+    monkeypatch.setattr(_ffi, "_result_type", lambda like, shape, dtype: result_type(
+        like, shape, jnp.float16 if tuple(shape) == value_shape else dtype))  # fmt: skip
+    call = lambda: _ffi.ffi_backward_dkv(**args, row_order=plan.tables.backward_row_order, scale=0.5)  # noqa: E731
+    _expect_invalid_argument(call, "dk and dv must be float32 .*, got float32 and float16")

@@ -173,17 +173,36 @@ inline ffi::Error CheckBackwardOperands(const ffi::AnyBuffer& q, const ffi::AnyB
   return CheckGridArray("delta", delta_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1);
 }
 
+inline const char* DataTypeName(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    default: return "a non-float dtype";
+  }
+}
+
 // The element type of the gradient results `names` (dq, or dk and dv) of `types`: all float32, or,
-// where `narrow_allowed` (the tiled CUDA targets), all of the activations' type.
+// where `narrow_allowed` (the tiled CUDA targets), all of q's dtype `activations`; their type goes
+// to `*gradient_type` unless that is null.
 inline ffi::Error CheckGradientTypes(const char* names, std::initializer_list<ffi::DataType> types,
-                                     ElementType activations, bool narrow_allowed, ElementType* gradient_type) {
+                                     ffi::DataType activations, bool narrow_allowed, ElementType* gradient_type) {
   const ffi::DataType first = *types.begin();
-  bool ok = ToElementType(first, gradient_type).success() &&
-            (*gradient_type == ElementType::kF32 || (narrow_allowed && *gradient_type == activations));
-  for (const ffi::DataType type : types) ok = ok && type == first;
-  S2ATTN_CHECK(ok, names << (narrow_allowed ? " must be float32 or the dtype of q, all alike"
-                                            : " must be float32 (16-bit gradients come from the tiled CUDA targets)"));
-  return ffi::Error::Success();
+  bool ok = first == ffi::DataType::F32 || (narrow_allowed && first == activations);
+  std::string got;
+  for (const ffi::DataType type : types) {
+    ok = ok && type == first;
+    got += (got.empty() ? "" : " and ") + std::string(DataTypeName(type));
+  }
+  const char* all = types.size() > 1 ? "all " : "";
+  if (narrow_allowed) {
+    S2ATTN_CHECK(ok, names << " must be " << all << "float32 or " << all << DataTypeName(activations)
+                           << " (the dtype of q), got " << got);
+  } else {
+    S2ATTN_CHECK(ok, names << " must be float32 (16-bit gradients come from the tiled CUDA targets), got " << got);
+  }
+  return gradient_type ? ToElementType(first, gradient_type) : ffi::Error::Success();
 }
 
 }  // namespace s2attn

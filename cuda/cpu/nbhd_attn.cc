@@ -371,8 +371,7 @@ ffi::Error BackwardDq(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   const NbhdParams& p = bw.p;
   const Walk& walk = bw.walk;
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dk));
-  ElementType gradient_type;
-  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes("dq", {dq->element_type()}, p.dtype, false, &gradient_type));
+  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes("dq", {dq->element_type()}, q.element_type(), false, nullptr));
   if (dq->element_count() == 0) return ffi::Error::Success();
   try {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);
@@ -427,9 +426,8 @@ ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   const Walk& walk = bw.walk;
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dk", dk->dimensions(), p.batch, p.nk_lat, p.nk_lon, p.heads, p.dk));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dv", dv->dimensions(), p.batch, p.nk_lat, p.nk_lon, p.heads, p.dv));
-  ElementType gradient_type;
   S2ATTN_RETURN_IF_ERROR(
-      CheckGradientTypes("dk and dv", {dk->element_type(), dv->element_type()}, p.dtype, false, &gradient_type));
+      CheckGradientTypes("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(), false, nullptr));
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
   try {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);

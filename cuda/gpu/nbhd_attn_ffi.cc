@@ -177,18 +177,6 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, cons
   return ffi::Error::Success();
 }
 
-// Sets g->gradient_dtype from the gradient results' types (CheckGradientTypes).
-ffi::Error GradientType(const char* names, std::initializer_list<ffi::DataType> types, NbhdAttnGpuParams& g,
-                        bool narrow_allowed) {
-  const ElementType activations = g.dtype == ActivationType::kBF16  ? ElementType::kBF16
-                                  : g.dtype == ActivationType::kF16 ? ElementType::kF16
-                                                                    : ElementType::kF32;
-  ElementType type;
-  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes(names, types, activations, narrow_allowed, &type));
-  g.gradient_dtype = ToActivationType(type);
-  return ffi::Error::Success();
-}
-
 template <typename Kernels>
 ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                       F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
@@ -201,7 +189,10 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                                         /*walk_keys=*/false, Kernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dq", dq->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_k));
-  S2ATTN_RETURN_IF_ERROR(GradientType("dq", {dq->element_type()}, g, Kernels::kNarrowGradients));
+  ElementType gradient_type;
+  S2ATTN_RETURN_IF_ERROR(
+      CheckGradientTypes("dq", {dq->element_type()}, q.element_type(), Kernels::kNarrowGradients, &gradient_type));
+  g.gradient_dtype = ToActivationType(gradient_type);
   if (dq->element_count() == 0) return ffi::Error::Success();
   g.dq = dq->untyped_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
@@ -223,8 +214,10 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
       CheckGridArray("dk", dk->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_k));
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dv", dv->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_v));
-  S2ATTN_RETURN_IF_ERROR(
-      GradientType("dk and dv", {dk->element_type(), dv->element_type()}, g, Kernels::kNarrowGradients));
+  ElementType gradient_type;
+  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(),
+                                            Kernels::kNarrowGradients, &gradient_type));
+  g.gradient_dtype = ToActivationType(gradient_type);
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
   g.dk = dk->untyped_data();
   g.dv = dv->untyped_data();

@@ -381,7 +381,10 @@ def _gradient_dtype(gradient_dtype, kernel: str, query) -> jnp.dtype:
     dtype = jnp.dtype(gradient_dtype)
     if dtype == jnp.float32 or (kernel == "tiled" and dtype == query.dtype):
         return dtype
-    allowed = "float32" + (f" or {jnp.dtype(query.dtype).name} (the dtype of query)" if kernel == "tiled" else "")
+    if kernel == "tiled":
+        allowed = f"float32 or {jnp.dtype(query.dtype).name} (the dtype of query)"
+    else:
+        allowed = "float32 (16-bit gradients need kernel='tiled')"
     raise ValueError(f"gradient_dtype must be {allowed} for the {kernel} kernels, got {dtype.name}.")
 
 

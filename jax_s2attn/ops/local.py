@@ -69,7 +69,10 @@ def local_forward(query, key, value, plan, window, row_order, *, scale: float, k
 
 
 def local_backward_dq(query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, kernel: str):
-    """dq (float32) from the keys inside ``window``, given global ``lse`` and ``delta``."""
+    """dq (float32) from the keys inside ``window``, given global ``lse`` and ``delta``.
+
+    float32 (the targets' default ``gradient_dtype``) because the callers sum these partial
+    gradients over key blocks: rounding each partial to 16 bits would lose precision."""
     fn = _local_op(kernel, reference.reference_local_backward_dq, _ffi.ffi_backward_dq)
     return fn(query, key, value, dout, lse, delta, plan, window, row_order, scale=scale)
 
