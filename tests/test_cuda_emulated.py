@@ -344,6 +344,8 @@ def test_tiled_windows_of_long_rows(emulator, rng, plan_name):
 PIPELINE_SHAPES = {
     "8-warps": ("S2ATTN_TILED_WARPS=8", "S2ATTN_TILED_CHUNK=64", "S2ATTN_TILED_STAGES=3", "S2ATTN_TILED_MIN_BLOCKS=2"),
     "2-warps-chunk32-4-stages": ("S2ATTN_TILED_WARPS=2", "S2ATTN_TILED_CHUNK=32", "S2ATTN_TILED_STAGES=4"),
+    "dkv-kv-shared-32x3": ("S2ATTN_DKV_OWN_SHARED=2", "S2ATTN_DKV_CHUNK=32", "S2ATTN_DKV_STAGES=3"),
+    "dkv-k-shared-32x4": ("S2ATTN_DKV_OWN_SHARED=1", "S2ATTN_DKV_CHUNK=32", "S2ATTN_DKV_STAGES=4"),
 }
 
 

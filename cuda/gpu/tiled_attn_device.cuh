@@ -593,6 +593,35 @@ __device__ __forceinline__ void LoadOwnFragments(uint32_t (&a)[D / 16][4], const
   }
 }
 
+// A warp's own A fragments parked in shared memory after the pipeline's barriers instead of held in
+// registers for the whole walk (the dk/dv kernel holds two such operands and two accumulators):
+// entries [ks][thread] of 16 bytes, so each warp access is conflict-free. Each thread reads back
+// only what it wrote: no barrier.
+template <int D>
+struct SharedOwnFragments {
+  static constexpr size_t kBytes = size_t{D / 16} * kThreads * sizeof(uint4);
+  uint4* base;
+
+  __device__ static SharedOwnFragments At(int operand) {
+    char* end = reinterpret_cast<char*>(DynamicShared()) + StageLayout<D>::kSharedBytes;
+    return SharedOwnFragments{reinterpret_cast<uint4*>(end + operand * kBytes)};
+  }
+  __device__ void Store(const uint32_t (&a)[D / 16][4]) const {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) base[ks * kThreads + threadIdx.x] = make_uint4(a[ks][0], a[ks][1], a[ks][2], a[ks][3]);
+  }
+  __device__ void Load(uint32_t (&a)[D / 16][4]) const {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint4 x = base[ks * kThreads + threadIdx.x];
+      a[ks][0] = x.x;
+      a[ks][1] = x.y;
+      a[ks][2] = x.z;
+      a[ks][3] = x.w;
+    }
+  }
+};
+
 // The staged-chunk column of the thread's score element e of n8 tile n in 16-column block kb: the
 // score tile layout of RowProducts, columns 8n + 2t + e % 2 of the block (t = lane % 4).
 __device__ __forceinline__ int ScoreColumn(int kb, int n, int e, int t) {
