@@ -28,7 +28,7 @@ namespace {
 // Own operands parked in shared memory: 0, 1 (k) or 2 (k and v); D = 128 keeps them in registers
 // (its stages already fill the shared memory of two blocks).
 template <int D>
-constexpr int OwnOperandsShared() {
+__host__ __device__ constexpr int OwnOperandsShared() {
   return D <= 64 ? S2ATTN_DKV_OWN_SHARED : 0;
 }
 
