@@ -37,12 +37,11 @@ cudaError_t DispatchTiled(const NbhdAttnGpuParams& p, Launch&& launch) {
   return p.dtype == ActivationType::kBF16 ? by_dim(__nv_bfloat16{}) : by_dim(__half{});
 }
 
-// One block per unit of kTilePoints longitudes of every local row of the walking grid;
-// `extra_shared` bytes of shared memory after the pipeline's (SharedOwnFragments).
+// One block per unit of kTilePoints longitudes of every local row of the walking grid.
 template <int D>
 cudaError_t LaunchUnits(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, const NbhdAttnGpuParams& p,
-                        int32_t rows, int32_t cols, size_t extra_shared = 0) {
-  const size_t kShared = StageLayout<D>::kSharedBytes + extra_shared;
+                        int32_t rows, int32_t cols) {
+  constexpr size_t kShared = BlockSharedBytes<D>();
   const cudaError_t status =
       cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(kShared));

@@ -1,20 +1,7 @@
 // Tiled dk and dv without atomics: per unit of 64 keys, walking the transposed (backward)
 // segments, recomputing p = w exp(s - lse) from the staged queries' lse and using their delta =
-// sum(dout * out) (cuda/README.md). The header's default pipeline shape, not the forward's narrow
-// one: with two accumulators this kernel spills 428 bytes at its 128-register cap (tiled_narrow_shape.cuh).
-// Experiment (session 8): a pipeline shape of this kernel's own, and its k/v fragments in shared memory.
-#ifdef S2ATTN_DKV_CHUNK
-#define S2ATTN_TILED_CHUNK S2ATTN_DKV_CHUNK
-#endif
-#ifdef S2ATTN_DKV_STAGES
-#define S2ATTN_TILED_STAGES S2ATTN_DKV_STAGES
-#endif
-#ifdef S2ATTN_DKV_MIN_BLOCKS
-#define S2ATTN_TILED_MIN_BLOCKS S2ATTN_DKV_MIN_BLOCKS
-#endif
-#ifndef S2ATTN_DKV_OWN_SHARED
-#define S2ATTN_DKV_OWN_SHARED 0
-#endif
+// sum(dout * out) (cuda/README.md).
+#include "gpu/tiled_dkv_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
 
@@ -25,13 +12,6 @@ namespace {
 
 // dv_j = sum_o p_oj dout_o, dk_j = scale * sum_o p_oj (dout_o.v_j - delta_o) q_o over the
 // queries o that have key j as a neighbour. Staged: Q (a), dout (b), lse, delta.
-// Own operands parked in shared memory: 0, 1 (k) or 2 (k and v); D = 128 keeps them in registers
-// (its stages already fill the shared memory of two blocks).
-template <int D>
-__host__ __device__ constexpr int OwnOperandsShared() {
-  return D <= 64 ? S2ATTN_DKV_OWN_SHARED : 0;
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(const NbhdAttnGpuParams p) {
   const Windows win = ReadDeviceWindows(p);
@@ -39,12 +19,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
   if (!u.live) return;
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
-  constexpr int kShared = OwnOperandsShared<D>();
   uint32_t ka[D / 16][4], va[D / 16][4];
   LoadOwnFragments<T, D>(ka, RealRow(k, D, u, 0), RealRow(k, D, u, 1));
   LoadOwnFragments<T, D>(va, RealRow(v, D, u, 0), RealRow(v, D, u, 1));
-  if constexpr (kShared >= 1) SharedOwnFragments<D>::At(0).Store(ka);
-  if constexpr (kShared >= 2) SharedOwnFragments<D>::At(1).Store(va);
+  OwnOperand<0, D>::Park(ka);
+  OwnOperand<1, D>::Park(va);
   // The keys' own quadrature weight (one row per block).
   const float log2_weight = u.padding_row ? 0.f : log2f(__ldg(p.quad_weights + win.k.lat0 + u.local_row));
   const Walk walk = WalkOf(p, u, win.k, win.q, p.nlat_q, p.nlon_q);
@@ -65,20 +44,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
       const T* q_rows = stage.BlockA(kb);
       const T* dout_rows = stage.BlockB(kb);
       float s[2][4], dp[2][4];
-      if constexpr (kShared >= 1) {
-        uint32_t a[D / 16][4];
-        SharedOwnFragments<D>::At(0).Load(a);
-        RowProducts<T, D>(s, a, q_rows);
-      } else {
-        RowProducts<T, D>(s, ka, q_rows);
-      }
-      if constexpr (kShared >= 2) {
-        uint32_t a[D / 16][4];
-        SharedOwnFragments<D>::At(1).Load(a);
-        RowProducts<T, D>(dp, a, dout_rows);
-      } else {
-        RowProducts<T, D>(dp, va, dout_rows);
-      }
+      OwnOperand<0, D>::Products(s, ka, q_rows);
+      OwnOperand<1, D>::Products(dp, va, dout_rows);
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll
@@ -112,9 +79,7 @@ cudaError_t LaunchTiledAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& 
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
     return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledDkvKernel<typename V::Element, V::kDim>, stream, p,
-                                            p.nk_lat, p.nk_lon,
-                                            gpu::tiled::OwnOperandsShared<V::kDim>() *
-                                                gpu::tiled::SharedOwnFragments<V::kDim>::kBytes);
+                                            p.nk_lat, p.nk_lon);
   });
 }
 
