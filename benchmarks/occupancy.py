@@ -7,7 +7,7 @@ with ``nvcc``:
 * registers and spills of every tiled kernel instantiation, from ``nvcc -Xptxas -v`` on
   ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu`` (with ``-D`` overrides of the ``S2ATTN_TILED_*`` macros);
 * dynamic shared memory per block and threads per block, printed by a small host program built
-  from the same headers as each kernel file includes them (the kernels' own ``StageLayout`` in
+  from the same headers as each kernel file includes them (the kernels' own ``BlockSharedBytes`` in
   the kernel's own pipeline shape, not a copy of its arithmetic);
 * resident warps per SM from Hopper's limits (compute capability 9.0, the CUDA occupancy
   calculator's rules): 16 K registers per SM sub-partition (four per SM) allocated in units of
@@ -104,8 +104,8 @@ _LAYOUT_PROGRAM = """
 {includes}
 int main() {{
   using namespace s2attn::gpu::tiled;
-  std::printf("%d %d %d %zu %zu %zu\\n", kWarps, kChunk, kStages, StageLayout<32>::kSharedBytes,
-              StageLayout<64>::kSharedBytes, StageLayout<128>::kSharedBytes);
+  std::printf("%d %d %d %zu %zu %zu\\n", kWarps, kChunk, kStages, BlockSharedBytes<32>(), BlockSharedBytes<64>(),
+              BlockSharedBytes<128>());
 }}
 """
 _DEVICE_HEADER = re.compile(r'^\s*#\s*include\s+"gpu/tiled_attn_device\.cuh"')

@@ -144,9 +144,13 @@ def test_occupancy_report(tmp_path):
         (k, t, d) for k in ("TiledFwd", "TiledDq", "TiledDkv") for t in ("bfloat16", "float16") for d in (32, 64, 128)
     }
     assert all(0 < int(r[-1]) <= 64 and 0 < int(r[6]) <= 255 for r in rows)
-    # Each kernel file's own pipeline shape (warps, chunk, stages): dk/dv keeps the header's default.
+    # Each kernel file's own pipeline shape (warps, chunk, stages).
     shapes = {r[0]: tuple(map(int, r[3:6])) for r in rows}
-    assert shapes == {"TiledFwd": (4, 32, 4), "TiledDq": (4, 32, 4), "TiledDkv": (4, 64, 3)}
+    assert shapes == {"TiledFwd": (4, 32, 4), "TiledDq": (4, 32, 4), "TiledDkv": (4, 32, 3)}
+    # What dk/dv's shape is for: 16 resident warps per SM at D = 64, its k and v fragments (16 KiB)
+    # counted in its shared memory.
+    dkv64 = [r for r in rows if r[0] == "TiledDkv" and r[2] == "64"]
+    assert all(int(r[-1]) == 16 and float(r[8]) > 48 for r in dkv64)
 
 
 def test_occupancy_takes_each_kernels_shape_from_its_includes():

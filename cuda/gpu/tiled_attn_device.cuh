@@ -62,11 +62,18 @@ namespace tiled {
 #ifndef S2ATTN_TILED_MIN_BLOCKS
 #define S2ATTN_TILED_MIN_BLOCKS 3
 #endif
-#define S2ATTN_TILED_SHAPE_NAME_(chunk, stages, warps, blocks) shape_c##chunk##_s##stages##_w##warps##_b##blocks
-#define S2ATTN_TILED_SHAPE_NAME(chunk, stages, warps, blocks) S2ATTN_TILED_SHAPE_NAME_(chunk, stages, warps, blocks)
+// How many of a kernel's own operands (OwnOperand below) wait in shared memory instead of registers.
+#ifndef S2ATTN_TILED_OWN_SHARED
+#define S2ATTN_TILED_OWN_SHARED 0
+#endif
+#define S2ATTN_TILED_SHAPE_NAME_(chunk, stages, warps, blocks, own) \
+  shape_c##chunk##_s##stages##_w##warps##_b##blocks##_o##own
+#define S2ATTN_TILED_SHAPE_NAME(chunk, stages, warps, blocks, own) \
+  S2ATTN_TILED_SHAPE_NAME_(chunk, stages, warps, blocks, own)
 // The inline namespace of this translation unit's shape (tiled_attn_dispatch.cuh opens it too).
-#define S2ATTN_TILED_SHAPE \
-  S2ATTN_TILED_SHAPE_NAME(S2ATTN_TILED_CHUNK, S2ATTN_TILED_STAGES, S2ATTN_TILED_WARPS, S2ATTN_TILED_MIN_BLOCKS)
+#define S2ATTN_TILED_SHAPE                                                                           \
+  S2ATTN_TILED_SHAPE_NAME(S2ATTN_TILED_CHUNK, S2ATTN_TILED_STAGES, S2ATTN_TILED_WARPS, S2ATTN_TILED_MIN_BLOCKS, \
+                          S2ATTN_TILED_OWN_SHARED)
 inline namespace S2ATTN_TILED_SHAPE {
 
 constexpr int kWarps = S2ATTN_TILED_WARPS;
@@ -86,6 +93,15 @@ static_assert(kStages >= 3, "at least one chunk in flight while one is multiplie
 template <int D>
 constexpr int MinBlocksPerSm() {
   return D <= 64 ? S2ATTN_TILED_MIN_BLOCKS : 2;
+}
+// A kernel's own operands (the walking rows' fragments it multiplies every chunk by: q in the forward,
+// q and dout in dq, k and v in dk/dv) are held in registers for the whole walk, except the first
+// OwnOperandsShared() of them, which wait in shared memory (after the pipeline's, see OwnOperand)
+// and are read back before each product: fewer registers for more resident warps. D = 128 keeps
+// them in registers: its stages already fill the shared memory of two blocks.
+template <int D>
+__host__ __device__ constexpr int OwnOperandsShared() {
+  return D <= 64 ? S2ATTN_TILED_OWN_SHARED : 0;
 }
 // Segments whose geometry a block computes at once (one per thread, in parallel, into shared
 // memory) before walking their chunks; a row with more segments is walked in several batches.
@@ -620,6 +636,53 @@ __device__ __forceinline__ void RowProducts(float (&s)[2][4], const uint32_t (&a
     MmaM16N8K16<T>(s[0], a[ks], b0);
     MmaM16N8K16<T>(s[1], a[ks], b1);
   }
+}
+
+// Own operand number kOperand of the kernel (see OwnOperandsShared): `held` are its fragments as
+// LoadOwnFragments gave them; Park moves them to shared memory if this operand waits there, Products
+// multiplies them with 16 staged rows (RowProducts) from wherever they are. Shared memory holds
+// [operand][ks][thread] 16-byte entries: conflict-free, and each thread reads only what it wrote (no
+// barrier).
+template <int kOperand, int D>
+struct OwnOperand {
+  static constexpr bool kShared = kOperand < OwnOperandsShared<D>();
+  static constexpr size_t kEntries = size_t{D / 16} * kThreads;
+
+  __device__ static uint4* Entries() {
+    return reinterpret_cast<uint4*>(reinterpret_cast<char*>(DynamicShared()) + StageLayout<D>::kSharedBytes) +
+           kOperand * kEntries + threadIdx.x;
+  }
+  __device__ static void Park(const uint32_t (&held)[D / 16][4]) {
+    if constexpr (kShared) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        Entries()[ks * kThreads] = make_uint4(held[ks][0], held[ks][1], held[ks][2], held[ks][3]);
+      }
+    }
+  }
+  template <typename T>
+  __device__ static void Products(float (&s)[2][4], const uint32_t (&held)[D / 16][4], const T* rows) {
+    if constexpr (kShared) {
+      uint32_t a[D / 16][4];
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint4 x = Entries()[ks * kThreads];
+        a[ks][0] = x.x;
+        a[ks][1] = x.y;
+        a[ks][2] = x.z;
+        a[ks][3] = x.w;
+      }
+      RowProducts<T, D>(s, a, rows);
+    } else {
+      RowProducts<T, D>(s, held, rows);
+    }
+  }
+};
+
+// Dynamic shared memory of a block: the pipeline's, then the own operands that wait there.
+template <int D>
+constexpr size_t BlockSharedBytes() {
+  return StageLayout<D>::kSharedBytes + OwnOperandsShared<D>() * OwnOperand<0, D>::kEntries * sizeof(uint4);
 }
 
 // acc += P . B for the 16 staged rows starting at `rows` (B is 16 x D), P given as the score

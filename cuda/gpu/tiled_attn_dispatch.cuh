@@ -41,7 +41,7 @@ cudaError_t DispatchTiled(const NbhdAttnGpuParams& p, Launch&& launch) {
 template <int D>
 cudaError_t LaunchUnits(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, const NbhdAttnGpuParams& p,
                         int32_t rows, int32_t cols) {
-  constexpr size_t kShared = StageLayout<D>::kSharedBytes;
+  constexpr size_t kShared = BlockSharedBytes<D>();
   const cudaError_t status =
       cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(kShared));

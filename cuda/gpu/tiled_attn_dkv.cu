@@ -1,7 +1,7 @@
 // Tiled dk and dv without atomics: per unit of 64 keys, walking the transposed (backward)
 // segments, recomputing p = w exp(s - lse) from the staged queries' lse and using their delta =
-// sum(dout * out) (cuda/README.md). The header's default pipeline shape, not the forward's narrow
-// one: with two accumulators this kernel spills 428 bytes at its 128-register cap (tiled_narrow_shape.cuh).
+// sum(dout * out) (cuda/README.md).
+#include "gpu/tiled_dkv_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
 
@@ -22,6 +22,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
   uint32_t ka[D / 16][4], va[D / 16][4];
   LoadOwnFragments<T, D>(ka, RealRow(k, D, u, 0), RealRow(k, D, u, 1));
   LoadOwnFragments<T, D>(va, RealRow(v, D, u, 0), RealRow(v, D, u, 1));
+  OwnOperand<0, D>::Park(ka);
+  OwnOperand<1, D>::Park(va);
   // The keys' own quadrature weight (one row per block).
   const float log2_weight = u.padding_row ? 0.f : log2f(__ldg(p.quad_weights + win.k.lat0 + u.local_row));
   const Walk walk = WalkOf(p, u, win.k, win.q, p.nlat_q, p.nlon_q);
@@ -42,8 +44,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
       const T* q_rows = stage.BlockA(kb);
       const T* dout_rows = stage.BlockB(kb);
       float s[2][4], dp[2][4];
-      RowProducts<T, D>(s, ka, q_rows);
-      RowProducts<T, D>(dp, va, dout_rows);
+      OwnOperand<0, D>::Products(s, ka, q_rows);
+      OwnOperand<1, D>::Products(dp, va, dout_rows);
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll

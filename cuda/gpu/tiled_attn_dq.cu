@@ -21,6 +21,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
   uint32_t qa[D / 16][4], da[D / 16][4];
   LoadOwnFragments<T, D>(qa, RealRow(q, D, u, 0), RealRow(q, D, u, 1));
   LoadOwnFragments<T, D>(da, RealRow(dout, D, u, 0), RealRow(dout, D, u, 1));
+  OwnOperand<0, D>::Park(qa);
+  OwnOperand<1, D>::Park(da);
   float lse2[2], delta[2];
   for (int h = 0; h < 2; ++h) {
     // A row without neighbours anywhere (lse = -inf) or outside the window: p = exp2(x - inf) = 0.
@@ -44,8 +46,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
       if (!band.Touches(cb, sw.width)) continue;
       const T* k_rows = stage.BlockA(kb);
       float s[2][4], dp[2][4];
-      RowProducts<T, D>(s, qa, k_rows);
-      RowProducts<T, D>(dp, da, stage.BlockB(kb));
+      OwnOperand<0, D>::Products(s, qa, k_rows);
+      OwnOperand<1, D>::Products(dp, da, stage.BlockB(kb));
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll

@@ -20,6 +20,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
   const T* q = static_cast<const T*>(p.q);
   uint32_t qa[D / 16][4];
   LoadOwnFragments<T, D>(qa, RealRow(q, D, u, 0), RealRow(q, D, u, 1));
+  OwnOperand<0, D>::Park(qa);
   const Walk walk = WalkOf(p, u, win.q, win.k, p.nlat_k, p.nlon_k);
   const StagedSource<T> src = SourceOf<T>(p.k, p.v, nullptr, nullptr, u, p.nk_lat, p.nk_lon, p.heads, D);
 
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
       active[kb] = band.Touches(cb, sw.width);
       any = any || active[kb];
       if (!active[kb]) continue;
-      RowProducts<T, D>(s[kb], qa, stage.BlockA(kb));
+      OwnOperand<0, D>::Products(s[kb], qa, stage.BlockA(kb));
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
 #pragma unroll

@@ -2,9 +2,8 @@
 // of 32 columns, 4 stages, 4 blocks per SM. Chunks half as wide keep a warp's scores of one chunk in
 // half the registers, so 128 per thread (16 warps per SM instead of 12) cost 24-32 bytes of spills;
 // measured on the H200 against the header's default, forward and dq 5-15 % faster at 721x1440
-// (benchmarks/NOTES.md, session 6). The dk/dv kernel keeps the default: it holds two accumulators
-// and spills 428 bytes at 128 registers (30 % slower). Each -DS2ATTN_TILED_* build flag overrides
-// that part of every kernel's shape.
+// (benchmarks/NOTES.md, session 6). The dk/dv kernel has a shape of its own (tiled_dkv_shape.cuh).
+// Each -DS2ATTN_TILED_* build flag overrides that part of every kernel's shape.
 #pragma once
 
 #ifdef S2ATTN_TILED_SHAPE_NAME
