@@ -177,6 +177,15 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, cons
   return ffi::Error::Success();
 }
 
+// Checks the gradient results' element types and tells the kernels which one to write.
+ffi::Error SetGradientType(const char* names, std::initializer_list<ffi::DataType> types, ffi::DataType activations,
+                           bool narrow_allowed, NbhdAttnGpuParams* g) {
+  ElementType gradient_type;
+  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes(names, types, activations, narrow_allowed, &gradient_type));
+  g->gradient_dtype = ToActivationType(gradient_type);
+  return ffi::Error::Success();
+}
+
 template <typename Kernels>
 ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                       F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
@@ -189,10 +198,8 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                                         /*walk_keys=*/false, Kernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dq", dq->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_k));
-  ElementType gradient_type;
   S2ATTN_RETURN_IF_ERROR(
-      CheckGradientTypes("dq", {dq->element_type()}, q.element_type(), Kernels::kNarrowGradients, &gradient_type));
-  g.gradient_dtype = ToActivationType(gradient_type);
+      SetGradientType("dq", {dq->element_type()}, q.element_type(), Kernels::kNarrowGradients, &g));
   if (dq->element_count() == 0) return ffi::Error::Success();
   g.dq = dq->untyped_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
@@ -214,10 +221,8 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
       CheckGridArray("dk", dk->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_k));
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dv", dv->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_v));
-  ElementType gradient_type;
-  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(),
-                                            Kernels::kNarrowGradients, &gradient_type));
-  g.gradient_dtype = ToActivationType(gradient_type);
+  S2ATTN_RETURN_IF_ERROR(SetGradientType("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(),
+                                         Kernels::kNarrowGradients, &g));
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
   g.dk = dk->untyped_data();
   g.dv = dv->untyped_data();
