@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 binary="${TMPDIR:-/tmp}/staging_bandwidth"
-nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o "$binary" cuda/bench/staging_bandwidth.cu
+nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I cuda -o "$binary" cuda/bench/staging_bandwidth.cu
 "$binary"

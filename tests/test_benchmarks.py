@@ -171,13 +171,14 @@ def test_profile_driver_runs_each_configuration(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-def test_staging_bandwidth_program_builds(tmp_path):
-    # It runs only on an sm_90 GPU (benchmarks/staging_bandwidth.sh); here it must at least compile
-    # for sm_90 and link against the CUDA runtime.
-    binary = tmp_path / "staging_bandwidth"
+@pytest.mark.parametrize("program, arch", [("staging_bandwidth", "90"), ("ws_forward", "90a")])
+def test_bench_program_builds(tmp_path, program, arch):
+    # They run only on an sm_90 GPU (benchmarks/<program>.sh); here each must at least compile for its
+    # target and link against the CUDA runtime.
+    binary = tmp_path / program
     result = subprocess.run(
-        ["nvcc", "-O3", "-std=c++17", "-gencode=arch=compute_90,code=sm_90", "-o", str(binary),
-         str(ROOT / "cuda" / "bench" / "staging_bandwidth.cu")],
+        ["nvcc", "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(ROOT / "cuda"),
+         "-o", str(binary), str(ROOT / "cuda" / "bench" / f"{program}.cu")],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]

@@ -10,16 +10,9 @@
 #include <cstdint>
 #include <cstdio>
 
-namespace {
+#include "bench/bench_common.h"
 
-#define CHECK_CUDA(x)                                                              \
-  do {                                                                             \
-    const cudaError_t e = (x);                                                     \
-    if (e != cudaSuccess) {                                                        \
-      std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
-      return false;                                                                \
-    }                                                                              \
-  } while (0)
+namespace {
 
 constexpr int kIterations = 2000;  // chunks per block and launch
 
@@ -130,10 +123,6 @@ bool RunCpAsync(const char* buffer, size_t bytes, int blocks_per_sm, int sms, un
                 [&] { kernel<<<grid, 128, shared>>>(buffer, bytes / kChunkBytes, sink); });
 }
 
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
 template <int kRows, int kDepth>
 bool RunTensorMap(EncodeTiled encode, char* buffer, size_t bytes, int blocks_per_sm, int sms, unsigned* sink,
                   CUtensorMapSwizzle swizzle) {
@@ -160,14 +149,8 @@ bool Main() {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
   std::printf("%s: %d SMs, %d MB of L2\n", prop.name, sms, prop.l2CacheSize >> 20);
-  EncodeTiled encode = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), 12000,
-                                              cudaEnableDefault, &found));
-  if (found != cudaDriverEntryPointSuccess) {
-    std::printf("cuTensorMapEncodeTiled not found\n");
-    return false;
-  }
+  const EncodeTiled encode = FindEncodeTiled();
+  if (encode == nullptr) return false;
   const size_t l2_resident = size_t{16} << 20, from_hbm = size_t{4} << 30;
   char* buffer = nullptr;
   unsigned* sink = nullptr;

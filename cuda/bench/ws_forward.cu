@@ -1,0 +1,531 @@
+// Warp-specialised forward prototype (benchmarks/ws_forward.sh builds and runs it): stage 2 of the
+// design note on the problem the tiled forward solves, to measure what it costs before it is built into
+// the module. A producer warp streams K/V chunks as tensor-map boxes (no staging code in the warps that
+// multiply); two consumer warpgroups multiply each chunk with wgmma (m64 tiles, A from registers, no
+// ldmatrix) and run the online softmax. Query tiles are 2-D so that m64 wastes little: a warpgroup owns
+// 4 rows x 16 longitudes (warp w = query row w), a block 4 rows x 32 longitudes, both warpgroups
+// reading every staged chunk of one key row (skipping chunks off their band).
+//
+// Self-attention on an equiangular grid, bf16, one head of 64 channels. Neighbourhoods follow the
+// geodesic-disk rule through per-(query row, key row) half-widths in longitude computed here (the
+// plan's rule without its epsilon); quadrature weights are positive stand-ins (timing does not depend
+// on them). Every output element is poisoned (NaN) before the run and must be written; out and lse of
+// sampled queries are checked against a float64 host reference. Standalone: not part of the package.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_common.h"
+#include "gpu/device_common.cuh"
+#include "gpu/mbarrier_sm90.cuh"
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
+
+namespace {
+
+using s2attn::gpu::Exp2;
+using s2attn::gpu::MbarrierArrive;
+using s2attn::gpu::MbarrierInit;
+using s2attn::gpu::MbarrierWait;
+namespace sm90 = s2attn::gpu::sm90;
+using T = __nv_bfloat16;
+
+constexpr int kD = 64;                 // channels: one 128-byte row per point, one swizzle span
+// Build parameters (benchmarks/ws_forward.sh passes -D flags to compare shapes in one run).
+#ifndef WS_CONSUMERS
+#define WS_CONSUMERS 3
+#endif
+#ifndef WS_STAGES
+#define WS_STAGES 4
+#endif
+// 1: every consumer thread arrives on a stage's "empty" barrier (the ordering compute-sanitizer's
+// racecheck models); 0: lane 0 of each warp after __syncwarp (racecheck reports the chunk description's
+// reads by the other lanes as racing with the producer's next write of it).
+#ifndef WS_ARRIVE_PER_THREAD
+#define WS_ARRIVE_PER_THREAD 0
+#endif
+constexpr int kEmptyArrivals = WS_ARRIVE_PER_THREAD ? 32 : 1;  // per consumer warp
+constexpr int kChunk = 32;             // key longitudes per staged chunk
+constexpr int kStages = WS_STAGES;
+constexpr int kTileRows = 4;           // query rows of a block, one per warp of each warpgroup
+constexpr int kGroupLons = 16;         // longitudes of a warpgroup's tile (4 x 16 = m64)
+constexpr int kConsumers = WS_CONSUMERS;  // warpgroups per block
+constexpr int kBlockLons = kGroupLons * kConsumers;
+constexpr int kThreads = 128 * kConsumers + 32;  // and one producer warp
+constexpr int kChunkBytes = kChunk * kD * 2;
+constexpr int kRing = 1 << 20;         // half-width of a key row every query of the row sees whole
+
+// What the producer tells the consumers about a staged chunk (written before the stage's barrier).
+struct ChunkInfo {
+  int row;                  // key row; -1: the stream ended
+  int lon;                  // longitude of the chunk's first column
+  int valid;                // columns [0, valid) belong to the window (the rest: zeros or repeats)
+  int reach;                // largest of half[]
+  float bias;               // log2 of the key row's quadrature weight
+  int half[kTileRows];      // per query row: longitudes each side of a query it sees (-1: none, kRing)
+};
+
+struct alignas(1024) Stage {
+  T k[kChunk * kD];
+  T v[kChunk * kD];
+};
+
+struct Shared {
+  Stage stages[kStages];
+  ChunkInfo info[kStages];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+
+struct Problem {
+  int nlat, nlon;
+  const T* q;            // [nlat, nlon, kD]
+  float* out;            // [nlat, nlon, kD]
+  float* lse;            // [nlat, nlon], natural log
+  const int* half;       // [nlat, nlat]: half-width of query row i on key row j (-1: none, kRing)
+  const int* key_rows;   // [blocks along latitude, 2]: first and last key row of the block's query rows
+  const float* bias;     // [nlat]: log2 of the quadrature weights
+  float scale_log2;      // softmax scale times log2(e)
+};
+
+// x - nlon * round(x / nlon) for |x| < 2 nlon: a longitude difference in [-nlon / 2, nlon / 2).
+__device__ __forceinline__ int WrapDifference(int x, int nlon) {
+  if (x >= nlon / 2) x -= nlon;
+  if (x < -nlon / 2) x += nlon;
+  return x;
+}
+
+struct StagePosition {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// One thread: every chunk of every key row the block's queries see, in key-row order. A row's window
+// is the union of the block's arcs, cut at longitude 0 into at most two parts, each staged from its
+// start in chunks (boxes past nlon are zero-filled by the copy engine and marked invalid).
+__device__ void Produce(const Problem& p, const CUtensorMap* keys, const CUtensorMap* values, Shared& s) {
+  const int first_query_row = blockIdx.y * kTileRows, first_lon = blockIdx.x * kBlockLons;
+  StagePosition at;
+  for (int row = p.key_rows[2 * blockIdx.y]; row <= p.key_rows[2 * blockIdx.y + 1]; ++row) {
+    ChunkInfo info;
+    info.row = row;
+    info.bias = p.bias[row];
+    info.reach = -1;
+    for (int r = 0; r < kTileRows; ++r) {
+      const int query_row = first_query_row + r;
+      info.half[r] = query_row < p.nlat ? p.half[query_row * p.nlat + row] : -1;
+      info.reach = max(info.reach, info.half[r]);
+    }
+    if (info.reach < 0) continue;
+    int parts[2][2], count = 1;
+    const int lo = first_lon - info.reach, hi = first_lon + kBlockLons + info.reach;
+    if (hi - lo >= p.nlon) {
+      parts[0][0] = 0, parts[0][1] = p.nlon;
+    } else if (lo < 0) {
+      parts[0][0] = lo + p.nlon, parts[0][1] = p.nlon, parts[1][0] = 0, parts[1][1] = hi, count = 2;
+    } else if (hi > p.nlon) {
+      parts[0][0] = lo, parts[0][1] = p.nlon, parts[1][0] = 0, parts[1][1] = hi - p.nlon, count = 2;
+    } else {
+      parts[0][0] = lo, parts[0][1] = hi;
+    }
+    for (int part = 0; part < count; ++part) {
+      for (int lon = parts[part][0]; lon < parts[part][1]; lon += kChunk) {
+        MbarrierWait(&s.empty[at.stage], at.phase ^ 1);
+        info.lon = lon;
+        info.valid = min(kChunk, parts[part][1] - lon);
+        s.info[at.stage] = info;
+        sm90::MbarrierArriveExpectBytes(&s.full[at.stage], 2 * kChunkBytes);
+        sm90::LoadBox3d(s.stages[at.stage].k, keys, 0, lon, row, &s.full[at.stage]);
+        sm90::LoadBox3d(s.stages[at.stage].v, values, 0, lon, row, &s.full[at.stage]);
+        at.Advance();
+      }
+    }
+  }
+  MbarrierWait(&s.empty[at.stage], at.phase ^ 1);
+  s.info[at.stage].row = -1;
+  MbarrierArrive(&s.full[at.stage]);
+}
+
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// A consumer warpgroup: its 64 queries' fragments in registers, then every chunk: S = Q K^T (wgmma),
+// mask and online softmax in registers, O += P V (wgmma, P from the S registers), release the stage.
+__device__ void Consume(const Problem& p, Shared& s, int group) {
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int query_row = blockIdx.y * kTileRows + warp;
+  const int group_lon = blockIdx.x * kBlockLons + group * kGroupLons;
+  const int lons[2] = {group_lon + g, group_lon + g + 8};  // of the thread's two accumulator rows
+  const T* rows[2];
+  for (int h = 0; h < 2; ++h) rows[h] = p.q + (size_t(min(query_row, p.nlat - 1)) * p.nlon + lons[h] % p.nlon) * kD;
+  uint32_t q[kD / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    q[ks][0] = *reinterpret_cast<const uint32_t*>(rows[0] + 16 * ks + 2 * t);
+    q[ks][1] = *reinterpret_cast<const uint32_t*>(rows[1] + 16 * ks + 2 * t);
+    q[ks][2] = *reinterpret_cast<const uint32_t*>(rows[0] + 16 * ks + 2 * t + 8);
+    q[ks][3] = *reinterpret_cast<const uint32_t*>(rows[1] + 16 * ks + 2 * t + 8);
+  }
+  float o[kD / 2] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
+  StagePosition at;
+  for (;;) {
+    MbarrierWait(&s.full[at.stage], at.phase);
+    const ChunkInfo& info = s.info[at.stage];
+    if (info.row < 0) break;
+    const int lon = info.lon, valid = info.valid, reach = info.reach, half = info.half[warp];
+    const int offset = WrapDifference(lon - group_lon, p.nlon);
+    // (Bands close to the whole ring are taken whole: the test below does not see them wrap.)
+    const bool touched = group_lon < p.nlon && (2 * reach + kGroupLons + 2 * kChunk >= p.nlon ||
+                                                (offset + valid - 1 >= -reach && offset <= kGroupLons - 1 + reach));
+    if (touched) {
+      const Stage& stage = s.stages[at.stage];
+      const uint64_t keys = sm90::SwizzledTileDescriptor(stage.k);
+      sm90::WgmmaFence();
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks) sm90::WgmmaM64N32K16<T, 0>(scores, q[ks], keys + 2 * ks, ks > 0);
+      sm90::WgmmaCommit();
+      sm90::WgmmaWait<0>();
+      sm90::FenceRegisters(scores);
+      float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // Column n of the chunk is in the arc of the query at lons[h] iff |start + n| <= half: columns
+        // [first, first + count). Where an arc comes within a chunk of the whole ring, start + n is
+        // wrapped once more per column instead (warp-uniform: half is the warp's).
+        const int start = WrapDifference(lon - lons[h], p.nlon);
+        const bool near_ring = half > p.nlon / 2 - kChunk;
+        const int first = max(0, -half - start), count = max(0, min(valid, half - start + 1) - first);
+#pragma unroll
+        for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+          const int n = 8 * (e / 4) + 2 * t + (e % 2);
+          bool in_arc = unsigned(n - first) < unsigned(count);
+          if (near_ring) {
+            const int distance = start + n - (start + n >= p.nlon / 2 ? p.nlon : 0);
+            in_arc = n < valid && unsigned(distance + half) <= unsigned(2 * half);
+          }
+          scores[e] = in_arc ? fmaf(scores[e], p.scale_log2, info.bias) : -INFINITY;
+          row_max[h] = fmaxf(row_max[h], scores[e]);
+        }
+      }
+      uint32_t pv[kChunk / 16][4];
+      float correction[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xffffffffu, row_max[h], 2));
+        const float m_new = fmaxf(m[h], row_max[h]);
+        const float base = m_new == -INFINITY ? 0.f : m_new;  // no -inf - -inf
+        correction[h] = Exp2(m[h] - base);
+        m[h] = m_new;
+        l[h] *= correction[h];
+#pragma unroll
+        for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+          scores[e] = Exp2(scores[e] - base);
+          l[h] += scores[e];
+        }
+      }
+      // O is rescaled only when some row of the warp has a new maximum (otherwise every correction is
+      // exactly 1): the same bits, without 32 multiplies per chunk once the maxima settle.
+      if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
+#pragma unroll
+        for (int e = 0; e < kD / 2; ++e) o[e] *= correction[(e >> 1) & 1];
+      }
+#pragma unroll
+      for (int kk = 0; kk < kChunk / 16; ++kk) {
+        pv[kk][0] = PackPair(scores[8 * kk + 0], scores[8 * kk + 1]);
+        pv[kk][1] = PackPair(scores[8 * kk + 2], scores[8 * kk + 3]);
+        pv[kk][2] = PackPair(scores[8 * kk + 4], scores[8 * kk + 5]);
+        pv[kk][3] = PackPair(scores[8 * kk + 6], scores[8 * kk + 7]);
+      }
+      const uint64_t values = sm90::SwizzledTileDescriptor(stage.v);
+      sm90::FenceRegisters(o);
+      sm90::WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < kChunk / 16; ++kk) sm90::WgmmaM64N64K16<T, 1>(o, pv[kk], values + 128 * kk, 1);
+      sm90::WgmmaCommit();
+      sm90::WgmmaWait<0>();
+      sm90::FenceRegisters(o);
+    }
+    if (kEmptyArrivals == 1) __syncwarp();
+    if (kEmptyArrivals == 32 || lane == 0) MbarrierArrive(&s.empty[at.stage]);
+    at.Advance();
+  }
+  if (query_row >= p.nlat || group_lon >= p.nlon) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    const float inverse = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    const size_t point = size_t(query_row) * p.nlon + lons[h];
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      const float2 pair = make_float2(o[4 * j + 2 * h] * inverse, o[4 * j + 2 * h + 1] * inverse);
+      *reinterpret_cast<float2*>(p.out + point * kD + 8 * j + 2 * t) = pair;
+    }
+    if (t == 0) p.lse[point] = l[h] > 0.f ? (m[h] + log2f(l[h])) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    WarpSpecialisedForward(Problem p, const __grid_constant__ CUtensorMap keys,
+                           const __grid_constant__ CUtensorMap values) {
+  extern __shared__ char raw[];
+  Shared& s = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarrierInit(&s.full[i], 1);
+      MbarrierInit(&s.empty[i], 4 * kConsumers * kEmptyArrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  if (warp == 4 * kConsumers) {
+    if (threadIdx.x % 32 == 0) Produce(p, &keys, &values, s);
+  } else {
+    Consume(p, s, warp / 4);
+  }
+}
+
+// ------------------------------------------------------------------------------------------ host
+
+// Half-widths of the geodesic disk: query row i sees key (j, c) iff the angular distance of the points
+// is <= cutoff, i.e. |c - lon| <= half[i][j] around its own longitude.
+std::vector<int> HalfWidths(int nlat, int nlon, double cutoff) {
+  std::vector<int> half(size_t(nlat) * nlat, -1);
+  const double pi = 3.14159265358979323846, step = 2 * pi / nlon;
+  for (int i = 0; i < nlat; ++i) {
+    for (int j = 0; j < nlat; ++j) {
+      const double ti = pi * i / (nlat - 1), tj = pi * j / (nlat - 1);
+      const double sines = std::sin(ti) * std::sin(tj);
+      int& h = half[size_t(i) * nlat + j];
+      if (sines < 1e-12) {
+        h = std::fabs(ti - tj) <= cutoff ? kRing : -1;
+        continue;
+      }
+      const double c = (std::cos(cutoff) - std::cos(ti) * std::cos(tj)) / sines;
+      if (c > 1) continue;
+      h = c <= -1 ? kRing : int(std::floor(std::acos(c) / step + 1e-9));
+      if (2 * h + 1 >= nlon) h = kRing;
+    }
+  }
+  return half;
+}
+
+struct Config {
+  const char* name;
+  int nlat, nlon;
+  double cutoff;
+};
+
+float BfloatToFloat(T x) { return __bfloat162float(x); }
+
+bool Run(const Config& config, EncodeTiled encode, int reps) {
+  const int nlat = config.nlat, nlon = config.nlon;
+  const size_t points = size_t(nlat) * nlon;
+  const std::vector<int> half = HalfWidths(nlat, nlon, config.cutoff);
+  const int row_blocks = (nlat + kTileRows - 1) / kTileRows;
+  std::vector<int> key_rows(2 * row_blocks);
+  for (int b = 0; b < row_blocks; ++b) {
+    int first = nlat, last = -1;
+    for (int i = b * kTileRows; i < std::min(nlat, (b + 1) * kTileRows); ++i) {
+      for (int j = 0; j < nlat; ++j) {
+        if (half[size_t(i) * nlat + j] >= 0) first = std::min(first, j), last = std::max(last, j);
+      }
+    }
+    key_rows[2 * b] = first, key_rows[2 * b + 1] = last;
+  }
+  std::vector<float> bias(nlat), weight(nlat);
+  const double pi = 3.14159265358979323846;
+  for (int j = 0; j < nlat; ++j) {
+    weight[j] = float(std::max(std::sin(pi * j / (nlat - 1)), 0.5 * std::sin(pi / (nlat - 1))) * pi / (nlat - 1));
+    bias[j] = std::log2(weight[j]);
+  }
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> normal;
+  std::vector<T> host[3];
+  for (auto& x : host) {
+    x.resize(points * kD);
+    for (T& e : x) e = __float2bfloat16(normal(rng));
+  }
+  T* device[3];
+  float *out, *lse, *dbias;
+  int *dhalf, *dkey_rows;
+  for (int i = 0; i < 3; ++i) {
+    CHECK_CUDA(cudaMalloc(&device[i], points * kD * sizeof(T)));
+    CHECK_CUDA(cudaMemcpy(device[i], host[i].data(), points * kD * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  CHECK_CUDA(cudaMalloc(&out, points * kD * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&lse, points * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dhalf, half.size() * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&dkey_rows, key_rows.size() * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&dbias, nlat * sizeof(float)));
+  CHECK_CUDA(cudaMemcpy(dhalf, half.data(), half.size() * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dkey_rows, key_rows.data(), key_rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dbias, bias.data(), nlat * sizeof(float), cudaMemcpyHostToDevice));
+  CUtensorMap maps[2];
+  const cuuint64_t dims[3] = {kD, cuuint64_t(nlon), cuuint64_t(nlat)};
+  const cuuint64_t strides[2] = {kD * sizeof(T), nlon * kD * sizeof(T)};
+  const cuuint32_t box[3] = {kD, kChunk, 1}, element_strides[3] = {1, 1, 1};
+  for (int i = 0; i < 2; ++i) {
+    if (encode(&maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, device[1 + i], dims, strides, box, element_strides,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+      std::printf("cuTensorMapEncodeTiled failed\n");
+      return false;
+    }
+  }
+  const Problem problem{nlat, nlon, device[0], out, lse, dhalf, dkey_rows, dbias, 0.125f * 1.4426950408889634f};
+  const int shared = sizeof(Shared) + 1024;
+  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialisedForward, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  const dim3 grid((nlon + kBlockLons - 1) / kBlockLons, row_blocks);
+  CHECK_CUDA(cudaMemset(out, 0xff, points * kD * sizeof(float)));  // NaN
+  CHECK_CUDA(cudaMemset(lse, 0xff, points * sizeof(float)));
+  WarpSpecialisedForward<<<grid, kThreads, shared>>>(problem, maps[0], maps[1]);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> got(points * kD), got_lse(points);
+  CHECK_CUDA(cudaMemcpy(got.data(), out, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(got_lse.data(), lse, got_lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  const size_t unwritten = std::count_if(got.begin(), got.end(), [](float x) { return std::isnan(x); }) +
+                           std::count_if(got_lse.begin(), got_lse.end(), [](float x) { return std::isnan(x); });
+
+  // float64 reference of sampled queries (every pole query among them).
+  double error = 0, scale_ref = 0, lse_error = 0;
+  struct {
+    int row, lon, channel;
+    double expected, got;
+  } worst{};
+  std::uniform_int_distribution<int> any_row(0, nlat - 1), any_lon(0, nlon - 1);
+  std::vector<double> acc(kD);
+  for (int sample = 0; sample < 1500; ++sample) {
+    const int i = sample < 2 ? (nlat - 1) * sample : any_row(rng), lon = any_lon(rng);
+    double top = -1e300;
+    std::vector<std::pair<double, size_t>> logits;
+    for (int j = 0; j < nlat; ++j) {
+      const int h = half[size_t(i) * nlat + j];
+      if (h < 0) continue;
+      const int width = h >= kRing ? nlon : 2 * h + 1, first = h >= kRing ? 0 : lon - h;
+      for (int c = 0; c < width; ++c) {
+        const size_t key = size_t(j) * nlon + ((first + c) % nlon + nlon) % nlon;
+        double dot = 0;
+        for (int d = 0; d < kD; ++d) {
+          dot += double(BfloatToFloat(host[0][(size_t(i) * nlon + lon) * kD + d])) *
+                 BfloatToFloat(host[1][key * kD + d]);
+        }
+        logits.emplace_back(0.125 * dot + std::log(double(weight[j])), key);
+        top = std::max(top, logits.back().first);
+      }
+    }
+    double total = 0;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (const auto& [logit, key] : logits) {
+      const double e = std::exp(logit - top);
+      total += e;
+      for (int d = 0; d < kD; ++d) acc[d] += e * BfloatToFloat(host[2][key * kD + d]);
+    }
+    const size_t point = size_t(i) * nlon + lon;
+    for (int d = 0; d < kD; ++d) {
+      const double wrong = std::fabs(acc[d] / total - got[point * kD + d]);
+      if (!(wrong <= error)) worst = {i, lon, d, acc[d] / total, got[point * kD + d]};
+      error = std::max(error, wrong);
+      scale_ref = std::max(scale_ref, std::fabs(acc[d] / total));
+    }
+    lse_error = std::max(lse_error, std::fabs(top + std::log(total) - got_lse[point]));
+  }
+  const double relative = error / scale_ref;
+  const bool correct = unwritten == 0 && relative <= 1e-2 && lse_error <= 1e-3 && std::isfinite(relative);
+
+  // Work the stream does (the producer's loop replayed): chunks and chunks multiplied per warpgroup.
+  long long chunks = 0, multiplied = 0, pairs = 0;
+  for (int b = 0; b < row_blocks; ++b) {
+    for (int j = key_rows[2 * b]; j <= key_rows[2 * b + 1]; ++j) {
+      int reach = -1;
+      for (int i = b * kTileRows; i < std::min(nlat, (b + 1) * kTileRows); ++i) {
+        const int h = half[size_t(i) * nlat + j];
+        reach = std::max(reach, h);
+        if (h >= 0) pairs += (long long)nlon * (h >= kRing ? nlon : 2 * h + 1);
+      }
+      if (reach < 0) continue;
+      const long long width = std::min<long long>(nlon, kBlockLons + 2LL * reach);
+      const long long per_block = width >= nlon ? (nlon + kChunk - 1) / kChunk : (width + kChunk - 1) / kChunk + 1;
+      chunks += per_block * (nlon / kBlockLons);
+      const long long group_width = std::min<long long>(nlon, kGroupLons + 2LL * reach);
+      multiplied += std::min(per_block, (group_width + kChunk - 1) / kChunk + 1) * (nlon / kGroupLons);
+    }
+  }
+
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int rep = 0; rep < reps; ++rep) {
+    CHECK_CUDA(cudaEventRecord(start));
+    WarpSpecialisedForward<<<grid, kThreads, shared>>>(problem, maps[0], maps[1]);
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (rep >= reps / 7) times.push_back(ms);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  std::sort(times.begin(), times.end());
+  const double ms = times[times.size() / 2];
+  std::printf("%-14s %4dx%-5d cutoff %.5f: %.3f ms (min %.3f) | pairs %.3g, chunks %.3g, warpgroup-chunks %.3g, "
+              "useful %.2f | unwritten %zu, out rel %.1e, lse abs %.1e %s\n",
+              config.name, nlat, nlon, config.cutoff, ms, times.front(), double(pairs), double(chunks),
+              double(multiplied), double(pairs) / (double(multiplied) * 64 * kChunk), unwritten, relative,
+              lse_error, correct ? "ok" : "WRONG");
+  if (!correct) {
+    std::printf("  worst: row %d lon %d channel %d: %.6f expected, %.6f written\n", worst.row, worst.lon, worst.channel,
+                worst.expected, worst.got);
+  }
+  for (T* x : device) CHECK_CUDA(cudaFree(x));
+  CHECK_CUDA(cudaFree(out));
+  CHECK_CUDA(cudaFree(lse));
+  CHECK_CUDA(cudaFree(dhalf));
+  CHECK_CUDA(cudaFree(dkey_rows));
+  CHECK_CUDA(cudaFree(dbias));
+  return correct;
+}
+
+// Without arguments: every config, timed. `--once`: the smallest config, one launch (compute-sanitizer).
+bool Main(bool once) {
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs; block of %d threads (%d consumer warpgroups), %d stages of %d key columns, %s\n",
+              prop.name, prop.multiProcessorCount, kThreads, kConsumers, kStages, kChunk,
+              kEmptyArrivals == 1 ? "one arrival per warp" : "one arrival per thread");
+  const EncodeTiled encode = FindEncodeTiled();
+  if (encode == nullptr) return false;
+  const double pi = 3.14159265358979323846;
+  const Config configs[] = {{"qdeg_tc003", 721, 1440, 0.03},
+                            {"qdeg_default", 721, 1440, pi / 720},
+                            {"hdeg_tc003", 360, 720, 0.03}};
+  bool ok = true;
+  for (const Config& config : configs) {
+    if (once && &config != &configs[2]) continue;
+    ok = Run(config, encode, once ? 1 : 35) && ok;
+  }
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return Main(argc > 1 && std::string(argv[1]) == "--once") ? 0 : 1; }

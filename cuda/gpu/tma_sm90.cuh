@@ -1,0 +1,36 @@
+// Hopper (sm_90) tensor-map copies: one thread asks the copy engine for a box of a global tensor,
+// written to shared memory (swizzled as the map says) and announced to an mbarrier by its byte count.
+// Boxes that reach past the tensor's edges are filled with zeros. The maps are built on the host
+// (cuTensorMapEncodeTiled) and passed as __grid_constant__ kernel parameters.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "gpu/mma_sm80.cuh"
+
+namespace s2attn {
+namespace gpu {
+namespace sm90 {
+
+// The thread's arrival on `barrier` for this phase, which also completes only after `bytes` more bytes
+// of copies landed.
+__device__ __forceinline__ void MbarrierArriveExpectBytes(uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SharedAddress(barrier)), "r"(bytes)
+               : "memory");
+}
+
+// Box of a 3-D map at element coordinates (x innermost, y, z) into `destination`, counted on `barrier`.
+__device__ __forceinline__ void LoadBox3d(void* destination, const CUtensorMap* map, int x, int y, int z,
+                                          uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(SharedAddress(destination)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(SharedAddress(barrier))
+      : "memory");
+}
+
+}  // namespace sm90
+}  // namespace gpu
+}  // namespace s2attn

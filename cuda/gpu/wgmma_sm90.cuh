@@ -1,0 +1,96 @@
+// Hopper (sm_90a) warpgroup MMA: wgmma.mma_async with the A operand in registers and B in shared memory,
+// f32 accumulators. One concern: the instructions and the shared-memory descriptor of B; the kernels
+// choose tile shapes and pipelines. A warpgroup is four consecutive warps (the first a multiple of four);
+// every wgmma function below is executed by all 128 threads together.
+//
+// Register layouts (thread `lane` of warp w of the warpgroup, g = lane / 4, t = lane % 4):
+//   accumulator d[i] of an m64nN tile: row 16 w + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1);
+//   A fragment of an m64k16 slice: a[0] = row 16 w + g, k 2t..2t+1; a[1] = row + 8; a[2], a[3] = k + 8 —
+//   mma.sync's m16n8k16 A fragment per warp, so columns 16 j..16 j + 15 of an accumulator are the A
+//   fragment {pack(d[8j], d[8j+1]), pack(d[8j+2], d[8j+3]), pack(d[8j+4], d[8j+5]), pack(d[8j+6], d[8j+7])}.
+//
+// B tiles are rows of 64 16-bit elements (128 bytes) with the 128-byte swizzle, 1024-byte aligned: what
+// a tensor-map box of 64 x rows with CU_TENSOR_MAP_SWIZZLE_128B writes (tma_sm90.cuh). Such a tile of
+// n rows is B "K-major" for a product against its transpose (S = Q K^T: rows are keys, advance 32 bytes
+// per k16 step) and B "MN-major" for a product against itself (O = P V: rows are keys = k, advance
+// 2048 bytes = 16 rows per k16 step, kTransB = 1).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "gpu/mma_sm80.cuh"
+
+namespace s2attn {
+namespace gpu {
+namespace sm90 {
+
+// Descriptor of a 128-byte-swizzled tile at `tile` (1024-byte aligned): start address and stride of
+// 8-row atoms (1024 bytes) in 16-byte units, swizzle mode 1 (128 bytes) in bits 62-63; the leading
+// offset is unused by these shapes (64 elements per row). Adding n to it advances the start by 16 n bytes.
+__device__ __forceinline__ uint64_t SwizzledTileDescriptor(const void* tile) {
+  return uint64_t{(SharedAddress(tile) >> 4) & 0x3FFF} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 |
+         uint64_t{1} << 62;
+}
+
+// Orders this thread's register writes (A fragments, accumulators) before the next wgmma reads them.
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most kPending committed groups are still running.
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of accumulator registers across a wgmma's issue or wait.
+template <int N>
+__device__ __forceinline__ void FenceRegisters(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The instruction for operands of PTX type TYPE ("bf16" or "f16"); d has N / 2 registers.
+#define S2ATTN_WGMMA_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define S2ATTN_WGMMA_D16(i) S2ATTN_WGMMA_D4(i), S2ATTN_WGMMA_D4(i + 4), S2ATTN_WGMMA_D4(i + 8), S2ATTN_WGMMA_D4(i + 12)
+#define S2ATTN_WGMMA_M64N32K16(TYPE)                                                                                   \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %22, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                         \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "                                             \
+               "{%16,%17,%18,%19}, %20, p, 1, 1, %21;\n}\n"                                                            \
+               : S2ATTN_WGMMA_D16(0)                                                                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
+#define S2ATTN_WGMMA_M64N64K16(TYPE)                                                                                   \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %38, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                               \
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "                                    \
+               "{%32,%33,%34,%35}, %36, p, 1, 1, %37;\n}\n"                                                            \
+               : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16)                                                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
+
+// d (+)= A B for an m64n32k16 slice; `accumulate` 0 overwrites d.
+template <typename T, int kTransB>
+__device__ __forceinline__ void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b,
+                                               uint32_t accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
+  S2ATTN_WGMMA_M64N32K16("bf16");
+}
+
+// d (+)= A B for an m64n64k16 slice; `accumulate` 0 overwrites d.
+template <typename T, int kTransB>
+__device__ __forceinline__ void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                               uint32_t accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
+  S2ATTN_WGMMA_M64N64K16("bf16");
+}
+
+#undef S2ATTN_WGMMA_M64N32K16
+#undef S2ATTN_WGMMA_M64N64K16
+#undef S2ATTN_WGMMA_D16
+#undef S2ATTN_WGMMA_D4
+
+}  // namespace sm90
+}  // namespace gpu
+}  // namespace s2attn
