@@ -206,21 +206,26 @@ __device__ void Consume(const Problem& p, Shared& s, int group) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // Column n of the chunk is in the arc of the query at lons[h] iff |start + n| <= half: columns
-        // [first, first + count). Where an arc comes within a chunk of the whole ring, start + n is
-        // wrapped once more per column instead (warp-uniform: half is the warp's).
+        // [first, first + count), except where an arc comes within a chunk of the whole ring and
+        // start + n must be wrapped once more per column (half is the warp's: a uniform branch).
         const int start = WrapDifference(lon - lons[h], p.nlon);
-        const bool near_ring = half > p.nlon / 2 - kChunk;
         const int first = max(0, -half - start), count = max(0, min(valid, half - start + 1) - first);
-#pragma unroll
-        for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
-          const int n = 8 * (e / 4) + 2 * t + (e % 2);
-          bool in_arc = unsigned(n - first) < unsigned(count);
-          if (near_ring) {
-            const int distance = start + n - (start + n >= p.nlon / 2 ? p.nlon : 0);
-            in_arc = n < valid && unsigned(distance + half) <= unsigned(2 * half);
-          }
+        const auto keep = [&](int e, bool in_arc) {
           scores[e] = in_arc ? fmaf(scores[e], p.scale_log2, info.bias) : -INFINITY;
           row_max[h] = fmaxf(row_max[h], scores[e]);
+        };
+        if (half > p.nlon / 2 - kChunk) {  // outside the loop: inside it, it cost 1.8x (NOTES)
+#pragma unroll
+          for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+            const int n = 8 * (e / 4) + 2 * t + (e % 2);
+            const int distance = start + n - (start + n >= p.nlon / 2 ? p.nlon : 0);
+            keep(e, n < valid && unsigned(distance + half) <= unsigned(2 * half));
+          }
+        } else {
+#pragma unroll
+          for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+            keep(e, unsigned(8 * (e / 4) + 2 * t + (e % 2) - first) < unsigned(count));
+          }
         }
       }
       uint32_t pv[kChunk / 16][4];
