@@ -46,13 +46,6 @@ constexpr int kD = 64;                 // channels: one 128-byte row per point, 
 #ifndef WS_STAGES
 #define WS_STAGES 4
 #endif
-// 1: every consumer thread arrives on a stage's "empty" barrier (the ordering compute-sanitizer's
-// racecheck models); 0: lane 0 of each warp after __syncwarp (racecheck reports the chunk description's
-// reads by the other lanes as racing with the producer's next write of it).
-#ifndef WS_ARRIVE_PER_THREAD
-#define WS_ARRIVE_PER_THREAD 0
-#endif
-constexpr int kEmptyArrivals = WS_ARRIVE_PER_THREAD ? 32 : 1;  // per consumer warp
 constexpr int kChunk = 32;             // key longitudes per staged chunk
 constexpr int kStages = WS_STAGES;
 constexpr int kTileRows = 4;           // query rows of a block, one per warp of each warpgroup
@@ -267,8 +260,10 @@ __device__ void Consume(const Problem& p, Shared& s, int group) {
       sm90::WgmmaWait<0>();
       sm90::FenceRegisters(o);
     }
-    if (kEmptyArrivals == 1) __syncwarp();
-    if (kEmptyArrivals == 32 || lane == 0) MbarrierArrive(&s.empty[at.stage]);
+    // Every thread arrives: the ordering compute-sanitizer's racecheck models (one arrival per warp after
+    // __syncwarp measured the same, but racecheck then reports the other lanes' reads of the chunk's
+    // description as racing with its next write).
+    MbarrierArrive(&s.empty[at.stage]);
     at.Advance();
   }
   if (query_row >= p.nlat || group_lon >= p.nlon) return;
@@ -295,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       MbarrierInit(&s.full[i], 1);
-      MbarrierInit(&s.empty[i], 4 * kConsumers * kEmptyArrivals);
+      MbarrierInit(&s.empty[i], 128 * kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -514,9 +509,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
 bool Main(bool once) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("%s, %d SMs; block of %d threads (%d consumer warpgroups), %d stages of %d key columns, %s\n",
-              prop.name, prop.multiProcessorCount, kThreads, kConsumers, kStages, kChunk,
-              kEmptyArrivals == 1 ? "one arrival per warp" : "one arrival per thread");
+  std::printf("%s, %d SMs; block of %d threads (%d consumer warpgroups), %d stages of %d key columns\n", prop.name,
+              prop.multiProcessorCount, kThreads, kConsumers, kStages, kChunk);
   const EncodeTiled encode = FindEncodeTiled();
   if (encode == nullptr) return false;
   const double pi = 3.14159265358979323846;
