@@ -1,10 +1,10 @@
 // Warp-specialised forward prototype (benchmarks/ws_forward.sh builds and runs it): stage 2 of the
 // design note on the problem the tiled forward solves, to measure what it costs before it is built into
 // the module. A producer warp streams K/V chunks as tensor-map boxes (no staging code in the warps that
-// multiply); two consumer warpgroups multiply each chunk with wgmma (m64 tiles, A from registers, no
+// multiply); kConsumers warpgroups multiply each chunk with wgmma (m64 tiles, A from registers, no
 // ldmatrix) and run the online softmax. Query tiles are 2-D so that m64 wastes little: a warpgroup owns
-// 4 rows x 16 longitudes (warp w = query row w), a block 4 rows x 32 longitudes, both warpgroups
-// reading every staged chunk of one key row (skipping chunks off their band).
+// 4 rows x 16 longitudes (warp w = query row w), a block 4 rows x 16 kConsumers longitudes, every
+// warpgroup reading the staged chunks of one key row (skipping chunks off its band).
 //
 // Self-attention on an equiangular grid, bf16, one head of 64 channels. Neighbourhoods follow the
 // geodesic-disk rule through per-(query row, key row) half-widths in longitude computed here (the
@@ -39,7 +39,7 @@ namespace sm90 = s2attn::gpu::sm90;
 using T = __nv_bfloat16;
 
 constexpr int kD = 64;                 // channels: one 128-byte row per point, one swizzle span
-// Build parameters (benchmarks/ws_forward.sh passes -D flags to compare shapes in one run).
+// Build parameters: other shapes with -DWS_CONSUMERS=... -DWS_STAGES=... on the nvcc line.
 #ifndef WS_CONSUMERS
 #define WS_CONSUMERS 3
 #endif
@@ -60,7 +60,7 @@ constexpr int kRing = 1 << 20;         // half-width of a key row every query of
 struct ChunkInfo {
   int row;                  // key row; -1: the stream ended
   int lon;                  // longitude of the chunk's first column
-  int valid;                // columns [0, valid) belong to the window (the rest: zeros or repeats)
+  int valid;                // columns [0, valid) belong to the window part (the rest: zeros, or keys past it)
   int reach;                // largest of half[]
   float bias;               // log2 of the key row's quadrature weight
   int half[kTileRows];      // per query row: longitudes each side of a query it sees (-1: none, kRing)
@@ -89,11 +89,41 @@ struct Problem {
   float scale_log2;      // softmax scale times log2(e)
 };
 
-// x - nlon * round(x / nlon) for |x| < 2 nlon: a longitude difference in [-nlon / 2, nlon / 2).
-__device__ __forceinline__ int WrapDifference(int x, int nlon) {
+// A longitude difference x in [-1.5 nlon, 1.5 nlon) brought into [-nlon / 2, nlon / 2).
+__host__ __device__ __forceinline__ int WrapDifference(int x, int nlon) {
   if (x >= nlon / 2) x -= nlon;
   if (x < -nlon / 2) x += nlon;
   return x;
+}
+
+// The window of a block whose first longitude is first_lon on a key row seen up to `reach` longitudes
+// each side: the union of its queries' arcs, as at most two parts [begin, end) cut at longitude 0.
+struct Window {
+  int count = 1;
+  int parts[2][2];
+};
+
+__host__ __device__ inline Window WindowOf(int first_lon, int reach, int nlon) {
+  Window w;
+  const int lo = first_lon - reach, hi = first_lon + kBlockLons + reach;
+  if (hi - lo >= nlon) {
+    w.parts[0][0] = 0, w.parts[0][1] = nlon;
+  } else if (lo < 0) {
+    w.parts[0][0] = lo + nlon, w.parts[0][1] = nlon, w.parts[1][0] = 0, w.parts[1][1] = hi, w.count = 2;
+  } else if (hi > nlon) {
+    w.parts[0][0] = lo, w.parts[0][1] = nlon, w.parts[1][0] = 0, w.parts[1][1] = hi - nlon, w.count = 2;
+  } else {
+    w.parts[0][0] = lo, w.parts[0][1] = hi;
+  }
+  return w;
+}
+
+// Whether the chunk of `valid` columns from longitude `lon` meets the band of the warpgroup whose first
+// longitude is group_lon (bands close to the whole ring are taken whole: the test does not see them wrap).
+__host__ __device__ inline bool Touches(int lon, int valid, int reach, int group_lon, int nlon) {
+  const int offset = WrapDifference(lon - group_lon, nlon);
+  return group_lon < nlon && (2 * reach + kGroupLons + 2 * kChunk >= nlon ||
+                              (offset + valid - 1 >= -reach && offset <= kGroupLons - 1 + reach));
 }
 
 struct StagePosition {
@@ -124,22 +154,13 @@ __device__ void Produce(const Problem& p, const CUtensorMap* keys, const CUtenso
       info.reach = max(info.reach, info.half[r]);
     }
     if (info.reach < 0) continue;
-    int parts[2][2], count = 1;
-    const int lo = first_lon - info.reach, hi = first_lon + kBlockLons + info.reach;
-    if (hi - lo >= p.nlon) {
-      parts[0][0] = 0, parts[0][1] = p.nlon;
-    } else if (lo < 0) {
-      parts[0][0] = lo + p.nlon, parts[0][1] = p.nlon, parts[1][0] = 0, parts[1][1] = hi, count = 2;
-    } else if (hi > p.nlon) {
-      parts[0][0] = lo, parts[0][1] = p.nlon, parts[1][0] = 0, parts[1][1] = hi - p.nlon, count = 2;
-    } else {
-      parts[0][0] = lo, parts[0][1] = hi;
-    }
-    for (int part = 0; part < count; ++part) {
-      for (int lon = parts[part][0]; lon < parts[part][1]; lon += kChunk) {
+    const Window window = WindowOf(first_lon, info.reach, p.nlon);
+    for (int part = 0; part < window.count; ++part) {
+      const int end = window.parts[part][1];
+      for (int lon = window.parts[part][0]; lon < end; lon += kChunk) {
         MbarrierWait(&s.empty[at.stage], at.phase ^ 1);
         info.lon = lon;
-        info.valid = min(kChunk, parts[part][1] - lon);
+        info.valid = min(kChunk, end - lon);
         s.info[at.stage] = info;
         sm90::MbarrierArriveExpectBytes(&s.full[at.stage], 2 * kChunkBytes);
         sm90::LoadBox3d(s.stages[at.stage].k, keys, 0, lon, row, &s.full[at.stage]);
@@ -182,10 +203,7 @@ __device__ void Consume(const Problem& p, Shared& s, int group) {
     const ChunkInfo& info = s.info[at.stage];
     if (info.row < 0) break;
     const int lon = info.lon, valid = info.valid, reach = info.reach, half = info.half[warp];
-    const int offset = WrapDifference(lon - group_lon, p.nlon);
-    // (Bands close to the whole ring are taken whole: the test below does not see them wrap.)
-    const bool touched = group_lon < p.nlon && (2 * reach + kGroupLons + 2 * kChunk >= p.nlon ||
-                                                (offset + valid - 1 >= -reach && offset <= kGroupLons - 1 + reach));
+    const bool touched = Touches(lon, valid, reach, group_lon, p.nlon);
     if (touched) {
       const Stage& stage = s.stages[at.stage];
       const uint64_t keys = sm90::SwizzledTileDescriptor(stage.k);
@@ -334,10 +352,12 @@ struct Config {
   double cutoff;
 };
 
-float BfloatToFloat(T x) { return __bfloat162float(x); }
-
 bool Run(const Config& config, EncodeTiled encode, int reps) {
   const int nlat = config.nlat, nlon = config.nlon;
+  if (nlon % kGroupLons != 0) {  // a warpgroup's 16 longitudes are written whole
+    std::printf("%s: nlon %d is not a multiple of %d\n", config.name, nlon, kGroupLons);
+    return false;
+  }
   const size_t points = size_t(nlat) * nlon;
   const std::vector<int> half = HalfWidths(nlat, nlon, config.cutoff);
   const int row_blocks = (nlat + kTileRows - 1) / kTileRows;
@@ -406,7 +426,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   const size_t unwritten = std::count_if(got.begin(), got.end(), [](float x) { return std::isnan(x); }) +
                            std::count_if(got_lse.begin(), got_lse.end(), [](float x) { return std::isnan(x); });
 
-  // float64 reference of sampled queries (every pole query among them).
+  // float64 reference of sampled queries (one on each pole row among them).
   double error = 0, scale_ref = 0, lse_error = 0;
   struct {
     int row, lon, channel;
@@ -426,8 +446,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
         const size_t key = size_t(j) * nlon + ((first + c) % nlon + nlon) % nlon;
         double dot = 0;
         for (int d = 0; d < kD; ++d) {
-          dot += double(BfloatToFloat(host[0][(size_t(i) * nlon + lon) * kD + d])) *
-                 BfloatToFloat(host[1][key * kD + d]);
+          dot += double(__bfloat162float(host[0][(size_t(i) * nlon + lon) * kD + d])) *
+                 __bfloat162float(host[1][key * kD + d]);
         }
         logits.emplace_back(0.125 * dot + std::log(double(weight[j])), key);
         top = std::max(top, logits.back().first);
@@ -438,7 +458,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
     for (const auto& [logit, key] : logits) {
       const double e = std::exp(logit - top);
       total += e;
-      for (int d = 0; d < kD; ++d) acc[d] += e * BfloatToFloat(host[2][key * kD + d]);
+      for (int d = 0; d < kD; ++d) acc[d] += e * __bfloat162float(host[2][key * kD + d]);
     }
     const size_t point = size_t(i) * nlon + lon;
     for (int d = 0; d < kD; ++d) {
@@ -452,7 +472,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   const double relative = error / scale_ref;
   const bool correct = unwritten == 0 && relative <= 1e-2 && lse_error <= 1e-3 && std::isfinite(relative);
 
-  // Work the stream does (the producer's loop replayed): chunks and chunks multiplied per warpgroup.
+  // Work the stream does (the producer's loop and the consumers' test replayed): chunks staged, chunks
+  // multiplied by a warpgroup, and the neighbour pairs among the latter's 64 x kChunk products.
   long long chunks = 0, multiplied = 0, pairs = 0;
   for (int b = 0; b < row_blocks; ++b) {
     for (int j = key_rows[2 * b]; j <= key_rows[2 * b + 1]; ++j) {
@@ -463,11 +484,18 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
         if (h >= 0) pairs += (long long)nlon * (h >= kRing ? nlon : 2 * h + 1);
       }
       if (reach < 0) continue;
-      const long long width = std::min<long long>(nlon, kBlockLons + 2LL * reach);
-      const long long per_block = width >= nlon ? (nlon + kChunk - 1) / kChunk : (width + kChunk - 1) / kChunk + 1;
-      chunks += per_block * (nlon / kBlockLons);
-      const long long group_width = std::min<long long>(nlon, kGroupLons + 2LL * reach);
-      multiplied += std::min(per_block, (group_width + kChunk - 1) / kChunk + 1) * (nlon / kGroupLons);
+      for (int first_lon = 0; first_lon < nlon; first_lon += kBlockLons) {
+        const Window window = WindowOf(first_lon, reach, nlon);
+        for (int part = 0; part < window.count; ++part) {
+          for (int lon = window.parts[part][0]; lon < window.parts[part][1]; lon += kChunk) {
+            ++chunks;
+            for (int group = 0; group < kConsumers; ++group) {
+              const int valid = std::min(kChunk, window.parts[part][1] - lon);
+              multiplied += Touches(lon, valid, reach, first_lon + group * kGroupLons, nlon);
+            }
+          }
+        }
+      }
     }
   }
 
@@ -485,6 +513,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
     if (rep >= reps / 7) times.push_back(ms);
   }
   CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
   std::sort(times.begin(), times.end());
   const double ms = times[times.size() / 2];
   std::printf("%-14s %4dx%-5d cutoff %.5f: %.3f ms (min %.3f) | pairs %.3g, chunks %.3g, warpgroup-chunks %.3g, "
@@ -505,7 +535,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   return correct;
 }
 
-// Without arguments: every config, timed. `--once`: the smallest config, one launch (compute-sanitizer).
+// Without arguments: every config, timed. `--once`: the smallest config, the checked launch and one timed
+// (for compute-sanitizer).
 bool Main(bool once) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
