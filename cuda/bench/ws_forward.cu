@@ -39,13 +39,23 @@ namespace sm90 = s2attn::gpu::sm90;
 using T = __nv_bfloat16;
 
 constexpr int kD = 64;                 // channels: one 128-byte row per point, one swizzle span
-// Build parameters: other shapes with -DWS_CONSUMERS=... -DWS_STAGES=... on the nvcc line.
+// Build parameters: other shapes with -DWS_CONSUMERS=... -DWS_STAGES=... on the nvcc line;
+// WS_QUERIES_SHARED=1 stages each warpgroup's queries by a tensor-map box and multiplies Q K^T from
+// shared memory (16 registers fewer), WS_MIN_BLOCKS asks for that many blocks per SM (with
+// -maxrregcount where the schedulers' register files need it).
 #ifndef WS_CONSUMERS
 #define WS_CONSUMERS 3
 #endif
 #ifndef WS_STAGES
 #define WS_STAGES 4
 #endif
+#ifndef WS_QUERIES_SHARED
+#define WS_QUERIES_SHARED 0
+#endif
+#ifndef WS_MIN_BLOCKS
+#define WS_MIN_BLOCKS 1
+#endif
+constexpr bool kQueriesShared = WS_QUERIES_SHARED;
 constexpr int kChunk = 32;             // key longitudes per staged chunk
 constexpr int kStages = WS_STAGES;
 constexpr int kTileRows = 4;           // query rows of a block, one per warp of each warpgroup
@@ -71,11 +81,17 @@ struct alignas(1024) Stage {
   T v[kChunk * kD];
 };
 
+struct alignas(1024) QueryTile {
+  T q[4 * kGroupLons * kD];  // rows: query row (warp) x longitude, as the box lays them out
+};
+
 struct Shared {
   Stage stages[kStages];
+  QueryTile queries[kQueriesShared ? kConsumers : 1];
   ChunkInfo info[kStages];
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  uint64_t queries_full;
 };
 
 struct Problem {
@@ -140,8 +156,16 @@ struct StagePosition {
 // One thread: every chunk of every key row the block's queries see, in key-row order. A row's window
 // is the union of the block's arcs, cut at longitude 0 into at most two parts, each staged from its
 // start in chunks (boxes past nlon are zero-filled by the copy engine and marked invalid).
-__device__ void Produce(const Problem& p, const CUtensorMap* keys, const CUtensorMap* values, Shared& s) {
+__device__ void Produce(const Problem& p, const CUtensorMap* queries, const CUtensorMap* keys,
+                        const CUtensorMap* values, Shared& s) {
   const int first_query_row = blockIdx.y * kTileRows, first_lon = blockIdx.x * kBlockLons;
+  if (kQueriesShared) {
+    sm90::MbarrierArriveExpectBytes(&s.queries_full, kConsumers * sizeof(QueryTile));
+    for (int group = 0; group < kConsumers; ++group) {
+      sm90::LoadBox3d(s.queries[group].q, queries, 0, first_lon + group * kGroupLons, first_query_row,
+                      &s.queries_full);
+    }
+  }
   StagePosition at;
   for (int row = p.key_rows[2 * blockIdx.y]; row <= p.key_rows[2 * blockIdx.y + 1]; ++row) {
     ChunkInfo info;
@@ -186,16 +210,23 @@ __device__ void Consume(const Problem& p, Shared& s, int group) {
   const int query_row = blockIdx.y * kTileRows + warp;
   const int group_lon = blockIdx.x * kBlockLons + group * kGroupLons;
   const int lons[2] = {group_lon + g, group_lon + g + 8};  // of the thread's two accumulator rows
-  const T* rows[2];
-  for (int h = 0; h < 2; ++h) rows[h] = p.q + (size_t(min(query_row, p.nlat - 1)) * p.nlon + lons[h] % p.nlon) * kD;
-  uint32_t q[kD / 16][4];
+  uint32_t q[kQueriesShared ? 1 : kD / 16][4];
+  if (kQueriesShared) {
+    MbarrierWait(&s.queries_full, 0);
+  } else {
+    const T* rows[2];
+    for (int h = 0; h < 2; ++h) {
+      rows[h] = p.q + (size_t(min(query_row, p.nlat - 1)) * p.nlon + lons[h] % p.nlon) * kD;
+    }
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks) {
-    q[ks][0] = *reinterpret_cast<const uint32_t*>(rows[0] + 16 * ks + 2 * t);
-    q[ks][1] = *reinterpret_cast<const uint32_t*>(rows[1] + 16 * ks + 2 * t);
-    q[ks][2] = *reinterpret_cast<const uint32_t*>(rows[0] + 16 * ks + 2 * t + 8);
-    q[ks][3] = *reinterpret_cast<const uint32_t*>(rows[1] + 16 * ks + 2 * t + 8);
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      q[ks][0] = *reinterpret_cast<const uint32_t*>(rows[0] + 16 * ks + 2 * t);
+      q[ks][1] = *reinterpret_cast<const uint32_t*>(rows[1] + 16 * ks + 2 * t);
+      q[ks][2] = *reinterpret_cast<const uint32_t*>(rows[0] + 16 * ks + 2 * t + 8);
+      q[ks][3] = *reinterpret_cast<const uint32_t*>(rows[1] + 16 * ks + 2 * t + 8);
+    }
   }
+  const uint64_t queries = sm90::SwizzledTileDescriptor(s.queries[kQueriesShared ? group : 0].q);
   float o[kD / 2] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
   StagePosition at;
   for (;;) {
@@ -209,7 +240,13 @@ __device__ void Consume(const Problem& p, Shared& s, int group) {
       const uint64_t keys = sm90::SwizzledTileDescriptor(stage.k);
       sm90::WgmmaFence();
 #pragma unroll
-      for (int ks = 0; ks < kD / 16; ++ks) sm90::WgmmaM64N32K16<T, 0>(scores, q[ks], keys + 2 * ks, ks > 0);
+      for (int ks = 0; ks < kD / 16; ++ks) {
+        if constexpr (kQueriesShared) {
+          sm90::WgmmaM64N32K16SharedA<T>(scores, queries + 2 * ks, keys + 2 * ks, ks > 0);
+        } else {
+          sm90::WgmmaM64N32K16<T, 0>(scores, q[ks], keys + 2 * ks, ks > 0);
+        }
+      }
       sm90::WgmmaCommit();
       sm90::WgmmaWait<0>();
       sm90::FenceRegisters(scores);
@@ -300,9 +337,9 @@ __device__ void Consume(const Problem& p, Shared& s, int group) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1)
-    WarpSpecialisedForward(Problem p, const __grid_constant__ CUtensorMap keys,
-                           const __grid_constant__ CUtensorMap values) {
+__global__ void __launch_bounds__(kThreads, WS_MIN_BLOCKS)
+    WarpSpecialisedForward(Problem p, const __grid_constant__ CUtensorMap queries,
+                           const __grid_constant__ CUtensorMap keys, const __grid_constant__ CUtensorMap values) {
   extern __shared__ char raw[];
   Shared& s = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   if (threadIdx.x == 0) {
@@ -310,12 +347,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       MbarrierInit(&s.full[i], 1);
       MbarrierInit(&s.empty[i], 128 * kConsumers);
     }
+    MbarrierInit(&s.queries_full, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   const int warp = threadIdx.x / 32;
   if (warp == 4 * kConsumers) {
-    if (threadIdx.x % 32 == 0) Produce(p, &keys, &values, s);
+    if (threadIdx.x % 32 == 0) Produce(p, &queries, &keys, &values, s);
   } else {
     Consume(p, s, warp / 4);
   }
@@ -399,12 +437,13 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   CHECK_CUDA(cudaMemcpy(dhalf, half.data(), half.size() * sizeof(int), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dkey_rows, key_rows.data(), key_rows.size() * sizeof(int), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dbias, bias.data(), nlat * sizeof(float), cudaMemcpyHostToDevice));
-  CUtensorMap maps[2];
+  // Maps of q (boxes of a warpgroup's 4 x 16 queries), k and v (boxes of one chunk).
+  CUtensorMap maps[3];
   const cuuint64_t dims[3] = {kD, cuuint64_t(nlon), cuuint64_t(nlat)};
   const cuuint64_t strides[2] = {kD * sizeof(T), nlon * kD * sizeof(T)};
-  const cuuint32_t box[3] = {kD, kChunk, 1}, element_strides[3] = {1, 1, 1};
-  for (int i = 0; i < 2; ++i) {
-    if (encode(&maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, device[1 + i], dims, strides, box, element_strides,
+  const cuuint32_t boxes[2][3] = {{kD, kGroupLons, kTileRows}, {kD, kChunk, 1}}, element_strides[3] = {1, 1, 1};
+  for (int i = 0; i < 3; ++i) {
+    if (encode(&maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, device[i], dims, strides, boxes[i > 0], element_strides,
                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
       std::printf("cuTensorMapEncodeTiled failed\n");
@@ -417,7 +456,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   const dim3 grid((nlon + kBlockLons - 1) / kBlockLons, row_blocks);
   CHECK_CUDA(cudaMemset(out, 0xff, points * kD * sizeof(float)));  // NaN
   CHECK_CUDA(cudaMemset(lse, 0xff, points * sizeof(float)));
-  WarpSpecialisedForward<<<grid, kThreads, shared>>>(problem, maps[0], maps[1]);
+  WarpSpecialisedForward<<<grid, kThreads, shared>>>(problem, maps[0], maps[1], maps[2]);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(points * kD), got_lse(points);
@@ -505,7 +544,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   std::vector<float> times;
   for (int rep = 0; rep < reps; ++rep) {
     CHECK_CUDA(cudaEventRecord(start));
-    WarpSpecialisedForward<<<grid, kThreads, shared>>>(problem, maps[0], maps[1]);
+    WarpSpecialisedForward<<<grid, kThreads, shared>>>(problem, maps[0], maps[1], maps[2]);
     CHECK_CUDA(cudaEventRecord(stop));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float ms;

@@ -61,6 +61,13 @@ __device__ __forceinline__ void FenceRegisters(float (&d)[N]) {
                "{%16,%17,%18,%19}, %20, p, 1, 1, %21;\n}\n"                                                            \
                : S2ATTN_WGMMA_D16(0)                                                                                   \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
+#define S2ATTN_WGMMA_M64N32K16_SHARED_A(TYPE)                                                                          \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                         \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, "                                             \
+               "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                                         \
+               : S2ATTN_WGMMA_D16(0)                                                                                   \
+               : "l"(a), "l"(b), "r"(accumulate))
 #define S2ATTN_WGMMA_M64N64K16(TYPE)                                                                                   \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %38, 0;\n"                                                          \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
@@ -78,6 +85,13 @@ __device__ __forceinline__ void WgmmaM64N32K16(float (&d)[16], const uint32_t (&
   S2ATTN_WGMMA_M64N32K16("bf16");
 }
 
+// d (+)= A B for an m64n32k16 slice with A in shared memory too (K-major, descriptor `a`).
+template <typename T>
+__device__ __forceinline__ void WgmmaM64N32K16SharedA(float (&d)[16], uint64_t a, uint64_t b, uint32_t accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
+  S2ATTN_WGMMA_M64N32K16_SHARED_A("bf16");
+}
+
 // d (+)= A B for an m64n64k16 slice; `accumulate` 0 overwrites d.
 template <typename T, int kTransB>
 __device__ __forceinline__ void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
@@ -88,6 +102,7 @@ __device__ __forceinline__ void WgmmaM64N64K16(float (&d)[32], const uint32_t (&
 
 #undef S2ATTN_WGMMA_M64N32K16
 #undef S2ATTN_WGMMA_M64N64K16
+#undef S2ATTN_WGMMA_M64N32K16_SHARED_A
 #undef S2ATTN_WGMMA_D16
 #undef S2ATTN_WGMMA_D4
 
