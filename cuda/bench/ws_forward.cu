@@ -1,10 +1,10 @@
 // Warp-specialised forward prototype (benchmarks/ws_forward.sh builds and runs it): stage 2 of the
 // design note on the problem the tiled forward solves, to measure what it costs before it is built into
 // the module. A producer warp streams K/V chunks as tensor-map boxes (no staging code in the warps that
-// multiply); kConsumers warpgroups multiply each chunk with wgmma (m64 tiles, A from registers, no
-// ldmatrix) and run the online softmax. Query tiles are 2-D so that m64 wastes little: a warpgroup owns
-// 4 rows x 16 longitudes (warp w = query row w), a block 4 rows x 16 kConsumers longitudes, every
-// warpgroup reading the staged chunks of one key row (skipping chunks off its band).
+// multiply); kConsumers warpgroups multiply each chunk with wgmma (m64 tiles, no ldmatrix; Q from
+// shared memory or registers) and run the online softmax. Query tiles are 2-D so that m64 wastes
+// little: a warpgroup owns 4 rows x 16 longitudes (warp w = query row w), a block 4 rows x 16 kConsumers
+// longitudes, every warpgroup reading the staged chunks of one key row (skipping chunks off its band).
 //
 // Self-attention on an equiangular grid, bf16, one head of 64 channels. Neighbourhoods follow the
 // geodesic-disk rule through per-(query row, key row) half-widths in longitude computed here (the
@@ -43,17 +43,19 @@ constexpr int kD = 64;                 // channels: one 128-byte row per point, 
 // WS_QUERIES_SHARED=1 stages each warpgroup's queries by a tensor-map box and multiplies Q K^T from
 // shared memory (16 registers fewer), WS_MIN_BLOCKS asks for that many blocks per SM (with
 // -maxrregcount where the schedulers' register files need it).
+// The defaults are the fastest build measured (NOTES, session 9): one warpgroup per block, its
+// queries in shared memory, 4 blocks per SM (94 registers).
 #ifndef WS_CONSUMERS
-#define WS_CONSUMERS 3
+#define WS_CONSUMERS 1
 #endif
 #ifndef WS_STAGES
 #define WS_STAGES 4
 #endif
 #ifndef WS_QUERIES_SHARED
-#define WS_QUERIES_SHARED 0
+#define WS_QUERIES_SHARED 1
 #endif
 #ifndef WS_MIN_BLOCKS
-#define WS_MIN_BLOCKS 1
+#define WS_MIN_BLOCKS 4
 #endif
 constexpr bool kQueriesShared = WS_QUERIES_SHARED;
 constexpr int kChunk = 32;             // key longitudes per staged chunk

@@ -1,5 +1,5 @@
-// Hopper (sm_90a) warpgroup MMA: wgmma.mma_async with the A operand in registers and B in shared memory,
-// f32 accumulators. One concern: the instructions and the shared-memory descriptor of B; the kernels
+// Hopper (sm_90a) warpgroup MMA: wgmma.mma_async with B in shared memory and A in registers or shared
+// memory, f32 accumulators. One concern: the instructions and the shared tiles' descriptor; the kernels
 // choose tile shapes and pipelines. A warpgroup is four consecutive warps (the first a multiple of four);
 // every wgmma function below is executed by all 128 threads together.
 //
@@ -9,11 +9,12 @@
 //   mma.sync's m16n8k16 A fragment per warp, so columns 16 j..16 j + 15 of an accumulator are the A
 //   fragment {pack(d[8j], d[8j+1]), pack(d[8j+2], d[8j+3]), pack(d[8j+4], d[8j+5]), pack(d[8j+6], d[8j+7])}.
 //
-// B tiles are rows of 64 16-bit elements (128 bytes) with the 128-byte swizzle, 1024-byte aligned: what
-// a tensor-map box of 64 x rows with CU_TENSOR_MAP_SWIZZLE_128B writes (tma_sm90.cuh). Such a tile of
-// n rows is B "K-major" for a product against its transpose (S = Q K^T: rows are keys, advance 32 bytes
-// per k16 step) and B "MN-major" for a product against itself (O = P V: rows are keys = k, advance
-// 2048 bytes = 16 rows per k16 step, kTransB = 1).
+// Shared tiles are rows of 64 16-bit elements (128 bytes) with the 128-byte swizzle, 1024-byte aligned:
+// what a tensor-map box of 64 x rows with CU_TENSOR_MAP_SWIZZLE_128B writes (tma_sm90.cuh). Such a tile
+// of n rows is B "K-major" for a product against its transpose (S = Q K^T: rows are keys, advance 32
+// bytes per k16 step; A = Q in shared memory the same way, rows are queries) and B "MN-major" for a
+// product against itself (O = P V: rows are keys = k, advance 2048 bytes = 16 rows per k16 step,
+// kTransB = 1).
 #pragma once
 
 #include <cuda_bf16.h>
