@@ -34,6 +34,7 @@ namespace {
 using s2attn::gpu::Exp2;
 using s2attn::gpu::MbarrierArrive;
 using s2attn::gpu::MbarrierInit;
+using s2attn::gpu::MbarrierInitFence;
 using s2attn::gpu::MbarrierWait;
 namespace sm90 = s2attn::gpu::sm90;
 using T = __nv_bfloat16;
@@ -350,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, WS_MIN_BLOCKS)
       MbarrierInit(&s.empty[i], 128 * kConsumers);
     }
     MbarrierInit(&s.queries_full, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    MbarrierInitFence();
   }
   __syncthreads();
   const int warp = threadIdx.x / 32;
