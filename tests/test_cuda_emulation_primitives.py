@@ -29,7 +29,8 @@ TILE_BYTES = 16 + 3 * 16 * 16 * 2  # the barrier the copies land on (8 bytes, pa
 # Faults of primitives_selftest.cu.
 (NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
  THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL, UNINITIALISED_BARRIER, COPY_NOT_TRACKED,
- THREAD_ARRIVES_TWICE, COPIES_ARRIVE_TWICE, BOX_MISALIGNED, LANE_OTHER_DESCRIPTOR) = range(13)  # fmt: skip
+ THREAD_ARRIVES_TWICE, COPIES_ARRIVE_TWICE, BOX_MISALIGNED, LANE_OTHER_DESCRIPTOR,
+ WARP_SKIPS_WGMMA) = range(14)  # fmt: skip
 BLOCK_THREADS = 128  # of BlockCentreKernel
 
 
@@ -221,7 +222,11 @@ FAULTS = {
     ),
     "wgmma-lanes-disagree": (
         f"RunWgmma(wide, wide, wide, wide, I({LANE_OTHER_DESCRIPTOR}))",
-        "wgmma: lane 3 gives other descriptors or shape than lane 0",
+        "wgmma: lane 3 gives other descriptors, shape or accumulate than lane 0",
+    ),
+    "wgmma-warp-skips": (
+        f"RunWgmma(wide, wide, wide, wide, I({WARP_SKIPS_WGMMA}))",
+        "wgmma: warp 2 issued 9 wgmmas, warp 0 of its warpgroup 10",
     ),
 }
 

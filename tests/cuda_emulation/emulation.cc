@@ -177,10 +177,14 @@ union LaneInput {
   struct {
     uint32_t a[4], b[2];
   } mma;  // the lane's A and B fragments
-  struct {
-    uint32_t a[4];            // A fragments (register A)
+  struct WgmmaIssue {
     uint64_t a_desc, b_desc;  // a_desc 0: A in registers
-    uint32_t n, trans_b;
+    uint32_t n, trans_b, accumulate;
+    bool operator==(const WgmmaIssue&) const = default;
+  };
+  struct {
+    uint32_t a[4];  // A fragments (register A)
+    WgmmaIssue issue;
   } wgmma;
 };
 
@@ -287,11 +291,53 @@ struct SwizzledTile {
   uint32_t start, stride;
 };
 
-SwizzledTile DecodeDescriptor(uint64_t descriptor) {
-  if (descriptor >> 62 != 1) {
-    Fail("wgmma: descriptor %#llx is not of a 128-byte-swizzled tile", static_cast<unsigned long long>(descriptor));
+// Only the form the H200 validated (cuda/bench/ws_forward.cu) is emulated: the 128-byte swizzle, no base
+// offset, atoms 1024 bytes apart, and a start inside the first row of an atom with the slice read per
+// row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N columns of an MN-major one) in it.
+SwizzledTile DecodeDescriptor(uint64_t descriptor, uint32_t slice_bytes) {
+  const auto bits = static_cast<unsigned long long>(descriptor);
+  if (descriptor >> 62 != 1) Fail("wgmma: descriptor %#llx is not of a 128-byte-swizzled tile", bits);
+  if ((descriptor >> 49) & 7) Fail("wgmma: descriptor %#llx has a base offset (not emulated)", bits);
+  const SwizzledTile tile{static_cast<uint32_t>(descriptor & 0x3FFF) << 4,
+                          static_cast<uint32_t>((descriptor >> 32) & 0x3FFF) << 4};
+  if (tile.stride != 1024) Fail("wgmma: descriptor %#llx: atoms %u bytes apart, not 1024", bits, tile.stride);
+  if ((tile.start & 0x380) != 0 || (tile.start & 127) + slice_bytes > 128) {
+    Fail("wgmma: descriptor %#llx: a %u-byte slice from byte %u of an atom leaves its first row", bits, slice_bytes,
+         tile.start & 1023);
   }
-  return {static_cast<uint32_t>(descriptor & 0x3FFF) << 4, static_cast<uint32_t>((descriptor >> 32) & 0x3FFF) << 4};
+  return tile;
+}
+
+// What each warp of the block issued, wgmma by wgmma: the four warps of a warpgroup issue every wgmma
+// together on the device (one warpgroup-wide instruction), with the same operands.
+std::vector<std::vector<LaneInput::WgmmaIssue>> g_wgmma_issues;
+
+void RecordWgmma(const LaneInput::WgmmaIssue& issue) {
+  const unsigned warp = threadIdx.x / 32, first = warp / 4 * 4;
+  if ((first + 4) * 32 > blockDim.x) {
+    Fail("wgmma: the warpgroup of warp %u (warps %u..%u) is not whole in a block of %u threads", warp, first,
+         first + 3, blockDim.x);
+  }
+  std::vector<LaneInput::WgmmaIssue>& mine = g_wgmma_issues[warp];
+  for (unsigned other = first; other < first + 4; ++other) {
+    const auto& theirs = g_wgmma_issues[other];
+    if (other != warp && theirs.size() > mine.size() && !(theirs[mine.size()] == issue)) {
+      Fail("wgmma: wgmma %zu of warp %u differs from warp %u's (descriptors, shape or accumulate)", mine.size(), warp,
+           other);
+    }
+  }
+  mine.push_back(issue);
+}
+
+// At the end of a block: every warp of a warpgroup issued as many wgmmas as the others.
+void CheckWgmmaIssuesComplete() {
+  for (size_t warp = 0; warp < g_wgmma_issues.size(); ++warp) {
+    const size_t first = warp / 4 * 4;
+    if (g_wgmma_issues[warp].size() != g_wgmma_issues[first].size()) {
+      Fail("wgmma: warp %zu issued %zu wgmmas, warp %zu of its warpgroup %zu", warp, g_wgmma_issues[warp].size(), first,
+           g_wgmma_issues[first].size());
+    }
+  }
 }
 
 // The 16-bit value at (unswizzled) offset `address` of the launch's dynamic shared memory.
@@ -319,18 +365,17 @@ uint16_t MnMajor(const SwizzledTile& tile, int k, int n) {
 // The warp's 16 rows of an m64nNk16 product: A (its rows 16 w .. 16 w + 15 of the warpgroup's 64) from
 // the lanes' fragments or from shared memory, B (16 x N) from shared memory.
 void MultiplyWarpRows(Meeting& m) {
-  const auto& first = m.lanes[0].wgmma;
+  const auto& first = m.lanes[0].wgmma.issue;
   for (unsigned lane = 1; lane < 32; ++lane) {
-    const auto& other = m.lanes[lane].wgmma;
-    if (other.a_desc != first.a_desc || other.b_desc != first.b_desc || other.n != first.n ||
-        other.trans_b != first.trans_b) {
-      Fail("wgmma: lane %u gives other descriptors or shape than lane 0", lane);
+    if (!(m.lanes[lane].wgmma.issue == first)) {
+      Fail("wgmma: lane %u gives other descriptors, shape or accumulate than lane 0", lane);
     }
   }
+  RecordWgmma(first);
   const unsigned warp_in_group = threadIdx.x / 32 % 4;
   double a[16][16], b[16][64];
   if (first.a_desc != 0) {
-    const SwizzledTile tile = DecodeDescriptor(first.a_desc);
+    const SwizzledTile tile = DecodeDescriptor(first.a_desc, 32);
     for (int row = 0; row < 16; ++row) {
       for (int k = 0; k < 16; ++k) a[row][k] = Widen(m.kind, KMajor(tile, 16 * warp_in_group + row, k));
     }
@@ -347,7 +392,7 @@ void MultiplyWarpRows(Meeting& m) {
       }
     }
   }
-  const SwizzledTile tile = DecodeDescriptor(first.b_desc);
+  const SwizzledTile tile = DecodeDescriptor(first.b_desc, first.trans_b ? 2 * first.n : 32);
   for (int k = 0; k < 16; ++k) {
     for (unsigned n = 0; n < first.n; ++n) {
       b[k][n] = Widen(m.kind, first.trans_b ? MnMajor(tile, k, n) : KMajor(tile, n, k));
@@ -424,6 +469,19 @@ void CheckShared(const char* what, const void* p, size_t bytes) {
          g_scheduler.shared_bytes);
   }
   if (address % bytes != 0) Fail("%s: shared address %p is not %zu-byte aligned", what, p, bytes);
+}
+
+// The offset of `p` in the launch's dynamic shared memory; fails unless it is `alignment`-aligned there
+// and [p, p + bytes) lies inside.
+uint32_t SharedOffset(const char* what, const void* p, size_t alignment, size_t bytes) {
+  const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  if (address < base || address - base + bytes > g_scheduler.shared_bytes) {
+    Fail("%s: %zu bytes at %p are not inside the launch's %zu bytes of dynamic shared memory", what, bytes, p,
+         g_scheduler.shared_bytes);
+  }
+  if ((address - base) % alignment != 0) Fail("%s: shared address %p is not %zu-byte aligned", what, p, alignment);
+  return static_cast<uint32_t>(address - base);
 }
 
 bool InSharedBuffer(const void* p) {
@@ -712,15 +770,14 @@ void MbarrierWait(uint64_t* barrier, uint32_t parity) {
 namespace sm90 {
 
 void MbarrierArriveExpectBytes(uint64_t* barrier, uint32_t bytes) {
+  CheckCopiesTracked("MbarrierArriveExpectBytes");
   InitialisedMbarrier("MbarrierArriveExpectBytes", barrier);
   g_mbarrier_pending_bytes[barrier] += bytes;
   Arrive("MbarrierArriveExpectBytes", barrier, 0);
 }
 
 uint64_t SwizzledTileDescriptor(const void* tile) {
-  CheckShared("SwizzledTileDescriptor", tile, 1024);
-  const auto offset = static_cast<uint32_t>(reinterpret_cast<const char*>(tile) -
-                                            reinterpret_cast<const char*>(s2attn_dynamic_shared));
+  const uint32_t offset = SharedOffset("SwizzledTileDescriptor", tile, 1024, 128);
   return uint64_t{(offset >> 4) & 0x3FFF} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
 }
 
@@ -729,10 +786,7 @@ void EmulatedWgmma(float* d, unsigned n, const uint32_t* a, uint64_t a_desc, uin
                    uint32_t accumulate) {
   LaneInput input{};
   if (a != nullptr) std::memcpy(input.wgmma.a, a, sizeof input.wgmma.a);
-  input.wgmma.a_desc = a_desc;
-  input.wgmma.b_desc = b_desc;
-  input.wgmma.n = n;
-  input.wgmma.trans_b = trans_b;
+  input.wgmma.issue = {a_desc, b_desc, n, trans_b, accumulate != 0};
   const Meeting& m = MeetWholeWarp(Collective::kWgmma, input);
   const unsigned g = Lane() / 4, t = Lane() % 4;
   for (unsigned i = 0; i < n / 2; ++i) {  // d[i] = (row g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1))
@@ -754,10 +808,9 @@ template <typename T, int kTransB>
 void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(d, 64, a, 0, b, kTransB, accumulate);
 }
+// The forms the kernels use (and the self-test checks).
 template void WgmmaM64N32K16<__nv_bfloat16, 0>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
-template void WgmmaM64N32K16<__nv_bfloat16, 1>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__nv_bfloat16>(float (&)[16], uint64_t, uint64_t, uint32_t);
-template void WgmmaM64N64K16<__nv_bfloat16, 0>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N64K16<__nv_bfloat16, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
 
 }  // namespace sm90
@@ -802,7 +855,7 @@ CUresult CUDAAPI EncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint3
   e.swizzle_128 = swizzle == CU_TENSOR_MAP_SWIZZLE_128B;
   e.strides[0] = e.element_bytes;
   for (cuuint32_t i = 0; i < rank; ++i) {
-    if (dims[i] == 0 || dims[i] > (uint64_t{1} << 32) || box[i] == 0 || box[i] > 256 || element_strides[i] != 1) {
+    if (dims[i] == 0 || dims[i] > UINT32_MAX || box[i] == 0 || box[i] > 256 || element_strides[i] != 1) {
       return CUDA_ERROR_INVALID_VALUE;
     }
     e.dims[i] = static_cast<uint32_t>(dims[i]);
@@ -812,7 +865,9 @@ CUresult CUDAAPI EncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint3
       e.strides[i] = strides[i - 1];
     }
   }
-  if (e.swizzle_128 && box[0] * e.element_bytes != 128) return CUDA_ERROR_INVALID_VALUE;  // not emulated
+  if ((e.swizzle_128 && box[0] * e.element_bytes != 128) || box[0] * e.element_bytes % 16 != 0) {
+    return CUDA_ERROR_INVALID_VALUE;  // swizzled rows other than 128 bytes: not emulated
+  }
   std::memset(map, 0, sizeof *map);
   std::memcpy(map, &e, sizeof e);
   return CUDA_SUCCESS;
@@ -827,14 +882,8 @@ void LoadBox3d(void* destination, const CUtensorMap* map, int x, int y, int z, u
   if (e.tag != kTensorMapTag) Fail("LoadBox3d: %p is not a tensor map of the emulation's cuTensorMapEncodeTiled", map);
   if (e.rank != 3) Fail("LoadBox3d: the map has rank %u", e.rank);
   const uint32_t row_bytes = e.box[0] * e.element_bytes, rows = e.box[1] * e.box[2];
-  CheckShared("LoadBox3d destination", destination, e.swizzle_128 ? 1024 : 128);
-  CheckShared("LoadBox3d destination", destination, 16);
-  const auto first = static_cast<uint32_t>(static_cast<const char*>(destination) -
-                                           reinterpret_cast<const char*>(s2attn_dynamic_shared));
-  if (first + row_bytes * rows > g_scheduler.shared_bytes) {
-    Fail("LoadBox3d: a box of %u bytes at %u reaches past the launch's %zu bytes of dynamic shared memory",
-         row_bytes * rows, first, g_scheduler.shared_bytes);
-  }
+  const uint32_t first =
+      SharedOffset("LoadBox3d destination", destination, e.swizzle_128 ? 1024 : 128, row_bytes * rows);
   const int start[3] = {x, y, z};
   char* shared = reinterpret_cast<char*>(s2attn_dynamic_shared);
   for (uint32_t row = 0; row < rows; ++row) {
@@ -939,6 +988,8 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
       warp.exited = 0;
     }
     g_barrier = BlockBarrier{};
+    g_wgmma_issues.assign(block.x / 32, {});
+    s2attn::gpu::g_mbarrier_pending_bytes.clear();
     for (unsigned t = 0; t < block.x; ++t) ResetFiber(g_scheduler.fibers[t], t);
     // Round-robin until every fiber finished; a full round without progress is a deadlock.
     for (unsigned live = block.x; live > 0;) {
@@ -960,6 +1011,13 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
         if (f.done) ++g_scheduler.progress;
       }
       if (live > 0 && g_scheduler.progress == progress_before) FailDeadlock();
+    }
+    CheckWgmmaIssuesComplete();
+    for (const auto& [barrier, pending] : s2attn::gpu::g_mbarrier_pending_bytes) {
+      if (pending != 0) {
+        Fail("barrier %p ends the block with %lld bytes announced but not landed (or landed but not announced)",
+             barrier, static_cast<long long>(pending));
+      }
     }
   }
 #if EMU_ASAN
