@@ -29,7 +29,8 @@ TILE_BYTES = 16 + 3 * 16 * 16 * 2  # the barrier the copies land on (8 bytes, pa
 # Faults of primitives_selftest.cu.
 (NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
  THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL, UNINITIALISED_BARRIER, COPY_NOT_TRACKED,
- THREAD_ARRIVES_TWICE, COPIES_ARRIVE_TWICE) = range(11)  # fmt: skip
+ THREAD_ARRIVES_TWICE, COPIES_ARRIVE_TWICE, BOX_MISALIGNED, LANE_OTHER_DESCRIPTOR,
+ WARP_SKIPS_WGMMA) = range(14)  # fmt: skip
 BLOCK_THREADS = 128  # of BlockCentreKernel
 
 
@@ -48,6 +49,8 @@ def lib(library) -> ctypes.CDLL:
     lib.RunMbarrierRing.argtypes = [p, p, i64, i64]
     lib.RunMmaLayout.argtypes = [ctypes.c_int, p, p, p, p]
     lib.RunLdMatrixLayout.argtypes = [p, p, p]
+    lib.RunWgmma.argtypes = [p, p, p, p, i64]
+    lib.RunTensorMapBoxes.argtypes = [p, p]
     return lib
 
 
@@ -213,7 +216,57 @@ FAULTS = {
         f"RunMbarrierRing(c, out, I(3), I({UNINITIALISED_BARRIER}))",
         "MbarrierArrive: barrier",
     ),
+    "tensor-map-box-misaligned": (
+        f"RunWgmma(wide, wide, wide, wide, I({BOX_MISALIGNED}))",
+        "is not 1024-byte aligned",
+    ),
+    "wgmma-lanes-disagree": (
+        f"RunWgmma(wide, wide, wide, wide, I({LANE_OTHER_DESCRIPTOR}))",
+        "wgmma: lane 3 gives other descriptors, shape or accumulate than lane 0",
+    ),
+    "wgmma-warp-skips": (
+        f"RunWgmma(wide, wide, wide, wide, I({WARP_SKIPS_WGMMA}))",
+        "wgmma: warp 2 issued 9 wgmmas, warp 0 of its warpgroup 10",
+    ),
 }
+
+
+def test_wgmma_products_match_numpy(lib, rng):
+    """wgmma_sm90.cuh's three products on tiles staged by tensor-map boxes: A B^T with A from shared memory
+    and from register fragments (documented layout), A[:, :32] V with B MN-major."""
+    bf16 = ml_dtypes.bfloat16
+    a = rng.standard_normal((64, 64)).astype(bf16)
+    b = rng.standard_normal((32, 64)).astype(bf16)
+    v = rng.standard_normal((32, 64)).astype(bf16)
+    out = np.full(64 * 32 * 2 + 64 * 64, np.nan, np.float32)
+    assert lib.RunWgmma(a.ctypes.data, b.ctypes.data, v.ctypes.data, out.ctypes.data, NO_FAULT) == 0
+    a64, b64, v64 = (x.astype(np.float64) for x in (a, b, v))
+    scores = a64 @ b64.T
+    assert _relative(out[: 64 * 32].reshape(64, 32), scores) <= 1e-6
+    assert _relative(out[64 * 32 : 2 * 64 * 32].reshape(64, 32), scores) <= 1e-6
+    assert _relative(out[2 * 64 * 32 :].reshape(64, 64), a64[:, :32] @ v64) <= 1e-6
+
+
+def _swizzled(box: np.ndarray) -> np.ndarray:
+    """The bytes of 128-byte rows laid out with the 128-byte swizzle: byte a at a ^ (((a >> 7) & 7) << 4)."""
+    raw = box.view(np.uint8).reshape(-1)
+    address = np.arange(raw.size)
+    laid_out = np.empty_like(raw)
+    laid_out[address ^ (((address >> 7) & 7) << 4)] = raw
+    return laid_out
+
+
+def test_tensor_map_boxes_fill_zeros_and_swizzle(lib, rng):
+    """Boxes of 16 rows of a [20, 64] bf16 tensor at rows -3 and 10: rows outside are zeros; swizzled
+    boxes follow the 128-byte swizzle of CUTLASS's Swizzle<3, 4, 3>, the plain one is row-major."""
+    x = rng.standard_normal((20, 64)).astype(ml_dtypes.bfloat16)
+    out = np.zeros(3 * 2048, np.uint8)
+    assert lib.RunTensorMapBoxes(x.ctypes.data, out.ctypes.data) == 0
+    padded = np.concatenate([np.zeros((3, 64), x.dtype), x, np.zeros((6, 64), x.dtype)])  # rows -3 .. 25
+    first, second = padded[0:16], padded[13:29]
+    np.testing.assert_array_equal(out[:2048], _swizzled(first))
+    np.testing.assert_array_equal(out[2048:4096], _swizzled(second))
+    np.testing.assert_array_equal(out[4096:], first.view(np.uint8).reshape(-1))
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -224,8 +277,9 @@ import ctypes
 import numpy as np
 lib = ctypes.CDLL({str(library)!r})
 I = ctypes.c_int64
-arrays = np.ones(16 * 16, np.uint16), np.ones(16 * 16, np.float32), np.zeros(2 * 16 * 16, np.float32)
-a, c, out = (ctypes.c_void_p(x.ctypes.data) for x in arrays)
+arrays = (np.ones(16 * 16, np.uint16), np.ones(16 * 16, np.float32), np.zeros(2 * 16 * 16, np.float32),
+          np.zeros(2 * 64 * 64, np.float32))
+a, c, out, wide = (ctypes.c_void_p(x.ctypes.data) for x in arrays)
 lib.{call}
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

@@ -21,12 +21,19 @@ void MbarrierInit(uint64_t* barrier, uint32_t count);
 void MbarrierArrive(uint64_t* barrier);
 void CopyAsyncArriveOn(uint64_t* barrier);
 void MbarrierWait(uint64_t* barrier, uint32_t parity);
+inline void MbarrierInitFence() {}
 
 #else
 
 // One thread initialises; the block must synchronise before anyone else uses the barrier.
 __device__ __forceinline__ void MbarrierInit(uint64_t* barrier, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SharedAddress(barrier)), "r"(count) : "memory");
+}
+
+// After one thread initialised a block's barriers: makes the initialisation visible to the copy engine
+// (tensor-map copies complete on them) as well; the block still synchronises before using them.
+__device__ __forceinline__ void MbarrierInitFence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
 // One arrival (release: the thread's earlier shared-memory stores are visible to the waiters).

@@ -2,6 +2,10 @@
 // written to shared memory (swizzled as the map says) and announced to an mbarrier by its byte count.
 // Boxes that reach past the tensor's edges are filled with zeros. The maps are built on the host
 // (cuTensorMapEncodeTiled) and passed as __grid_constant__ kernel parameters.
+//
+// Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are declared here
+// and implemented by the emulation runtime, whose cuTensorMapEncodeTiled (through
+// cudaGetDriverEntryPointByVersion) writes maps only it reads; boxes land at the call.
 #pragma once
 
 #include <cuda.h>
@@ -13,6 +17,13 @@
 namespace s2attn {
 namespace gpu {
 namespace sm90 {
+
+#if defined(S2ATTN_HOST_EMULATION)
+
+void MbarrierArriveExpectBytes(uint64_t* barrier, uint32_t bytes);
+void LoadBox3d(void* destination, const CUtensorMap* map, int x, int y, int z, uint64_t* barrier);
+
+#else
 
 // The thread's arrival on `barrier` for this phase, which also completes only after `bytes` more bytes
 // of copies landed.
@@ -30,6 +41,8 @@ __device__ __forceinline__ void LoadBox3d(void* destination, const CUtensorMap* 
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(SharedAddress(barrier))
       : "memory");
 }
+
+#endif
 
 }  // namespace sm90
 }  // namespace gpu

@@ -15,6 +15,10 @@
 // bytes per k16 step; A = Q in shared memory the same way, rows are queries) and B "MN-major" for a
 // product against itself (O = P V: rows are keys = k, advance 2048 bytes = 16 rows per k16 step,
 // kTransB = 1).
+//
+// Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are declared here
+// and implemented by the emulation runtime: a wgmma completes at its call (fences, commits and waits do
+// nothing), each warp taking its 16 rows of the product.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,6 +31,24 @@
 namespace s2attn {
 namespace gpu {
 namespace sm90 {
+
+#if defined(S2ATTN_HOST_EMULATION)
+
+uint64_t SwizzledTileDescriptor(const void* tile);
+inline void WgmmaFence() {}
+inline void WgmmaCommit() {}
+template <int kPending>
+void WgmmaWait() {}
+template <int N>
+void FenceRegisters(float (&)[N]) {}
+template <typename T, int kTransB>
+void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
+template <typename T>
+void WgmmaM64N32K16SharedA(float (&d)[16], uint64_t a, uint64_t b, uint32_t accumulate);
+template <typename T, int kTransB>
+void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
+
+#else
 
 // Descriptor of a 128-byte-swizzled tile at `tile` (1024-byte aligned): start address and stride of
 // 8-row atoms (1024 bytes) in 16-byte units, swizzle mode 1 (128 bytes) in bits 62-63; the leading
@@ -106,6 +128,8 @@ __device__ __forceinline__ void WgmmaM64N64K16(float (&d)[32], const uint32_t (&
 #undef S2ATTN_WGMMA_M64N32K16_SHARED_A
 #undef S2ATTN_WGMMA_D16
 #undef S2ATTN_WGMMA_D4
+
+#endif
 
 }  // namespace sm90
 }  // namespace gpu

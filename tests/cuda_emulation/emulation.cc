@@ -20,8 +20,11 @@
 #include <vector>
 
 #include "emulation.h"
+#include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -41,7 +44,7 @@ namespace gpu {
 // What DynamicShared() declares: the H200's opt-in maximum per block
 // (cudaDevAttrMaxSharedMemoryPerBlockOptin), which a kernel gets by cudaFuncSetAttribute.
 constexpr size_t kSharedCapacity = 232448;
-alignas(16) float s2attn_dynamic_shared[kSharedCapacity / sizeof(float)];
+alignas(1024) float s2attn_dynamic_shared[kSharedCapacity / sizeof(float)];
 }  // namespace gpu
 }  // namespace s2attn
 
@@ -151,7 +154,7 @@ void WaitUntil(const char* what, Passed&& passed) {
 
 // ------------------------------------------------------------------ warp collectives
 
-enum class Collective : uint8_t { kShuffle, kVote, kSyncWarp, kMmaBf16, kMmaF16, kLdMatrix, kLdMatrixTrans };
+enum class Collective : uint8_t { kShuffle, kVote, kSyncWarp, kMmaBf16, kMmaF16, kLdMatrix, kLdMatrixTrans, kWgmma };
 
 const char* NameOf(Collective kind) {
   switch (kind) {
@@ -162,6 +165,7 @@ const char* NameOf(Collective kind) {
     case Collective::kMmaF16: return "MmaM16N8K16<f16>";
     case Collective::kLdMatrix: return "LdMatrixX4";
     case Collective::kLdMatrixTrans: return "LdMatrixX4Trans";
+    case Collective::kWgmma: return "a wgmma";
   }
   return "?";
 }
@@ -173,6 +177,15 @@ union LaneInput {
   struct {
     uint32_t a[4], b[2];
   } mma;  // the lane's A and B fragments
+  struct WgmmaIssue {
+    uint64_t a_desc, b_desc;  // a_desc 0: A in registers
+    uint32_t n, trans_b, accumulate;
+    bool operator==(const WgmmaIssue&) const = default;
+  };
+  struct {
+    uint32_t a[4];  // A fragments (register A)
+    WgmmaIssue issue;
+  } wgmma;
 };
 
 // One meeting of the lanes of a mask. The lane that completes it also computes what the
@@ -184,6 +197,7 @@ struct Meeting {
   union {
     double product[16][8];       // mma: A * B, without the accumulator
     uint16_t matrices[4][8][8];  // ldmatrix: matrix, row, column
+    double rows[16][64];         // wgmma: the warp's 16 rows of A * B
   } result;
 };
 
@@ -225,7 +239,7 @@ uint16_t High(uint32_t reg) { return static_cast<uint16_t>(reg >> 16); }
 uint32_t Pair(uint16_t lo, uint16_t hi) { return uint32_t{lo} | (uint32_t{hi} << 16); }
 
 double Widen(Collective kind, uint16_t bits) {
-  if (kind == Collective::kMmaBf16) {
+  if (kind == Collective::kMmaBf16 || kind == Collective::kWgmma) {
     __nv_bfloat16_raw raw;
     raw.x = bits;
     return __bfloat162float(__nv_bfloat16(raw));
@@ -271,6 +285,128 @@ void ReadMatrices(Meeting& m) {
   }
 }
 
+// A tile of wgmma's shared operands (gpu/wgmma_sm90.cuh): 128-byte rows, 8-row atoms `stride` bytes
+// apart, the 128-byte swizzle applied to the address (bits 4-6 XOR bits 7-9), start 16-byte aligned.
+struct SwizzledTile {
+  uint32_t start, stride;
+};
+
+// Only the form the H200 validated (cuda/bench/ws_forward.cu) is emulated: the 128-byte swizzle, no base
+// offset, atoms 1024 bytes apart, and a start inside the first row of an atom with the slice read per
+// row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N columns of an MN-major one) in it.
+SwizzledTile DecodeDescriptor(uint64_t descriptor, uint32_t slice_bytes) {
+  const auto bits = static_cast<unsigned long long>(descriptor);
+  if (descriptor >> 62 != 1) Fail("wgmma: descriptor %#llx is not of a 128-byte-swizzled tile", bits);
+  if ((descriptor >> 49) & 7) Fail("wgmma: descriptor %#llx has a base offset (not emulated)", bits);
+  const SwizzledTile tile{static_cast<uint32_t>(descriptor & 0x3FFF) << 4,
+                          static_cast<uint32_t>((descriptor >> 32) & 0x3FFF) << 4};
+  if (tile.stride != 1024) Fail("wgmma: descriptor %#llx: atoms %u bytes apart, not 1024", bits, tile.stride);
+  if ((tile.start & 0x380) != 0 || (tile.start & 127) + slice_bytes > 128) {
+    Fail("wgmma: descriptor %#llx: a %u-byte slice from byte %u of an atom leaves its first row", bits, slice_bytes,
+         tile.start & 1023);
+  }
+  return tile;
+}
+
+// What each warp of the block issued, wgmma by wgmma: the four warps of a warpgroup issue every wgmma
+// together on the device (one warpgroup-wide instruction), with the same operands.
+std::vector<std::vector<LaneInput::WgmmaIssue>> g_wgmma_issues;
+
+void RecordWgmma(const LaneInput::WgmmaIssue& issue) {
+  const unsigned warp = threadIdx.x / 32, first = warp / 4 * 4;
+  if ((first + 4) * 32 > blockDim.x) {
+    Fail("wgmma: the warpgroup of warp %u (warps %u..%u) is not whole in a block of %u threads", warp, first,
+         first + 3, blockDim.x);
+  }
+  std::vector<LaneInput::WgmmaIssue>& mine = g_wgmma_issues[warp];
+  for (unsigned other = first; other < first + 4; ++other) {
+    const auto& theirs = g_wgmma_issues[other];
+    if (other != warp && theirs.size() > mine.size() && !(theirs[mine.size()] == issue)) {
+      Fail("wgmma: wgmma %zu of warp %u differs from warp %u's (descriptors, shape or accumulate)", mine.size(), warp,
+           other);
+    }
+  }
+  mine.push_back(issue);
+}
+
+// At the end of a block: every warp of a warpgroup issued as many wgmmas as the others.
+void CheckWgmmaIssuesComplete() {
+  for (size_t warp = 0; warp < g_wgmma_issues.size(); ++warp) {
+    const size_t first = warp / 4 * 4;
+    if (g_wgmma_issues[warp].size() != g_wgmma_issues[first].size()) {
+      Fail("wgmma: warp %zu issued %zu wgmmas, warp %zu of its warpgroup %zu", warp, g_wgmma_issues[warp].size(), first,
+           g_wgmma_issues[first].size());
+    }
+  }
+}
+
+// The 16-bit value at (unswizzled) offset `address` of the launch's dynamic shared memory.
+uint16_t SwizzledElement(uint32_t address) {
+  const uint32_t physical = address ^ (((address >> 7) & 7u) << 4);
+  if (physical + 2 > g_scheduler.shared_bytes) {
+    Fail("wgmma: operand address %u past the launch's %zu bytes of dynamic shared memory", physical,
+         g_scheduler.shared_bytes);
+  }
+  uint16_t value;
+  std::memcpy(&value, reinterpret_cast<const char*>(s2attn::gpu::s2attn_dynamic_shared) + physical, 2);
+  return value;
+}
+
+// Element (row, k) of a K-major tile (rows of k: A, or B multiplied against its transpose).
+uint16_t KMajor(const SwizzledTile& tile, int row, int k) {
+  return SwizzledElement(tile.start + (row / 8) * tile.stride + (row % 8) * 128 + 2 * k);
+}
+
+// Element (k, n) of an MN-major tile (rows of n, one per k: B multiplied as it is stored).
+uint16_t MnMajor(const SwizzledTile& tile, int k, int n) {
+  return SwizzledElement(tile.start + (k / 8) * tile.stride + (k % 8) * 128 + 2 * n);
+}
+
+// The warp's 16 rows of an m64nNk16 product: A (its rows 16 w .. 16 w + 15 of the warpgroup's 64) from
+// the lanes' fragments or from shared memory, B (16 x N) from shared memory.
+void MultiplyWarpRows(Meeting& m) {
+  const auto& first = m.lanes[0].wgmma.issue;
+  for (unsigned lane = 1; lane < 32; ++lane) {
+    if (!(m.lanes[lane].wgmma.issue == first)) {
+      Fail("wgmma: lane %u gives other descriptors, shape or accumulate than lane 0", lane);
+    }
+  }
+  RecordWgmma(first);
+  const unsigned warp_in_group = threadIdx.x / 32 % 4;
+  double a[16][16], b[16][64];
+  if (first.a_desc != 0) {
+    const SwizzledTile tile = DecodeDescriptor(first.a_desc, 32);
+    for (int row = 0; row < 16; ++row) {
+      for (int k = 0; k < 16; ++k) a[row][k] = Widen(m.kind, KMajor(tile, 16 * warp_in_group + row, k));
+    }
+  } else {
+    for (unsigned lane = 0; lane < 32; ++lane) {
+      const unsigned g = lane / 4, t = lane % 4;
+      const auto& f = m.lanes[lane].wgmma;
+      for (unsigned half = 0; half < 2; ++half) {
+        auto pick = [&](uint32_t reg) { return Widen(m.kind, half ? High(reg) : Low(reg)); };
+        a[g][2 * t + half] = pick(f.a[0]);
+        a[g + 8][2 * t + half] = pick(f.a[1]);
+        a[g][2 * t + 8 + half] = pick(f.a[2]);
+        a[g + 8][2 * t + 8 + half] = pick(f.a[3]);
+      }
+    }
+  }
+  const SwizzledTile tile = DecodeDescriptor(first.b_desc, first.trans_b ? 2 * first.n : 32);
+  for (int k = 0; k < 16; ++k) {
+    for (unsigned n = 0; n < first.n; ++n) {
+      b[k][n] = Widen(m.kind, first.trans_b ? MnMajor(tile, k, n) : KMajor(tile, n, k));
+    }
+  }
+  for (int row = 0; row < 16; ++row) {
+    for (unsigned n = 0; n < first.n; ++n) {
+      double sum = 0.0;
+      for (int k = 0; k < 16; ++k) sum += a[row][k] * b[k][n];
+      m.result.rows[row][n] = sum;
+    }
+  }
+}
+
 // The calling lane brings `input` to the collective `kind` of the lanes in `mask` and waits
 // until all of them have arrived. The meeting returned stays valid until the caller's next
 // collective.
@@ -295,6 +431,7 @@ const Meeting& Meet(unsigned mask, Collective kind, const LaneInput& input) {
   if (++gate.arrived == __builtin_popcount(mask)) {
     if (kind == Collective::kMmaBf16 || kind == Collective::kMmaF16) MultiplyTile(m);
     if (kind == Collective::kLdMatrix || kind == Collective::kLdMatrixTrans) ReadMatrices(m);
+    if (kind == Collective::kWgmma) MultiplyWarpRows(m);
     gate.arrived = 0;
     ++gate.generation;
   } else {
@@ -332,6 +469,19 @@ void CheckShared(const char* what, const void* p, size_t bytes) {
          g_scheduler.shared_bytes);
   }
   if (address % bytes != 0) Fail("%s: shared address %p is not %zu-byte aligned", what, p, bytes);
+}
+
+// The offset of `p` in the launch's dynamic shared memory; fails unless it is `alignment`-aligned there
+// and [p, p + bytes) lies inside.
+uint32_t SharedOffset(const char* what, const void* p, size_t alignment, size_t bytes) {
+  const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  if (address < base || address - base + bytes > g_scheduler.shared_bytes) {
+    Fail("%s: %zu bytes at %p are not inside the launch's %zu bytes of dynamic shared memory", what, bytes, p,
+         g_scheduler.shared_bytes);
+  }
+  if ((address - base) % alignment != 0) Fail("%s: shared address %p is not %zu-byte aligned", what, p, alignment);
+  return static_cast<uint32_t>(address - base);
 }
 
 bool InSharedBuffer(const void* p) {
@@ -557,6 +707,9 @@ EmulatedMbarrier* MbarrierAt(const char* what, uint64_t* barrier) {
 // Which threads of the block arrived in the current phase of each barrier, per thread its own
 // arrival and its copies' (a second one of a kind in one phase would complete it early on the device).
 std::map<const void*, std::vector<bool>> g_mbarrier_arrivals;
+// Bytes of tensor-map copies a barrier's current phase still waits for (announced by
+// MbarrierArriveExpectBytes, landed by LoadBox3d; may go below zero in between, as on the device).
+std::map<const void*, int64_t> g_mbarrier_pending_bytes;
 
 EmulatedMbarrier* InitialisedMbarrier(const char* what, uint64_t* barrier) {
   EmulatedMbarrier* m = MbarrierAt(what, barrier);
@@ -569,9 +722,17 @@ void MbarrierInit(uint64_t* barrier, uint32_t count) {
   if (count == 0 || count > kCountMask) Fail("MbarrierInit: count %u out of range", count);
   *MbarrierAt("MbarrierInit", barrier) = EmulatedMbarrier{kInitTag | count, 0};
   g_mbarrier_arrivals[barrier].assign(2 * blockDim.x, false);
+  g_mbarrier_pending_bytes[barrier] = 0;
 }
 
 namespace {
+// A phase completes once every arrival it counts came and every byte announced to it landed.
+void CompleteIfDone(uint64_t* barrier, EmulatedMbarrier* m) {
+  if ((m->state & ~kPhaseBit) != (m->tagged_expected & kCountMask) || g_mbarrier_pending_bytes[barrier] != 0) return;
+  m->state = (m->state & kPhaseBit) ^ kPhaseBit;
+  g_mbarrier_arrivals[barrier].assign(2 * blockDim.x, false);
+}
+
 // One arrival of the current thread, of kind `kind` (0: its own, 1: its landed copies'): each
 // thread may arrive once of each kind per phase.
 void Arrive(const char* what, uint64_t* barrier, int kind) {
@@ -582,10 +743,9 @@ void Arrive(const char* what, uint64_t* barrier, int kind) {
   if (arrived_before) Fail("%s: thread arrives twice in one phase of barrier %p", what, barrier);
   arrived_before = true;
   const uint32_t arrived = (m->state & ~kPhaseBit) + 1;
-  const uint32_t phase = m->state & kPhaseBit;
-  const bool completes = arrived == (m->tagged_expected & kCountMask);
-  m->state = completes ? phase ^ kPhaseBit : phase | arrived;
-  if (completes) arrivals.assign(2 * blockDim.x, false);
+  if (arrived > (m->tagged_expected & kCountMask)) Fail("%s: more arrivals than barrier %p counts", what, barrier);
+  m->state = (m->state & kPhaseBit) | arrived;
+  CompleteIfDone(barrier, m);
   ++g_scheduler.progress;
 }
 }  // namespace
@@ -607,10 +767,163 @@ void MbarrierWait(uint64_t* barrier, uint32_t parity) {
   ++g_scheduler.progress;
 }
 
+namespace sm90 {
+
+void MbarrierArriveExpectBytes(uint64_t* barrier, uint32_t bytes) {
+  CheckCopiesTracked("MbarrierArriveExpectBytes");
+  InitialisedMbarrier("MbarrierArriveExpectBytes", barrier);
+  g_mbarrier_pending_bytes[barrier] += bytes;
+  Arrive("MbarrierArriveExpectBytes", barrier, 0);
+}
+
+uint64_t SwizzledTileDescriptor(const void* tile) {
+  const uint32_t offset = SharedOffset("SwizzledTileDescriptor", tile, 1024, 128);
+  return uint64_t{(offset >> 4) & 0x3FFF} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
+}
+
+namespace {
+void EmulatedWgmma(float* d, unsigned n, const uint32_t* a, uint64_t a_desc, uint64_t b_desc, bool trans_b,
+                   uint32_t accumulate) {
+  LaneInput input{};
+  if (a != nullptr) std::memcpy(input.wgmma.a, a, sizeof input.wgmma.a);
+  input.wgmma.issue = {a_desc, b_desc, n, trans_b, accumulate != 0};
+  const Meeting& m = MeetWholeWarp(Collective::kWgmma, input);
+  const unsigned g = Lane() / 4, t = Lane() % 4;
+  for (unsigned i = 0; i < n / 2; ++i) {  // d[i] = (row g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1))
+    const double product = m.result.rows[g + 8 * ((i >> 1) & 1)][8 * (i >> 2) + 2 * t + (i & 1)];
+    d[i] = static_cast<float>((accumulate ? static_cast<double>(d[i]) : 0.0) + product);
+  }
+}
+}  // namespace
+
+template <typename T, int kTransB>
+void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
+  EmulatedWgmma(d, 32, a, 0, b, kTransB, accumulate);
+}
+template <typename T>
+void WgmmaM64N32K16SharedA(float (&d)[16], uint64_t a, uint64_t b, uint32_t accumulate) {
+  EmulatedWgmma(d, 32, nullptr, a, b, false, accumulate);
+}
+template <typename T, int kTransB>
+void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
+  EmulatedWgmma(d, 64, a, 0, b, kTransB, accumulate);
+}
+// The forms the kernels use (and the self-test checks).
+template void WgmmaM64N32K16<__nv_bfloat16, 0>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N32K16SharedA<__nv_bfloat16>(float (&)[16], uint64_t, uint64_t, uint32_t);
+template void WgmmaM64N64K16<__nv_bfloat16, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
+
+}  // namespace sm90
+
+// ------------------------------------------------------------------ tensor maps
+//
+// The emulation's cuTensorMapEncodeTiled writes its own description into the map's opaque bytes
+// (tagged, so that a map from elsewhere is refused): only what the kernels use is emulated (element
+// strides 1, no interleave, no swizzle or the 128-byte one over 128-byte box rows, zeros out of bounds).
+namespace {
+struct EmulatedTensorMap {
+  uint64_t tag;
+  const char* base;
+  uint32_t rank, element_bytes, swizzle_128;
+  uint32_t dims[5];
+  uint64_t strides[5];  // bytes; strides[0] is the element size
+  uint16_t box[5];
+};
+static_assert(sizeof(EmulatedTensorMap) <= sizeof(CUtensorMap), "the description fits the opaque map");
+constexpr uint64_t kTensorMapTag = 0x5332544d4150ull;  // "S2TMAP"
+
+CUresult CUDAAPI EncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, void* base,
+                             const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
+                             const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                             CUtensorMapSwizzle swizzle, CUtensorMapL2promotion /*promotion*/,
+                             CUtensorMapFloatOOBfill fill) {
+  EmulatedTensorMap e{};
+  e.tag = kTensorMapTag;
+  e.base = static_cast<const char*>(base);
+  e.rank = rank;
+  switch (type) {
+    case CU_TENSOR_MAP_DATA_TYPE_BFLOAT16:
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT16: e.element_bytes = 2; break;
+    case CU_TENSOR_MAP_DATA_TYPE_FLOAT32: e.element_bytes = 4; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (rank < 1 || rank > 5 || reinterpret_cast<uintptr_t>(base) % 16 != 0 ||
+      interleave != CU_TENSOR_MAP_INTERLEAVE_NONE || fill != CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE ||
+      (swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && swizzle != CU_TENSOR_MAP_SWIZZLE_128B)) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  e.swizzle_128 = swizzle == CU_TENSOR_MAP_SWIZZLE_128B;
+  e.strides[0] = e.element_bytes;
+  for (cuuint32_t i = 0; i < rank; ++i) {
+    if (dims[i] == 0 || dims[i] > UINT32_MAX || box[i] == 0 || box[i] > 256 || element_strides[i] != 1) {
+      return CUDA_ERROR_INVALID_VALUE;
+    }
+    e.dims[i] = static_cast<uint32_t>(dims[i]);
+    e.box[i] = static_cast<uint16_t>(box[i]);
+    if (i > 0) {
+      if (strides[i - 1] % 16 != 0) return CUDA_ERROR_INVALID_VALUE;
+      e.strides[i] = strides[i - 1];
+    }
+  }
+  if ((e.swizzle_128 && box[0] * e.element_bytes != 128) || box[0] * e.element_bytes % 16 != 0) {
+    return CUDA_ERROR_INVALID_VALUE;  // swizzled rows other than 128 bytes: not emulated
+  }
+  std::memset(map, 0, sizeof *map);
+  std::memcpy(map, &e, sizeof e);
+  return CUDA_SUCCESS;
+}
+}  // namespace
+
+namespace sm90 {
+
+void LoadBox3d(void* destination, const CUtensorMap* map, int x, int y, int z, uint64_t* barrier) {
+  EmulatedTensorMap e;
+  std::memcpy(&e, map, sizeof e);
+  if (e.tag != kTensorMapTag) Fail("LoadBox3d: %p is not a tensor map of the emulation's cuTensorMapEncodeTiled", map);
+  if (e.rank != 3) Fail("LoadBox3d: the map has rank %u", e.rank);
+  const uint32_t row_bytes = e.box[0] * e.element_bytes, rows = e.box[1] * e.box[2];
+  const uint32_t first =
+      SharedOffset("LoadBox3d destination", destination, e.swizzle_128 ? 1024 : 128, row_bytes * rows);
+  const int start[3] = {x, y, z};
+  char* shared = reinterpret_cast<char*>(s2attn_dynamic_shared);
+  for (uint32_t row = 0; row < rows; ++row) {
+    const int64_t coordinate[3] = {0, start[1] + int64_t(row % e.box[1]), start[2] + int64_t(row / e.box[1])};
+    for (uint32_t i = 0; i < e.box[0]; ++i) {
+      const int64_t column = start[0] + int64_t(i);
+      const bool inside = column >= 0 && column < e.dims[0] && coordinate[1] >= 0 && coordinate[1] < e.dims[1] &&
+                          coordinate[2] >= 0 && coordinate[2] < e.dims[2];
+      uint32_t address = first + row * row_bytes + i * e.element_bytes;
+      if (e.swizzle_128) address ^= ((address >> 7) & 7u) << 4;
+      if (inside) {
+        std::memcpy(shared + address,
+                    e.base + column * e.strides[0] + coordinate[1] * e.strides[1] + coordinate[2] * e.strides[2],
+                    e.element_bytes);
+      } else {
+        std::memset(shared + address, 0, e.element_bytes);
+      }
+    }
+  }
+  EmulatedMbarrier* m = InitialisedMbarrier("LoadBox3d", barrier);
+  g_mbarrier_pending_bytes[barrier] -= int64_t{row_bytes} * rows;
+  CompleteIfDone(barrier, m);
+  ++g_scheduler.progress;
+}
+
+}  // namespace sm90
+
 }  // namespace gpu
 }  // namespace s2attn
 
 // ------------------------------------------------------------------ runtime API
+
+cudaError_t CUDARTAPI cudaGetDriverEntryPointByVersion(const char* symbol, void** function, unsigned int /*version*/,
+                                                       unsigned long long /*flags*/,
+                                                       enum cudaDriverEntryPointQueryResult* status) {
+  const bool known = std::string(symbol) == "cuTensorMapEncodeTiled";
+  *function = known ? reinterpret_cast<void*>(&s2attn::gpu::EncodeTiled) : nullptr;
+  if (status != nullptr) *status = known ? cudaDriverEntryPointSuccess : cudaDriverEntryPointSymbolNotFound;
+  return cudaSuccess;
+}
 
 cudaError_t CUDARTAPI cudaGetLastError(void) {
   const cudaError_t error = g_last_error;
@@ -675,6 +988,8 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
       warp.exited = 0;
     }
     g_barrier = BlockBarrier{};
+    g_wgmma_issues.assign(block.x / 32, {});
+    s2attn::gpu::g_mbarrier_pending_bytes.clear();
     for (unsigned t = 0; t < block.x; ++t) ResetFiber(g_scheduler.fibers[t], t);
     // Round-robin until every fiber finished; a full round without progress is a deadlock.
     for (unsigned live = block.x; live > 0;) {
@@ -696,6 +1011,13 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
         if (f.done) ++g_scheduler.progress;
       }
       if (live > 0 && g_scheduler.progress == progress_before) FailDeadlock();
+    }
+    CheckWgmmaIssuesComplete();
+    for (const auto& [barrier, pending] : s2attn::gpu::g_mbarrier_pending_bytes) {
+      if (pending != 0) {
+        Fail("barrier %p ends the block with %lld bytes announced but not landed (or landed but not announced)",
+             barrier, static_cast<long long>(pending));
+      }
     }
   }
 #if EMU_ASAN

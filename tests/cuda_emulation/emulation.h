@@ -14,13 +14,24 @@
 // meet, then each lane takes its fragment per the layouts documented in mma_sm80.cuh.
 // cp.async copies happen at the call, so their arrival on an mbarrier (CopyAsyncArriveOn) is
 // immediate. The mbarrier functions of cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a
-// waiter yields until the phase completed.
+// waiter yields until the phase completed. The Hopper primitives of cuda/gpu/wgmma_sm90.cuh and
+// cuda/gpu/tma_sm90.cuh likewise: a wgmma is a collective of each warp (its 16 rows of the
+// warpgroup's product; operands in shared memory read through the 128-byte swizzle; fences, commits
+// and waits do nothing, so the result is there at the call: reading it before the wait goes
+// unnoticed), a tensor-map box lands at the call (zeros outside the tensor, swizzled as
+// its map says) and counts its bytes on the mbarrier, whose phase then needs both its arrivals and
+// the bytes announced to it. cuTensorMapEncodeTiled, through cudaGetDriverEntryPointByVersion,
+// writes maps only the emulation reads.
 //
 // Misuse aborts the run with a message naming the block and thread: a thread that returns
 // while others wait for it at __syncthreads or a warp collective (stricter than the hardware,
 // which lets exited threads off some barriers), lanes of one mask meeting at different kinds of
 // collective, a deadlock (listing what each thread waits at), ldmatrix rows or cp.async
-// destinations not aligned to their size inside the launch's dynamic shared memory, a thread that
+// destinations not aligned to their size inside the launch's dynamic shared memory (tensor-map boxes
+// and wgmma tiles: 1024 bytes where swizzled), a wgmma not issued alike by all four warps of a whole
+// warpgroup (or by all lanes), wgmma descriptors of other forms than the H200 validated (see
+// DecodeDescriptor), box bytes announced to an mbarrier but never landed by the end of a block,
+// more arrivals on an mbarrier than it counts, a thread that
 // synchronises with cp.async copies no mbarrier tracks, a second arrival of one kind (own, copies')
 // of a thread in one phase.
 #pragma once

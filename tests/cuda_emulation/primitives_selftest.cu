@@ -1,5 +1,6 @@
 // Self-test kernels of the host emulation (tests/test_cuda_emulation_primitives.py): the
-// tensor-core primitives of gpu/mma_sm80.cuh, the barriers of gpu/mbarrier_sm90.cuh,
+// tensor-core primitives of gpu/mma_sm80.cuh and gpu/wgmma_sm90.cuh, the tensor-map boxes of
+// gpu/tma_sm90.cuh, the barriers of gpu/mbarrier_sm90.cuh,
 // __syncthreads, __syncwarp, votes and shuffles,
 // checked from Python against numpy. Compiled only for the emulation (emulation.h
 // force-included).
@@ -10,9 +11,13 @@
 // `num_arcs`.
 #include <cstdint>
 
+#include <cuda.h>
+
 #include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
 
 namespace s2attn {
 namespace gpu {
@@ -38,7 +43,10 @@ enum Fault : int64_t {
   kUninitialisedBarrier = 7,     // the barriers are never initialised
   kCopyNotTracked = 8,           // the copies of TileMmaKernel are not put on its barrier
   kThreadArrivesTwice = 9,       // thread 70 arrives twice on the "written" barrier of round 0
-  kCopiesArriveTwice = 10        // lane 7 puts its copies on TileMmaKernel's barrier twice
+  kCopiesArriveTwice = 10,       // lane 7 puts its copies on TileMmaKernel's barrier twice
+  kBoxMisaligned = 11,           // WgmmaKernel's first box lands 512 bytes off its 1024-byte alignment
+  kLaneOtherDescriptor = 12,     // lane 3 of WgmmaKernel gives another B descriptor
+  kWarpSkipsWgmma = 13           // warp 2 of WgmmaKernel skips its last wgmma
 };
 
 constexpr int kTileElements = 16 * 16;
@@ -216,6 +224,105 @@ __global__ void WarpVotesKernel(NbhdAttnGpuParams p) {
   words[5] = __float_as_uint(exchange[31 - lane]);
 }
 
+// A [rows, 64] bf16 tensor as a 3-D tensor map ({64, rows, 1}), boxes of {64, box_rows, 1}, 128-byte
+// swizzle or none (through the driver's encoder, as the kernels' hosts get it).
+CUtensorMap RowsMap(const void* base, int rows, int box_rows, bool swizzle) {
+  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+  void* encode = nullptr;
+  cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &encode, 12000, cudaEnableDefault, nullptr);
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {64, cuuint64_t(rows), 1}, strides[2] = {128, cuuint64_t(rows) * 128};
+  const cuuint32_t box[3] = {64, cuuint32_t(box_rows), 1}, element_strides[3] = {1, 1, 1};
+  const CUresult status = reinterpret_cast<Encode>(encode)(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) __builtin_trap();
+  return map;
+}
+
+constexpr int kWgmmaShared = 8192 + 4096 + 4096 + 1024;  // A, B, V, the barrier
+
+// One warpgroup; wgmma_sm90.cuh's products on tiles staged by tensor-map boxes (128-byte swizzle):
+// q = A [64, 64] (rows m), k = B [32, 64] (rows n), v = V [32, 64] (rows k), all bf16; out gets
+// A B^T with A from shared memory, A B^T with A from registers (fragments per the documented layout,
+// read from global memory), then A[:, :32] V (B MN-major), row-major [64, 32], [64, 32], [64, 64].
+__global__ void WgmmaKernel(NbhdAttnGpuParams p) {
+  char* shared = SharedBytes();
+  using sm90::SwizzledTileDescriptor;
+  void* tiles[3] = {shared + (p.batch == kBoxMisaligned ? 512 : 0), shared + 8192, shared + 12288};
+  auto* full = reinterpret_cast<uint64_t*>(shared + 16384);
+  if (threadIdx.x == 0) {
+    MbarrierInit(full, 1);
+    MbarrierInitFence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const CUtensorMap maps[3] = {RowsMap(p.q, 64, 64, true), RowsMap(p.k, 32, 32, true), RowsMap(p.v, 32, 32, true)};
+    sm90::MbarrierArriveExpectBytes(full, 8192 + 4096 + 4096);
+    for (int i = 0; i < 3; ++i) sm90::LoadBox3d(tiles[i], &maps[i], 0, 0, 0, full);
+  }
+  MbarrierWait(full, 0);
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const auto* a = static_cast<const uint16_t*>(p.q);
+  auto fragment = [&](int ks, uint32_t (&f)[4]) {
+    const int row = 16 * warp + g, col = 16 * ks + 2 * t;
+    auto at = [&](int r, int c) { return Pair(a[r * 64 + c], a[r * 64 + c + 1]); };
+    f[0] = at(row, col), f[1] = at(row + 8, col), f[2] = at(row, col + 8), f[3] = at(row + 8, col + 8);
+  };
+  const uint64_t a_tile = SwizzledTileDescriptor(tiles[0]), b_tile = SwizzledTileDescriptor(tiles[1]);
+  const uint64_t v_tile = SwizzledTileDescriptor(tiles[2]);
+  float shared_a[16], register_a[16], values[32];
+  sm90::WgmmaFence();
+  for (int ks = 0; ks < 4; ++ks) {
+    uint32_t f[4];
+    fragment(ks, f);
+    const uint64_t b = p.batch == kLaneOtherDescriptor && lane == 3 ? v_tile : b_tile;
+    sm90::WgmmaM64N32K16SharedA<__nv_bfloat16>(shared_a, a_tile + 2 * ks, b + 2 * ks, ks > 0);
+    sm90::WgmmaM64N32K16<__nv_bfloat16, 0>(register_a, f, b_tile + 2 * ks, ks > 0);
+  }
+  for (int ks = 0; ks < 2; ++ks) {
+    if (p.batch == kWarpSkipsWgmma && warp == 2 && ks == 1) break;
+    uint32_t f[4];
+    fragment(ks, f);
+    sm90::WgmmaM64N64K16<__nv_bfloat16, 1>(values, f, v_tile + 128 * ks, ks > 0);
+  }
+  sm90::WgmmaCommit();
+  sm90::WgmmaWait<0>();
+  float* out = p.out;
+  for (int i = 0; i < 32; ++i) {  // d[i]: row 16 w + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1)
+    const int row = 16 * warp + g + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * t + (i & 1);
+    if (i < 16) {
+      out[row * 32 + col] = shared_a[i];
+      out[64 * 32 + row * 32 + col] = register_a[i];
+    }
+    out[2 * 64 * 32 + row * 64 + col] = values[i];
+  }
+}
+
+// One warp; two boxes of 16 rows of a [20, 64] bf16 tensor (q), at rows -3 and 10 (reaching past both
+// ends), with the 128-byte swizzle (box 0, 1) or without (2); out gets the 3 x 2048 staged bytes raw.
+__global__ void TensorMapBoxKernel(NbhdAttnGpuParams p) {
+  char* shared = SharedBytes();
+  auto* full = reinterpret_cast<uint64_t*>(shared + 3 * 2048 + 1024);
+  if (threadIdx.x == 0) {
+    MbarrierInit(full, 1);
+    MbarrierInitFence();
+    const CUtensorMap swizzled = RowsMap(p.q, 20, 16, true), plain = RowsMap(p.q, 20, 16, false);
+    sm90::MbarrierArriveExpectBytes(full, 3 * 2048);
+    sm90::LoadBox3d(shared, &swizzled, 0, -3, 0, full);
+    sm90::LoadBox3d(shared + 2048, &swizzled, 0, 10, 0, full);
+    sm90::LoadBox3d(shared + 2 * 2048 + 1024, &plain, 0, -3, 0, full);
+  }
+  __syncwarp();
+  MbarrierWait(full, 0);
+  const int lane = threadIdx.x % 32;
+  auto* out = reinterpret_cast<char*>(p.out);
+  for (int i = lane; i < 3 * 2048; i += 32) out[i] = shared[i < 2 * 2048 ? i : i + 1024];
+}
+
 }  // namespace
 }  // namespace gpu
 }  // namespace s2attn
@@ -303,4 +410,23 @@ extern "C" int RunWarpVotes(const float* x, uint32_t* out) {
   p.q = x;
   p.out = reinterpret_cast<float*>(out);
   return Launch(s2attn::gpu::WarpVotesKernel, p, 1, 32, 32 * sizeof(float));
+}
+
+// a: [64, 64], b: [32, 64], v: [32, 64] bf16; out: 64 * 32 + 64 * 32 + 64 * 64 floats.
+extern "C" int RunWgmma(const void* a, const void* b, const void* v, float* out, int64_t fault) {
+  s2attn::NbhdAttnGpuParams p;
+  p.q = a;
+  p.k = b;
+  p.v = v;
+  p.out = out;
+  p.batch = fault;
+  return Launch(s2attn::gpu::WgmmaKernel, p, 1, 128, s2attn::gpu::kWgmmaShared);
+}
+
+// x: [20, 64] bf16; out: 3 * 2048 bytes.
+extern "C" int RunTensorMapBoxes(const void* x, void* out) {
+  s2attn::NbhdAttnGpuParams p;
+  p.q = x;
+  p.out = static_cast<float*>(out);
+  return Launch(s2attn::gpu::TensorMapBoxKernel, p, 1, 32, 3 * 2048 + 1024 + 64);
 }
