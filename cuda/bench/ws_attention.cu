@@ -1,19 +1,24 @@
-// Warp-specialised forward and dq prototype (benchmarks/ws_attention.sh builds and runs it): stage 2 of
-// the design note on the problem the tiled kernels solve, to measure what it costs before it is built
-// into the module. A producer warp streams K/V chunks as tensor-map boxes (no staging code in the warps
-// that multiply), after each warpgroup's query tiles (q; and dout for dq); kConsumers warpgroups multiply
-// each chunk with wgmma (m64 tiles, no ldmatrix) and run the masked softmax: the forward's online one
-// (O += P V), or dq's (P from lse, dS = P (dP - delta) with dP = dO V^T, dq += dS K). Query tiles are 2-D
-// so that m64 wastes little: a warpgroup owns 4 rows x 16 longitudes (warp w = query row w), a block
-// 4 rows x 16 kConsumers longitudes, every warpgroup reading the staged chunks of one key row (skipping
-// chunks off its band).
+// Warp-specialised forward, dq and dk/dv prototype (benchmarks/ws_attention.sh builds and runs it): stage
+// 2 of the design note on the problem the tiled kernels solve, to measure what it costs before it is built
+// into the module. A block walks 2-D tiles of one grid and a producer warp streams 32-point chunks of one
+// row of the other as tensor-map boxes (no staging code in the warps that multiply), after each
+// warpgroup's own tiles; kConsumers warpgroups multiply each chunk with wgmma (m64 tiles, no ldmatrix)
+// and run the masked softmax:
+//   forward: walks queries (q), streams k, v: online softmax, O += P V;
+//   dq:      walks queries (q, dout), streams k, v: P from lse, dS = P (dP - delta), dq += dS K;
+//   dk/dv:   walks keys (k, v), streams q, dout and the queries' lse and delta: dv += P^T dO,
+//            dk += dS^T Q.
+// Tiles are 4 rows x 16 longitudes per warpgroup (warp w = row w), a block 4 rows x 16 kConsumers
+// longitudes, every warpgroup reading the staged chunks of one streamed row (skipping chunks off its
+// band).
 //
 // Self-attention on an equiangular grid, bf16, one head of 64 channels. Neighbourhoods follow the
 // geodesic-disk rule through per-(query row, key row) half-widths in longitude computed here (the
-// plan's rule without its epsilon); quadrature weights are positive stand-ins (timing does not depend
-// on them). Every result is poisoned (NaN) before the run and must be written; out, lse and dq of
-// sampled queries are checked against a float64 host reference (dq from delta = sum(dout * out) of the
-// kernel's own out, as the op forms it). Standalone: not part of the package.
+// plan's rule without its epsilon; symmetric, so one table serves both walks); quadrature weights are
+// positive stand-ins (timing does not depend on them). Every result is poisoned (NaN) before the run
+// and must be written; out, lse and dq of sampled queries and dk, dv of sampled keys are checked
+// against a float64 host reference (the backward from delta = sum(dout * out) of the kernel's own
+// float32 out and its lse, as the op forms them). Standalone: not part of the package.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -37,6 +42,7 @@ namespace {
 using s2attn::gpu::Exp2;
 using s2attn::gpu::MbarrierArrive;
 using s2attn::gpu::MbarrierInit;
+using s2attn::gpu::MbarrierInitFence;
 using s2attn::gpu::MbarrierWait;
 namespace sm90 = s2attn::gpu::sm90;
 using T = __nv_bfloat16;
@@ -66,34 +72,49 @@ constexpr int kThreads = 128 * kConsumers + 32;  // and one producer warp
 constexpr int kChunkBytes = kChunk * kD * 2;
 constexpr int kRing = 1 << 20;         // half-width of a key row every query of the row sees whole
 
+// The three kernels. A block *walks* tiles of one grid (the queries for the forward and dq, the keys
+// for dk/dv: self-attention, so both walks read the same half-widths) and *streams* chunks of the
+// other: keys and values, or queries, dout and their lse and delta.
+enum class Kind { kForward, kDq, kDkv };
+__host__ __device__ constexpr int TilesOf(Kind kind) { return kind == Kind::kForward ? 1 : 2; }  // q; q, dout; k, v
+__host__ __device__ constexpr int ColumnsOf(Kind kind) { return kind == Kind::kDkv ? 2 : 0; }   // lse, delta per column
+
 // What the producer tells the consumers about a staged chunk (written before the stage's barrier).
 struct ChunkInfo {
-  int row;                  // key row; -1: the stream ended
+  int row;                  // streamed row; -1: the stream ended
   int lon;                  // longitude of the chunk's first column
-  int valid;                // columns [0, valid) belong to the window part (the rest: zeros, or keys past it)
+  int valid;                // columns [0, valid) belong to the window part (the rest: zeros, or points past it)
   int reach;                // largest of half[]
-  float bias;               // log2 of the key row's quadrature weight
-  int half[kTileRows];      // per query row: longitudes each side of a query it sees (-1: none, kRing)
+  float bias;               // log2 of the streamed row's quadrature weight (the key's, when keys stream)
+  int half[kTileRows];      // per walked row: longitudes each side of a point it sees (-1: none, kRing)
 };
 
 struct alignas(1024) Stage {
-  T k[kChunk * kD];
-  T v[kChunk * kD];
+  T a[kChunk * kD];          // k (forward, dq) or q (dk/dv)
+  T b[kChunk * kD];          // v (forward, dq) or dout (dk/dv)
+  float columns[2][kChunk];  // lse and delta of the staged queries (dk/dv)
 };
 
-// Operand tiles of a warpgroup's 64 queries, staged once per block: q (both kernels) and dout (dq).
-struct alignas(1024) QueryTile {
-  T rows[4 * kGroupLons * kD];  // query row (warp) x longitude, as the box lays them out
+// Operand tiles of a warpgroup's 64 walked points, staged once per block (TilesOf).
+struct alignas(1024) PointTile {
+  T rows[4 * kGroupLons * kD];  // walked row (warp) x longitude, as the box lays them out
 };
 
-template <int kTiles>
+template <Kind kKind>
 struct Shared {
   Stage stages[kStages];
-  QueryTile tiles[kConsumers][kTiles];
+  PointTile tiles[kConsumers][TilesOf(kKind)];
   ChunkInfo info[kStages];
   uint64_t full[kStages];
   uint64_t empty[kStages];
   uint64_t tiles_full;
+};
+
+// The tensor maps a kernel reads: its walked tiles, the streamed chunks and their columns.
+struct Maps {
+  CUtensorMap tiles[2];
+  CUtensorMap a, b;
+  CUtensorMap columns[2];
 };
 
 struct Problem {
@@ -102,8 +123,10 @@ struct Problem {
   float* lse;            // [nlat, nlon], natural log: the forward's result, dq's operand
   const float* delta;    // [nlat, nlon]: sum(dout * out) per query, dq's operand
   float* dq;             // [nlat, nlon, kD]: dq's result
-  const int* half;       // [nlat, nlat]: half-width of query row i on key row j (-1: none, kRing)
-  const int* key_rows;   // [blocks along latitude, 2]: first and last key row of the block's query rows
+  float* dk;             // [nlat, nlon, kD]: dk/dv's results
+  float* dv;
+  const int* half;       // [nlat, nlat]: half-width of query row i on key row j (-1: none, kRing); symmetric
+  const int* key_rows;   // [blocks along latitude, 2]: first and last row the block's walked rows see
   const float* bias;     // [nlat]: log2 of the quadrature weights
   float scale;           // softmax scale
   float scale_log2;      // softmax scale times log2(e)
@@ -161,14 +184,14 @@ struct StagePosition {
 // block's queries see, in key-row order. A row's window is the union of the block's arcs, cut at
 // longitude 0 into at most two parts, each staged from its start in chunks (boxes past nlon are
 // zero-filled by the copy engine and marked invalid).
-template <int kTiles>
-__device__ void Produce(const Problem& p, const CUtensorMap* const* tiles, const CUtensorMap* keys,
-                        const CUtensorMap* values, Shared<kTiles>& s) {
+template <Kind kKind>
+__device__ void Produce(const Problem& p, const Maps& maps, Shared<kKind>& s) {
+  constexpr int kTiles = TilesOf(kKind), kColumns = ColumnsOf(kKind);
   const int first_query_row = blockIdx.y * kTileRows, first_lon = blockIdx.x * kBlockLons;
-  sm90::MbarrierArriveExpectBytes(&s.tiles_full, kConsumers * kTiles * sizeof(QueryTile));
+  sm90::MbarrierArriveExpectBytes(&s.tiles_full, kConsumers * kTiles * sizeof(PointTile));
   for (int group = 0; group < kConsumers; ++group) {
     for (int i = 0; i < kTiles; ++i) {
-      sm90::LoadBox3d(s.tiles[group][i].rows, tiles[i], 0, first_lon + group * kGroupLons, first_query_row,
+      sm90::LoadBox3d(s.tiles[group][i].rows, &maps.tiles[i], 0, first_lon + group * kGroupLons, first_query_row,
                       &s.tiles_full);
     }
   }
@@ -192,9 +215,13 @@ __device__ void Produce(const Problem& p, const CUtensorMap* const* tiles, const
         info.lon = lon;
         info.valid = min(kChunk, end - lon);
         s.info[at.stage] = info;
-        sm90::MbarrierArriveExpectBytes(&s.full[at.stage], 2 * kChunkBytes);
-        sm90::LoadBox3d(s.stages[at.stage].k, keys, 0, lon, row, &s.full[at.stage]);
-        sm90::LoadBox3d(s.stages[at.stage].v, values, 0, lon, row, &s.full[at.stage]);
+        Stage& stage = s.stages[at.stage];
+        sm90::MbarrierArriveExpectBytes(&s.full[at.stage], 2 * kChunkBytes + kColumns * kChunk * sizeof(float));
+        sm90::LoadBox3d(stage.a, &maps.a, 0, lon, row, &s.full[at.stage]);
+        sm90::LoadBox3d(stage.b, &maps.b, 0, lon, row, &s.full[at.stage]);
+        for (int i = 0; i < kColumns; ++i) {
+          sm90::LoadBox3d(stage.columns[i], &maps.columns[i], lon, row, 0, &s.full[at.stage]);
+        }
         at.Advance();
       }
     }
@@ -208,8 +235,8 @@ __device__ void Produce(const Problem& p, const CUtensorMap* const* tiles, const
 // thread releases every stage (the ordering compute-sanitizer's racecheck models; one arrival per warp
 // after __syncwarp measured the same, but racecheck then reports the other lanes' reads of the chunk's
 // description as racing with its next write).
-template <int kTiles, typename Multiply>
-__device__ void ForEachChunk(const Problem& p, Shared<kTiles>& s, int group_lon, Multiply&& multiply) {
+template <Kind kKind, typename Multiply>
+__device__ void ForEachChunk(const Problem& p, Shared<kKind>& s, int group_lon, Multiply&& multiply) {
   StagePosition at;
   for (;;) {
     MbarrierWait(&s.full[at.stage], at.phase);
@@ -269,9 +296,9 @@ __device__ __forceinline__ void PackTile(uint32_t (&a)[kChunk / 16][4], const fl
   }
 }
 
-// S = A B^T of the chunk (4 k16 steps) for a query tile `rows` and staged key or value rows `keys`.
-__device__ __forceinline__ void MultiplyTransposed(float (&d)[kChunk / 2], const QueryTile& rows, const T* keys) {
-  const uint64_t a = sm90::SwizzledTileDescriptor(rows.rows), b = sm90::SwizzledTileDescriptor(keys);
+// S = A B^T of the chunk (4 k16 steps) for a walked tile `tile` and the staged rows `chunk`.
+__device__ __forceinline__ void MultiplyTransposed(float (&d)[kChunk / 2], const PointTile& tile, const T* chunk) {
+  const uint64_t a = sm90::SwizzledTileDescriptor(tile.rows), b = sm90::SwizzledTileDescriptor(chunk);
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) sm90::WgmmaM64N32K16SharedA<T>(d, a + 2 * ks, b + 2 * ks, ks > 0);
 }
@@ -319,13 +346,13 @@ __device__ __forceinline__ void StoreTile(float* out, const float (&d)[kD / 2], 
 
 // The forward of a consumer warpgroup: per chunk S = Q K^T, the masked online softmax in registers,
 // O += P V with P from the S registers; out and lse at the end.
-__device__ void ConsumeForward(const Problem& p, Shared<1>& s, int group) {
+__device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int group) {
   const TilePosition at(group);
   MbarrierWait(&s.tiles_full, 0);
   float o[kD / 2] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
   ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
     sm90::WgmmaFence();
-    MultiplyTransposed(scores, s.tiles[group][0], stage.k);
+    MultiplyTransposed(scores, s.tiles[group][0], stage.a);
     sm90::WgmmaCommit();
     sm90::WgmmaWait<0>();
     sm90::FenceRegisters(scores);
@@ -357,7 +384,7 @@ __device__ void ConsumeForward(const Problem& p, Shared<1>& s, int group) {
     }
     uint32_t pv[kChunk / 16][4];
     PackTile(pv, scores);
-    AccumulateTile(o, pv, stage.v);
+    AccumulateTile(o, pv, stage.b);
   });
   if (!at.Writes(p.nlat, p.nlon)) return;
   float inverse[2];
@@ -376,7 +403,7 @@ __device__ void ConsumeForward(const Problem& p, Shared<1>& s, int group) {
 
 // dq of a consumer warpgroup: per chunk S = Q K^T and dP = dO V^T, P = exp(S - lse) on the arcs,
 // dS = P (dP - delta), dq += dS K (K's staged rows taken MN-major); dq times the scale at the end.
-__device__ void ConsumeDq(const Problem& p, Shared<2>& s, int group) {
+__device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int group) {
   const TilePosition at(group);
   float lse_log2[2] = {0.f, 0.f}, delta[2] = {0.f, 0.f};
   if (at.Writes(p.nlat, p.nlon)) {
@@ -391,8 +418,8 @@ __device__ void ConsumeDq(const Problem& p, Shared<2>& s, int group) {
   float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
     sm90::WgmmaFence();
-    MultiplyTransposed(scores, s.tiles[group][0], stage.k);
-    MultiplyTransposed(dp, s.tiles[group][1], stage.v);
+    MultiplyTransposed(scores, s.tiles[group][0], stage.a);
+    MultiplyTransposed(dp, s.tiles[group][1], stage.b);
     sm90::WgmmaCommit();
     sm90::WgmmaWait<0>();
     sm90::FenceRegisters(scores);
@@ -403,37 +430,70 @@ __device__ void ConsumeDq(const Problem& p, Shared<2>& s, int group) {
     for (int e = 0; e < kChunk / 2; ++e) scores[e] = Exp2(scores[e]) * (dp[e] - delta[(e >> 1) & 1]);
     uint32_t ds[kChunk / 16][4];
     PackTile(ds, scores);
-    AccumulateTile(dq, ds, stage.k);
+    AccumulateTile(dq, ds, stage.a);
   });
   if (at.Writes(p.nlat, p.nlon)) StoreTile(p.dq, dq, {p.scale, p.scale}, at, p.nlon);
 }
 
-// The forward (kTiles 1: the queries) or dq (kTiles 2: the queries and dout).
-template <int kTiles>
-__global__ void __launch_bounds__(kThreads, WS_MIN_BLOCKS)
-    WarpSpecialised(Problem p, const __grid_constant__ CUtensorMap queries, const __grid_constant__ CUtensorMap dout,
-                    const __grid_constant__ CUtensorMap keys, const __grid_constant__ CUtensorMap values) {
+// dk and dv of a consumer warpgroup walking 4 x 16 keys: per chunk of 32 queries S^T = K Q^T and
+// dP^T = V dO^T, P^T = exp2(S^T + key weight - lse) on the arcs, dS^T = P^T (dP^T - delta), then
+// dv += P^T dO and dk += dS^T Q (the staged query rows MN-major); dk times the scale at the end.
+__device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
+  const TilePosition at(group);  // rows: key rows, lons: key longitudes
+  const float key_bias = at.query_row < p.nlat ? p.bias[at.query_row] : 0.f;
+  MbarrierWait(&s.tiles_full, 0);
+  float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
+  ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
+    sm90::WgmmaFence();
+    MultiplyTransposed(scores, s.tiles[group][0], stage.a);
+    MultiplyTransposed(dp, s.tiles[group][1], stage.b);
+    sm90::WgmmaCommit();
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(scores);
+    sm90::FenceRegisters(dp);
+    ArcLogits(scores, info, info.half[at.warp], at.lons, at.t, p.nlon, p.scale_log2, {key_bias, key_bias});
+#pragma unroll
+    for (int e = 0; e < kChunk / 2; ++e) {
+      const int n = ColumnOf(e, at.t);
+      scores[e] = Exp2(scores[e] - stage.columns[0][n] * 1.4426950408889634f);  // lse in log2 units
+      dp[e] = scores[e] * (dp[e] - stage.columns[1][n]);
+    }
+    uint32_t a[kChunk / 16][4];
+    PackTile(a, scores);
+    AccumulateTile(dv, a, stage.b);
+    PackTile(a, dp);
+    AccumulateTile(dk, a, stage.a);
+  });
+  if (!at.Writes(p.nlat, p.nlon)) return;
+  StoreTile(p.dk, dk, {p.scale, p.scale}, at, p.nlon);
+  StoreTile(p.dv, dv, {1.f, 1.f}, at, p.nlon);
+}
+
+// The forward, dq or dk/dv: one producer warp after the consumer warpgroups. dk/dv holds two
+// accumulators (~140 registers): 2 blocks per SM instead of WS_MIN_BLOCKS.
+template <Kind kKind>
+__global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? 2 : WS_MIN_BLOCKS)
+    WarpSpecialised(Problem p, const __grid_constant__ Maps maps) {
   extern __shared__ char raw[];
-  auto& s = *reinterpret_cast<Shared<kTiles>*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  auto& s = *reinterpret_cast<Shared<kKind>*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       MbarrierInit(&s.full[i], 1);
       MbarrierInit(&s.empty[i], 128 * kConsumers);
     }
     MbarrierInit(&s.tiles_full, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    MbarrierInitFence();
   }
   __syncthreads();
   const int warp = threadIdx.x / 32;
   if (warp == 4 * kConsumers) {
-    const CUtensorMap* const tiles[2] = {&queries, &dout};
-    if (threadIdx.x % 32 == 0) {
-      Produce<kTiles>(p, tiles, &keys, &values, s);
-    }
-  } else if constexpr (kTiles == 1) {
+    if (threadIdx.x % 32 == 0) Produce<kKind>(p, maps, s);
+  } else if constexpr (kKind == Kind::kForward) {
     ConsumeForward(p, s, warp / 4);
-  } else {
+  } else if constexpr (kKind == Kind::kDq) {
     ConsumeDq(p, s, warp / 4);
+  } else {
+    ConsumeDkv(p, s, warp / 4);
   }
 }
 
@@ -513,6 +573,38 @@ QueryTruth Truth(const Inputs& in, int i, int lon) {
     for (int d = 0; d < kD; ++d) dp += at(in.dout, query, d) * at(in.v, key, d);
     const double ds = std::exp(logit - truth.lse) * (dp - delta);
     for (int d = 0; d < kD; ++d) truth.dq[d] += 0.125 * ds * at(in.k, key, d);
+  }
+  return truth;
+}
+
+// The float64 truth of one key's gradients, given the queries' lse and delta (the kernels').
+struct KeyTruth {
+  std::vector<double> dk, dv;
+};
+
+KeyTruth TruthOfKey(const Inputs& in, const std::vector<float>& lse, const std::vector<float>& delta, int j,
+                    int lon) {
+  const int nlat = in.nlat, nlon = in.nlon;
+  auto at = [](const std::vector<T>& x, size_t point, int d) { return double(__bfloat162float(x[point * kD + d])); };
+  const size_t key = size_t(j) * nlon + lon;
+  KeyTruth truth{std::vector<double>(kD), std::vector<double>(kD)};
+  for (int i = 0; i < nlat; ++i) {  // the queries that see the key: the same half-widths, transposed
+    const int h = in.half[size_t(i) * nlat + j];
+    if (h < 0) continue;
+    const int width = h >= kRing ? nlon : 2 * h + 1, first = h >= kRing ? 0 : lon - h;
+    for (int c = 0; c < width; ++c) {
+      const size_t query = size_t(i) * nlon + ((first + c) % nlon + nlon) % nlon;
+      double dot = 0, dp = 0;
+      for (int d = 0; d < kD; ++d) {
+        dot += at(in.q, query, d) * at(in.k, key, d);
+        dp += at(in.dout, query, d) * at(in.v, key, d);
+      }
+      const double p = std::exp(0.125 * dot + std::log(double(in.weight[j])) - lse[query]);
+      for (int d = 0; d < kD; ++d) {
+        truth.dv[d] += p * at(in.dout, query, d);
+        truth.dk[d] += 0.125 * p * (dp - delta[query]) * at(in.q, query, d);
+      }
+    }
   }
   return truth;
 }
@@ -608,41 +700,68 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   CHECK_CUDA(cudaMemcpy(dhalf, in.half.data(), in.half.size() * sizeof(int), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dkey_rows, key_rows.data(), key_rows.size() * sizeof(int), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dbias, bias.data(), nlat * sizeof(float), cudaMemcpyHostToDevice));
-  // Maps of q and dout (boxes of a warpgroup's 4 x 16 queries), k and v (boxes of one chunk).
-  CUtensorMap maps[4];
-  const cuuint64_t dims[3] = {kD, cuuint64_t(nlon), cuuint64_t(nlat)};
-  const cuuint64_t strides[2] = {kD * sizeof(T), nlon * kD * sizeof(T)};
-  const cuuint32_t boxes[2][3] = {{kD, kGroupLons, kTileRows}, {kD, kChunk, 1}}, element_strides[3] = {1, 1, 1};
+  float *dk, *dv;
+  CHECK_CUDA(cudaMalloc(&dk, points * kD * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dv, points * kD * sizeof(float)));
+  // Maps: tiles (boxes of a warpgroup's 4 x 16 points) and chunks (32 points of a row) of q, k, v, dout;
+  // columns (32 floats of a row) of lse and delta.
+  enum Operand { kQ, kK, kV, kDout };
+  CUtensorMap tiles[4], chunk_maps[4], columns[2];
+  const cuuint32_t element_strides[3] = {1, 1, 1};
   for (int i = 0; i < 4; ++i) {
-    const bool chunk_box = i == 1 || i == 2;
-    if (encode(&maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, device[i], dims, strides, boxes[chunk_box],
-               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+    const cuuint64_t dims[3] = {kD, cuuint64_t(nlon), cuuint64_t(nlat)};
+    const cuuint64_t strides[2] = {kD * sizeof(T), nlon * kD * sizeof(T)};
+    const cuuint32_t tile_box[3] = {kD, kGroupLons, kTileRows}, chunk_box[3] = {kD, kChunk, 1};
+    for (auto [map, box] : {std::pair{&tiles[i], tile_box}, std::pair{&chunk_maps[i], chunk_box}}) {
+      if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, device[i], dims, strides, box, element_strides,
+                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+        std::printf("cuTensorMapEncodeTiled failed\n");
+        return false;
+      }
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    const cuuint64_t dims[3] = {cuuint64_t(nlon), cuuint64_t(nlat), 1};
+    const cuuint64_t strides[2] = {nlon * sizeof(float), points * sizeof(float)};
+    const cuuint32_t box[3] = {kChunk, 1, 1};
+    if (encode(&columns[i], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, i == 0 ? lse : delta, dims, strides, box,
+               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
       std::printf("cuTensorMapEncodeTiled failed\n");
       return false;
     }
   }
-  const Problem problem{nlat,      nlon,  out,    lse,   delta, dq, dhalf,
-                        dkey_rows, dbias, 0.125f, 0.125f * 1.4426950408889634f};
-  const int shared_forward = sizeof(Shared<1>) + 1024, shared_dq = sizeof(Shared<2>) + 1024;
-  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_forward));
-  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_dq));
+  const Maps forward_maps{{tiles[kQ], tiles[kQ]}, chunk_maps[kK], chunk_maps[kV], {columns[0], columns[1]}};
+  const Maps dq_maps{{tiles[kQ], tiles[kDout]}, chunk_maps[kK], chunk_maps[kV], {columns[0], columns[1]}};
+  const Maps dkv_maps{{tiles[kK], tiles[kV]}, chunk_maps[kQ], chunk_maps[kDout], {columns[0], columns[1]}};
+  const Problem problem{nlat, nlon, out, lse, delta, dq, dk, dv, dhalf, dkey_rows, dbias, 0.125f,
+                        0.125f * 1.4426950408889634f};
+  const int shared_forward = sizeof(Shared<Kind::kForward>) + 1024;
+  const int shared_backward = sizeof(Shared<Kind::kDq>) + 1024;  // dq and dk/dv: two tiles per warpgroup
+  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kForward>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  shared_forward));
+  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kDq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  shared_backward));
+  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kDkv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  shared_backward));
   const dim3 grid((nlon + kBlockLons - 1) / kBlockLons, row_blocks);
   const auto forward = [&] {
-    WarpSpecialised<1><<<grid, kThreads, shared_forward>>>(problem, maps[0], maps[0], maps[1], maps[2]);
+    WarpSpecialised<Kind::kForward><<<grid, kThreads, shared_forward>>>(problem, forward_maps);
   };
-  const auto backward_dq = [&] {
-    WarpSpecialised<2><<<grid, kThreads, shared_dq>>>(problem, maps[0], maps[3], maps[1], maps[2]);
+  const auto backward_dq = [&] { WarpSpecialised<Kind::kDq><<<grid, kThreads, shared_backward>>>(problem, dq_maps); };
+  const auto backward_dkv = [&] {
+    WarpSpecialised<Kind::kDkv><<<grid, kThreads, shared_backward>>>(problem, dkv_maps);
   };
 
-  // The forward, then delta = sum(dout * out) from its out (float32, as the op forms it), then dq; every
-  // result poisoned (NaN) first.
-  CHECK_CUDA(cudaMemset(out, 0xff, points * kD * sizeof(float)));
+  // The forward, then delta = sum(dout * out) from its out (float32, as the op forms it), then dq and
+  // dk/dv; every result poisoned (NaN) first.
+  for (float* x : {out, dq, dk, dv}) CHECK_CUDA(cudaMemset(x, 0xff, points * kD * sizeof(float)));
   CHECK_CUDA(cudaMemset(lse, 0xff, points * sizeof(float)));
-  CHECK_CUDA(cudaMemset(dq, 0xff, points * kD * sizeof(float)));
   forward();
   CHECK_CUDA(cudaGetLastError());
-  std::vector<float> got_out(points * kD), got_lse(points), got_dq(points * kD), host_delta(points);
+  std::vector<float> got_out(points * kD), got_lse(points), host_delta(points);
+  std::vector<float> got_dq(points * kD), got_dk(points * kD), got_dv(points * kD);
   CHECK_CUDA(cudaMemcpy(got_out.data(), out, got_out.size() * sizeof(float), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(got_lse.data(), lse, got_lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
   for (size_t point = 0; point < points; ++point) {
@@ -652,12 +771,17 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   }
   CHECK_CUDA(cudaMemcpy(delta, host_delta.data(), points * sizeof(float), cudaMemcpyHostToDevice));
   backward_dq();
+  backward_dkv();
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaMemcpy(got_dq.data(), dq, got_dq.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  const size_t unwritten = CountNaN(got_out) + CountNaN(got_lse) + CountNaN(got_dq);
+  CHECK_CUDA(cudaMemcpy(got_dk.data(), dk, got_dk.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(got_dv.data(), dv, got_dv.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  const size_t unwritten =
+      CountNaN(got_out) + CountNaN(got_lse) + CountNaN(got_dq) + CountNaN(got_dk) + CountNaN(got_dv);
 
-  // float64 truth of sampled queries (one on each pole row among them).
-  Check out_check, dq_check;
+  // float64 truth of sampled queries (one on each pole row among them) and of sampled keys (their
+  // gradients from the kernels' own lse and delta, as the backward takes them).
+  Check out_check, dq_check, dk_check, dv_check;
   double lse_error = 0;
   std::uniform_int_distribution<int> any_row(0, nlat - 1), any_lon(0, nlon - 1);
   for (int sample = 0; sample < 1000; ++sample) {
@@ -668,8 +792,17 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
     dq_check.Add(i, lon, truth.dq, &got_dq[point * kD]);
     lse_error = std::max(lse_error, std::fabs(truth.lse - got_lse[point]));
   }
-  const bool correct = unwritten == 0 && out_check.Relative() <= 1e-2 && dq_check.Relative() <= 1e-2 &&
-                       lse_error <= 1e-3 && std::isfinite(out_check.Relative() + dq_check.Relative());
+  for (int sample = 0; sample < 300; ++sample) {
+    const int j = sample < 2 ? (nlat - 1) * sample : any_row(rng), lon = any_lon(rng);
+    const KeyTruth truth = TruthOfKey(in, got_lse, host_delta, j, lon);
+    const size_t point = size_t(j) * nlon + lon;
+    dk_check.Add(j, lon, truth.dk, &got_dk[point * kD]);
+    dv_check.Add(j, lon, truth.dv, &got_dv[point * kD]);
+  }
+  const Check* checks[4] = {&out_check, &dq_check, &dk_check, &dv_check};
+  const char* names[4] = {"out", "dq", "dk", "dv"};
+  bool correct = unwritten == 0 && lse_error <= 1e-3;
+  for (const Check* c : checks) correct = correct && c->Relative() <= 1e-2;
 
   // Work the stream does (the producer's loop and the consumers' test replayed): chunks staged, chunks
   // multiplied by a warpgroup, and the neighbour pairs among the latter's 64 x kChunk products.
@@ -698,24 +831,24 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
     }
   }
 
-  double forward_ms, forward_min, dq_ms, dq_min;
-  if (!MedianMs(reps, forward, &forward_ms, &forward_min) || !MedianMs(reps, backward_dq, &dq_ms, &dq_min)) {
+  double ms[3], fastest[3];
+  if (!MedianMs(reps, forward, &ms[0], &fastest[0]) || !MedianMs(reps, backward_dq, &ms[1], &fastest[1]) ||
+      !MedianMs(reps, backward_dkv, &ms[2], &fastest[2])) {
     return false;
   }
-  std::printf("%-14s %4dx%-5d cutoff %.5f: forward %.3f ms (min %.3f), dq %.3f ms (min %.3f) | pairs %.3g, "
-              "chunks %.3g, warpgroup-chunks %.3g, useful %.2f | unwritten %zu, out rel %.1e, lse abs %.1e, "
-              "dq rel %.1e %s\n",
-              config.name, nlat, nlon, config.cutoff, forward_ms, forward_min, dq_ms, dq_min, double(pairs),
-              double(chunks), double(multiplied), double(pairs) / (double(multiplied) * 64 * kChunk), unwritten,
-              out_check.Relative(), lse_error, dq_check.Relative(), correct ? "ok" : "WRONG");
-  for (const Check* c : {&out_check, &dq_check}) {
-    if (!correct) {
-      std::printf("  worst %s: row %d lon %d channel %d: %.6f expected, %.6f written\n",
-                  c == &out_check ? "out" : "dq", c->row, c->lon, c->channel, c->expected, c->written);
-    }
+  std::printf("%-14s %4dx%-5d cutoff %.5f: forward %.3f ms (min %.3f), dq %.3f (%.3f), dk/dv %.3f (%.3f) | "
+              "pairs %.3g, chunks %.3g, warpgroup-chunks %.3g, useful %.2f | unwritten %zu, lse abs %.1e, rel out "
+              "%.1e dq %.1e dk %.1e dv %.1e %s\n",
+              config.name, nlat, nlon, config.cutoff, ms[0], fastest[0], ms[1], fastest[1], ms[2], fastest[2],
+              double(pairs), double(chunks), double(multiplied), double(pairs) / (double(multiplied) * 64 * kChunk),
+              unwritten, lse_error, out_check.Relative(), dq_check.Relative(), dk_check.Relative(),
+              dv_check.Relative(), correct ? "ok" : "WRONG");
+  for (int c = 0; c < 4 && !correct; ++c) {
+    std::printf("  worst %s: row %d lon %d channel %d: %.6f expected, %.6f written\n", names[c], checks[c]->row,
+                checks[c]->lon, checks[c]->channel, checks[c]->expected, checks[c]->written);
   }
   for (T* x : device) CHECK_CUDA(cudaFree(x));
-  for (float* x : {out, lse, delta, dq, dbias}) CHECK_CUDA(cudaFree(x));
+  for (float* x : {out, lse, delta, dq, dk, dv, dbias}) CHECK_CUDA(cudaFree(x));
   CHECK_CUDA(cudaFree(dhalf));
   CHECK_CUDA(cudaFree(dkey_rows));
   return correct;
