@@ -18,7 +18,8 @@
 // positive stand-ins (timing does not depend on them). Every result is poisoned (NaN) before the run
 // and must be written; out, lse and dq of sampled queries and dk, dv of sampled keys are checked
 // against a float64 host reference (the backward from delta = sum(dout * out) of the kernel's own
-// float32 out and its lse, as the op forms them). Standalone: not part of the package.
+// float32 out for dq, and the kernels' lse and that delta for dk/dv, as the op forms them). Standalone:
+// not part of the package.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -180,8 +181,9 @@ struct StagePosition {
   }
 };
 
-// One thread: the warpgroups' query tiles (kTiles boxes each), then every chunk of every key row the
-// block's queries see, in key-row order. A row's window is the union of the block's arcs, cut at
+// One thread: the warpgroups' walked tiles (TilesOf boxes each), then every chunk of every streamed row
+// the block's walked rows see, in row order (the half-width table is symmetric: self-attention), with
+// its lse and delta columns for dk/dv. A row's window is the union of the block's arcs, cut at
 // longitude 0 into at most two parts, each staged from its start in chunks (boxes past nlon are
 // zero-filled by the copy engine and marked invalid).
 template <Kind kKind>
@@ -266,7 +268,7 @@ __device__ __forceinline__ void ArcLogits(float (&scores)[kChunk / 2], const Chu
     const auto keep = [&](int e, bool in_arc) {
       scores[e] = in_arc ? fmaf(scores[e], scale_log2, offset[h]) : -INFINITY;
     };
-    if (half > nlon / 2 - kChunk) {
+    if (half >= 0 && half > nlon / 2 - kChunk) {
 #pragma unroll
       for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
         const int n = ColumnOf(e, t);
@@ -455,7 +457,9 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
 #pragma unroll
     for (int e = 0; e < kChunk / 2; ++e) {
       const int n = ColumnOf(e, at.t);
-      scores[e] = Exp2(scores[e] - stage.columns[0][n] * 1.4426950408889634f);  // lse in log2 units
+      // (A query without neighbours has lse -inf: -inf - -inf must give 0, not NaN.)
+      const float logit = scores[e];
+      scores[e] = logit == -INFINITY ? 0.f : Exp2(logit - stage.columns[0][n] * 1.4426950408889634f);
       dp[e] = scores[e] * (dp[e] - stage.columns[1][n]);
     }
     uint32_t a[kChunk / 16][4];
@@ -474,8 +478,8 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
 template <Kind kKind>
 __global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? 2 : WS_MIN_BLOCKS)
     WarpSpecialised(Problem p, const __grid_constant__ Maps maps) {
-  extern __shared__ char raw[];
-  auto& s = *reinterpret_cast<Shared<kKind>*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  const auto raw = reinterpret_cast<uintptr_t>(s2attn::gpu::DynamicShared());
+  auto& s = *reinterpret_cast<Shared<kKind>*>((raw + 1023) & ~uintptr_t{1023});
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       MbarrierInit(&s.full[i], 1);
@@ -633,7 +637,7 @@ bool MedianMs(int reps, Launch&& launch, double* ms, double* fastest) {
   std::vector<float> times;
   for (int rep = 0; rep < reps; ++rep) {
     CHECK_CUDA(cudaEventRecord(start));
-    launch();
+    CHECK_CUDA(launch());
     CHECK_CUDA(cudaEventRecord(stop));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float t;
@@ -738,7 +742,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   const Problem problem{nlat, nlon, out, lse, delta, dq, dk, dv, dhalf, dkey_rows, dbias, 0.125f,
                         0.125f * 1.4426950408889634f};
   const int shared_forward = sizeof(Shared<Kind::kForward>) + 1024;
-  const int shared_backward = sizeof(Shared<Kind::kDq>) + 1024;  // dq and dk/dv: two tiles per warpgroup
+  static_assert(sizeof(Shared<Kind::kDq>) == sizeof(Shared<Kind::kDkv>), "dq and dk/dv: two tiles per warpgroup");
+  const int shared_backward = sizeof(Shared<Kind::kDq>) + 1024;
   CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kForward>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   shared_forward));
   CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kDq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -746,20 +751,26 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kDkv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   shared_backward));
   const dim3 grid((nlon + kBlockLons - 1) / kBlockLons, row_blocks);
+  // Launched through cudaLaunchKernel (not <<< >>>), so that the program also builds for the host
+  // emulation of tests/cuda_emulation.
+  Problem params = problem;
+  Maps maps[3] = {forward_maps, dq_maps, dkv_maps};
+  void* args[3][2] = {{&params, &maps[0]}, {&params, &maps[1]}, {&params, &maps[2]}};
   const auto forward = [&] {
-    WarpSpecialised<Kind::kForward><<<grid, kThreads, shared_forward>>>(problem, forward_maps);
+    return cudaLaunchKernel(WarpSpecialised<Kind::kForward>, grid, dim3(kThreads), args[0], shared_forward, 0);
   };
-  const auto backward_dq = [&] { WarpSpecialised<Kind::kDq><<<grid, kThreads, shared_backward>>>(problem, dq_maps); };
+  const auto backward_dq = [&] {
+    return cudaLaunchKernel(WarpSpecialised<Kind::kDq>, grid, dim3(kThreads), args[1], shared_backward, 0);
+  };
   const auto backward_dkv = [&] {
-    WarpSpecialised<Kind::kDkv><<<grid, kThreads, shared_backward>>>(problem, dkv_maps);
+    return cudaLaunchKernel(WarpSpecialised<Kind::kDkv>, grid, dim3(kThreads), args[2], shared_backward, 0);
   };
 
   // The forward, then delta = sum(dout * out) from its out (float32, as the op forms it), then dq and
   // dk/dv; every result poisoned (NaN) first.
   for (float* x : {out, dq, dk, dv}) CHECK_CUDA(cudaMemset(x, 0xff, points * kD * sizeof(float)));
   CHECK_CUDA(cudaMemset(lse, 0xff, points * sizeof(float)));
-  forward();
-  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(forward());
   std::vector<float> got_out(points * kD), got_lse(points), host_delta(points);
   std::vector<float> got_dq(points * kD), got_dk(points * kD), got_dv(points * kD);
   CHECK_CUDA(cudaMemcpy(got_out.data(), out, got_out.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -770,9 +781,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
     host_delta[point] = float(sum);
   }
   CHECK_CUDA(cudaMemcpy(delta, host_delta.data(), points * sizeof(float), cudaMemcpyHostToDevice));
-  backward_dq();
-  backward_dkv();
-  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(backward_dq());
+  CHECK_CUDA(backward_dkv());
   CHECK_CUDA(cudaMemcpy(got_dq.data(), dq, got_dq.size() * sizeof(float), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(got_dk.data(), dk, got_dk.size() * sizeof(float), cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(got_dv.data(), dv, got_dv.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -855,8 +865,9 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
 }
 
 // Without arguments: every config, timed. `--once`: the smallest config, the checked launches and one
-// timed each (for compute-sanitizer).
-bool Main(bool once) {
+// timed each (for compute-sanitizer). `--tiny`: small grids that cross longitude 0, touch the poles and
+// see whole rings, one launch each (for the host emulation, tests/test_ws_prototype_emulated.py).
+bool Main(const std::string& mode) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs; block of %d threads (%d consumer warpgroups), %d stages of %d key columns\n", prop.name,
@@ -867,14 +878,19 @@ bool Main(bool once) {
   const Config configs[] = {{"qdeg_tc003", 721, 1440, 0.03},
                             {"qdeg_default", 721, 1440, pi / 720},
                             {"hdeg_tc003", 360, 720, 0.03}};
+  const Config tiny[] = {{"tiny_wide", 11, 32, 0.7}, {"tiny_narrow", 9, 48, 0.25}, {"tiny_rows", 33, 64, 0.12}};
   bool ok = true;
+  if (mode == "--tiny") {
+    for (const Config& config : tiny) ok = Run(config, encode, 1) && ok;
+    return ok;
+  }
   for (const Config& config : configs) {
-    if (once && &config != &configs[2]) continue;
-    ok = Run(config, encode, once ? 1 : 35) && ok;
+    if (mode == "--once" && &config != &configs[2]) continue;
+    ok = Run(config, encode, mode == "--once" ? 1 : 35) && ok;
   }
   return ok;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) { return Main(argc > 1 && std::string(argv[1]) == "--once") ? 0 : 1; }
+int main(int argc, char** argv) { return Main(argc > 1 ? argv[1] : "") ? 0 : 1; }
