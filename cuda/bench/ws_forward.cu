@@ -265,7 +265,7 @@ __device__ void Consume(const Problem& p, Shared& s, int group) {
           scores[e] = in_arc ? fmaf(scores[e], p.scale_log2, info.bias) : -INFINITY;
           row_max[h] = fmaxf(row_max[h], scores[e]);
         };
-        if (half > p.nlon / 2 - kChunk) {  // outside the loop: inside it, it cost 1.8x (NOTES)
+        if (half >= 0 && half > p.nlon / 2 - kChunk) {  // outside the loop: inside it, it cost 1.8x (NOTES)
 #pragma unroll
           for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
             const int n = 8 * (e / 4) + 2 * t + (e % 2);
@@ -343,8 +343,8 @@ __device__ void Consume(const Problem& p, Shared& s, int group) {
 __global__ void __launch_bounds__(kThreads, WS_MIN_BLOCKS)
     WarpSpecialisedForward(Problem p, const __grid_constant__ CUtensorMap queries,
                            const __grid_constant__ CUtensorMap keys, const __grid_constant__ CUtensorMap values) {
-  extern __shared__ char raw[];
-  Shared& s = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  const auto raw = reinterpret_cast<uintptr_t>(s2attn::gpu::DynamicShared());
+  Shared& s = *reinterpret_cast<Shared*>((raw + 1023) & ~uintptr_t{1023});
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       MbarrierInit(&s.full[i], 1);
@@ -459,8 +459,11 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   const dim3 grid((nlon + kBlockLons - 1) / kBlockLons, row_blocks);
   CHECK_CUDA(cudaMemset(out, 0xff, points * kD * sizeof(float)));  // NaN
   CHECK_CUDA(cudaMemset(lse, 0xff, points * sizeof(float)));
-  WarpSpecialisedForward<<<grid, kThreads, shared>>>(problem, maps[0], maps[1], maps[2]);
-  CHECK_CUDA(cudaGetLastError());
+  // Launched through cudaLaunchKernel (not <<< >>>), so that the program also builds for the host
+  // emulation of tests/cuda_emulation.
+  void* args[] = {const_cast<Problem*>(&problem), &maps[0], &maps[1], &maps[2]};
+  const auto forward = [&] { return cudaLaunchKernel(WarpSpecialisedForward, grid, dim3(kThreads), args, shared, 0); };
+  CHECK_CUDA(forward());
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(points * kD), got_lse(points);
   CHECK_CUDA(cudaMemcpy(got.data(), out, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
@@ -547,7 +550,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   std::vector<float> times;
   for (int rep = 0; rep < reps; ++rep) {
     CHECK_CUDA(cudaEventRecord(start));
-    WarpSpecialisedForward<<<grid, kThreads, shared>>>(problem, maps[0], maps[1], maps[2]);
+    CHECK_CUDA(forward());
     CHECK_CUDA(cudaEventRecord(stop));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float ms;
@@ -578,8 +581,9 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
 }
 
 // Without arguments: every config, timed. `--once`: the smallest config, the checked launch and one timed
-// (for compute-sanitizer).
-bool Main(bool once) {
+// (for compute-sanitizer). `--tiny`: small grids that cross longitude 0, touch the poles and see whole
+// rings, one launch each (for the host emulation, tests/test_ws_prototype_emulated.py).
+bool Main(const std::string& mode) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf("%s, %d SMs; block of %d threads (%d consumer warpgroups), %d stages of %d key columns\n", prop.name,
@@ -590,14 +594,19 @@ bool Main(bool once) {
   const Config configs[] = {{"qdeg_tc003", 721, 1440, 0.03},
                             {"qdeg_default", 721, 1440, pi / 720},
                             {"hdeg_tc003", 360, 720, 0.03}};
+  const Config tiny[] = {{"tiny_wide", 11, 32, 0.7}, {"tiny_narrow", 9, 48, 0.25}, {"tiny_rows", 33, 64, 0.12}};
   bool ok = true;
+  if (mode == "--tiny") {
+    for (const Config& config : tiny) ok = Run(config, encode, 1) && ok;
+    return ok;
+  }
   for (const Config& config : configs) {
-    if (once && &config != &configs[2]) continue;
-    ok = Run(config, encode, once ? 1 : 35) && ok;
+    if (mode == "--once" && &config != &configs[2]) continue;
+    ok = Run(config, encode, mode == "--once" ? 1 : 35) && ok;
   }
   return ok;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) { return Main(argc > 1 && std::string(argv[1]) == "--once") ? 0 : 1; }
+int main(int argc, char** argv) { return Main(argc > 1 ? argv[1] : "") ? 0 : 1; }
