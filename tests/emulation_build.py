@@ -77,17 +77,10 @@ def address_sanitizer_preload() -> str | None:
     return " ".join(libraries)
 
 
-def build_emulated_library(
-    out: Path,
-    kernel_sources: Sequence[Path],
-    host_sources: Sequence[Path] = (),
-    defines: Sequence[str] = (),
-    address_sanitizer: bool = False,
-) -> Path:
-    """Compiles ``kernel_sources`` (CUDA, emulated) and ``host_sources`` (C++) with the emulation
-    runtime into ``out/libs2attn_emulated.so`` and returns its path; skips the calling test where
-    there is no host C++20 compiler or no CUDA headers. ``address_sanitizer``: an ASan build
-    (load it under :func:`address_sanitizer_preload`)."""
+def _compile(out: Path, kernel_sources, host_sources, defines, address_sanitizer: bool) -> tuple[list[str], list[str]]:
+    """Compiles the kernel sources (emulated) and the host sources with the emulation runtime into
+    objects in ``out``; returns them and the link flags. Skips the calling test where there is no
+    host C++20 compiler or no CUDA headers."""
     cxx = _host_compiler()
     include = cuda_include_dir()
     if cxx is None or include is None:
@@ -105,15 +98,38 @@ def build_emulated_library(
         assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr}"
     for cmd in jobs[: len(kernel_sources)]:
         _check_shared_declarations(Path(cmd[-1]))
+    return [cmd[-1] for cmd in jobs], [cxx, *sanitizer]
+
+
+def build_emulated_library(
+    out: Path,
+    kernel_sources: Sequence[Path],
+    host_sources: Sequence[Path] = (),
+    defines: Sequence[str] = (),
+    address_sanitizer: bool = False,
+) -> Path:
+    """Compiles ``kernel_sources`` (CUDA, emulated) and ``host_sources`` (C++) with the emulation
+    runtime into ``out/libs2attn_emulated.so`` and returns its path; skips the calling test where
+    there is no host C++20 compiler or no CUDA headers. ``address_sanitizer``: an ASan build
+    (load it under :func:`address_sanitizer_preload`)."""
+    objects, link_command = _compile(out, kernel_sources, host_sources, defines, address_sanitizer)
     library = out / "libs2attn_emulated.so"
-    objects = [cmd[-1] for cmd in jobs]
     link = subprocess.run(
         # -Bsymbolic: the emulated CUDA runtime must win over a real libcudart that another test's
         # import (torch's CUDA build) already loaded into the process's global symbol scope.
-        [cxx, "-shared", *sanitizer, "-Wl,-Bsymbolic", *objects, "-o", str(library)],
+        [*link_command, "-shared", "-Wl,-Bsymbolic", *objects, "-o", str(library)],
         capture_output=True,
         text=True,
     )
     assert link.returncode == 0, link.stderr
     return library
 
+
+def build_emulated_program(out: Path, source: Path, defines: Sequence[str] = ()) -> Path:
+    """Compiles a standalone CUDA program (``cuda/bench``: a ``main`` and its kernels) for the host
+    emulation into ``out/<stem>`` and returns its path; skips as :func:`build_emulated_library`."""
+    objects, link_command = _compile(out, [source], (), defines, address_sanitizer=False)
+    program = out / source.stem
+    link = subprocess.run([*link_command, *objects, "-o", str(program)], capture_output=True, text=True)
+    assert link.returncode == 0, link.stderr
+    return program

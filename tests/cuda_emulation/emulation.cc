@@ -9,9 +9,11 @@
 //
 // x86-64 System V only (the fiber switch is a few lines of assembly).
 #include <cstdarg>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -114,8 +116,7 @@ struct Scheduler {
   std::vector<Fiber> fibers;
   Fiber* current = nullptr;
   void* scheduler_sp = nullptr;
-  void (*kernel)(s2attn::NbhdAttnGpuParams) = nullptr;
-  s2attn::NbhdAttnGpuParams params;
+  std::function<void()> kernel;  // the kernel with its launch's parameters
   size_t shared_bytes = 0;  // the launch's dynamic shared memory
   uint64_t progress = 0;    // bumped whenever a fiber gets past a wait or finishes
   const void* scheduler_stack_bottom = nullptr;
@@ -516,7 +517,7 @@ void FiberMain() {
 #if EMU_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &g_scheduler.scheduler_stack_bottom, &g_scheduler.scheduler_stack_size);
 #endif
-  g_scheduler.kernel(g_scheduler.params);
+  g_scheduler.kernel();
   CheckNobodyWaitsFor(threadIdx.x);
   g_scheduler.current->done = true;
   SwitchToScheduler(/*dying=*/true);
@@ -950,6 +951,15 @@ cudaError_t CUDARTAPI cudaFuncSetAttribute(const void* func, enum cudaFuncAttrib
 
 cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared_bytes,
                                        cudaStream_t /*stream*/) {
+  // The kernels of cuda/gpu take one NbhdAttnGpuParams by value; other kernels launch through the
+  // typed overload of emulation.h.
+  const auto kernel = reinterpret_cast<void (*)(s2attn::NbhdAttnGpuParams)>(const_cast<void*>(func));
+  const s2attn::NbhdAttnGpuParams params = *static_cast<const s2attn::NbhdAttnGpuParams*>(args[0]);
+  return EmulatedLaunch(func, grid, block, shared_bytes, [kernel, params] { kernel(params); });
+}
+
+cudaError_t EmulatedLaunch(const void* func, dim3 grid, dim3 block, size_t shared_bytes,
+                           std::function<void()> kernel) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535 ||
       block.x == 0 || block.x > 1024 || block.x % 32 != 0 || block.y != 1 || block.z != 1) {
     return g_last_error = cudaErrorInvalidConfiguration;
@@ -958,9 +968,7 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
   if (shared_bytes > (limit == g_shared_limits.end() ? kDefaultSharedLimit : limit->second)) {
     return g_last_error = cudaErrorInvalidValue;
   }
-  // Every kernel of cuda/gpu takes one NbhdAttnGpuParams by value.
-  g_scheduler.kernel = reinterpret_cast<void (*)(s2attn::NbhdAttnGpuParams)>(const_cast<void*>(func));
-  g_scheduler.params = *static_cast<const s2attn::NbhdAttnGpuParams*>(args[0]);
+  g_scheduler.kernel = std::move(kernel);
   g_scheduler.shared_bytes = shared_bytes;
   g_scheduler.fibers.resize(block.x);
   blockDim = block;
@@ -1023,5 +1031,59 @@ cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, 
 #if EMU_ASAN
   ASAN_UNPOISON_MEMORY_REGION(shared, s2attn::gpu::kSharedCapacity);
 #endif
+  return cudaSuccess;
+}
+
+// ------------------------------------------------------------------ runtime API of standalone programs
+//
+// What the programs of cuda/bench use beyond the kernels' launchers: device memory is host memory,
+// copies are memcpy, events read the host clock (timings mean nothing here), one device.
+
+struct CUevent_st {
+  std::chrono::steady_clock::time_point at;
+};
+
+cudaError_t CUDARTAPI cudaMalloc(void** pointer, size_t bytes) {
+  *pointer = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  return *pointer != nullptr || bytes == 0 ? cudaSuccess : (g_last_error = cudaErrorMemoryAllocation);
+}
+cudaError_t CUDARTAPI cudaFree(void* pointer) {
+  std::free(pointer);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaMemcpy(void* destination, const void* source, size_t bytes, enum cudaMemcpyKind) {
+  std::memcpy(destination, source, bytes);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaMemset(void* destination, int value, size_t bytes) {
+  std::memset(destination, value, bytes);
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t CUDARTAPI cudaEventCreate(cudaEvent_t* event) {
+  *event = new CUevent_st{};
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaEventDestroy(cudaEvent_t event) {
+  delete event;
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t) {
+  event->at = std::chrono::steady_clock::now();
+  return cudaSuccess;
+}
+cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t CUDARTAPI cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
+  return cudaSuccess;
+}
+const char* CUDARTAPI cudaGetErrorString(cudaError_t error) {
+  return error == cudaSuccess ? "no error" : "emulated error";
+}
+cudaError_t CUDARTAPI cudaGetDeviceProperties(struct cudaDeviceProp* prop, int /*device*/) {
+  *prop = cudaDeviceProp{};
+  std::snprintf(prop->name, sizeof prop->name, "host emulation");
+  prop->multiProcessorCount = 1;
+  prop->sharedMemPerBlockOptin = s2attn::gpu::kSharedCapacity;
   return cudaSuccess;
 }

@@ -51,6 +51,10 @@
 #include <math.h>  // nvcc makes the C math functions available without an include
 
 #include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 
 #define __launch_bounds__(...)
 
@@ -116,6 +120,23 @@ unsigned __shfl_sync(unsigned mask, unsigned value, int src_lane, int width = 32
 unsigned __ballot_sync(unsigned mask, int predicate);
 int __any_sync(unsigned mask, int predicate);
 int __all_sync(unsigned mask, int predicate);
+
+// A launch in the emulation: `kernel` runs once per thread of every block (the launch's parameters
+// bound into it), as cudaLaunchKernel describes.
+cudaError_t EmulatedLaunch(const void* func, dim3 grid, dim3 block, size_t shared_bytes, std::function<void()> kernel);
+
+// Launches of kernels with any parameters (cuda/bench programs): the parameters are copied at the launch,
+// as on the device. (cudaLaunchKernel on a `const void*`, as cuda/gpu's launchers call it, passes one
+// NbhdAttnGpuParams.)
+template <typename... Params>
+cudaError_t cudaLaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, void** args, size_t shared_bytes,
+                             cudaStream_t /*stream*/) {
+  return [&]<size_t... I>(std::index_sequence<I...>) {
+    std::tuple<std::decay_t<Params>...> copies{*static_cast<std::decay_t<Params>*>(args[I])...};
+    return EmulatedLaunch(reinterpret_cast<const void*>(kernel), grid, block, shared_bytes,
+                          [kernel, copies] { std::apply(kernel, copies); });
+  }(std::index_sequence_for<Params...>{});
+}
 
 // cuda_runtime.h declares this convenience overload for nvcc only; launchers call it with the
 // kernel itself. Emulated in emulation.cc: the MaxDynamicSharedMemorySize limit (up to the
