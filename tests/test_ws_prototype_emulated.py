@@ -1,8 +1,8 @@
-"""The warp-specialised forward prototype (``cuda/bench/ws_forward.cu``) under the host emulation of
-``tests/cuda_emulation``: small grids that cross longitude 0, touch the poles, see whole rings and
-have fewer longitudes than two chunks, each checked by the program itself against its float64
-reference (every output written, out and lse within bf16 tolerance). The H200 runs its large
-configurations (``bash benchmarks/ws_forward.sh``); this checks the kernel's logic on any machine."""
+"""The warp-specialised prototype (``cuda/bench/ws_attention.cu``: forward, dq, dk/dv) under the host
+emulation of ``tests/cuda_emulation``: small grids that cross longitude 0, touch the poles, see whole
+rings and have fewer longitudes than two chunks, each checked by the program itself against its
+float64 reference (every result written; out, lse, dq, dk, dv within bf16 tolerance). The H200 runs its
+large configurations (``bash benchmarks/ws_attention.sh``); this checks the kernels' logic anywhere."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from emulation_build import ROOT, build_emulated_program  # noqa: E402
 
 
-def test_ws_forward_prototype_matches_float64_under_emulation(tmp_path):
-    program = build_emulated_program(tmp_path, ROOT / "cuda" / "bench" / "ws_forward.cu")
+def test_ws_prototype_matches_float64_under_emulation(tmp_path):
+    program = build_emulated_program(tmp_path, ROOT / "cuda" / "bench" / "ws_attention.cu")
     result = subprocess.run([str(program), "--tiny"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("tiny_")]

@@ -1,0 +1,896 @@
+// Warp-specialised forward, dq and dk/dv prototype (benchmarks/ws_attention.sh builds and runs it): stage
+// 2 of the design note on the problem the tiled kernels solve, to measure what it costs before it is built
+// into the module. A block walks 2-D tiles of one grid and a producer warp streams 32-point chunks of one
+// row of the other as tensor-map boxes (no staging code in the warps that multiply), after each
+// warpgroup's own tiles; kConsumers warpgroups multiply each chunk with wgmma (m64 tiles, no ldmatrix)
+// and run the masked softmax:
+//   forward: walks queries (q), streams k, v: online softmax, O += P V;
+//   dq:      walks queries (q, dout), streams k, v: P from lse, dS = P (dP - delta), dq += dS K;
+//   dk/dv:   walks keys (k, v), streams q, dout and the queries' lse and delta: dv += P^T dO,
+//            dk += dS^T Q.
+// Tiles are 4 rows x 16 longitudes per warpgroup (warp w = row w), a block 4 rows x 16 kConsumers
+// longitudes, every warpgroup reading the staged chunks of one streamed row (skipping chunks off its
+// band).
+//
+// Self-attention on an equiangular grid, bf16, one head of 64 channels. Neighbourhoods follow the
+// geodesic-disk rule through per-(query row, key row) half-widths in longitude computed here (the
+// plan's rule without its epsilon; symmetric, so one table serves both walks); quadrature weights are
+// positive stand-ins (timing does not depend on them). Every result is poisoned (NaN) before the run
+// and must be written; out, lse and dq of sampled queries and dk, dv of sampled keys are checked
+// against a float64 host reference (the backward from delta = sum(dout * out) of the kernel's own
+// float32 out for dq, and the kernels' lse and that delta for dk/dv, as the op forms them). Standalone:
+// not part of the package.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/bench_common.h"
+#include "gpu/device_common.cuh"
+#include "gpu/mbarrier_sm90.cuh"
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
+
+namespace {
+
+using s2attn::gpu::Exp2;
+using s2attn::gpu::MbarrierArrive;
+using s2attn::gpu::MbarrierInit;
+using s2attn::gpu::MbarrierInitFence;
+using s2attn::gpu::MbarrierWait;
+namespace sm90 = s2attn::gpu::sm90;
+using T = __nv_bfloat16;
+
+constexpr int kD = 64;                 // channels: one 128-byte row per point, one swizzle span
+// Build parameters: other shapes with -DWS_CONSUMERS=... -DWS_STAGES=... on the nvcc line;
+// WS_MIN_BLOCKS asks for that many blocks per SM (with -maxrregcount where the schedulers' register files
+// need it).
+// The defaults are the fastest forward measured (NOTES, session 9): one warpgroup per block, its
+// queries in shared memory, 4 blocks per SM (94 registers).
+#ifndef WS_CONSUMERS
+#define WS_CONSUMERS 1
+#endif
+#ifndef WS_STAGES
+#define WS_STAGES 4
+#endif
+#ifndef WS_MIN_BLOCKS
+#define WS_MIN_BLOCKS 4
+#endif
+constexpr int kChunk = 32;             // key longitudes per staged chunk
+constexpr int kStages = WS_STAGES;
+constexpr int kTileRows = 4;           // query rows of a block, one per warp of each warpgroup
+constexpr int kGroupLons = 16;         // longitudes of a warpgroup's tile (4 x 16 = m64)
+constexpr int kConsumers = WS_CONSUMERS;  // warpgroups per block
+constexpr int kBlockLons = kGroupLons * kConsumers;
+constexpr int kThreads = 128 * kConsumers + 32;  // and one producer warp
+constexpr int kChunkBytes = kChunk * kD * 2;
+constexpr int kRing = 1 << 20;         // half-width of a key row every query of the row sees whole
+
+// The three kernels. A block *walks* tiles of one grid (the queries for the forward and dq, the keys
+// for dk/dv: self-attention, so both walks read the same half-widths) and *streams* chunks of the
+// other: keys and values, or queries, dout and their lse and delta.
+enum class Kind { kForward, kDq, kDkv };
+__host__ __device__ constexpr int TilesOf(Kind kind) { return kind == Kind::kForward ? 1 : 2; }  // q; q, dout; k, v
+__host__ __device__ constexpr int ColumnsOf(Kind kind) { return kind == Kind::kDkv ? 2 : 0; }   // lse, delta per column
+
+// What the producer tells the consumers about a staged chunk (written before the stage's barrier).
+struct ChunkInfo {
+  int row;                  // streamed row; -1: the stream ended
+  int lon;                  // longitude of the chunk's first column
+  int valid;                // columns [0, valid) belong to the window part (the rest: zeros, or points past it)
+  int reach;                // largest of half[]
+  float bias;               // log2 of the streamed row's quadrature weight (the key's, when keys stream)
+  int half[kTileRows];      // per walked row: longitudes each side of a point it sees (-1: none, kRing)
+};
+
+struct alignas(1024) Stage {
+  T a[kChunk * kD];          // k (forward, dq) or q (dk/dv)
+  T b[kChunk * kD];          // v (forward, dq) or dout (dk/dv)
+  float columns[2][kChunk];  // lse and delta of the staged queries (dk/dv)
+};
+
+// Operand tiles of a warpgroup's 64 walked points, staged once per block (TilesOf).
+struct alignas(1024) PointTile {
+  T rows[4 * kGroupLons * kD];  // walked row (warp) x longitude, as the box lays them out
+};
+
+template <Kind kKind>
+struct Shared {
+  Stage stages[kStages];
+  PointTile tiles[kConsumers][TilesOf(kKind)];
+  ChunkInfo info[kStages];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  uint64_t tiles_full;
+};
+
+// The tensor maps a kernel reads: its walked tiles, the streamed chunks and their columns.
+struct Maps {
+  CUtensorMap tiles[2];
+  CUtensorMap a, b;
+  CUtensorMap columns[2];
+};
+
+struct Problem {
+  int nlat, nlon;
+  float* out;            // [nlat, nlon, kD]: the forward's result
+  float* lse;            // [nlat, nlon], natural log: the forward's result, dq's operand
+  const float* delta;    // [nlat, nlon]: sum(dout * out) per query, dq's operand
+  float* dq;             // [nlat, nlon, kD]: dq's result
+  float* dk;             // [nlat, nlon, kD]: dk/dv's results
+  float* dv;
+  const int* half;       // [nlat, nlat]: half-width of query row i on key row j (-1: none, kRing); symmetric
+  const int* key_rows;   // [blocks along latitude, 2]: first and last row the block's walked rows see
+  const float* bias;     // [nlat]: log2 of the quadrature weights
+  float scale;           // softmax scale
+  float scale_log2;      // softmax scale times log2(e)
+};
+
+// A longitude difference x in [-1.5 nlon, 1.5 nlon) brought into [-nlon / 2, nlon / 2).
+__host__ __device__ __forceinline__ int WrapDifference(int x, int nlon) {
+  if (x >= nlon / 2) x -= nlon;
+  if (x < -nlon / 2) x += nlon;
+  return x;
+}
+
+// The window of a block whose first longitude is first_lon on a key row seen up to `reach` longitudes
+// each side: the union of its queries' arcs, as at most two parts [begin, end) cut at longitude 0.
+struct Window {
+  int count = 1;
+  int parts[2][2];
+};
+
+__host__ __device__ inline Window WindowOf(int first_lon, int reach, int nlon) {
+  Window w;
+  const int lo = first_lon - reach, hi = first_lon + kBlockLons + reach;
+  if (hi - lo >= nlon) {
+    w.parts[0][0] = 0, w.parts[0][1] = nlon;
+  } else if (lo < 0) {
+    w.parts[0][0] = lo + nlon, w.parts[0][1] = nlon, w.parts[1][0] = 0, w.parts[1][1] = hi, w.count = 2;
+  } else if (hi > nlon) {
+    w.parts[0][0] = lo, w.parts[0][1] = nlon, w.parts[1][0] = 0, w.parts[1][1] = hi - nlon, w.count = 2;
+  } else {
+    w.parts[0][0] = lo, w.parts[0][1] = hi;
+  }
+  return w;
+}
+
+// Whether the chunk of `valid` columns from longitude `lon` meets the band of the warpgroup whose first
+// longitude is group_lon (bands close to the whole ring are taken whole: the test does not see them wrap).
+__host__ __device__ inline bool Touches(int lon, int valid, int reach, int group_lon, int nlon) {
+  const int offset = WrapDifference(lon - group_lon, nlon);
+  return group_lon < nlon && (2 * reach + kGroupLons + 2 * kChunk >= nlon ||
+                              (offset + valid - 1 >= -reach && offset <= kGroupLons - 1 + reach));
+}
+
+struct StagePosition {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ void Advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// One thread: the warpgroups' walked tiles (TilesOf boxes each), then every chunk of every streamed row
+// the block's walked rows see, in row order (the half-width table is symmetric: self-attention), with
+// its lse and delta columns for dk/dv. A row's window is the union of the block's arcs, cut at
+// longitude 0 into at most two parts, each staged from its start in chunks (boxes past nlon are
+// zero-filled by the copy engine and marked invalid).
+template <Kind kKind>
+__device__ void Produce(const Problem& p, const Maps& maps, Shared<kKind>& s) {
+  constexpr int kTiles = TilesOf(kKind), kColumns = ColumnsOf(kKind);
+  const int first_query_row = blockIdx.y * kTileRows, first_lon = blockIdx.x * kBlockLons;
+  sm90::MbarrierArriveExpectBytes(&s.tiles_full, kConsumers * kTiles * sizeof(PointTile));
+  for (int group = 0; group < kConsumers; ++group) {
+    for (int i = 0; i < kTiles; ++i) {
+      sm90::LoadBox3d(s.tiles[group][i].rows, &maps.tiles[i], 0, first_lon + group * kGroupLons, first_query_row,
+                      &s.tiles_full);
+    }
+  }
+  StagePosition at;
+  for (int row = p.key_rows[2 * blockIdx.y]; row <= p.key_rows[2 * blockIdx.y + 1]; ++row) {
+    ChunkInfo info;
+    info.row = row;
+    info.bias = p.bias[row];
+    info.reach = -1;
+    for (int r = 0; r < kTileRows; ++r) {
+      const int query_row = first_query_row + r;
+      info.half[r] = query_row < p.nlat ? p.half[query_row * p.nlat + row] : -1;
+      info.reach = max(info.reach, info.half[r]);
+    }
+    if (info.reach < 0) continue;
+    const Window window = WindowOf(first_lon, info.reach, p.nlon);
+    for (int part = 0; part < window.count; ++part) {
+      const int end = window.parts[part][1];
+      for (int lon = window.parts[part][0]; lon < end; lon += kChunk) {
+        MbarrierWait(&s.empty[at.stage], at.phase ^ 1);
+        info.lon = lon;
+        info.valid = min(kChunk, end - lon);
+        s.info[at.stage] = info;
+        Stage& stage = s.stages[at.stage];
+        sm90::MbarrierArriveExpectBytes(&s.full[at.stage], 2 * kChunkBytes + kColumns * kChunk * sizeof(float));
+        sm90::LoadBox3d(stage.a, &maps.a, 0, lon, row, &s.full[at.stage]);
+        sm90::LoadBox3d(stage.b, &maps.b, 0, lon, row, &s.full[at.stage]);
+        for (int i = 0; i < kColumns; ++i) {
+          sm90::LoadBox3d(stage.columns[i], &maps.columns[i], lon, row, 0, &s.full[at.stage]);
+        }
+        at.Advance();
+      }
+    }
+  }
+  MbarrierWait(&s.empty[at.stage], at.phase ^ 1);
+  s.info[at.stage].row = -1;
+  MbarrierArrive(&s.full[at.stage]);
+}
+
+// Every staged chunk in order, `multiply(stage, info)` for those that meet the warpgroup's band; every
+// thread releases every stage (the ordering compute-sanitizer's racecheck models; one arrival per warp
+// after __syncwarp measured the same, but racecheck then reports the other lanes' reads of the chunk's
+// description as racing with its next write).
+template <Kind kKind, typename Multiply>
+__device__ void ForEachChunk(const Problem& p, Shared<kKind>& s, int group_lon, Multiply&& multiply) {
+  StagePosition at;
+  for (;;) {
+    MbarrierWait(&s.full[at.stage], at.phase);
+    const ChunkInfo& info = s.info[at.stage];
+    if (info.row < 0) break;
+    if (Touches(info.lon, info.valid, info.reach, group_lon, p.nlon)) multiply(s.stages[at.stage], info);
+    MbarrierArrive(&s.empty[at.stage]);
+    at.Advance();
+  }
+}
+
+// The score tile's element e of a thread: row half (e >> 1) & 1 (query lons[h]), chunk column n.
+__device__ __forceinline__ int ColumnOf(int e, int t) { return 8 * (e / 4) + 2 * t + (e % 2); }
+
+// The thread's logits of a chunk in log2 units, scale_log2 * s + offset[h], and -inf off the arcs of its
+// two queries: column n is in the arc of the query at lons[h] iff |start + n| <= half, i.e. in
+// [first, first + count), except where an arc comes within a chunk of the whole ring and start + n must
+// be wrapped once more per column (half is the warp's: a uniform branch, kept outside the element loop,
+// where it cost 1.8x: NOTES).
+__device__ __forceinline__ void ArcLogits(float (&scores)[kChunk / 2], const ChunkInfo& info, int half,
+                                          const int (&lons)[2], int t, int nlon, float scale_log2,
+                                          const float (&offset)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int start = WrapDifference(info.lon - lons[h], nlon);
+    const int first = max(0, -half - start), count = max(0, min(info.valid, half - start + 1) - first);
+    const auto keep = [&](int e, bool in_arc) {
+      scores[e] = in_arc ? fmaf(scores[e], scale_log2, offset[h]) : -INFINITY;
+    };
+    if (half >= 0 && half > nlon / 2 - kChunk) {
+#pragma unroll
+      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+        const int n = ColumnOf(e, t);
+        const int distance = start + n - (start + n >= nlon / 2 ? nlon : 0);
+        keep(e, n < info.valid && unsigned(distance + half) <= unsigned(2 * half));
+      }
+    } else {
+#pragma unroll
+      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+        keep(e, unsigned(ColumnOf(e, t) - first) < unsigned(count));
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// The A fragments of a score tile (columns 16 kk .. 16 kk + 15 of the accumulator, rounded to T).
+__device__ __forceinline__ void PackTile(uint32_t (&a)[kChunk / 16][4], const float (&x)[kChunk / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kk][i] = PackPair(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
+  }
+}
+
+// S = A B^T of the chunk (4 k16 steps) for a walked tile `tile` and the staged rows `chunk`.
+__device__ __forceinline__ void MultiplyTransposed(float (&d)[kChunk / 2], const PointTile& tile, const T* chunk) {
+  const uint64_t a = sm90::SwizzledTileDescriptor(tile.rows), b = sm90::SwizzledTileDescriptor(chunk);
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) sm90::WgmmaM64N32K16SharedA<T>(d, a + 2 * ks, b + 2 * ks, ks > 0);
+}
+
+// d += A B for the A fragments of a chunk's score tile and the staged rows `b` (keys = k; MN-major).
+__device__ __forceinline__ void AccumulateTile(float (&d)[kD / 2], const uint32_t (&a)[kChunk / 16][4], const T* b) {
+  const uint64_t rows = sm90::SwizzledTileDescriptor(b);
+  sm90::FenceRegisters(d);
+  sm90::WgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::WgmmaM64N64K16<T, 1>(d, a[kk], rows + 128 * kk, 1);
+  sm90::WgmmaCommit();
+  sm90::WgmmaWait<0>();
+  sm90::FenceRegisters(d);
+}
+
+// The thread's place in its warpgroup's tile.
+struct TilePosition {
+  int warp, t, query_row, group_lon;
+  int lons[2];  // of the thread's two accumulator rows
+  __device__ TilePosition(int group) {
+    warp = (threadIdx.x / 32) % 4;
+    const int lane = threadIdx.x % 32;
+    t = lane % 4;
+    query_row = blockIdx.y * kTileRows + warp;
+    group_lon = blockIdx.x * kBlockLons + group * kGroupLons;
+    lons[0] = group_lon + lane / 4, lons[1] = group_lon + lane / 4 + 8;
+  }
+  __device__ bool Writes(int nlat, int nlon) const { return query_row < nlat && group_lon < nlon; }
+};
+
+// Stores the thread's part of a 64 x kD accumulator tile times `factor[h]` into [nlat, nlon, kD] rows.
+__device__ __forceinline__ void StoreTile(float* out, const float (&d)[kD / 2], const float (&factor)[2],
+                                          const TilePosition& at, int nlon) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const size_t point = size_t(at.query_row) * nlon + at.lons[h];
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      const float2 pair = make_float2(d[4 * j + 2 * h] * factor[h], d[4 * j + 2 * h + 1] * factor[h]);
+      *reinterpret_cast<float2*>(out + point * kD + 8 * j + 2 * at.t) = pair;
+    }
+  }
+}
+
+// The forward of a consumer warpgroup: per chunk S = Q K^T, the masked online softmax in registers,
+// O += P V with P from the S registers; out and lse at the end.
+__device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int group) {
+  const TilePosition at(group);
+  MbarrierWait(&s.tiles_full, 0);
+  float o[kD / 2] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
+  ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
+    sm90::WgmmaFence();
+    MultiplyTransposed(scores, s.tiles[group][0], stage.a);
+    sm90::WgmmaCommit();
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(scores);
+    ArcLogits(scores, info, info.half[at.warp], at.lons, at.t, p.nlon, p.scale_log2, {info.bias, info.bias});
+    float correction[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float row_max = -INFINITY;
+#pragma unroll
+      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) row_max = fmaxf(row_max, scores[e]);
+      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+      row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+      const float m_new = fmaxf(m[h], row_max);
+      const float base = m_new == -INFINITY ? 0.f : m_new;  // no -inf - -inf
+      correction[h] = Exp2(m[h] - base);
+      m[h] = m_new;
+      l[h] *= correction[h];
+#pragma unroll
+      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+        scores[e] = Exp2(scores[e] - base);
+        l[h] += scores[e];
+      }
+    }
+    // O is rescaled only when some row of the warp has a new maximum (otherwise every correction is
+    // exactly 1): the same bits, without 32 multiplies per chunk once the maxima settle.
+    if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
+#pragma unroll
+      for (int e = 0; e < kD / 2; ++e) o[e] *= correction[(e >> 1) & 1];
+    }
+    uint32_t pv[kChunk / 16][4];
+    PackTile(pv, scores);
+    AccumulateTile(o, pv, stage.b);
+  });
+  if (!at.Writes(p.nlat, p.nlon)) return;
+  float inverse[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    inverse[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    if (at.t == 0) {
+      p.lse[size_t(at.query_row) * p.nlon + at.lons[h]] =
+          l[h] > 0.f ? (m[h] + log2f(l[h])) * 0.6931471805599453f : -INFINITY;
+    }
+  }
+  StoreTile(p.out, o, inverse, at, p.nlon);
+}
+
+// dq of a consumer warpgroup: per chunk S = Q K^T and dP = dO V^T, P = exp(S - lse) on the arcs,
+// dS = P (dP - delta), dq += dS K (K's staged rows taken MN-major); dq times the scale at the end.
+__device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int group) {
+  const TilePosition at(group);
+  float lse_log2[2] = {0.f, 0.f}, delta[2] = {0.f, 0.f};
+  if (at.Writes(p.nlat, p.nlon)) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const size_t point = size_t(at.query_row) * p.nlon + at.lons[h];
+      lse_log2[h] = p.lse[point] * 1.4426950408889634f;
+      delta[h] = p.delta[point];
+    }
+  }
+  MbarrierWait(&s.tiles_full, 0);
+  float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
+  ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
+    sm90::WgmmaFence();
+    MultiplyTransposed(scores, s.tiles[group][0], stage.a);
+    MultiplyTransposed(dp, s.tiles[group][1], stage.b);
+    sm90::WgmmaCommit();
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(scores);
+    sm90::FenceRegisters(dp);
+    ArcLogits(scores, info, info.half[at.warp], at.lons, at.t, p.nlon, p.scale_log2,
+              {info.bias - lse_log2[0], info.bias - lse_log2[1]});
+#pragma unroll
+    for (int e = 0; e < kChunk / 2; ++e) scores[e] = Exp2(scores[e]) * (dp[e] - delta[(e >> 1) & 1]);
+    uint32_t ds[kChunk / 16][4];
+    PackTile(ds, scores);
+    AccumulateTile(dq, ds, stage.a);
+  });
+  if (at.Writes(p.nlat, p.nlon)) StoreTile(p.dq, dq, {p.scale, p.scale}, at, p.nlon);
+}
+
+// dk and dv of a consumer warpgroup walking 4 x 16 keys: per chunk of 32 queries S^T = K Q^T and
+// dP^T = V dO^T, P^T = exp2(S^T + key weight - lse) on the arcs, dS^T = P^T (dP^T - delta), then
+// dv += P^T dO and dk += dS^T Q (the staged query rows MN-major); dk times the scale at the end.
+__device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
+  const TilePosition at(group);  // rows: key rows, lons: key longitudes
+  const float key_bias = at.query_row < p.nlat ? p.bias[at.query_row] : 0.f;
+  MbarrierWait(&s.tiles_full, 0);
+  float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
+  ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
+    sm90::WgmmaFence();
+    MultiplyTransposed(scores, s.tiles[group][0], stage.a);
+    MultiplyTransposed(dp, s.tiles[group][1], stage.b);
+    sm90::WgmmaCommit();
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(scores);
+    sm90::FenceRegisters(dp);
+    ArcLogits(scores, info, info.half[at.warp], at.lons, at.t, p.nlon, p.scale_log2, {key_bias, key_bias});
+#pragma unroll
+    for (int e = 0; e < kChunk / 2; ++e) {
+      const int n = ColumnOf(e, at.t);
+      // (A query without neighbours has lse -inf: -inf - -inf must give 0, not NaN.)
+      const float logit = scores[e];
+      scores[e] = logit == -INFINITY ? 0.f : Exp2(logit - stage.columns[0][n] * 1.4426950408889634f);
+      dp[e] = scores[e] * (dp[e] - stage.columns[1][n]);
+    }
+    uint32_t a[kChunk / 16][4];
+    PackTile(a, scores);
+    AccumulateTile(dv, a, stage.b);
+    PackTile(a, dp);
+    AccumulateTile(dk, a, stage.a);
+  });
+  if (!at.Writes(p.nlat, p.nlon)) return;
+  StoreTile(p.dk, dk, {p.scale, p.scale}, at, p.nlon);
+  StoreTile(p.dv, dv, {1.f, 1.f}, at, p.nlon);
+}
+
+// The forward, dq or dk/dv: one producer warp after the consumer warpgroups. dk/dv holds two
+// accumulators (~140 registers): 2 blocks per SM instead of WS_MIN_BLOCKS.
+template <Kind kKind>
+__global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? 2 : WS_MIN_BLOCKS)
+    WarpSpecialised(Problem p, const __grid_constant__ Maps maps) {
+  const auto raw = reinterpret_cast<uintptr_t>(s2attn::gpu::DynamicShared());
+  auto& s = *reinterpret_cast<Shared<kKind>*>((raw + 1023) & ~uintptr_t{1023});
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarrierInit(&s.full[i], 1);
+      MbarrierInit(&s.empty[i], 128 * kConsumers);
+    }
+    MbarrierInit(&s.tiles_full, 1);
+    MbarrierInitFence();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  if (warp == 4 * kConsumers) {
+    if (threadIdx.x % 32 == 0) Produce<kKind>(p, maps, s);
+  } else if constexpr (kKind == Kind::kForward) {
+    ConsumeForward(p, s, warp / 4);
+  } else if constexpr (kKind == Kind::kDq) {
+    ConsumeDq(p, s, warp / 4);
+  } else {
+    ConsumeDkv(p, s, warp / 4);
+  }
+}
+
+// ------------------------------------------------------------------------------------------ host
+
+// Half-widths of the geodesic disk: query row i sees key (j, c) iff the angular distance of the points
+// is <= cutoff, i.e. |c - lon| <= half[i][j] around its own longitude.
+std::vector<int> HalfWidths(int nlat, int nlon, double cutoff) {
+  std::vector<int> half(size_t(nlat) * nlat, -1);
+  const double pi = 3.14159265358979323846, step = 2 * pi / nlon;
+  for (int i = 0; i < nlat; ++i) {
+    for (int j = 0; j < nlat; ++j) {
+      const double ti = pi * i / (nlat - 1), tj = pi * j / (nlat - 1);
+      const double sines = std::sin(ti) * std::sin(tj);
+      int& h = half[size_t(i) * nlat + j];
+      if (sines < 1e-12) {
+        h = std::fabs(ti - tj) <= cutoff ? kRing : -1;
+        continue;
+      }
+      const double c = (std::cos(cutoff) - std::cos(ti) * std::cos(tj)) / sines;
+      if (c > 1) continue;
+      h = c <= -1 ? kRing : int(std::floor(std::acos(c) / step + 1e-9));
+      if (2 * h + 1 >= nlon) h = kRing;
+    }
+  }
+  return half;
+}
+
+struct Config {
+  const char* name;
+  int nlat, nlon;
+  double cutoff;
+};
+
+// The float64 truth for one query: out, lse and dq (the latter for a given dout and the true delta).
+struct QueryTruth {
+  std::vector<double> out, dq;
+  double lse;
+};
+
+struct Inputs {
+  int nlat, nlon;
+  std::vector<int> half;
+  std::vector<float> weight;
+  std::vector<T> q, k, v, dout;
+};
+
+QueryTruth Truth(const Inputs& in, int i, int lon) {
+  const int nlat = in.nlat, nlon = in.nlon;
+  auto at = [](const std::vector<T>& x, size_t point, int d) { return double(__bfloat162float(x[point * kD + d])); };
+  const size_t query = size_t(i) * nlon + lon;
+  std::vector<std::pair<double, size_t>> logits;
+  double top = -1e300;
+  for (int j = 0; j < nlat; ++j) {
+    const int h = in.half[size_t(i) * nlat + j];
+    if (h < 0) continue;
+    const int width = h >= kRing ? nlon : 2 * h + 1, first = h >= kRing ? 0 : lon - h;
+    for (int c = 0; c < width; ++c) {
+      const size_t key = size_t(j) * nlon + ((first + c) % nlon + nlon) % nlon;
+      double dot = 0;
+      for (int d = 0; d < kD; ++d) dot += at(in.q, query, d) * at(in.k, key, d);
+      logits.emplace_back(0.125 * dot + std::log(double(in.weight[j])), key);
+      top = std::max(top, logits.back().first);
+    }
+  }
+  QueryTruth truth{std::vector<double>(kD), std::vector<double>(kD), 0};
+  double total = 0;
+  for (const auto& [logit, key] : logits) total += std::exp(logit - top);
+  truth.lse = top + std::log(total);
+  for (const auto& [logit, key] : logits) {
+    for (int d = 0; d < kD; ++d) truth.out[d] += std::exp(logit - truth.lse) * at(in.v, key, d);
+  }
+  double delta = 0;
+  for (int d = 0; d < kD; ++d) delta += at(in.dout, query, d) * truth.out[d];
+  for (const auto& [logit, key] : logits) {
+    double dp = 0;
+    for (int d = 0; d < kD; ++d) dp += at(in.dout, query, d) * at(in.v, key, d);
+    const double ds = std::exp(logit - truth.lse) * (dp - delta);
+    for (int d = 0; d < kD; ++d) truth.dq[d] += 0.125 * ds * at(in.k, key, d);
+  }
+  return truth;
+}
+
+// The float64 truth of one key's gradients, given the queries' lse and delta (the kernels').
+struct KeyTruth {
+  std::vector<double> dk, dv;
+};
+
+KeyTruth TruthOfKey(const Inputs& in, const std::vector<float>& lse, const std::vector<float>& delta, int j,
+                    int lon) {
+  const int nlat = in.nlat, nlon = in.nlon;
+  auto at = [](const std::vector<T>& x, size_t point, int d) { return double(__bfloat162float(x[point * kD + d])); };
+  const size_t key = size_t(j) * nlon + lon;
+  KeyTruth truth{std::vector<double>(kD), std::vector<double>(kD)};
+  for (int i = 0; i < nlat; ++i) {  // the queries that see the key: the same half-widths, transposed
+    const int h = in.half[size_t(i) * nlat + j];
+    if (h < 0) continue;
+    const int width = h >= kRing ? nlon : 2 * h + 1, first = h >= kRing ? 0 : lon - h;
+    for (int c = 0; c < width; ++c) {
+      const size_t query = size_t(i) * nlon + ((first + c) % nlon + nlon) % nlon;
+      double dot = 0, dp = 0;
+      for (int d = 0; d < kD; ++d) {
+        dot += at(in.q, query, d) * at(in.k, key, d);
+        dp += at(in.dout, query, d) * at(in.v, key, d);
+      }
+      const double p = std::exp(0.125 * dot + std::log(double(in.weight[j])) - lse[query]);
+      for (int d = 0; d < kD; ++d) {
+        truth.dv[d] += p * at(in.dout, query, d);
+        truth.dk[d] += 0.125 * p * (dp - delta[query]) * at(in.q, query, d);
+      }
+    }
+  }
+  return truth;
+}
+
+// Largest error of `got` against the truths of the sampled queries, relative to the truths' largest value.
+struct Check {
+  double error = 0, scale = 0;
+  int row = 0, lon = 0, channel = 0;
+  double expected = 0, written = 0;
+  void Add(int i, int lon_, const std::vector<double>& truth, const float* got) {
+    for (int d = 0; d < kD; ++d) {
+      const double wrong = std::fabs(truth[d] - got[d]);
+      if (!(wrong <= error)) row = i, lon = lon_, channel = d, expected = truth[d], written = got[d];
+      error = std::max(error, wrong);
+      scale = std::max(scale, std::fabs(truth[d]));
+    }
+  }
+  double Relative() const { return error / scale; }
+};
+
+template <typename Launch>
+bool MedianMs(int reps, Launch&& launch, double* ms, double* fastest) {
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int rep = 0; rep < reps; ++rep) {
+    CHECK_CUDA(cudaEventRecord(start));
+    CHECK_CUDA(launch());
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    if (rep >= reps / 7) times.push_back(t);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  *ms = times[times.size() / 2];
+  *fastest = times.front();
+  return true;
+}
+
+size_t CountNaN(const std::vector<float>& x) {
+  return std::count_if(x.begin(), x.end(), [](float v) { return std::isnan(v); });
+}
+
+bool Run(const Config& config, EncodeTiled encode, int reps) {
+  const int nlat = config.nlat, nlon = config.nlon;
+  if (nlon % kGroupLons != 0) {  // a warpgroup's 16 longitudes are written whole
+    std::printf("%s: nlon %d is not a multiple of %d\n", config.name, nlon, kGroupLons);
+    return false;
+  }
+  const size_t points = size_t(nlat) * nlon;
+  Inputs in{nlat, nlon, HalfWidths(nlat, nlon, config.cutoff), std::vector<float>(nlat), {}, {}, {}, {}};
+  const int row_blocks = (nlat + kTileRows - 1) / kTileRows;
+  std::vector<int> key_rows(2 * row_blocks);
+  for (int b = 0; b < row_blocks; ++b) {
+    int first = nlat, last = -1;
+    for (int i = b * kTileRows; i < std::min(nlat, (b + 1) * kTileRows); ++i) {
+      for (int j = 0; j < nlat; ++j) {
+        if (in.half[size_t(i) * nlat + j] >= 0) first = std::min(first, j), last = std::max(last, j);
+      }
+    }
+    key_rows[2 * b] = first, key_rows[2 * b + 1] = last;
+  }
+  std::vector<float> bias(nlat);
+  const double pi = 3.14159265358979323846;
+  for (int j = 0; j < nlat; ++j) {
+    in.weight[j] = float(std::max(std::sin(pi * j / (nlat - 1)), 0.5 * std::sin(pi / (nlat - 1))) * pi / (nlat - 1));
+    bias[j] = std::log2(in.weight[j]);
+  }
+  std::mt19937 rng(1234);
+  std::normal_distribution<float> normal;
+  std::vector<T>* operands[4] = {&in.q, &in.k, &in.v, &in.dout};
+  T* device[4];
+  for (int i = 0; i < 4; ++i) {
+    operands[i]->resize(points * kD);
+    for (T& e : *operands[i]) e = __float2bfloat16(normal(rng));
+    CHECK_CUDA(cudaMalloc(&device[i], points * kD * sizeof(T)));
+    CHECK_CUDA(cudaMemcpy(device[i], operands[i]->data(), points * kD * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  float *out, *lse, *delta, *dq, *dbias;
+  int *dhalf, *dkey_rows;
+  CHECK_CUDA(cudaMalloc(&out, points * kD * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dq, points * kD * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&lse, points * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&delta, points * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dhalf, in.half.size() * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&dkey_rows, key_rows.size() * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&dbias, nlat * sizeof(float)));
+  CHECK_CUDA(cudaMemcpy(dhalf, in.half.data(), in.half.size() * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dkey_rows, key_rows.data(), key_rows.size() * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(dbias, bias.data(), nlat * sizeof(float), cudaMemcpyHostToDevice));
+  float *dk, *dv;
+  CHECK_CUDA(cudaMalloc(&dk, points * kD * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&dv, points * kD * sizeof(float)));
+  // Maps: tiles (boxes of a warpgroup's 4 x 16 points) and chunks (32 points of a row) of q, k, v, dout;
+  // columns (32 floats of a row) of lse and delta.
+  enum Operand { kQ, kK, kV, kDout };
+  CUtensorMap tiles[4], chunk_maps[4], columns[2];
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  for (int i = 0; i < 4; ++i) {
+    const cuuint64_t dims[3] = {kD, cuuint64_t(nlon), cuuint64_t(nlat)};
+    const cuuint64_t strides[2] = {kD * sizeof(T), nlon * kD * sizeof(T)};
+    const cuuint32_t tile_box[3] = {kD, kGroupLons, kTileRows}, chunk_box[3] = {kD, kChunk, 1};
+    for (auto [map, box] : {std::pair{&tiles[i], tile_box}, std::pair{&chunk_maps[i], chunk_box}}) {
+      if (encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, device[i], dims, strides, box, element_strides,
+                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+        std::printf("cuTensorMapEncodeTiled failed\n");
+        return false;
+      }
+    }
+  }
+  for (int i = 0; i < 2; ++i) {
+    const cuuint64_t dims[3] = {cuuint64_t(nlon), cuuint64_t(nlat), 1};
+    const cuuint64_t strides[2] = {nlon * sizeof(float), points * sizeof(float)};
+    const cuuint32_t box[3] = {kChunk, 1, 1};
+    if (encode(&columns[i], CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, i == 0 ? lse : delta, dims, strides, box,
+               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+      std::printf("cuTensorMapEncodeTiled failed\n");
+      return false;
+    }
+  }
+  const Maps forward_maps{{tiles[kQ], tiles[kQ]}, chunk_maps[kK], chunk_maps[kV], {columns[0], columns[1]}};
+  const Maps dq_maps{{tiles[kQ], tiles[kDout]}, chunk_maps[kK], chunk_maps[kV], {columns[0], columns[1]}};
+  const Maps dkv_maps{{tiles[kK], tiles[kV]}, chunk_maps[kQ], chunk_maps[kDout], {columns[0], columns[1]}};
+  const Problem problem{nlat, nlon, out, lse, delta, dq, dk, dv, dhalf, dkey_rows, dbias, 0.125f,
+                        0.125f * 1.4426950408889634f};
+  const int shared_forward = sizeof(Shared<Kind::kForward>) + 1024;
+  static_assert(sizeof(Shared<Kind::kDq>) == sizeof(Shared<Kind::kDkv>), "dq and dk/dv: two tiles per warpgroup");
+  const int shared_backward = sizeof(Shared<Kind::kDq>) + 1024;
+  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kForward>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  shared_forward));
+  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kDq>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  shared_backward));
+  CHECK_CUDA(cudaFuncSetAttribute(WarpSpecialised<Kind::kDkv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  shared_backward));
+  const dim3 grid((nlon + kBlockLons - 1) / kBlockLons, row_blocks);
+  // Launched through cudaLaunchKernel (not <<< >>>), so that the program also builds for the host
+  // emulation of tests/cuda_emulation.
+  Problem params = problem;
+  Maps maps[3] = {forward_maps, dq_maps, dkv_maps};
+  void* args[3][2] = {{&params, &maps[0]}, {&params, &maps[1]}, {&params, &maps[2]}};
+  const auto forward = [&] {
+    return cudaLaunchKernel(WarpSpecialised<Kind::kForward>, grid, dim3(kThreads), args[0], shared_forward, 0);
+  };
+  const auto backward_dq = [&] {
+    return cudaLaunchKernel(WarpSpecialised<Kind::kDq>, grid, dim3(kThreads), args[1], shared_backward, 0);
+  };
+  const auto backward_dkv = [&] {
+    return cudaLaunchKernel(WarpSpecialised<Kind::kDkv>, grid, dim3(kThreads), args[2], shared_backward, 0);
+  };
+
+  // The forward, then delta = sum(dout * out) from its out (float32, as the op forms it), then dq and
+  // dk/dv; every result poisoned (NaN) first.
+  for (float* x : {out, dq, dk, dv}) CHECK_CUDA(cudaMemset(x, 0xff, points * kD * sizeof(float)));
+  CHECK_CUDA(cudaMemset(lse, 0xff, points * sizeof(float)));
+  CHECK_CUDA(forward());
+  std::vector<float> got_out(points * kD), got_lse(points), host_delta(points);
+  std::vector<float> got_dq(points * kD), got_dk(points * kD), got_dv(points * kD);
+  CHECK_CUDA(cudaMemcpy(got_out.data(), out, got_out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(got_lse.data(), lse, got_lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  for (size_t point = 0; point < points; ++point) {
+    double sum = 0;
+    for (int d = 0; d < kD; ++d) sum += double(__bfloat162float(in.dout[point * kD + d])) * got_out[point * kD + d];
+    host_delta[point] = float(sum);
+  }
+  CHECK_CUDA(cudaMemcpy(delta, host_delta.data(), points * sizeof(float), cudaMemcpyHostToDevice));
+  CHECK_CUDA(backward_dq());
+  CHECK_CUDA(backward_dkv());
+  CHECK_CUDA(cudaMemcpy(got_dq.data(), dq, got_dq.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(got_dk.data(), dk, got_dk.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(got_dv.data(), dv, got_dv.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  const size_t unwritten =
+      CountNaN(got_out) + CountNaN(got_lse) + CountNaN(got_dq) + CountNaN(got_dk) + CountNaN(got_dv);
+
+  // float64 truth of sampled queries (one on each pole row among them) and of sampled keys (their
+  // gradients from the kernels' own lse and delta, as the backward takes them).
+  Check out_check, dq_check, dk_check, dv_check;
+  double lse_error = 0;
+  std::uniform_int_distribution<int> any_row(0, nlat - 1), any_lon(0, nlon - 1);
+  for (int sample = 0; sample < 1000; ++sample) {
+    const int i = sample < 2 ? (nlat - 1) * sample : any_row(rng), lon = any_lon(rng);
+    const QueryTruth truth = Truth(in, i, lon);
+    const size_t point = size_t(i) * nlon + lon;
+    out_check.Add(i, lon, truth.out, &got_out[point * kD]);
+    dq_check.Add(i, lon, truth.dq, &got_dq[point * kD]);
+    lse_error = std::max(lse_error, std::fabs(truth.lse - got_lse[point]));
+  }
+  for (int sample = 0; sample < 300; ++sample) {
+    const int j = sample < 2 ? (nlat - 1) * sample : any_row(rng), lon = any_lon(rng);
+    const KeyTruth truth = TruthOfKey(in, got_lse, host_delta, j, lon);
+    const size_t point = size_t(j) * nlon + lon;
+    dk_check.Add(j, lon, truth.dk, &got_dk[point * kD]);
+    dv_check.Add(j, lon, truth.dv, &got_dv[point * kD]);
+  }
+  const Check* checks[4] = {&out_check, &dq_check, &dk_check, &dv_check};
+  const char* names[4] = {"out", "dq", "dk", "dv"};
+  bool correct = unwritten == 0 && lse_error <= 1e-3;
+  for (const Check* c : checks) correct = correct && c->Relative() <= 1e-2;
+
+  // Work the stream does (the producer's loop and the consumers' test replayed): chunks staged, chunks
+  // multiplied by a warpgroup, and the neighbour pairs among the latter's 64 x kChunk products.
+  long long chunks = 0, multiplied = 0, pairs = 0;
+  for (int b = 0; b < row_blocks; ++b) {
+    for (int j = key_rows[2 * b]; j <= key_rows[2 * b + 1]; ++j) {
+      int reach = -1;
+      for (int i = b * kTileRows; i < std::min(nlat, (b + 1) * kTileRows); ++i) {
+        const int h = in.half[size_t(i) * nlat + j];
+        reach = std::max(reach, h);
+        if (h >= 0) pairs += (long long)nlon * (h >= kRing ? nlon : 2 * h + 1);
+      }
+      if (reach < 0) continue;
+      for (int first_lon = 0; first_lon < nlon; first_lon += kBlockLons) {
+        const Window window = WindowOf(first_lon, reach, nlon);
+        for (int part = 0; part < window.count; ++part) {
+          for (int lon = window.parts[part][0]; lon < window.parts[part][1]; lon += kChunk) {
+            ++chunks;
+            for (int group = 0; group < kConsumers; ++group) {
+              const int valid = std::min(kChunk, window.parts[part][1] - lon);
+              multiplied += Touches(lon, valid, reach, first_lon + group * kGroupLons, nlon);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  double ms[3], fastest[3];
+  if (!MedianMs(reps, forward, &ms[0], &fastest[0]) || !MedianMs(reps, backward_dq, &ms[1], &fastest[1]) ||
+      !MedianMs(reps, backward_dkv, &ms[2], &fastest[2])) {
+    return false;
+  }
+  std::printf("%-14s %4dx%-5d cutoff %.5f: forward %.3f ms (min %.3f), dq %.3f (%.3f), dk/dv %.3f (%.3f) | "
+              "pairs %.3g, chunks %.3g, warpgroup-chunks %.3g, useful %.2f | unwritten %zu, lse abs %.1e, rel out "
+              "%.1e dq %.1e dk %.1e dv %.1e %s\n",
+              config.name, nlat, nlon, config.cutoff, ms[0], fastest[0], ms[1], fastest[1], ms[2], fastest[2],
+              double(pairs), double(chunks), double(multiplied), double(pairs) / (double(multiplied) * 64 * kChunk),
+              unwritten, lse_error, out_check.Relative(), dq_check.Relative(), dk_check.Relative(),
+              dv_check.Relative(), correct ? "ok" : "WRONG");
+  for (int c = 0; c < 4 && !correct; ++c) {
+    std::printf("  worst %s: row %d lon %d channel %d: %.6f expected, %.6f written\n", names[c], checks[c]->row,
+                checks[c]->lon, checks[c]->channel, checks[c]->expected, checks[c]->written);
+  }
+  for (T* x : device) CHECK_CUDA(cudaFree(x));
+  for (float* x : {out, lse, delta, dq, dk, dv, dbias}) CHECK_CUDA(cudaFree(x));
+  CHECK_CUDA(cudaFree(dhalf));
+  CHECK_CUDA(cudaFree(dkey_rows));
+  return correct;
+}
+
+// Without arguments: every config, timed. `--once`: the smallest config, the checked launches and one
+// timed each (for compute-sanitizer). `--tiny`: small grids that cross longitude 0, touch the poles and
+// see whole rings, one launch each (for the host emulation, tests/test_ws_prototype_emulated.py).
+bool Main(const std::string& mode) {
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs; block of %d threads (%d consumer warpgroups), %d stages of %d key columns\n", prop.name,
+              prop.multiProcessorCount, kThreads, kConsumers, kStages, kChunk);
+  const EncodeTiled encode = FindEncodeTiled();
+  if (encode == nullptr) return false;
+  const double pi = 3.14159265358979323846;
+  const Config configs[] = {{"qdeg_tc003", 721, 1440, 0.03},
+                            {"qdeg_default", 721, 1440, pi / 720},
+                            {"hdeg_tc003", 360, 720, 0.03}};
+  const Config tiny[] = {{"tiny_wide", 11, 32, 0.7}, {"tiny_narrow", 9, 48, 0.25}, {"tiny_rows", 33, 64, 0.12}};
+  bool ok = true;
+  if (mode == "--tiny") {
+    for (const Config& config : tiny) ok = Run(config, encode, 1) && ok;
+    return ok;
+  }
+  for (const Config& config : configs) {
+    if (mode == "--once" && &config != &configs[2]) continue;
+    ok = Run(config, encode, mode == "--once" ? 1 : 35) && ok;
+  }
+  return ok;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return Main(argc > 1 ? argv[1] : "") ? 0 : 1; }
