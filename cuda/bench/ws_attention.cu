@@ -305,6 +305,19 @@ __device__ __forceinline__ void MultiplyTransposed(float (&d)[kChunk / 2], const
   for (int ks = 0; ks < kD / 16; ++ks) sm90::WgmmaM64N32K16SharedA<T>(d, a + 2 * ks, b + 2 * ks, ks > 0);
 }
 
+// The backward's two products of a chunk, completed: S = tiles[0] a^T and dP = tiles[1] b^T (dq: Q K^T and
+// dO V^T; dk/dv: K Q^T and V dO^T).
+__device__ __forceinline__ void MultiplyBackward(float (&scores)[kChunk / 2], float (&dp)[kChunk / 2],
+                                                 const PointTile (&tiles)[2], const Stage& stage) {
+  sm90::WgmmaFence();
+  MultiplyTransposed(scores, tiles[0], stage.a);
+  MultiplyTransposed(dp, tiles[1], stage.b);
+  sm90::WgmmaCommit();
+  sm90::WgmmaWait<0>();
+  sm90::FenceRegisters(scores);
+  sm90::FenceRegisters(dp);
+}
+
 // d += A B for the A fragments of a chunk's score tile and the staged rows `b` (keys = k; MN-major).
 __device__ __forceinline__ void AccumulateTile(float (&d)[kD / 2], const uint32_t (&a)[kChunk / 16][4], const T* b) {
   const uint64_t rows = sm90::SwizzledTileDescriptor(b);
@@ -419,13 +432,7 @@ __device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int group) {
   MbarrierWait(&s.tiles_full, 0);
   float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
-    sm90::WgmmaFence();
-    MultiplyTransposed(scores, s.tiles[group][0], stage.a);
-    MultiplyTransposed(dp, s.tiles[group][1], stage.b);
-    sm90::WgmmaCommit();
-    sm90::WgmmaWait<0>();
-    sm90::FenceRegisters(scores);
-    sm90::FenceRegisters(dp);
+    MultiplyBackward(scores, dp, s.tiles[group], stage);
     ArcLogits(scores, info, info.half[at.warp], at.lons, at.t, p.nlon, p.scale_log2,
               {info.bias - lse_log2[0], info.bias - lse_log2[1]});
 #pragma unroll
@@ -446,13 +453,7 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
   MbarrierWait(&s.tiles_full, 0);
   float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
-    sm90::WgmmaFence();
-    MultiplyTransposed(scores, s.tiles[group][0], stage.a);
-    MultiplyTransposed(dp, s.tiles[group][1], stage.b);
-    sm90::WgmmaCommit();
-    sm90::WgmmaWait<0>();
-    sm90::FenceRegisters(scores);
-    sm90::FenceRegisters(dp);
+    MultiplyBackward(scores, dp, s.tiles[group], stage);
     ArcLogits(scores, info, info.half[at.warp], at.lons, at.t, p.nlon, p.scale_log2, {key_bias, key_bias});
 #pragma unroll
     for (int e = 0; e < kChunk / 2; ++e) {
