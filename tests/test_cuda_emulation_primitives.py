@@ -30,7 +30,7 @@ TILE_BYTES = 16 + 3 * 16 * 16 * 2  # the barrier the copies land on (8 bytes, pa
 (NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
  THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL, UNINITIALISED_BARRIER, COPY_NOT_TRACKED,
  THREAD_ARRIVES_TWICE, COPIES_ARRIVE_TWICE, BOX_MISALIGNED, LANE_OTHER_DESCRIPTOR,
- WARP_SKIPS_WGMMA) = range(14)  # fmt: skip
+ WARP_SKIPS_WGMMA, NO_WGMMA_WAIT) = range(15)  # fmt: skip
 BLOCK_THREADS = 128  # of BlockCentreKernel
 
 
@@ -227,6 +227,10 @@ FAULTS = {
     "wgmma-warp-skips": (
         f"RunWgmma(wide, wide, wide, wide, I({WARP_SKIPS_WGMMA}))",
         "wgmma: warp 2 issued 9 wgmmas, warp 0 of its warpgroup 10",
+    ),
+    "wgmma-never-waited-for": (
+        f"RunWgmma(wide, wide, wide, wide, I({NO_WGMMA_WAIT}))",
+        "returned from the kernel with wgmma results never waited for",
     ),
 }
 

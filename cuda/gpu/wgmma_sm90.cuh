@@ -17,8 +17,8 @@
 // kTransB = 1).
 //
 // Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are declared here
-// and implemented by the emulation runtime: a wgmma completes at its call (fences, commits and waits do
-// nothing), each warp taking its 16 rows of the product.
+// and implemented by the emulation runtime: each warp takes its 16 rows of the product, which land in
+// the accumulator registers at the WgmmaWait that completes their group (NaN until then).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,9 +36,12 @@ namespace sm90 {
 
 uint64_t SwizzledTileDescriptor(const void* tile);
 inline void WgmmaFence() {}
-inline void WgmmaCommit() {}
+void WgmmaCommit();
+void WgmmaWaitFor(int pending);
 template <int kPending>
-void WgmmaWait() {}
+void WgmmaWait() {
+  WgmmaWaitFor(kPending);
+}
 template <int N>
 void FenceRegisters(float (&)[N]) {}
 template <typename T, int kTransB>

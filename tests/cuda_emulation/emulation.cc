@@ -101,8 +101,18 @@ constexpr unsigned kFullMask = 0xffffffffu;
   std::abort();
 }
 
+// A wgmma's result on its way to the issuing thread's accumulator registers `d`: written there by the
+// wgmma.wait_group that completes its group (the registers hold NaN in between).
+struct PendingWgmma {
+  float* d;
+  unsigned count;
+  float values[32];
+};
+
 struct Fiber {
   std::unique_ptr<char[]> stack{new char[kFiberStackBytes]};
+  std::vector<PendingWgmma> open_group;                 // issued since the last commit
+  std::vector<std::vector<PendingWgmma>> committed;     // oldest first
   void* sp = nullptr;
   unsigned thread = 0;
   bool done = false;
@@ -518,6 +528,9 @@ void FiberMain() {
   __sanitizer_finish_switch_fiber(nullptr, &g_scheduler.scheduler_stack_bottom, &g_scheduler.scheduler_stack_size);
 #endif
   g_scheduler.kernel();
+  if (!g_scheduler.current->open_group.empty() || !g_scheduler.current->committed.empty()) {
+    Fail("returned from the kernel with wgmma results never waited for (WgmmaCommit, WgmmaWait)");
+  }
   CheckNobodyWaitsFor(threadIdx.x);
   g_scheduler.current->done = true;
   SwitchToScheduler(/*dying=*/true);
@@ -527,6 +540,8 @@ void FiberMain() {
 // Prepares `f` so that switching to it enters FiberMain on a fresh stack.
 void ResetFiber(Fiber& f, unsigned thread) {
   f.thread = thread;
+  f.open_group.clear();
+  f.committed.clear();
   f.done = false;
   f.waiting_at = nullptr;
   f.asan_fake_stack = nullptr;
@@ -789,13 +804,51 @@ void EmulatedWgmma(float* d, unsigned n, const uint32_t* a, uint64_t a_desc, uin
   if (a != nullptr) std::memcpy(input.wgmma.a, a, sizeof input.wgmma.a);
   input.wgmma.issue = {a_desc, b_desc, n, trans_b, accumulate != 0};
   const Meeting& m = MeetWholeWarp(Collective::kWgmma, input);
+  // Asynchronous, as on the device: the result lands in d at the WgmmaWait that completes its group,
+  // and d reads NaN until then. An accumulating wgmma adds to the newest result still on its way to
+  // the same registers (a chain of k-steps), or to d as it is.
+  Fiber& fiber = *g_scheduler.current;
+  const float* base = d;
+  for (auto group = fiber.committed.rbegin(); group != fiber.committed.rend() && base == d; ++group) {
+    for (auto pending = group->rbegin(); pending != group->rend(); ++pending) {
+      if (pending->d == d) {
+        base = pending->values;
+        break;
+      }
+    }
+  }
+  for (auto pending = fiber.open_group.rbegin(); pending != fiber.open_group.rend(); ++pending) {
+    if (pending->d == d) {
+      base = pending->values;
+      break;
+    }
+  }
+  PendingWgmma result{d, n / 2, {}};
   const unsigned g = Lane() / 4, t = Lane() % 4;
   for (unsigned i = 0; i < n / 2; ++i) {  // d[i] = (row g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1))
     const double product = m.result.rows[g + 8 * ((i >> 1) & 1)][8 * (i >> 2) + 2 * t + (i & 1)];
-    d[i] = static_cast<float>((accumulate ? static_cast<double>(d[i]) : 0.0) + product);
+    result.values[i] = static_cast<float>((accumulate ? static_cast<double>(base[i]) : 0.0) + product);
   }
+  fiber.open_group.push_back(result);
+  for (unsigned i = 0; i < n / 2; ++i) d[i] = std::numeric_limits<float>::quiet_NaN();
 }
 }  // namespace
+
+void WgmmaCommit() {
+  Fiber& fiber = *g_scheduler.current;
+  fiber.committed.push_back(std::move(fiber.open_group));
+  fiber.open_group.clear();
+}
+
+void WgmmaWaitFor(int pending) {
+  Fiber& fiber = *g_scheduler.current;
+  while (fiber.committed.size() > static_cast<size_t>(pending)) {
+    for (const PendingWgmma& result : fiber.committed.front()) {
+      std::memcpy(result.d, result.values, result.count * sizeof(float));
+    }
+    fiber.committed.erase(fiber.committed.begin());
+  }
+}
 
 template <typename T, int kTransB>
 void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {

@@ -16,9 +16,9 @@
 // immediate. The mbarrier functions of cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a
 // waiter yields until the phase completed. The Hopper primitives of cuda/gpu/wgmma_sm90.cuh and
 // cuda/gpu/tma_sm90.cuh likewise: a wgmma is a collective of each warp (its 16 rows of the
-// warpgroup's product; operands in shared memory read through the 128-byte swizzle; fences, commits
-// and waits do nothing, so the result is there at the call: reading it before the wait goes
-// unnoticed), a tensor-map box lands at the call (zeros outside the tensor, swizzled as
+// warpgroup's product; operands in shared memory read through the 128-byte swizzle at the call; the
+// result lands in the accumulator registers at the WgmmaWait that completes its group, which read NaN
+// until then), a tensor-map box lands at the call (zeros outside the tensor, swizzled as
 // its map says) and counts its bytes on the mbarrier, whose phase then needs both its arrivals and
 // the bytes announced to it. cuTensorMapEncodeTiled, through cudaGetDriverEntryPointByVersion,
 // writes maps only the emulation reads.
@@ -30,7 +30,8 @@
 // destinations not aligned to their size inside the launch's dynamic shared memory (tensor-map boxes
 // and wgmma tiles: 1024 bytes where swizzled), a wgmma not issued alike by all four warps of a whole
 // warpgroup (or by all lanes), wgmma descriptors of other forms than the H200 validated (see
-// DecodeDescriptor), box bytes announced to an mbarrier but never landed by the end of a block,
+// DecodeDescriptor), wgmma results never waited for, box bytes announced to an mbarrier but never
+// landed by the end of a block,
 // more arrivals on an mbarrier than it counts, a thread that
 // synchronises with cp.async copies no mbarrier tracks, a second arrival of one kind (own, copies')
 // of a thread in one phase.

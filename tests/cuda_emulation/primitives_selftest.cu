@@ -46,7 +46,8 @@ enum Fault : int64_t {
   kCopiesArriveTwice = 10,       // lane 7 puts its copies on TileMmaKernel's barrier twice
   kBoxMisaligned = 11,           // WgmmaKernel's first box lands 512 bytes off its 1024-byte alignment
   kLaneOtherDescriptor = 12,     // lane 3 of WgmmaKernel gives another B descriptor
-  kWarpSkipsWgmma = 13           // warp 2 of WgmmaKernel skips its last wgmma
+  kWarpSkipsWgmma = 13,          // warp 2 of WgmmaKernel skips its last wgmma
+  kNoWgmmaWait = 14              // WgmmaKernel commits its wgmmas but never waits for them
 };
 
 constexpr int kTileElements = 16 * 16;
@@ -290,6 +291,7 @@ __global__ void WgmmaKernel(NbhdAttnGpuParams p) {
     sm90::WgmmaM64N64K16<__nv_bfloat16, 1>(values, f, v_tile + 128 * ks, ks > 0);
   }
   sm90::WgmmaCommit();
+  if (p.batch == kNoWgmmaWait) return;
   sm90::WgmmaWait<0>();
   float* out = p.out;
   for (int i = 0; i < 32; ++i) {  // d[i]: row 16 w + g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1)
