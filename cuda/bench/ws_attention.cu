@@ -41,6 +41,8 @@
 namespace {
 
 using s2attn::gpu::Exp2;
+using s2attn::gpu::kLn2;
+using s2attn::gpu::kLog2e;
 using s2attn::gpu::MbarrierArrive;
 using s2attn::gpu::MbarrierInit;
 using s2attn::gpu::MbarrierInitFence;
@@ -49,6 +51,7 @@ namespace sm90 = s2attn::gpu::sm90;
 using T = __nv_bfloat16;
 
 constexpr int kD = 64;                 // channels: one 128-byte row per point, one swizzle span
+constexpr float kScale = 0.125f;       // softmax scale, 1 / sqrt(kD)
 // Build parameters: other shapes with -DWS_CONSUMERS=... -DWS_STAGES=... on the nvcc line;
 // WS_MIN_BLOCKS asks for that many blocks per SM (with -maxrregcount where the schedulers' register files
 // need it).
@@ -410,7 +413,7 @@ __device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int 
     inverse[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
     if (at.t == 0) {
       p.lse[size_t(at.query_row) * p.nlon + at.lons[h]] =
-          l[h] > 0.f ? (m[h] + log2f(l[h])) * 0.6931471805599453f : -INFINITY;
+          l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
     }
   }
   StoreTile(p.out, o, inverse, at, p.nlon);
@@ -425,7 +428,7 @@ __device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int group) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const size_t point = size_t(at.query_row) * p.nlon + at.lons[h];
-      lse_log2[h] = p.lse[point] * 1.4426950408889634f;
+      lse_log2[h] = p.lse[point] * kLog2e;
       delta[h] = p.delta[point];
     }
   }
@@ -460,7 +463,7 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
       const int n = ColumnOf(e, at.t);
       // (A query without neighbours has lse -inf: -inf - -inf must give 0, not NaN.)
       const float logit = scores[e];
-      scores[e] = logit == -INFINITY ? 0.f : Exp2(logit - stage.columns[0][n] * 1.4426950408889634f);
+      scores[e] = logit == -INFINITY ? 0.f : Exp2(logit - stage.columns[0][n] * kLog2e);
       dp[e] = scores[e] * (dp[e] - stage.columns[1][n]);
     }
     uint32_t a[kChunk / 16][4];
@@ -546,38 +549,47 @@ struct Inputs {
   std::vector<T> q, k, v, dout;
 };
 
+// Element d of point `point` of a [points, kD] operand, widened.
+double Element(const std::vector<T>& x, size_t point, int d) { return double(__bfloat162float(x[point * kD + d])); }
+
+double Dot(const std::vector<T>& x, size_t x_point, const std::vector<T>& y, size_t y_point) {
+  double dot = 0;
+  for (int d = 0; d < kD; ++d) dot += Element(x, x_point, d) * Element(y, y_point, d);
+  return dot;
+}
+
+// visit(other_row, other_point) for every point of the other grid that the point (row, lon) sees (the
+// half-width table is symmetric, so this serves queries and keys alike).
+template <typename Visit>
+void ForEachNeighbour(const Inputs& in, int row, int lon, Visit&& visit) {
+  for (int other = 0; other < in.nlat; ++other) {
+    const int h = in.half[size_t(row) * in.nlat + other];
+    if (h < 0) continue;
+    const int width = h >= kRing ? in.nlon : 2 * h + 1, first = h >= kRing ? 0 : lon - h;
+    for (int c = 0; c < width; ++c) visit(other, size_t(other) * in.nlon + ((first + c) % in.nlon + in.nlon) % in.nlon);
+  }
+}
+
 QueryTruth Truth(const Inputs& in, int i, int lon) {
-  const int nlat = in.nlat, nlon = in.nlon;
-  auto at = [](const std::vector<T>& x, size_t point, int d) { return double(__bfloat162float(x[point * kD + d])); };
-  const size_t query = size_t(i) * nlon + lon;
+  const size_t query = size_t(i) * in.nlon + lon;
   std::vector<std::pair<double, size_t>> logits;
   double top = -1e300;
-  for (int j = 0; j < nlat; ++j) {
-    const int h = in.half[size_t(i) * nlat + j];
-    if (h < 0) continue;
-    const int width = h >= kRing ? nlon : 2 * h + 1, first = h >= kRing ? 0 : lon - h;
-    for (int c = 0; c < width; ++c) {
-      const size_t key = size_t(j) * nlon + ((first + c) % nlon + nlon) % nlon;
-      double dot = 0;
-      for (int d = 0; d < kD; ++d) dot += at(in.q, query, d) * at(in.k, key, d);
-      logits.emplace_back(0.125 * dot + std::log(double(in.weight[j])), key);
-      top = std::max(top, logits.back().first);
-    }
-  }
+  ForEachNeighbour(in, i, lon, [&](int j, size_t key) {
+    logits.emplace_back(kScale * Dot(in.q, query, in.k, key) + std::log(double(in.weight[j])), key);
+    top = std::max(top, logits.back().first);
+  });
   QueryTruth truth{std::vector<double>(kD), std::vector<double>(kD), 0};
   double total = 0;
   for (const auto& [logit, key] : logits) total += std::exp(logit - top);
   truth.lse = top + std::log(total);
   for (const auto& [logit, key] : logits) {
-    for (int d = 0; d < kD; ++d) truth.out[d] += std::exp(logit - truth.lse) * at(in.v, key, d);
+    for (int d = 0; d < kD; ++d) truth.out[d] += std::exp(logit - truth.lse) * Element(in.v, key, d);
   }
   double delta = 0;
-  for (int d = 0; d < kD; ++d) delta += at(in.dout, query, d) * truth.out[d];
+  for (int d = 0; d < kD; ++d) delta += Element(in.dout, query, d) * truth.out[d];
   for (const auto& [logit, key] : logits) {
-    double dp = 0;
-    for (int d = 0; d < kD; ++d) dp += at(in.dout, query, d) * at(in.v, key, d);
-    const double ds = std::exp(logit - truth.lse) * (dp - delta);
-    for (int d = 0; d < kD; ++d) truth.dq[d] += 0.125 * ds * at(in.k, key, d);
+    const double ds = std::exp(logit - truth.lse) * (Dot(in.dout, query, in.v, key) - delta);
+    for (int d = 0; d < kD; ++d) truth.dq[d] += kScale * ds * Element(in.k, key, d);
   }
   return truth;
 }
@@ -589,28 +601,16 @@ struct KeyTruth {
 
 KeyTruth TruthOfKey(const Inputs& in, const std::vector<float>& lse, const std::vector<float>& delta, int j,
                     int lon) {
-  const int nlat = in.nlat, nlon = in.nlon;
-  auto at = [](const std::vector<T>& x, size_t point, int d) { return double(__bfloat162float(x[point * kD + d])); };
-  const size_t key = size_t(j) * nlon + lon;
+  const size_t key = size_t(j) * in.nlon + lon;
   KeyTruth truth{std::vector<double>(kD), std::vector<double>(kD)};
-  for (int i = 0; i < nlat; ++i) {  // the queries that see the key: the same half-widths, transposed
-    const int h = in.half[size_t(i) * nlat + j];
-    if (h < 0) continue;
-    const int width = h >= kRing ? nlon : 2 * h + 1, first = h >= kRing ? 0 : lon - h;
-    for (int c = 0; c < width; ++c) {
-      const size_t query = size_t(i) * nlon + ((first + c) % nlon + nlon) % nlon;
-      double dot = 0, dp = 0;
-      for (int d = 0; d < kD; ++d) {
-        dot += at(in.q, query, d) * at(in.k, key, d);
-        dp += at(in.dout, query, d) * at(in.v, key, d);
-      }
-      const double p = std::exp(0.125 * dot + std::log(double(in.weight[j])) - lse[query]);
-      for (int d = 0; d < kD; ++d) {
-        truth.dv[d] += p * at(in.dout, query, d);
-        truth.dk[d] += 0.125 * p * (dp - delta[query]) * at(in.q, query, d);
-      }
+  ForEachNeighbour(in, j, lon, [&](int, size_t query) {
+    const double p = std::exp(kScale * Dot(in.q, query, in.k, key) + std::log(double(in.weight[j])) - lse[query]);
+    const double dp = Dot(in.dout, query, in.v, key);
+    for (int d = 0; d < kD; ++d) {
+      truth.dv[d] += p * Element(in.dout, query, d);
+      truth.dk[d] += kScale * p * (dp - delta[query]) * Element(in.q, query, d);
     }
-  }
+  });
   return truth;
 }
 
@@ -693,10 +693,9 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
     CHECK_CUDA(cudaMalloc(&device[i], points * kD * sizeof(T)));
     CHECK_CUDA(cudaMemcpy(device[i], operands[i]->data(), points * kD * sizeof(T), cudaMemcpyHostToDevice));
   }
-  float *out, *lse, *delta, *dq, *dbias;
+  float *out, *lse, *delta, *dq, *dk, *dv, *dbias;
   int *dhalf, *dkey_rows;
-  CHECK_CUDA(cudaMalloc(&out, points * kD * sizeof(float)));
-  CHECK_CUDA(cudaMalloc(&dq, points * kD * sizeof(float)));
+  for (float** x : {&out, &dq, &dk, &dv}) CHECK_CUDA(cudaMalloc(x, points * kD * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&lse, points * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&delta, points * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&dhalf, in.half.size() * sizeof(int)));
@@ -705,9 +704,6 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   CHECK_CUDA(cudaMemcpy(dhalf, in.half.data(), in.half.size() * sizeof(int), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dkey_rows, key_rows.data(), key_rows.size() * sizeof(int), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dbias, bias.data(), nlat * sizeof(float), cudaMemcpyHostToDevice));
-  float *dk, *dv;
-  CHECK_CUDA(cudaMalloc(&dk, points * kD * sizeof(float)));
-  CHECK_CUDA(cudaMalloc(&dv, points * kD * sizeof(float)));
   // Maps: tiles (boxes of a warpgroup's 4 x 16 points) and chunks (32 points of a row) of q, k, v, dout;
   // columns (32 floats of a row) of lse and delta.
   enum Operand { kQ, kK, kV, kDout };
@@ -737,11 +733,10 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
       return false;
     }
   }
-  const Maps forward_maps{{tiles[kQ], tiles[kQ]}, chunk_maps[kK], chunk_maps[kV], {columns[0], columns[1]}};
-  const Maps dq_maps{{tiles[kQ], tiles[kDout]}, chunk_maps[kK], chunk_maps[kV], {columns[0], columns[1]}};
-  const Maps dkv_maps{{tiles[kK], tiles[kV]}, chunk_maps[kQ], chunk_maps[kDout], {columns[0], columns[1]}};
-  const Problem problem{nlat, nlon, out, lse, delta, dq, dk, dv, dhalf, dkey_rows, dbias, 0.125f,
-                        0.125f * 1.4426950408889634f};
+  Maps maps[3] = {{{tiles[kQ], tiles[kQ]}, chunk_maps[kK], chunk_maps[kV], {columns[0], columns[1]}},  // forward
+                  {{tiles[kQ], tiles[kDout]}, chunk_maps[kK], chunk_maps[kV], {columns[0], columns[1]}},  // dq
+                  {{tiles[kK], tiles[kV]}, chunk_maps[kQ], chunk_maps[kDout], {columns[0], columns[1]}}};  // dk/dv
+  Problem problem{nlat, nlon, out, lse, delta, dq, dk, dv, dhalf, dkey_rows, dbias, kScale, kScale * kLog2e};
   const int shared_forward = sizeof(Shared<Kind::kForward>) + 1024;
   static_assert(sizeof(Shared<Kind::kDq>) == sizeof(Shared<Kind::kDkv>), "dq and dk/dv: two tiles per warpgroup");
   const int shared_backward = sizeof(Shared<Kind::kDq>) + 1024;
@@ -754,9 +749,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   const dim3 grid((nlon + kBlockLons - 1) / kBlockLons, row_blocks);
   // Launched through cudaLaunchKernel (not <<< >>>), so that the program also builds for the host
   // emulation of tests/cuda_emulation.
-  Problem params = problem;
-  Maps maps[3] = {forward_maps, dq_maps, dkv_maps};
-  void* args[3][2] = {{&params, &maps[0]}, {&params, &maps[1]}, {&params, &maps[2]}};
+  void* args[3][2] = {{&problem, &maps[0]}, {&problem, &maps[1]}, {&problem, &maps[2]}};
   const auto forward = [&] {
     return cudaLaunchKernel(WarpSpecialised<Kind::kForward>, grid, dim3(kThreads), args[0], shared_forward, 0);
   };
