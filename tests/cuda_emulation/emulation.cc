@@ -471,29 +471,21 @@ T Shuffle(unsigned mask, T value, unsigned source, int width) {
   return value;
 }
 
-// Fails unless [p, p + bytes) is `bytes`-aligned and inside the launch's dynamic shared memory.
-void CheckShared(const char* what, const void* p, size_t bytes) {
-  const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
-  const auto address = reinterpret_cast<uintptr_t>(p);
-  if (address < base || address - base + bytes > g_scheduler.shared_bytes) {
-    Fail("%s: address %p is not inside the launch's %zu bytes of dynamic shared memory", what, p,
-         g_scheduler.shared_bytes);
-  }
-  if (address % bytes != 0) Fail("%s: shared address %p is not %zu-byte aligned", what, p, bytes);
-}
-
 // The offset of `p` in the launch's dynamic shared memory; fails unless it is `alignment`-aligned there
 // and [p, p + bytes) lies inside.
 uint32_t SharedOffset(const char* what, const void* p, size_t alignment, size_t bytes) {
   const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
   const auto address = reinterpret_cast<uintptr_t>(p);
   if (address < base || address - base + bytes > g_scheduler.shared_bytes) {
-    Fail("%s: %zu bytes at %p are not inside the launch's %zu bytes of dynamic shared memory", what, bytes, p,
+    Fail("%s: address %p (%zu bytes) is not inside the launch's %zu bytes of dynamic shared memory", what, p, bytes,
          g_scheduler.shared_bytes);
   }
   if ((address - base) % alignment != 0) Fail("%s: shared address %p is not %zu-byte aligned", what, p, alignment);
   return static_cast<uint32_t>(address - base);
 }
+
+// Fails unless [p, p + bytes) is `bytes`-aligned and inside the launch's dynamic shared memory.
+void CheckShared(const char* what, const void* p, size_t bytes) { SharedOffset(what, p, bytes, bytes); }
 
 bool InSharedBuffer(const void* p) {
   const auto base = reinterpret_cast<uintptr_t>(s2attn::gpu::s2attn_dynamic_shared);
@@ -808,21 +800,17 @@ void EmulatedWgmma(float* d, unsigned n, const uint32_t* a, uint64_t a_desc, uin
   // and d reads NaN until then. An accumulating wgmma adds to the newest result still on its way to
   // the same registers (a chain of k-steps), or to d as it is.
   Fiber& fiber = *g_scheduler.current;
-  const float* base = d;
-  for (auto group = fiber.committed.rbegin(); group != fiber.committed.rend() && base == d; ++group) {
-    for (auto pending = group->rbegin(); pending != group->rend(); ++pending) {
-      if (pending->d == d) {
-        base = pending->values;
-        break;
-      }
+  const auto newest_in = [d](const std::vector<PendingWgmma>& group) -> const float* {
+    for (auto pending = group.rbegin(); pending != group.rend(); ++pending) {
+      if (pending->d == d) return pending->values;
     }
+    return nullptr;
+  };
+  const float* base = newest_in(fiber.open_group);
+  for (auto group = fiber.committed.rbegin(); base == nullptr && group != fiber.committed.rend(); ++group) {
+    base = newest_in(*group);
   }
-  for (auto pending = fiber.open_group.rbegin(); pending != fiber.open_group.rend(); ++pending) {
-    if (pending->d == d) {
-      base = pending->values;
-      break;
-    }
-  }
+  if (base == nullptr) base = d;
   PendingWgmma result{d, n / 2, {}};
   const unsigned g = Lane() / 4, t = Lane() % 4;
   for (unsigned i = 0; i < n / 2; ++i) {  // d[i] = (row g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1))

@@ -13,6 +13,7 @@
 
 #include <cuda.h>
 
+#include "bench/bench_common.h"
 #include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
@@ -228,15 +229,12 @@ __global__ void WarpVotesKernel(NbhdAttnGpuParams p) {
 // A [rows, 64] bf16 tensor as a 3-D tensor map ({64, rows, 1}), boxes of {64, box_rows, 1}, 128-byte
 // swizzle or none (through the driver's encoder, as the kernels' hosts get it).
 CUtensorMap RowsMap(const void* base, int rows, int box_rows, bool swizzle) {
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                              const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                              CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  void* encode = nullptr;
-  cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &encode, 12000, cudaEnableDefault, nullptr);
+  const EncodeTiled encode = FindEncodeTiled();
+  if (encode == nullptr) __builtin_trap();
   CUtensorMap map;
   const cuuint64_t dims[3] = {64, cuuint64_t(rows), 1}, strides[2] = {128, cuuint64_t(rows) * 128};
   const cuuint32_t box[3] = {64, cuuint32_t(box_rows), 1}, element_strides[3] = {1, 1, 1};
-  const CUresult status = reinterpret_cast<Encode>(encode)(
+  const CUresult status = encode(
       &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
       CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
