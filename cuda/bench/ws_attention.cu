@@ -56,7 +56,7 @@ constexpr float kScale = 0.125f;       // softmax scale, 1 / sqrt(kD)
 // WS_MIN_BLOCKS asks for that many blocks per SM (with -maxrregcount where the schedulers' register files
 // need it).
 // The defaults are the fastest forward measured (NOTES, session 9): one warpgroup per block, its
-// queries in shared memory, 4 blocks per SM (94 registers).
+// queries in shared memory, 4 blocks per SM (95-96 registers).
 #ifndef WS_CONSUMERS
 #define WS_CONSUMERS 1
 #endif
@@ -253,7 +253,7 @@ __device__ __forceinline__ int ColumnOf(int e, int t) { return 8 * (e / 4) + 2 *
 enum class Cover {
   kNone,     // no column in any arc: every logit would be -inf
   kPartial,  // tested per element
-  kFull,     // every column in every arc: no test
+  kFull,     // all kChunk columns valid and in every arc: no test
 };
 
 // The thread's logits of a chunk in log2 units, scale_log2 * s + offset[h], and -inf off the arcs of its
@@ -267,19 +267,24 @@ __device__ __forceinline__ Cover ArcLogits(float (&scores)[kChunk / 2], const Ch
                                            const int (&lons)[2], int t, int nlon, float scale_log2,
                                            const float (&offset)[2]) {
   const bool near_ring = half >= 0 && half > nlon / 2 - kChunk;
-  // start: the chunk's first column relative to the query; [first, first + count): its columns in the arc
-  // (computed twice rather than held across the votes: registers).
-  const auto arc = [&](int h, int& start, int& first) {
-    start = WrapDifference(info.lon - lons[h], nlon);
-    first = max(0, -half - start);
-    return max(0, min(info.valid, half - start + 1) - first);
+  // The chunk's first column relative to the query at lons[h], and [first, first + count): its columns
+  // in that arc unless near_ring. (Recomputed for the per-element test rather than held across the
+  // votes: dq had 60 bytes of spills with all six values held.)
+  struct Arc {
+    int start, first, count;
   };
-  int start, first;
-  const int count[2] = {arc(0, start, first), arc(1, start, first)};
-  // (A whole ring's half-width makes first 0 and count the chunk's valid columns; other near-ring arcs
-  // are always tested.)
-  const bool exact = !near_ring || half >= kRing;
-  if (__all_sync(0xffffffffu, exact && count[0] == kChunk && count[1] == kChunk)) {
+  const auto arc_of = [&](int h) {
+    Arc a;
+    a.start = WrapDifference(info.lon - lons[h], nlon);
+    a.first = max(0, -half - a.start);
+    a.count = max(0, min(info.valid, half - a.start + 1) - a.first);
+    return a;
+  };
+  const int count[2] = {arc_of(0).count, arc_of(1).count};
+  // A whole ring's half-width makes first 0 and count the chunk's valid columns; other near-ring arcs
+  // are always tested.
+  const bool count_is_exact = !near_ring || half >= kRing;
+  if (__all_sync(0xffffffffu, count_is_exact && count[0] == kChunk && count[1] == kChunk)) {
 #pragma unroll
     for (int e = 0; e < kChunk / 2; ++e) scores[e] = fmaf(scores[e], scale_log2, offset[(e >> 1) & 1]);
     return Cover::kFull;
@@ -287,7 +292,7 @@ __device__ __forceinline__ Cover ArcLogits(float (&scores)[kChunk / 2], const Ch
   if (__all_sync(0xffffffffu, !near_ring && count[0] == 0 && count[1] == 0)) return Cover::kNone;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int in_arc_count = arc(h, start, first);
+    const Arc a = arc_of(h);
     const auto keep = [&](int e, bool in_arc) {
       scores[e] = in_arc ? fmaf(scores[e], scale_log2, offset[h]) : -INFINITY;
     };
@@ -295,13 +300,13 @@ __device__ __forceinline__ Cover ArcLogits(float (&scores)[kChunk / 2], const Ch
 #pragma unroll
       for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
         const int n = ColumnOf(e, t);
-        const int distance = start + n - (start + n >= nlon / 2 ? nlon : 0);
+        const int distance = a.start + n - (a.start + n >= nlon / 2 ? nlon : 0);
         keep(e, n < info.valid && unsigned(distance + half) <= unsigned(2 * half));
       }
     } else {
 #pragma unroll
       for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
-        keep(e, unsigned(ColumnOf(e, t) - first) < unsigned(in_arc_count));
+        keep(e, unsigned(ColumnOf(e, t) - a.first) < unsigned(a.count));
       }
     }
   }
@@ -420,8 +425,9 @@ __device__ __forceinline__ void OnlineSoftmax(float (&scores)[kChunk / 2], float
   }
 }
 
-// Zero probabilities or score gradients for a warp whose queries see none of the chunk (the bits the
-// masked path gives: every exponential 0, maxima, sums and O unchanged).
+// Zero probabilities or score gradients for a warp whose queries see none of the chunk: the results the
+// masked path gives (every exponential 0; maxima, sums and O unchanged), bit for bit (a masked score
+// gradient could be -0 there: the same sums).
 __device__ __forceinline__ void Clear(float (&x)[kChunk / 2]) {
 #pragma unroll
   for (int e = 0; e < kChunk / 2; ++e) x[e] = 0.f;
@@ -545,7 +551,7 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
 }
 
 // The forward, dq or dk/dv: one producer warp after the consumer warpgroups. dk/dv holds two
-// accumulators (~140 registers): 2 blocks per SM instead of WS_MIN_BLOCKS.
+// accumulators (168 registers): 2 blocks per SM instead of WS_MIN_BLOCKS.
 template <Kind kKind>
 __global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? 2 : WS_MIN_BLOCKS)
     WarpSpecialised(Problem p, const __grid_constant__ Maps maps) {
@@ -771,8 +777,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   CHECK_CUDA(cudaMemcpy(dhalf, in.half.data(), in.half.size() * sizeof(int), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dkey_rows, key_rows.data(), key_rows.size() * sizeof(int), cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(dbias, bias.data(), nlat * sizeof(float), cudaMemcpyHostToDevice));
-  // Maps: tiles (boxes of a warpgroup's 4 x 16 points) and chunks (32 points of a row) of q, k, v, dout;
-  // columns (32 floats of a row) of lse and delta.
+  // Maps: tiles (boxes of a warpgroup's 4 x 16 points) and chunks (32 points of a row) of q, k, v, dout.
   enum Operand { kQ, kK, kV, kDout };
   CUtensorMap tiles[4], chunk_maps[4];
   const cuuint32_t element_strides[3] = {1, 1, 1};
