@@ -53,8 +53,8 @@ using T = __nv_bfloat16;
 constexpr int kD = 64;                 // channels: one 128-byte row per point, one swizzle span
 constexpr float kScale = 0.125f;       // softmax scale, 1 / sqrt(kD)
 // Build parameters: other shapes with -DWS_CONSUMERS=... -DWS_STAGES=... on the nvcc line;
-// WS_MIN_BLOCKS asks for that many blocks per SM (with -maxrregcount where the schedulers' register files
-// need it).
+// WS_MIN_BLOCKS (forward, dq) and WS_DKV_BLOCKS (dk/dv) ask for that many blocks per SM (with
+// -maxrregcount where the schedulers' register files need it).
 // The defaults are the fastest forward measured (NOTES, session 9): one warpgroup per block, its
 // queries in shared memory, 4 blocks per SM (95-96 registers).
 #ifndef WS_CONSUMERS
@@ -65,6 +65,9 @@ constexpr float kScale = 0.125f;       // softmax scale, 1 / sqrt(kD)
 #endif
 #ifndef WS_MIN_BLOCKS
 #define WS_MIN_BLOCKS 4
+#endif
+#ifndef WS_DKV_BLOCKS
+#define WS_DKV_BLOCKS 2
 #endif
 constexpr int kChunk = 32;             // key longitudes per staged chunk
 constexpr int kStages = WS_STAGES;
@@ -551,9 +554,9 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
 }
 
 // The forward, dq or dk/dv: one producer warp after the consumer warpgroups. dk/dv holds two
-// accumulators (168 registers): 2 blocks per SM instead of WS_MIN_BLOCKS.
+// accumulators (168 registers): WS_DKV_BLOCKS (2) blocks per SM, not WS_MIN_BLOCKS (3 spill 224 bytes).
 template <Kind kKind>
-__global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? 2 : WS_MIN_BLOCKS)
+__global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? WS_DKV_BLOCKS : WS_MIN_BLOCKS)
     WarpSpecialised(Problem p, const __grid_constant__ Maps maps) {
   const auto raw = reinterpret_cast<uintptr_t>(s2attn::gpu::DynamicShared());
   auto& s = *reinterpret_cast<Shared<kKind>*>((raw + 1023) & ~uintptr_t{1023});
