@@ -337,10 +337,10 @@ def test_tiled_windows_of_long_rows(emulator, rng, plan_name):
 # Pipeline shapes the benchmark variants and benchmarks/occupancy.py compare (macros of
 # cuda/gpu/tiled_attn_device.cuh; each overrides that part of every kernel's shape, and the default
 # build above runs both shapes the kernels pick: chunks of 32 in 4 stages for forward and dq, in 3
-# with k and v waiting in shared memory for dk/dv): wide units of 8 warps (the variant to time with a 2-blocks-per-SM register cap, which
-# only the device build feels; chunks of 64 for all kernels, as 8 threads per column of a 32-column
-# chunk would split D = 32's four 16-byte pieces), and narrow units with short chunks and a deeper
-# ring. Each is a build of its own.
+# with k and v waiting in shared memory for dk/dv): wide units of 8 warps (the variant to time with a
+# 2-blocks-per-SM register cap, which only the device build feels; chunks of 64 for all kernels, as 8
+# threads per column of a 32-column chunk would split D = 32's four 16-byte pieces), and narrow units
+# with short chunks and a deeper ring. Each is a build of its own.
 PIPELINE_SHAPES = {
     "8-warps": ("S2ATTN_TILED_WARPS=8", "S2ATTN_TILED_CHUNK=64", "S2ATTN_TILED_STAGES=3", "S2ATTN_TILED_MIN_BLOCKS=2"),
     "2-warps-chunk32-4-stages": ("S2ATTN_TILED_WARPS=2", "S2ATTN_TILED_CHUNK=32", "S2ATTN_TILED_STAGES=4"),

@@ -124,8 +124,8 @@ struct Maps {
 struct Problem {
   int nlat, nlon;
   float* out;            // [nlat, nlon, kD]: the forward's result
-  float* lse;            // [nlat, nlon], natural log: the forward's result, dq's operand
-  const float* delta;    // [nlat, nlon]: sum(dout * out) per query, dq's operand
+  float* lse;            // [nlat, nlon], natural log: the forward's result, dq's and dk/dv's operand
+  const float* delta;    // [nlat, nlon]: sum(dout * out) per query, dq's and dk/dv's operand
   float* dq;             // [nlat, nlon, kD]: dq's result
   float* dk;             // [nlat, nlon, kD]: dk/dv's results
   float* dv;
@@ -554,7 +554,8 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
 }
 
 // The forward, dq or dk/dv: one producer warp after the consumer warpgroups. dk/dv holds two
-// accumulators (168 registers): WS_DKV_BLOCKS (2) blocks per SM, not WS_MIN_BLOCKS (3 spill 224 bytes).
+// accumulators (168 registers): WS_DKV_BLOCKS (2) blocks per SM, not WS_MIN_BLOCKS (at 3 it spills 224
+// bytes).
 template <Kind kKind>
 __global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? WS_DKV_BLOCKS : WS_MIN_BLOCKS)
     WarpSpecialised(Problem p, const __grid_constant__ Maps maps) {

@@ -32,6 +32,14 @@ namespace s2attn {
 namespace gpu {
 namespace sm90 {
 
+// Descriptor of a 128-byte-swizzled tile at shared address `address` (1024-byte aligned): start address
+// and stride of 8-row atoms (1024 bytes) in 16-byte units, swizzle mode 1 (128 bytes) in bits 62-63; the
+// leading offset is unused by these shapes (64 elements per row). Adding n to it advances the start by
+// 16 n bytes.
+__host__ __device__ constexpr uint64_t SwizzledDescriptorAt(uint32_t address) {
+  return uint64_t{(address >> 4) & 0x3FFF} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
+}
+
 #if defined(S2ATTN_HOST_EMULATION)
 
 uint64_t SwizzledTileDescriptor(const void* tile);
@@ -53,12 +61,9 @@ void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t
 
 #else
 
-// Descriptor of a 128-byte-swizzled tile at `tile` (1024-byte aligned): start address and stride of
-// 8-row atoms (1024 bytes) in 16-byte units, swizzle mode 1 (128 bytes) in bits 62-63; the leading
-// offset is unused by these shapes (64 elements per row). Adding n to it advances the start by 16 n bytes.
+// The descriptor of the swizzled tile at `tile` (SwizzledDescriptorAt).
 __device__ __forceinline__ uint64_t SwizzledTileDescriptor(const void* tile) {
-  return uint64_t{(SharedAddress(tile) >> 4) & 0x3FFF} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 |
-         uint64_t{1} << 62;
+  return SwizzledDescriptorAt(SharedAddress(tile));
 }
 
 // Orders this thread's register writes (A fragments, accumulators) before the next wgmma reads them.

@@ -264,17 +264,31 @@ double Widen(Collective kind, uint16_t bits) {
 // then their product. Products of 16-bit values are exact in double and the 16-term sums
 // nearly so; each lane adds its accumulator in double and rounds once to float (the hardware
 // sums in float in an unspecified order, so the emulation is at least as accurate).
+// The 16 x 16 A tile the lanes' fragments `fragments(lane)` hold in mma.sync's m16n8k16 layout (a
+// warp's share of wgmma's register A is the same layout).
+template <typename Fragments>
+void ReadFragmentsA(const Meeting& m, Fragments&& fragments, double (&a)[16][16]) {
+  for (unsigned lane = 0; lane < 32; ++lane) {
+    const unsigned g = lane / 4, t = lane % 4;
+    const uint32_t(&f)[4] = fragments(m.lanes[lane]);
+    for (unsigned half = 0; half < 2; ++half) {  // columns 2t + half, 2t + 8 + half
+      auto pick = [&](uint32_t reg) { return Widen(m.kind, half ? High(reg) : Low(reg)); };
+      a[g][2 * t + half] = pick(f[0]);
+      a[g + 8][2 * t + half] = pick(f[1]);
+      a[g][2 * t + 8 + half] = pick(f[2]);
+      a[g + 8][2 * t + 8 + half] = pick(f[3]);
+    }
+  }
+}
+
 void MultiplyTile(Meeting& m) {
   double a[16][16], b[16][8];
+  ReadFragmentsA(m, [](const LaneInput& in) -> const uint32_t(&)[4] { return in.mma.a; }, a);
   for (unsigned lane = 0; lane < 32; ++lane) {
     const unsigned g = lane / 4, t = lane % 4;
     const auto& f = m.lanes[lane].mma;
-    for (unsigned half = 0; half < 2; ++half) {  // columns (rows of B) 2t + half, 2t + 8 + half
+    for (unsigned half = 0; half < 2; ++half) {  // rows of B 2t + half, 2t + 8 + half
       auto pick = [&](uint32_t reg) { return Widen(m.kind, half ? High(reg) : Low(reg)); };
-      a[g][2 * t + half] = pick(f.a[0]);
-      a[g + 8][2 * t + half] = pick(f.a[1]);
-      a[g][2 * t + 8 + half] = pick(f.a[2]);
-      a[g + 8][2 * t + 8 + half] = pick(f.a[3]);
       b[2 * t + half][g] = pick(f.b[0]);
       b[2 * t + 8 + half][g] = pick(f.b[1]);
     }
@@ -302,7 +316,7 @@ struct SwizzledTile {
   uint32_t start, stride;
 };
 
-// Only the form the H200 validated (cuda/bench/ws_forward.cu) is emulated: the 128-byte swizzle, no base
+// Only the form the H200 validated (cuda/bench/ws_attention.cu) is emulated: the 128-byte swizzle, no base
 // offset, atoms 1024 bytes apart, and a start inside the first row of an atom with the slice read per
 // row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N columns of an MN-major one) in it.
 SwizzledTile DecodeDescriptor(uint64_t descriptor, uint32_t slice_bytes) {
@@ -391,17 +405,7 @@ void MultiplyWarpRows(Meeting& m) {
       for (int k = 0; k < 16; ++k) a[row][k] = Widen(m.kind, KMajor(tile, 16 * warp_in_group + row, k));
     }
   } else {
-    for (unsigned lane = 0; lane < 32; ++lane) {
-      const unsigned g = lane / 4, t = lane % 4;
-      const auto& f = m.lanes[lane].wgmma;
-      for (unsigned half = 0; half < 2; ++half) {
-        auto pick = [&](uint32_t reg) { return Widen(m.kind, half ? High(reg) : Low(reg)); };
-        a[g][2 * t + half] = pick(f.a[0]);
-        a[g + 8][2 * t + half] = pick(f.a[1]);
-        a[g][2 * t + 8 + half] = pick(f.a[2]);
-        a[g + 8][2 * t + 8 + half] = pick(f.a[3]);
-      }
-    }
+    ReadFragmentsA(m, [](const LaneInput& in) -> const uint32_t(&)[4] { return in.wgmma.a; }, a);
   }
   const SwizzledTile tile = DecodeDescriptor(first.b_desc, first.trans_b ? 2 * first.n : 32);
   for (int k = 0; k < 16; ++k) {
@@ -785,8 +789,7 @@ void MbarrierArriveExpectBytes(uint64_t* barrier, uint32_t bytes) {
 }
 
 uint64_t SwizzledTileDescriptor(const void* tile) {
-  const uint32_t offset = SharedOffset("SwizzledTileDescriptor", tile, 1024, 128);
-  return uint64_t{(offset >> 4) & 0x3FFF} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
+  return SwizzledDescriptorAt(SharedOffset("SwizzledTileDescriptor", tile, 1024, 128));
 }
 
 namespace {
@@ -850,7 +853,8 @@ template <typename T, int kTransB>
 void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(d, 64, a, 0, b, kTransB, accumulate);
 }
-// The forms the kernels use (and the self-test checks).
+// The forms the prototype uses (m64n32 with A in shared memory, m64n64 with A in registers) and the
+// register-A m64n32 form the self-test checks too.
 template void WgmmaM64N32K16<__nv_bfloat16, 0>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__nv_bfloat16>(float (&)[16], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N64K16<__nv_bfloat16, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
