@@ -334,7 +334,9 @@ __device__ __forceinline__ void PackTile(uint32_t (&a)[kChunk / 16][4], const fl
 __device__ __forceinline__ void MultiplyTransposed(float (&d)[kChunk / 2], const PointTile& tile, const T* chunk) {
   const uint64_t a = sm90::SwizzledTileDescriptor(tile.rows), b = sm90::SwizzledTileDescriptor(chunk);
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks) sm90::WgmmaM64N32K16SharedA<T>(d, a + 2 * ks, b + 2 * ks, ks > 0);
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    sm90::WgmmaM64N32K16SharedA<T>(d, sm90::DescriptorPlus(a, 2 * ks), sm90::DescriptorPlus(b, 2 * ks), ks > 0);
+  }
 }
 
 // The backward's two products of a chunk, completed: S = tiles[0] a^T and dP = tiles[1] b^T (dq: Q K^T and
@@ -357,7 +359,9 @@ __device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], const uint32
   sm90::FenceRegisters(d);
   sm90::WgmmaFence();
 #pragma unroll
-  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::WgmmaM64N64K16<T, 1>(d, a[kk], rows + 128 * kk, 1);
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+    sm90::WgmmaM64N64K16<T, 1>(d, a[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+  }
   sm90::WgmmaCommit();
 }
 
@@ -559,8 +563,12 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
 template <Kind kKind>
 __global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? WS_DKV_BLOCKS : WS_MIN_BLOCKS)
     WarpSpecialised(Problem p, const __grid_constant__ Maps maps) {
-  const auto raw = reinterpret_cast<uintptr_t>(s2attn::gpu::DynamicShared());
-  auto& s = *reinterpret_cast<Shared<kKind>*>((raw + 1023) & ~uintptr_t{1023});
+  // Rounded up to the swizzled tiles' 1024-byte alignment by pointer arithmetic on the shared array, so
+  // that the compiler knows every read of s is a shared one (an integer round trip made them generic
+  // loads with 64-bit addresses: NOTES, session 11).
+  auto* base = reinterpret_cast<unsigned char*>(s2attn::gpu::DynamicShared());
+  base += (1024 - reinterpret_cast<uintptr_t>(base) % 1024) % 1024;
+  auto& s = *reinterpret_cast<Shared<kKind>*>(base);
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       MbarrierInit(&s.full[i], 1);

@@ -40,6 +40,13 @@ __host__ __device__ constexpr uint64_t SwizzledDescriptorAt(uint32_t address) {
   return uint64_t{(address >> 4) & 0x3FFF} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
 }
 
+// `descriptor` with its start advanced by `units` 16-byte units. The start field lies in the low word
+// and cannot carry out of it inside the shared window, so the addition is kept 32-bit (a 64-bit one
+// cost the prototype's loop two more instructions and register moves per wgmma).
+__host__ __device__ constexpr uint64_t DescriptorPlus(uint64_t descriptor, uint32_t units) {
+  return (descriptor & ~uint64_t{0xFFFFFFFF}) | uint32_t(uint32_t(descriptor) + units);
+}
+
 #if defined(S2ATTN_HOST_EMULATION)
 
 uint64_t SwizzledTileDescriptor(const void* tile);
