@@ -6,6 +6,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -55,9 +56,7 @@ def _benchmark_module(name: str):
     return module
 
 
-def test_median_ms_times_bursts_of_calls():
-    import time
-
+def test_median_ms_times_bursts_of_calls(monkeypatch):
     import jax.numpy as jnp
 
     timing = _benchmark_module("timing")
@@ -73,27 +72,28 @@ def test_median_ms_times_bursts_of_calls():
     assert seen[:4] == [0, 1, 2, 0]
     assert seen[4:] == [0] + [(1 + j) % 3 for j in range(7)] + [1] + [(2 + j) % 3 for j in range(7)]
 
-    def sleeping(seconds):
+    # A call's own time is reported per call, whatever the burst, and a fixed cost per measurement
+    # (dispatch of the first call, the final wait) cancels. On a fake clock: each call advances it
+    # by `seconds`, each wait by 0.3 ms (real sleeps made this test fail on a loaded machine).
+    clock = [0.0]
+
+    def waiting(result):
+        clock[0] += 3e-4
+        return result
+
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(timing, "jax", types.SimpleNamespace(block_until_ready=waiting))
+    # Bursts last about 5 ms by the first call alone (0.8, 2.3, 20.3 ms with its wait), at least 2 calls.
+    for seconds, burst in ((0.0005, 6), (0.002, 2), (0.02, 2)):
         calls = []
 
-        def fn(x):
+        def fn(x, seconds=seconds, calls=calls):
             calls.append(x)
-            time.sleep(seconds)
-            return jnp.asarray(x)
+            clock[0] += seconds
+            return x
 
-        return fn, calls
-
-    # A call's own time is reported per call, whatever the burst: 2 ms calls come in bursts of
-    # about 5 ms / 2 ms = 2, 20 ms calls in the minimum burst of 2 (calls: warm-up, sizing, and per
-    # sample one alone plus the burst).
-    for seconds in (0.002, 0.02):
-        fn, calls = sleeping(seconds)
-        ms = timing.median_ms(fn, [(0,)], reps=3, sample_ms=5.0)
-        assert 0.9e3 * seconds <= ms <= 1.5e3 * seconds, (seconds, ms)
-        assert len(calls) == 2 + 3 * (1 + 2)
-    fn, calls = sleeping(0.0005)  # 0.5 ms calls (sleep overshoots a little): bursts of several calls
-    assert 0.45 <= timing.median_ms(fn, [(0,)], reps=3, sample_ms=5.0) <= 0.9
-    assert len(calls) >= 2 + 3 * (1 + 4)
+        assert timing.median_ms(fn, [(0,)], reps=3, sample_ms=5.0) == pytest.approx(1e3 * seconds)
+        assert len(calls) == 1 + 1 + 3 * (1 + burst)  # warm-up, sizing, per sample one alone and a burst
 
 
 def test_distributed_benchmark_smoke(tmp_path):
