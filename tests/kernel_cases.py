@@ -47,6 +47,10 @@ TOLERANCE = 2e-5
 # The tiled kernels also round P and dS to the 16-bit storage type before the P.V and dS.K/Q
 # products (as flash-attention kernels do): the bar is that type's round-off.
 TILED_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
+# out (float32) is also the residual the op forms delta = rowsum(dout * out) from: both kernel
+# families must keep it far inside the 16-bit bar (the tiled forward multiplies P in two parts), or
+# smooth fields push dq and dk past it (benchmarks/NOTES.md, session 11).
+OUT_TOLERANCE = 1e-4
 
 PLANS = {
     "self": lambda: NeighborhoodPlan((8, 16), (8, 16), theta_cutoff=0.5),  # full rings, wrapping arcs
@@ -289,7 +293,8 @@ def run_case(
 def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:
     """Asserts that every element was written, real blocks match float64 and padding is empty.
 
-    ``tolerance`` bounds out, dq, dk and dv (relative to each one's largest reference value).
+    ``tolerance`` bounds out, dq, dk and dv (relative to each one's largest reference value; out
+    also OUT_TOLERANCE).
     lse is held to float32 round-off (relative to max(1, its largest value)) in every case: no
     16-bit rounding enters it in either kernel family."""
     windows = dict.fromkeys(("out", "lse", "dq"), case.q_window) | dict.fromkeys(("dk", "dv"), case.k_window)
@@ -311,7 +316,8 @@ def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: flo
     assert lse_error <= TOLERANCE * max(1.0, np.abs(lse_expected[finite]).max(initial=0.0)), f"lse: error {lse_error}"
     for name in ("out", "dq", "dk", "dv"):
         error = _relative(real(name), case.expected[name])
-        assert error <= tolerance, f"{name}: relative error {error:.2e} against float64"
+        bar = min(tolerance, OUT_TOLERANCE) if name == "out" else tolerance
+        assert error <= bar, f"{name}: relative error {error:.2e} against float64"
     for name in ("out", "dq", "dk", "dv"):
         assert (padding_of(name) == 0).all(), f"{name}: padding points must be zero"
     assert (padding_of("lse") == -np.inf).all(), "lse: padding points must be -inf"

@@ -27,7 +27,7 @@ from jax_s2attn.parallel import sharded_neighborhood_attention
 sys.path.insert(0, str(Path(__file__).parent))
 from test_nbhd_ffi import _tile, _window  # noqa: E402  (blocks of a grid with padding)
 from test_nbhd_grad import _vjp  # noqa: E402  ((out, lse, dq, dk, dv) of the op)
-from kernel_cases import check_nan_poisoning, smooth_field  # noqa: E402  (NaN reach; smooth values)
+from kernel_cases import OUT_TOLERANCE, check_nan_poisoning, smooth_field  # noqa: E402  (NaN reach; smooth values)
 
 pytestmark = pytest.mark.gpu
 
@@ -97,19 +97,29 @@ def test_matches_float64_oracle(case, exact_random, dense_attention, rel_error):
         _check(got, want, rel_error, dtype)
 
 
+# (in_shape, out_shape, grid, theta_cutoff) of the smooth-field checks: every direction.
+SMOOTH_CASES = [
+    ((33, 72), (33, 72), EQ, 0.15),
+    ((66, 144), (33, 72), LG, 0.15),  # down, pscale 2
+    ((33, 72), (65, 144), EQ, 0.15),  # up, pscale 2, odd nlat
+]
+
+
+@pytest.mark.parametrize("geometry", SMOOTH_CASES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_smooth_values_keep_gradients_accurate(dtype, rng, dense_attention, rel_error):
+def test_smooth_values_keep_gradients_accurate(dtype, geometry, rng, dense_attention, rel_error):
     """Values smooth in position (+1% noise): dP - D nearly cancels in dS, so dq and dk are
     small differences; they keep the 1e-2 bar only if D comes from the float32 output
-    (from a bfloat16-rounded output, dq and dk miss it: 2.6e-2 and 2.4e-2 measured with
-    the arc kernels on the CPU)."""
-    plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.15)
+    (from a bfloat16-rounded output, dq and dk miss it in each of these geometries: 2.1e-2
+    to 3.7e-2 against the float64 reference's backward on the same inputs)."""
+    in_shape, out_shape, grid, cutoff = geometry
+    plan = NeighborhoodPlan(in_shape, out_shape, grid_in=grid, grid_out=grid, theta_cutoff=cutoff)
     heads, dim = 1, 64
-    v = smooth_field(33, 72, dim, EQ)[None, :, :, None, :] + 0.01 * rng.standard_normal((2, 33, 72, heads, dim))
-    q, k = (rng.standard_normal((2, 33, 72, heads, dim)) for _ in range(2))
-    dout = rng.standard_normal((2, 33, 72, heads, dim))
+    v = smooth_field(*in_shape, dim, grid)[None, :, :, None, :] + 0.01 * rng.standard_normal((2, *in_shape, heads, dim))
+    q, dout = (rng.standard_normal((2, *out_shape, heads, dim)) for _ in range(2))
+    k = rng.standard_normal((2, *in_shape, heads, dim))
     primals = tuple(_rounded(x, dtype) for x in (q, k, v))
-    cotangents = (_rounded(dout, dtype), np.zeros((2, 33, 72, heads)))
+    cotangents = (_rounded(dout, dtype), np.zeros((2, *out_shape, heads)))
     want = _oracle(plan, primals, cotangents, dense_attention)
     got = _compiled_vjp(plan, "ffi-tiled")(
         tuple(jnp.asarray(x, dtype) for x in primals), (jnp.asarray(cotangents[0], dtype), cotangents[1])
@@ -119,18 +129,19 @@ def test_smooth_values_keep_gradients_accurate(dtype, rng, dense_attention, rel_
 
 # ----------------------------------------------------------------------------- targets
 
-# (geometry, heads, dim) of the windowed checks: a downsampling and an upsampling walk.
-WINDOW_CASES = [CASES[4][0], CASES[6][0]]
+# Geometries of the windowed checks: a self-attention (odd nlat), a downsampling and an upsampling walk.
+WINDOW_CASES = [CASES[0][0], CASES[4][0], CASES[6][0]]
 
 
 @pytest.mark.parametrize("geometry", WINDOW_CASES, ids=str)
-def test_windowed_targets_write_every_result_and_match_the_arc_kernels(geometry, rng, exact_random, rel_error):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, geometry, rng, exact_random, rel_error):
     """Query blocks x key blocks with padding: every tiled result (poisoned with NaN first)
     is written, padding holds zeros (-inf for lse), and each partial matches the arc
     kernel's partial of the same window. Gradients written in the activations' dtype (also
     poisoned first) are the float32 ones rounded, bit for bit."""
     plan = NeighborhoodPlan(*geometry)
-    dtype, heads, dim, scale = jnp.bfloat16, 2, 64, 0.125
+    heads, dim, scale = 2, 64, 0.125
     q = _rounded(exact_random(2, *plan.out_shape, heads, dim), dtype).astype(np.float32)
     k, v = (_rounded(exact_random(2, *plan.in_shape, heads, dim), dtype).astype(np.float32) for _ in range(2))
     out, lse = _ffi.ffi_forward(q, k, v, plan, full_window(plan), plan.tables.forward_row_order, scale=scale)
@@ -172,8 +183,9 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(geometry,
                     np.testing.assert_array_equal(t == -np.inf, a == -np.inf)
                     finite = np.isfinite(a)
                     assert not finite.any() or rel_error(t[finite], a[finite]) <= 1e-5
-                else:
-                    assert rel_error(t, a) <= 1e-2 or np.abs(a).max() == 0 == np.abs(t).max(), name
+                else:  # out (float32, delta's residual) far inside the 16-bit bar
+                    bar = OUT_TOLERANCE if name == "out" else 1e-2
+                    assert rel_error(t, a) <= bar or np.abs(a).max() == 0 == np.abs(t).max(), name
 
 
 def test_gradients_are_bitwise_reproducible(exact_random):

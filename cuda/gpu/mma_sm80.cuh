@@ -38,6 +38,20 @@ __device__ __forceinline__ uint32_t PackPair<__half>(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
+// The two floats of a PackPair register, exactly (every T value is a float).
+template <typename T>
+__device__ __forceinline__ float2 UnpackPair(uint32_t pair);
+
+template <>
+__device__ __forceinline__ float2 UnpackPair<__nv_bfloat16>(uint32_t pair) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair));
+}
+
+template <>
+__device__ __forceinline__ float2 UnpackPair<__half>(uint32_t pair) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&pair));
+}
+
 #if defined(S2ATTN_HOST_EMULATION)
 
 // d += a * b for one m16n8k16 tile, T = __nv_bfloat16 or __half, float accumulators.

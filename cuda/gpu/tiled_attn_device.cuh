@@ -685,14 +685,31 @@ constexpr size_t BlockSharedBytes() {
   return StageLayout<D>::kSharedBytes + OwnOperandsShared<D>() * OwnOperand<0, D>::kEntries * sizeof(uint4);
 }
 
+// The A fragments of P in the score tile layout of RowProducts, as kParts registers of T each: P
+// rounded to T, then (kParts 2) what that rounding left, rounded to T again, so that the parts
+// carry about twice T's significant bits.
+template <typename T, int kParts>
+__device__ __forceinline__ void SplitFragments(uint32_t (&pa)[kParts][4], const float (&p)[2][4]) {
+  static_assert(kParts == 1 || kParts == 2, "P in one or two parts");
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float a = p[i / 2][2 * (i % 2)], b = p[i / 2][2 * (i % 2) + 1];
+    pa[0][i] = PackPair<T>(a, b);
+    if constexpr (kParts == 2) {
+      const float2 rounded = UnpackPair<T>(pa[0][i]);
+      pa[1][i] = PackPair<T>(a - rounded.x, b - rounded.y);
+    }
+  }
+}
+
 // acc += P . B for the 16 staged rows starting at `rows` (B is 16 x D), P given as the score
-// tile layout of RowProducts (rounded to T here).
-template <typename T, int D>
+// tile layout of RowProducts, multiplied in kParts parts (SplitFragments).
+template <typename T, int D, int kParts = 1>
 __device__ __forceinline__ void AccumulateRows(float (&acc)[D / 8][4], const float (&p)[2][4], const T* rows) {
   constexpr int kStride = StageLayout<D>::kStride;
   const int lane = threadIdx.x % 32;
-  const uint32_t pa[4] = {PackPair<T>(p[0][0], p[0][1]), PackPair<T>(p[0][2], p[0][3]),
-                          PackPair<T>(p[1][0], p[1][1]), PackPair<T>(p[1][2], p[1][3])};
+  uint32_t pa[kParts][4];
+  SplitFragments<T, kParts>(pa, p);
   // ldmatrix.x4.trans matrices: (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15),
   // (rows 8-15, cols 8-15).
   const T* lane_row = rows + ((lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8;
@@ -702,8 +719,11 @@ __device__ __forceinline__ void AccumulateRows(float (&acc)[D / 8][4], const flo
     LdMatrixX4Trans(b, lane_row + 16 * np);
     const uint32_t b0[2] = {b[0], b[1]};
     const uint32_t b1[2] = {b[2], b[3]};
-    MmaM16N8K16<T>(acc[2 * np], pa, b0);
-    MmaM16N8K16<T>(acc[2 * np + 1], pa, b1);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      MmaM16N8K16<T>(acc[2 * np], pa[part], b0);
+      MmaM16N8K16<T>(acc[2 * np + 1], pa[part], b1);
+    }
   }
 }
 
