@@ -275,13 +275,15 @@ def test_tiled_matches_float64(emulator, rng, plan_name, d, dtype):
     check_case(emulator, rng, PLANS[plan_name](), 2, 2, d, d, dtype, kernel="tiled")
 
 
+@pytest.mark.parametrize("shapes", [((33, 72), (33, 72)), ((33, 72), (65, 144))], ids=["self", "up"])
 @pytest.mark.parametrize("kernel", ["arc", "tiled"])
 @pytest.mark.parametrize("dtype", TILED_DTYPES)
-def test_smooth_values_keep_gradients_accurate(emulator, rng, kernel, dtype):
+def test_smooth_values_keep_gradients_accurate(emulator, rng, kernel, dtype, shapes):
     """Values smooth in position: dP - delta nearly cancels in the score gradients, so dq and dk
     keep the bar only if out, from which the op takes delta, is accurate well beyond it (the
-    backward targets get the kernels' own lse and delta here, as in the op)."""
-    plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.15)
+    backward targets get the kernels' own lse and delta here, as in the op). The upsampling case
+    failed bf16 dq on the H200 while the tiled forward rounded P once (NOTES, session 11)."""
+    plan = NeighborhoodPlan(*shapes, theta_cutoff=0.15)
     case = prepare_case(rng, plan, 2, 1, 64, 64, dtype, smooth_values=True)
     verify_case(case, run_case(case, emulator, kernel, as_op=True), tolerance_of(kernel, dtype))
 

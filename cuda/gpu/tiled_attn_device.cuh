@@ -686,8 +686,8 @@ constexpr size_t BlockSharedBytes() {
 }
 
 // The A fragments of P in the score tile layout of RowProducts, as kParts registers of T each: P
-// rounded to T, then (kParts 2) what that rounding left, rounded to T again, so that the parts
-// carry about twice T's significant bits.
+// rounded to T, then, when kParts is 2, what that rounding left, rounded to T again, so that the
+// parts carry about twice T's significant bits.
 template <typename T, int kParts>
 __device__ __forceinline__ void SplitFragments(uint32_t (&pa)[kParts][4], const float (&p)[2][4]) {
   static_assert(kParts == 1 || kParts == 2, "P in one or two parts");
