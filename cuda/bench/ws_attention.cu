@@ -47,6 +47,8 @@ using s2attn::gpu::MbarrierArrive;
 using s2attn::gpu::MbarrierInit;
 using s2attn::gpu::MbarrierInitFence;
 using s2attn::gpu::MbarrierWait;
+using s2attn::gpu::PackPair;
+using s2attn::gpu::UnpackPair;
 namespace sm90 = s2attn::gpu::sm90;
 using T = __nv_bfloat16;
 
@@ -316,17 +318,23 @@ __device__ __forceinline__ Cover ArcLogits(float (&scores)[kChunk / 2], const Ch
   return Cover::kPartial;
 }
 
-__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&pair);
-}
-
-// The A fragments of a score tile (columns 16 kk .. 16 kk + 15 of the accumulator, rounded to T).
-__device__ __forceinline__ void PackTile(uint32_t (&a)[kChunk / 16][4], const float (&x)[kChunk / 2]) {
+// The A fragments of a score tile (columns 16 kk .. 16 kk + 15 of the accumulator) as kParts parts:
+// rounded to T, then, when kParts is 2, what that rounding left, rounded to T again (about twice T's
+// bits: the forward's P, as in the module's forward, whose out is delta's residual: NOTES, session 11).
+template <int kParts>
+__device__ __forceinline__ void PackTile(uint32_t (&a)[kParts][kChunk / 16][4], const float (&x)[kChunk / 2]) {
+  static_assert(kParts == 1 || kParts == 2, "one or two parts");
 #pragma unroll
   for (int kk = 0; kk < kChunk / 16; ++kk) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) a[kk][i] = PackPair(x[8 * kk + 2 * i], x[8 * kk + 2 * i + 1]);
+    for (int i = 0; i < 4; ++i) {
+      const float lo = x[8 * kk + 2 * i], hi = x[8 * kk + 2 * i + 1];
+      a[0][kk][i] = PackPair<T>(lo, hi);
+      if constexpr (kParts == 2) {
+        const float2 rounded = UnpackPair<T>(a[0][kk][i]);
+        a[1][kk][i] = PackPair<T>(lo - rounded.x, hi - rounded.y);
+      }
+    }
   }
 }
 
@@ -352,21 +360,28 @@ __device__ __forceinline__ void MultiplyBackward(float (&scores)[kChunk / 2], fl
   sm90::FenceRegisters(dp);
 }
 
-// Issues d += A B for the A fragments of a chunk's score tile and the staged rows `b` (keys = k;
-// MN-major) as one wgmma group: d and a stay the wgmmas' until a wait completes the group.
-__device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], const uint32_t (&a)[kChunk / 16][4], const T* b) {
+// Issues d += A B for the A fragments of a chunk's score tile (PackTile's parts, summed) and the staged
+// rows `b` (keys = k; MN-major) as one wgmma group: d and a stay the wgmmas' until a wait completes it.
+template <int kParts>
+__device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], const uint32_t (&a)[kParts][kChunk / 16][4],
+                                                const T* b) {
   const uint64_t rows = sm90::SwizzledTileDescriptor(b);
   sm90::FenceRegisters(d);
   sm90::WgmmaFence();
 #pragma unroll
   for (int kk = 0; kk < kChunk / 16; ++kk) {
-    sm90::WgmmaM64N64K16<T, 1>(d, a[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      sm90::WgmmaM64N64K16<T, 1>(d, a[part][kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+    }
   }
   sm90::WgmmaCommit();
 }
 
 // d += A B, completed.
-__device__ __forceinline__ void AccumulateTile(float (&d)[kD / 2], const uint32_t (&a)[kChunk / 16][4], const T* b) {
+template <int kParts>
+__device__ __forceinline__ void AccumulateTile(float (&d)[kD / 2], const uint32_t (&a)[kParts][kChunk / 16][4],
+                                               const T* b) {
   IssueAccumulate(d, a, b);
   sm90::WgmmaWait<0>();
   sm90::FenceRegisters(d);
@@ -458,7 +473,7 @@ __device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int 
     } else {
       OnlineSoftmax(scores, m, l, o);
     }
-    uint32_t pv[kChunk / 16][4];
+    uint32_t pv[2][kChunk / 16][4];  // P in two parts: out is delta's residual
     PackTile(pv, scores);
     AccumulateTile(o, pv, stage.b);
   });
@@ -501,7 +516,7 @@ __device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int group) {
 #pragma unroll
       for (int e = 0; e < kChunk / 2; ++e) scores[e] = Exp2(scores[e]) * (dp[e] - delta[(e >> 1) & 1]);
     }
-    uint32_t ds[kChunk / 16][4];
+    uint32_t ds[1][kChunk / 16][4];
     PackTile(ds, scores);
     AccumulateTile(dq, ds, stage.a);
   });
@@ -543,7 +558,7 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
       }
     }
     // Both products in flight together, one wait (1.5 % faster than a wait each: NOTES, session 10).
-    uint32_t probabilities[kChunk / 16][4], score_gradients[kChunk / 16][4];
+    uint32_t probabilities[1][kChunk / 16][4], score_gradients[1][kChunk / 16][4];
     PackTile(probabilities, scores);
     IssueAccumulate(dv, probabilities, stage.b);
     PackTile(score_gradients, dp);
@@ -879,7 +894,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   const Check* checks[4] = {&out_check, &dq_check, &dk_check, &dv_check};
   const char* names[4] = {"out", "dq", "dk", "dv"};
   bool correct = unwritten == 0 && lse_error <= 1e-3;
-  for (const Check* c : checks) correct = correct && c->Relative() <= 1e-2;
+  // out far inside the 16-bit bar: dq's delta is formed from it (the forward's P in two parts).
+  for (const Check* c : checks) correct = correct && c->Relative() <= (c == &out_check ? 1e-4 : 1e-2);
 
   // Work the stream does (the producer's loop and the consumers' test replayed): chunks staged, chunks
   // multiplied by a warpgroup, and the neighbour pairs among the latter's 64 x kChunk products.
