@@ -135,6 +135,26 @@ ptxas info    : Used 240 registers, used 1 barriers
     ]
 
 
+def test_torch_harmonics_build_imports_without_the_disco_extension(tmp_path, monkeypatch):
+    # The build script's one edit of the copied package: names the convolution module imports from its
+    # optimized module (present only with its own extension built) bound to None where absent.
+    build = _benchmark_module("build_torch_harmonics")
+    disco = tmp_path / "fake_th" / "disco"
+    (disco / "optimized").mkdir(parents=True)
+    (tmp_path / "fake_th" / "__init__.py").write_text("")
+    (disco / "__init__.py").write_text("")
+    (disco / "optimized" / "__init__.py").write_text("")
+    (disco / "optimized" / "disco_optimized.py").write_text("def built():\n    return 1\n")
+    (disco / "convolution.py").write_text(
+        "import math\nfrom .optimized.disco_optimized import (\n    built,\n    missing,\n)\nafter = math.pi\n"
+    )
+    build._import_without_disco_kernels(tmp_path / "fake_th")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    convolution = importlib.import_module("fake_th.disco.convolution")
+    assert convolution.built() == 1 and convolution.missing is None
+    assert convolution.after == pytest.approx(3.14159, 1e-5)  # the rest of the module untouched
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_occupancy_report(tmp_path):
     lines = _run("occupancy.py", cwd=tmp_path).splitlines()
