@@ -48,7 +48,7 @@ using s2attn::gpu::MbarrierInit;
 using s2attn::gpu::MbarrierInitFence;
 using s2attn::gpu::MbarrierWait;
 using s2attn::gpu::PackPair;
-using s2attn::gpu::UnpackPair;
+using s2attn::gpu::PackRemainder;
 namespace sm90 = s2attn::gpu::sm90;
 using T = __nv_bfloat16;
 
@@ -330,10 +330,7 @@ __device__ __forceinline__ void PackTile(uint32_t (&a)[kParts][kChunk / 16][4], 
     for (int i = 0; i < 4; ++i) {
       const float lo = x[8 * kk + 2 * i], hi = x[8 * kk + 2 * i + 1];
       a[0][kk][i] = PackPair<T>(lo, hi);
-      if constexpr (kParts == 2) {
-        const float2 rounded = UnpackPair<T>(a[0][kk][i]);
-        a[1][kk][i] = PackPair<T>(lo - rounded.x, hi - rounded.y);
-      }
+      if constexpr (kParts == 2) a[1][kk][i] = PackRemainder<T>(lo, hi, a[0][kk][i]);
     }
   }
 }

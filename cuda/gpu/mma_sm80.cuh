@@ -52,6 +52,14 @@ __device__ __forceinline__ float2 UnpackPair<__half>(uint32_t pair) {
   return __half22float2(*reinterpret_cast<const __half2*>(&pair));
 }
 
+// What the rounding of PackPair<T>(lo, hi) == `rounded` left of lo and hi, rounded to T again: the two
+// registers together carry about twice T's significant bits (P in two parts: the forwards' P V).
+template <typename T>
+__device__ __forceinline__ uint32_t PackRemainder(float lo, float hi, uint32_t rounded) {
+  const float2 kept = UnpackPair<T>(rounded);
+  return PackPair<T>(lo - kept.x, hi - kept.y);
+}
+
 #if defined(S2ATTN_HOST_EMULATION)
 
 // d += a * b for one m16n8k16 tile, T = __nv_bfloat16 or __half, float accumulators.

@@ -695,10 +695,7 @@ __device__ __forceinline__ void SplitFragments(uint32_t (&pa)[kParts][4], const 
   for (int i = 0; i < 4; ++i) {
     const float a = p[i / 2][2 * (i % 2)], b = p[i / 2][2 * (i % 2) + 1];
     pa[0][i] = PackPair<T>(a, b);
-    if constexpr (kParts == 2) {
-      const float2 rounded = UnpackPair<T>(pa[0][i]);
-      pa[1][i] = PackPair<T>(a - rounded.x, b - rounded.y);
-    }
+    if constexpr (kParts == 2) pa[1][i] = PackRemainder<T>(a, b, pa[0][i]);
   }
 }
 

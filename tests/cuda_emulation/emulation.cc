@@ -260,10 +260,6 @@ double Widen(Collective kind, uint16_t bits) {
   return __half2float(__half(raw));
 }
 
-// A 16x16 (row-major) and B 16x8 (k x n) from the 32 lanes' fragments (layouts: mma_sm80.cuh),
-// then their product. Products of 16-bit values are exact in double and the 16-term sums
-// nearly so; each lane adds its accumulator in double and rounds once to float (the hardware
-// sums in float in an unspecified order, so the emulation is at least as accurate).
 // The 16 x 16 A tile the lanes' fragments `fragments(lane)` hold in mma.sync's m16n8k16 layout (a
 // warp's share of wgmma's register A is the same layout).
 template <typename Fragments>
@@ -281,6 +277,10 @@ void ReadFragmentsA(const Meeting& m, Fragments&& fragments, double (&a)[16][16]
   }
 }
 
+// A 16x16 (row-major) and B 16x8 (k x n) from the 32 lanes' fragments (layouts: mma_sm80.cuh),
+// then their product. Products of 16-bit values are exact in double and the 16-term sums
+// nearly so; each lane adds its accumulator in double and rounds once to float (the hardware
+// sums in float in an unspecified order, so the emulation is at least as accurate).
 void MultiplyTile(Meeting& m) {
   double a[16][16], b[16][8];
   ReadFragmentsA(m, [](const LaneInput& in) -> const uint32_t(&)[4] { return in.mma.a; }, a);
