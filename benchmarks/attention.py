@@ -26,8 +26,9 @@ configurations (spec 7.1) plus quarter-degree ones, in float32 and bfloat16:
   measured time (computed TFLOP/s over 790 is the kernels' own efficiency, tile waste aside);
 * each native kernel family's targets alone (``ffi_<kernel>_{forward,dq,dkv,delta}_target_ms``:
   the forward, dQ, dK/dV and delta custom calls on their own, fed with the forward's lse and a
-  delta from the same inputs), so a change can be placed in one walk; forward+backward is their
-  sum plus XLA's glue;
+  delta from the same inputs; the tiled family also ``dq_delta``, its dQ that forms delta, which
+  the op runs in place of delta and dQ), so a change can be placed in one walk; forward+backward
+  is the op's targets' sum plus XLA's glue;
 * the pure-JAX reference measured in the same run (where it fits in time and memory);
 * torch-harmonics' CUDA module (module level: projections included) when importable.
 
@@ -156,17 +157,24 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
         q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, **gradients))  # fmt: skip
     delta = jax.jit(_ffi.ffi_delta)
     forward_sets = [(q, k, v, plan) for q, k, v, _ in input_sets]
-    delta_sets, backward_sets = [], []
+    delta_sets, backward_sets, forming_sets = [], [], []
     for q, k, v, g in input_sets:
         out, lse = forward(q, k, v, plan)
         delta_sets.append((g, out))
         backward_sets.append((q, k, v, g, lse, delta(g, out), plan))
-    return {
+        forming_sets.append((q, k, v, g, lse, out, jnp.zeros_like(lse), plan))
+    times = {
         "forward": median_ms(forward, forward_sets, reps),
         "dq": median_ms(dq, backward_sets, reps),
         "dkv": median_ms(dkv, backward_sets, reps),
         "delta": median_ms(delta, delta_sets, reps),
     }
+    if kernel == "tiled":
+        forming = {name: x for name, x in gradients.items() if name != "kernel"}
+        dq_delta = jax.jit(lambda q, k, v, g, lse, out, dlse, p: _ffi.ffi_backward_dq_delta(
+            q, k, v, g, lse, out, dlse, p, window, p.tables.forward_row_order, **forming))  # fmt: skip
+        times["dq_delta"] = median_ms(dq_delta, forming_sets, reps)
+    return times
 
 
 def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int):
@@ -345,7 +353,7 @@ def main() -> None:
     columns = {  # printed label -> CSV column
         "arc fwd": "ffi_arc_fwd_ms", "tiled fwd": "ffi_tiled_fwd_ms", "arc f+b": "ffi_arc_fwdbwd_ms",
         "tiled f+b": "ffi_tiled_fwdbwd_ms",
-        "tiled dq": "ffi_tiled_dq_target_ms", "tiled dkv": "ffi_tiled_dkv_target_ms",
+        "dq+delta": "ffi_tiled_dq_delta_target_ms", "tiled dkv": "ffi_tiled_dkv_target_ms",
         "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
         "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",
         "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",

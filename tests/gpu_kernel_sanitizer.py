@@ -4,9 +4,9 @@ Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}
 entry point ``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library,
 uploads the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``,
 results poisoned with NaN), runs forward, dq and dkv of the arc-segment or the tiled kernels
-on the default stream, synchronises after every launch and checks the results against the
-float64 reference of ``kernel_cases.py`` (the one the host-emulation tests use), including
-that every result element was written.
+(and the tiled dq that forms delta) on the default stream, synchronises after every launch and
+checks the results against the float64 reference of ``kernel_cases.py`` (the one the
+host-emulation tests use), including that every result element was written.
 
 Exit status: 0 all cases pass, 1 a mismatch (or a CUDA error, raised as an exception),
 2 no nvcc, cupy or CUDA device. ``--dry-run`` builds the inputs and references and compiles
@@ -49,8 +49,10 @@ from kernel_cases import (  # noqa: E402
     call_run_target,
     prepare_case,
     run_case,
+    run_dq_forming_delta,
     tolerance_of,
     verify_case,
+    verify_dq_forming_delta,
 )
 
 NOT_AVAILABLE = 2
@@ -169,7 +171,12 @@ def main(argv=None) -> int:
         failures = 0
         for name, kernel, case in cases:
             try:
-                verify_case(case, run_case(case, launch, kernel), tolerance_of(kernel, case.dtype))
+                results = run_case(case, launch, kernel)
+                verify_case(case, results, tolerance_of(kernel, case.dtype))
+                if kernel == "tiled":  # and its dq that forms delta, from that out
+                    dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
+                    formed = run_dq_forming_delta(case, launch, results["out"], dlse)
+                    verify_dq_forming_delta(case, results["out"], dlse, formed)
                 print(f"ok   {name}")
             except AssertionError as error:
                 failures += 1

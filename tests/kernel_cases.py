@@ -41,6 +41,11 @@ DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "floa
 # Targets of run_target.cc: the arc kernels' forward, dq and dkv; the tiled ones' are 3 further.
 FORWARD, DQ, DKV = 0, 1, 2
 TILED_TARGET_OFFSET = 3
+# The tiled dq that forms delta itself (run_target.cc's RunTiledDqFormingDelta): a launch of it takes
+# (forward out, dlse) in place of delta and gives (dq, delta).
+TILED_DQ_FORMING_DELTA = 6
+# Its delta against float64, per row relative to sum |dout * out| + |dlse| (float32 sums of Dv terms).
+FORMED_DELTA_TOLERANCE = 1e-6
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
 # the bar is float32 round-off for every storage dtype.
 TOLERANCE = 2e-5
@@ -260,10 +265,10 @@ def run_case(
     """Runs forward, dq and dkv of ``kernel`` ("arc" or "tiled") with ``launch`` into NaN-filled
     results and returns them. ``tables``: the (forward, backward) tables walked, by default the
     plan's arc tables ("arc") or segment tables ("tiled"). ``as_op``: the backward targets get the
-    lse of this forward and a delta from its out (float32), as the op feeds them, instead of the
-    case's exact float64 ones; whole grids only (the forward's lse covers the window's keys, the
-    backward needs every key's). ``gradient_type``: the numpy type of dq, dk and dv (float32,
-    or for the tiled kernels the activations' storage type)."""
+    lse of this forward and a delta from its out (float32; on "tiled" the one its dq forms), as the
+    op feeds them, instead of the case's exact float64 ones; whole grids only (the forward's lse
+    covers the window's keys, the backward needs every key's). ``gradient_type``: the numpy type
+    of dq, dk and dv (float32, or for the tiled kernels the activations' storage type)."""
     q, k, v, dout, lse_in, delta, window = case.inputs
     if as_op and case.sizes[4:8] != case.sizes[8:12]:
         raise ValueError("as_op needs whole grids (no windows, no padding)")
@@ -280,11 +285,17 @@ def run_case(
     lse = np.full(q.shape[:4], np.nan, np.float32)
     launch(first + FORWARD, *common, q, k, v, None, None, None, window, case.fwd_order, forward_table, weights,
            out, lse)  # fmt: skip
-    if as_op:
-        lse_in, delta = lse, (dout.astype(np.float64) * out).sum(-1).astype(np.float32)
-    backward_inputs = (q, k, v, dout, lse_in, delta, window)
     dq = np.full(q.shape, np.nan, gradient_type)
-    launch(first + DQ, *common, *backward_inputs, case.fwd_order, forward_table, weights, dq, None)
+    if as_op and kernel == "tiled":  # as the op: the tiled dq forms delta from out, for dk/dv too
+        lse_in, delta = lse, np.full(q.shape[:4], np.nan, np.float32)
+        launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse_in, (out, np.zeros_like(lse)), window,
+               case.fwd_order, forward_table, weights, dq, delta)  # fmt: skip
+    else:
+        if as_op:
+            lse_in, delta = lse, (dout.astype(np.float64) * out).sum(-1).astype(np.float32)
+        launch(first + DQ, *common, q, k, v, dout, lse_in, delta, window, case.fwd_order, forward_table, weights,
+               dq, None)  # fmt: skip
+    backward_inputs = (q, k, v, dout, lse_in, delta, window)
     dk, dv = np.full(k.shape, np.nan, gradient_type), np.full(v.shape, np.nan, gradient_type)
     launch(first + DKV, *common, *backward_inputs, case.bwd_order, backward_table, weights, dk, dv)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
@@ -353,11 +364,46 @@ def call_run_target(
     for a (non-None) numpy array; ``table`` is an ArcTable or a SegmentTable. The gradient
     results' type is that of ``r0`` (forward results are float32)."""
     rows = table_rows(table)
-    arrays = (q, k, v, dout, lse, delta, window, row_order, table.offsets, rows, weights, r0, r1)
+    forming_delta = target == TILED_DQ_FORMING_DELTA
+    row_inputs = delta if forming_delta else (delta,)  # (forward out, dlse) or (delta,)
+    arrays = (q, k, v, dout, lse, *row_inputs, window, row_order, table.offsets, rows, weights, r0, r1)
     all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
     gradient_dtype = next(code for code, storage in DTYPES.values() if np.dtype(storage) == r0.dtype)
-    return lib.RunNbhdAttnTarget(
-        ctypes.c_int(target), ctypes.c_int(DTYPES[dtype][0]), ctypes.c_int(gradient_dtype),
-        *(ctypes.c_void_p(None if a is None else address(a)) for a in arrays),
-        ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale),
-    )  # fmt: skip
+    pointers = [ctypes.c_void_p(None if a is None else address(a)) for a in arrays]
+    types = [ctypes.c_int(DTYPES[dtype][0]), ctypes.c_int(gradient_dtype)]
+    tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale)]
+    if forming_delta:
+        return lib.RunTiledDqFormingDelta(*types, *pointers, *tail)
+    return lib.RunNbhdAttnTarget(ctypes.c_int(target), *types, *pointers, *tail)
+
+
+def run_dq_forming_delta(
+    case: KernelCase, launch: Launch, out: np.ndarray, dlse: np.ndarray, gradient_type=np.float32
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """The tiled dq that forms delta from the forward's ``out`` and ``dlse``, into NaN-filled results,
+    and the tiled dq given that delta: ``{"dq", "delta", "dq_given_delta"}``."""
+    q, k, v, dout, lse, _, window = case.inputs
+    common = (case.dtype, case.sizes, case.scale)
+    table, weights = case.plan.forward_segments, case.plan.quad_weights
+    dq = np.full(q.shape, np.nan, gradient_type)
+    delta = np.full(q.shape[:4], np.nan, np.float32)
+    launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse, (out, dlse), window, case.fwd_order, table, weights,
+           dq, delta)  # fmt: skip
+    dq_given = np.full(q.shape, np.nan, gradient_type)
+    launch(TILED_TARGET_OFFSET + DQ, *common, q, k, v, dout, lse, delta, window, case.fwd_order, table, weights,
+           dq_given, None)  # fmt: skip
+    return {"dq": dq, "delta": delta, "dq_given_delta": dq_given}
+
+
+def verify_dq_forming_delta(case: KernelCase, out: np.ndarray, dlse: np.ndarray, results: dict[str, np.ndarray]):
+    """Every element written; delta = sum(dout * out, -1) - dlse of every local row (padding too) to
+    FORMED_DELTA_TOLERANCE; dq the bits of the tiled dq given that delta."""
+    for name, result in results.items():
+        assert not np.isnan(result).any(), f"{name}: some elements were never written"
+    terms = case.inputs[3].astype(np.float64) * out.astype(np.float64)
+    expected = terms.sum(-1) - dlse
+    bound = FORMED_DELTA_TOLERANCE * (np.abs(terms).sum(-1) + np.abs(dlse))
+    excess = np.abs(results["delta"] - expected) - bound
+    assert (excess <= 0).all(), f"delta: error exceeds its bound by up to {excess.max():.2e}"
+    assert results["dq"].tobytes() == results["dq_given_delta"].tobytes(), "dq: not the bits of the dq given its delta"
+

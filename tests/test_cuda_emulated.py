@@ -51,8 +51,10 @@ from kernel_cases import (  # noqa: E402
     check_nan_poisoning,
     prepare_case,
     run_case,
+    run_dq_forming_delta,
     tolerance_of,
     verify_case,
+    verify_dq_forming_delta,
 )
 
 CUDA_ERROR_INVALID_VALUE = 1
@@ -273,6 +275,32 @@ TILED_CASES = [
 @pytest.mark.parametrize(("plan_name", "d", "dtype"), TILED_CASES, ids=[f"{p}-d{d}-{t}" for p, d, t in TILED_CASES])
 def test_tiled_matches_float64(emulator, rng, plan_name, d, dtype):
     check_case(emulator, rng, PLANS[plan_name](), 2, 2, d, d, dtype, kernel="tiled")
+
+
+# The tiled dq that forms delta itself: every head dim and both dtypes, resampling, windows with
+# padding (delta of padding rows too) and rows of several blocks.
+FORMING_DELTA_CASES = [
+    ("self", 32, "float16", {}),
+    ("self", 64, "bfloat16", {}),
+    ("self", 128, "bfloat16", {"q_window": WINDOWS[0][0], "padding": WINDOWS[0][2]}),
+    ("self", 64, "float16", {"q_window": WINDOWS[2][0], "k_window": WINDOWS[2][1], "padding": WINDOWS[2][2]}),
+    ("down", 64, "bfloat16", {}),
+    ("up", 64, "float16", {}),
+]
+
+
+@pytest.mark.parametrize(
+    ("plan_name", "d", "dtype", "windows"),
+    FORMING_DELTA_CASES,
+    ids=[f"{name}-d{d}-{dtype}{'-windowed' if windows else ''}" for name, d, dtype, windows in FORMING_DELTA_CASES],
+)
+def test_tiled_dq_forms_delta(emulator, rng, plan_name, d, dtype, windows):
+    """delta = sum(dout * out) - dlse for every local row to float32 round-off, and dq the bits of the
+    tiled dq given that delta, from the forward's own out and a random dlse."""
+    case = prepare_case(rng, PLANS[plan_name](), 2, 2, d, d, dtype, **windows)
+    out = run_case(case, emulator, "tiled")["out"]
+    dlse = rng.standard_normal(out.shape[:4]).astype(np.float32)
+    verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, emulator, out, dlse))
 
 
 @pytest.mark.parametrize("shapes", [((33, 72), (33, 72)), ((33, 72), (65, 144))], ids=["self", "up"])

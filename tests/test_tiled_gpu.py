@@ -188,6 +188,39 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
                     assert rel_error(t, a) <= bar or np.abs(a).max() == 0 == np.abs(t).max(), name
 
 
+@pytest.mark.parametrize("geometry", WINDOW_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dq_forming_delta_on_windows(dtype, geometry, rng, exact_random):
+    """The tiled dq that forms delta (the op's) on query blocks x key blocks with padding: both
+    results poisoned with NaN first and fully written; delta = sum(dout * out) - dlse of every local
+    row (padding too) to float32 round-off; dq the bits of the tiled dq given that delta, in float32
+    and in the activations' dtype."""
+    plan = NeighborhoodPlan(*geometry)
+    heads, dim, scale = 2, 64, 0.125
+    q = _rounded(exact_random(2, *plan.out_shape, heads, dim), dtype).astype(np.float32)
+    k, v = (_rounded(exact_random(2, *plan.in_shape, heads, dim), dtype).astype(np.float32) for _ in range(2))
+    out, lse = (np.asarray(x) for x in _ffi.ffi_forward(q, k, v, plan, full_window(plan),
+                                                        plan.tables.forward_row_order, scale=scale))  # fmt: skip
+    dout = _rounded(rng.standard_normal(out.shape), dtype).astype(np.float32)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    for qb in _tile(*plan.out_shape, 2, 2):
+        ql, doutl, lsel, outl, dlsel = (qb.extract(x, rng).astype(np.float32) for x in (q, dout, lse, out, dlse))
+        q_rows = local_row_order(plan, "forward", qb.lat0, qb.local_shape[0])
+        terms = _rounded(doutl, dtype).astype(np.float64) * outl
+        bound = 1e-6 * (np.abs(terms).sum(-1) + np.abs(dlsel))
+        for kb in _tile(*plan.in_shape, 2, 3):
+            activations = [jnp.asarray(x, dtype) for x in (ql, kb.extract(k, rng), kb.extract(v, rng), doutl)]
+            window = _window(qb, kb)
+            for gradient_dtype in (jnp.float32, dtype):
+                kwargs = dict(scale=scale, poison_results=True, gradient_dtype=gradient_dtype)
+                dq, delta = _ffi.ffi_backward_dq_delta(*activations, lsel, outl, dlsel, plan, window, q_rows, **kwargs)
+                given = _ffi.ffi_backward_dq(*activations, lsel, delta, plan, window, q_rows, kernel="tiled", **kwargs)
+                dq, delta, given = (np.asarray(x) for x in (dq, delta, given))
+                assert not np.isnan(dq).any() and not np.isnan(delta).any()
+                assert dq.dtype == gradient_dtype and dq.tobytes() == given.tobytes()
+                assert (np.abs(delta - (terms.sum(-1) - dlsel)) <= bound).all()
+
+
 def test_gradients_are_bitwise_reproducible(exact_random):
     """Two runs of one compiled program give the same bits (no atomics)."""
     plan = NeighborhoodPlan((65, 100), (65, 100), theta_cutoff=0.1)
@@ -256,11 +289,17 @@ def test_ffi_runs_tiled_kernels_where_they_apply_serial_and_sharded(exact_random
 
         return run
 
-    for fn in (serial("ffi"), sharded):
+    def calls(text, targets):
+        return {t for t in targets if f"@{t}(" in text}
+
+    # The serial op's tiled dq forms delta itself; the ring's dq runs once per key block, after one delta.
+    dq_targets = (_ffi.TILED_BACKWARD_DQ_DELTA_TARGET, _ffi.TILED_BACKWARD_DQ_TARGET)
+    for fn, dq_target in zip((serial("ffi"), sharded), dq_targets):
         text = _lowered(value_and_grads(fn), primals)
-        assert all(t in text for t in _ffi.TILED_TARGETS) and not any(t in text for t in _ffi.TARGETS)
+        want = {_ffi.TILED_FORWARD_TARGET, dq_target, _ffi.TILED_BACKWARD_DKV_TARGET}
+        assert calls(text, _ffi.TILED_TARGETS) == want and not calls(text, _ffi.TARGETS)
         text = _lowered(value_and_grads(fn), tuple(x.astype(jnp.float32) for x in primals))
-        assert all(t in text for t in _ffi.TARGETS) and not any(t in text for t in _ffi.TILED_TARGETS)
+        assert calls(text, _ffi.TARGETS) == set(_ffi.TARGETS) and not calls(text, _ffi.TILED_TARGETS)
     got = jax.jit(value_and_grads(sharded))(primals)
     want = jax.jit(value_and_grads(serial("ffi-tiled")))(primals)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):

@@ -37,11 +37,13 @@ nanobind::dict NbhdRegistrations(Fwd* forward, Dq* backward_dq, Dkv* backward_dk
 }
 
 // Adds the tiled targets (CUDA only) to a registrations() dict.
-template <typename Fwd, typename Dq, typename Dkv>
-void AddTiledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+template <typename Fwd, typename Dq, typename Dkv, typename DqDelta>
+void AddTiledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv,
+                           DqDelta* backward_dq_delta) {
   targets[kTargetTiledForward] = HandlerCapsule(forward);
   targets[kTargetTiledBackwardDq] = HandlerCapsule(backward_dq);
   targets[kTargetTiledBackwardDkv] = HandlerCapsule(backward_dkv);
+  targets[kTargetTiledBackwardDqDelta] = HandlerCapsule(backward_dq_delta);
 }
 
 }  // namespace s2attn

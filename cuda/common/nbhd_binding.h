@@ -48,17 +48,25 @@ auto BindForward(Binding&& binding) {
                        .template Ret<F32Buffer>());  // lse
 }
 
-// Operands of both backward targets: q, k, v, dout, lse, delta, window, row_order,
-// arc_offsets, arcs, quad_weights.
-template <typename Binding>
+// Operands of the backward targets: q, k, v, dout, lse, delta, window, row_order, arc_offsets,
+// arcs, quad_weights; with kDeltaFromOut (jax_s2attn_tiled_bwd_dq_delta) the forward's float32
+// out and dlse in place of delta.
+template <bool kDeltaFromOut = false, typename Binding>
 auto BindBackwardArgs(Binding&& binding) {
-  return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()  // q
-      .template Arg<ffi::AnyBuffer>()  // k
-      .template Arg<ffi::AnyBuffer>()  // v
-      .template Arg<ffi::AnyBuffer>()  // dout
-      .template Arg<F32Buffer>()       // lse
-      .template Arg<F32Buffer>()       // delta
+  auto rows = std::move(binding)
+                  .template Arg<ffi::AnyBuffer>()  // q
+                  .template Arg<ffi::AnyBuffer>()  // k
+                  .template Arg<ffi::AnyBuffer>()  // v
+                  .template Arg<ffi::AnyBuffer>()  // dout
+                  .template Arg<F32Buffer>();      // lse
+  auto with_delta = [&] {
+    if constexpr (kDeltaFromOut) {
+      return std::move(rows).template Arg<F32Buffer>().template Arg<F32Buffer>();  // out, dlse
+    } else {
+      return std::move(rows).template Arg<F32Buffer>();  // delta
+    }
+  }();
+  return std::move(with_delta)
       .template Arg<I32Buffer>()       // window
       .template Arg<I32Buffer>()       // row_order
       .template Arg<I32Buffer>()       // arc_offsets
@@ -74,6 +82,13 @@ auto BindBackwardArgs(Binding&& binding) {
 template <typename Binding>
 auto BindBackwardDq(Binding&& binding) {
   return BindAttrs(BindBackwardArgs(std::move(binding)).template Ret<ffi::AnyBuffer>());
+}
+
+// jax_s2attn_tiled_bwd_dq_delta: backward operands with out and dlse -> (dq, delta).
+template <typename Binding>
+auto BindBackwardDqDelta(Binding&& binding) {
+  return BindAttrs(
+      BindBackwardArgs<true>(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<F32Buffer>());
 }
 
 // jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv).

@@ -18,6 +18,8 @@ inline constexpr char kTargetBackwardDkv[] = "jax_s2attn_nbhd_bwd_dkv";
 inline constexpr char kTargetTiledForward[] = "jax_s2attn_tiled_fwd";
 inline constexpr char kTargetTiledBackwardDq[] = "jax_s2attn_tiled_bwd_dq";
 inline constexpr char kTargetTiledBackwardDkv[] = "jax_s2attn_tiled_bwd_dkv";
+// The tiled dq with the forward's float32 out and dlse in place of delta: it forms delta and returns it.
+inline constexpr char kTargetTiledBackwardDqDelta[] = "jax_s2attn_tiled_bwd_dq_delta";
 // The backward's delta = sum(dout * out, -1) - dlse, in a fixed summation order (common/delta_binding.h).
 inline constexpr char kTargetDelta[] = "jax_s2attn_delta";
 
@@ -164,13 +166,14 @@ inline ffi::Error DecodeParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
 // Checks the extra operands of the backward targets against decoded params:
 // dout [..., nq_lat, nq_lon, H, Dv] in the dtype of q, lse and delta [..., nq_lat, nq_lon, H]
 // (their float32 dtype is enforced by the handler binding).
+// `row_name` is the per-row operand after lse: delta, or dlse on the target that forms delta itself.
 inline ffi::Error CheckBackwardOperands(const ffi::AnyBuffer& q, const ffi::AnyBuffer& dout,
-                                        ffi::Span<const int64_t> lse_dims, ffi::Span<const int64_t> delta_dims,
-                                        const NbhdParams& p) {
+                                        ffi::Span<const int64_t> lse_dims, ffi::Span<const int64_t> row_dims,
+                                        const NbhdParams& p, const char* row_name = "delta") {
   S2ATTN_CHECK(dout.element_type() == q.element_type(), "dout must have the dtype of q");
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dout", dout.dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
-  return CheckGridArray("delta", delta_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1);
+  return CheckGridArray(row_name, row_dims, p.batch, p.nq_lat, p.nq_lon, p.heads, -1);
 }
 
 inline const char* DataTypeName(ffi::DataType type) {

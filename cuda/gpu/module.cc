@@ -9,7 +9,7 @@ NB_MODULE(_s2attn_cuda, m) {
         s2attn::NbhdRegistrations(S2AttnNbhdForwardCuda, S2AttnNbhdBackwardDqCuda, S2AttnNbhdBackwardDkvCuda,
                                   S2AttnDeltaCuda);
     s2attn::AddTiledRegistrations(targets, S2AttnTiledForwardCuda, S2AttnTiledBackwardDqCuda,
-                                  S2AttnTiledBackwardDkvCuda);
+                                  S2AttnTiledBackwardDkvCuda, S2AttnTiledBackwardDqDeltaCuda);
     return targets;
   });
   m.def("build_info", []() {

@@ -1,6 +1,6 @@
 // CUDA handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
-// arc-segment targets and their three tiled tensor-core twins, one handler template each, and
-// the backward's delta.
+// arc-segment targets and their three tiled tensor-core twins, one handler template each, the
+// tiled dq that forms delta itself, and the backward's delta.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
 // table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream. Table *contents*
@@ -158,22 +158,22 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return LaunchStatus(Kernels::Forward(stream, g), Kernels::kForward);
 }
 
-// Decodes the operands shared by both backward targets.
+// Decodes the operands shared by the backward targets; `rows` is the per-row operand after lse
+// (delta, or dlse where the kernel forms delta), checked under `row_name` and left to the caller.
 ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                          const ffi::AnyBuffer& dout, const F32Buffer& lse, const F32Buffer& delta,
-                          const I32Buffer& window, const I32Buffer& row_order, const I32Buffer& arc_offsets,
-                          const I32Buffer& arcs, const F32Buffer& quad_weights, const NbhdAttrs& attrs, bool walk_keys,
-                          TableForm form, NbhdAttnGpuParams* g) {
+                          const ffi::AnyBuffer& dout, const F32Buffer& lse, const F32Buffer& rows,
+                          const char* row_name, const I32Buffer& window, const I32Buffer& row_order,
+                          const I32Buffer& arc_offsets, const I32Buffer& arcs, const F32Buffer& quad_weights,
+                          const NbhdAttrs& attrs, bool walk_keys, TableForm form, NbhdAttnGpuParams* g) {
   NbhdParams p;
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, attrs, walk_keys, window.element_count(), row_order.element_count(),
                                       arc_offsets.element_count(), arcs.element_count(),
                                       quad_weights.element_count(), &p, form));
-  S2ATTN_RETURN_IF_ERROR(CheckBackwardOperands(q, dout, lse.dimensions(), delta.dimensions(), p));
+  S2ATTN_RETURN_IF_ERROR(CheckBackwardOperands(q, dout, lse.dimensions(), rows.dimensions(), p, row_name));
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, walk_keys));
   *g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, form);
   g->dout = dout.untyped_data();
   g->lse = lse.typed_data();
-  g->delta = delta.typed_data();
   return ffi::Error::Success();
 }
 
@@ -193,9 +193,10 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                       float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                       int64_t nlon_k) {
   NbhdAttnGpuParams g;
-  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs, quad_weights,
-                                        MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, "delta", window, row_order, arc_offsets, arcs,
+                                        quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                         /*walk_keys=*/false, Kernels::kForm, &g));
+  g.delta = delta.typed_data();
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dq", dq->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_k));
   S2ATTN_RETURN_IF_ERROR(
@@ -214,9 +215,10 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                        int64_t nlon_k) {
   NbhdAttnGpuParams g;
-  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs, quad_weights,
-                                        MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, "delta", window, row_order, arc_offsets, arcs,
+                                        quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                         /*walk_keys=*/true, Kernels::kForm, &g));
+  g.delta = delta.typed_data();
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dk", dk->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_k));
   S2ATTN_RETURN_IF_ERROR(
@@ -228,6 +230,33 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   g.dv = dv->untyped_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::BackwardDkv(stream, g), Kernels::kBackwardDkv);
+}
+
+// jax_s2attn_tiled_bwd_dq_delta: the tiled dq, forming delta = sum(dout * out, -1) - dlse from the
+// forward's float32 out at each unit's entry and returning it for the dk/dv target, so that the op
+// needs no delta target between the passes.
+ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::AnyBuffer dout, F32Buffer lse, F32Buffer out, F32Buffer dlse, I32Buffer window,
+                                I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
+                                ffi::RemainingArgs /*aliased_results*/, AnyResult dq, F32Result delta, float scale,
+                                int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
+                                int64_t nlon_k) {
+  NbhdAttnGpuParams g;
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, dlse, "dlse", window, row_order, arc_offsets, arcs,
+                                        quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
+                                        /*walk_keys=*/false, TiledKernels::kForm, &g));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_v));
+  S2ATTN_RETURN_IF_ERROR(
+      CheckGridArray("dq", dq->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_k));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, -1));
+  S2ATTN_RETURN_IF_ERROR(SetGradientType("dq", {dq->element_type()}, q.element_type(), true, &g));
+  if (delta->element_count() == 0) return ffi::Error::Success();  // no query rows: dq is empty too
+  g.dq = dq->untyped_data();
+  g.forward_out = out.typed_data();
+  g.dlse = dlse.typed_data();
+  g.delta_out = delta->typed_data();
+  S2ATTN_RETURN_IF_ERROR(TiledKernels::Check(g));
+  return LaunchStatus(TiledKernels::BackwardDq(stream, g), kTargetTiledBackwardDqDelta);
 }
 
 ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buffer dlse,
@@ -259,5 +288,7 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
 
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::ArcKernels);
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledKernels);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::TiledBackwardDqDelta,
+                              s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCuda, s2attn::Delta,
                               s2attn::BindDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));

@@ -14,5 +14,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDqCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDkvCuda);
+// jax_s2attn_tiled_bwd_dq_delta: (q, k, v, dout, lse, out, dlse, window, row_order, ...) -> (dq, delta)
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda);
 // jax_s2attn_delta: (dout, out, dlse) -> delta = sum(dout * out, -1) - dlse
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnDeltaCuda);

@@ -27,6 +27,10 @@ struct NbhdAttnGpuParams {
   const void* dout = nullptr;     // [batch, nq_lat, nq_lon, heads, dv]   (backward)
   const float* lse = nullptr;     // [batch, nq_lat, nq_lon, heads]        (backward)
   const float* delta = nullptr;   // [batch, nq_lat, nq_lon, heads]        (backward)
+  // Tiled dq only, instead of `delta`: the forward's float32 out and the cotangent of lse, from which
+  // the kernel forms delta = sum(dout * out, -1) - dlse of its own queries and writes it to `delta_out`.
+  const float* forward_out = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
+  const float* dlse = nullptr;         // [batch, nq_lat, nq_lon, heads]
 
   // Tables (device memory; the first copy when the operand holds several).
   const int32_t* window = nullptr;       // [8] q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon
@@ -39,6 +43,7 @@ struct NbhdAttnGpuParams {
   float* out = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
   float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
   void* dq = nullptr;        // like q, of gradient_dtype
+  float* delta_out = nullptr;  // [batch, nq_lat, nq_lon, heads] (tiled dq with forward_out)
   void* dk = nullptr;        // like k, of gradient_dtype
   void* dv = nullptr;        // like v, of gradient_dtype
   // kF32, or `dtype` (tiled kernels only): each gradient element is its float32 sum rounded to

@@ -26,6 +26,7 @@ __all__ = [
     "KERNELS",
     "TARGETS",
     "TILED_BACKWARD_DKV_TARGET",
+    "TILED_BACKWARD_DQ_DELTA_TARGET",
     "TILED_BACKWARD_DQ_TARGET",
     "TILED_FORWARD_TARGET",
     "TILED_DTYPES",
@@ -35,6 +36,7 @@ __all__ = [
     "ensure_registered",
     "ffi_backward_dkv",
     "ffi_backward_dq",
+    "ffi_backward_dq_delta",
     "ffi_delta",
     "ffi_forward",
     "native_backends",
@@ -98,7 +100,12 @@ TARGETS = (FORWARD_TARGET, BACKWARD_DQ_TARGET, BACKWARD_DKV_TARGET)
 TILED_FORWARD_TARGET = "jax_s2attn_tiled_fwd"
 TILED_BACKWARD_DQ_TARGET = "jax_s2attn_tiled_bwd_dq"
 TILED_BACKWARD_DKV_TARGET = "jax_s2attn_tiled_bwd_dkv"
-TILED_TARGETS = (TILED_FORWARD_TARGET, TILED_BACKWARD_DQ_TARGET, TILED_BACKWARD_DKV_TARGET)
+# The tiled dq that forms delta from the forward's float32 out itself and returns it (the op's
+# backward on whole grids then runs no delta target).
+TILED_BACKWARD_DQ_DELTA_TARGET = "jax_s2attn_tiled_bwd_dq_delta"
+TILED_TARGETS = (
+    TILED_FORWARD_TARGET, TILED_BACKWARD_DQ_TARGET, TILED_BACKWARD_DKV_TARGET, TILED_BACKWARD_DQ_DELTA_TARGET
+)
 
 # The backward's delta = sum(dout * out, -1) - dlse: both modules, every kernel family. A target
 # of its own because XLA fuses that reduction differently in different programs (changing its
@@ -278,17 +285,19 @@ def _result_type(like, shape, dtype) -> jax.ShapeDtypeStruct:
 
 
 def _call(target, operands, result_shapes, attributes, poison_results, result_dtype=jnp.float32):
-    """One ``ffi_call`` with results of ``result_shapes``, all of ``result_dtype``.
+    """One ``ffi_call`` with results of ``result_shapes``, all of ``result_dtype`` (or, a tuple,
+    one dtype per result).
 
     With ``poison_results`` (a test aid) every result buffer starts as NaN: NaN-filled
     operands are appended and aliased to the results, so an element a kernel forgets
     to write stays NaN. The handlers ignore the extra operands.
     """
+    dtypes = result_dtype if isinstance(result_dtype, tuple) else (result_dtype,) * len(result_shapes)
     operands = [jnp.asarray(x) for x in operands]
     if poison_results:
-        operands += [jnp.full(shape, jnp.nan, result_dtype) for shape in result_shapes]
+        operands += [jnp.full(shape, jnp.nan, dtype) for shape, dtype in zip(result_shapes, dtypes)]
     operands = _vary_together(operands)
-    results = [_result_type(operands[0], shape, result_dtype) for shape in result_shapes]
+    results = [_result_type(operands[0], shape, dtype) for shape, dtype in zip(result_shapes, dtypes)]
     first_alias = len(operands) - len(result_shapes)
     aliases = {first_alias + i: i for i in range(len(result_shapes))} if poison_results else None
     call = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all", input_output_aliases=aliases)
@@ -350,6 +359,31 @@ def ffi_backward_dq(
                 plan.tables.quad_weights)
     (dq,) = _call(target, operands, [query.shape], attributes, poison_results, dtype)
     return dq
+
+
+def ffi_backward_dq_delta(
+    query, key, value, dout, lse, out, dlse, plan, window, row_order, *, scale, poison_results=False,
+    gradient_dtype=jnp.float32,
+):  # fmt: skip
+    """The tiled dq that forms delta itself: ``(dq, delta)``.
+
+    As :func:`ffi_backward_dq` with ``kernel="tiled"``, but given the forward's float32 ``out``
+    (``[..., nq_lat, nq_lon, H, Dv]``) and ``dlse`` (float32 ``[..., nq_lat, nq_lon, H]``) in place
+    of delta: it forms ``delta = sum(dout * out, -1) - dlse`` of every query (inside ``window`` or
+    not) in a fixed order, uses it, and returns it for :func:`ffi_backward_dkv`. Only for whole
+    query grids per call: where dq is summed over several key windows (the ring of
+    :mod:`jax_s2attn.parallel`), :func:`ffi_delta` once is cheaper.
+    """
+    ensure_registered()
+    _, walk, attributes = _step(plan, "tiled", "dq", scale)
+    dtype = _gradient_dtype(gradient_dtype, "tiled", query)
+    lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
+    operands = (query, key, value, dout, lse, out, dlse, _index(window), _index(row_order), *walk,
+                plan.tables.quad_weights)
+    shapes = [query.shape, (*lead, nq_lat, nq_lon, heads)]
+    dq, delta = _call(TILED_BACKWARD_DQ_DELTA_TARGET, operands, shapes, attributes, poison_results,
+                      (dtype, jnp.dtype(jnp.float32)))
+    return dq, delta
 
 
 def ffi_backward_dkv(

@@ -165,14 +165,24 @@ def _native_backward(scale, kernel, residuals, cotangents):
     dout, dlse = cotangents
     # delta from the float32 output, never from a rounded one. A cotangent of lse adds
     # dlse * p_j to every score gradient, exactly as lowering delta by dlse does. The native
-    # target sums in a fixed order: the gradients are the same bits in every program.
-    delta = _ffi.ffi_delta(dout, out, dlse)
+    # targets sum in a fixed order: the gradients are the same bits in every program. The tiled
+    # dq forms delta at its entry (one pass over dout and out fewer); the arc kernels take it from
+    # the delta target.
     window = full_window(plan)
     tables = plan.tables
-    common = (query, key, value, dout, lse, delta, plan, window)
-    gradients = dict(scale=scale, kernel=kernel, gradient_dtype=_ffi.op_gradient_dtype(kernel, query.dtype))
-    dq = _ffi.ffi_backward_dq(*common, tables.forward_row_order, **gradients)
-    dk, dv = _ffi.ffi_backward_dkv(*common, tables.backward_row_order, **gradients)
+    gradients = dict(scale=scale, gradient_dtype=_ffi.op_gradient_dtype(kernel, query.dtype))
+    if kernel == "tiled":
+        dq, delta = _ffi.ffi_backward_dq_delta(
+            query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order, **gradients
+        )
+    else:
+        delta = _ffi.ffi_delta(dout, out, dlse)
+        dq = _ffi.ffi_backward_dq(
+            query, key, value, dout, lse, delta, plan, window, tables.forward_row_order, kernel=kernel, **gradients
+        )
+    dk, dv = _ffi.ffi_backward_dkv(
+        query, key, value, dout, lse, delta, plan, window, tables.backward_row_order, kernel=kernel, **gradients
+    )
     plan_cotangent = jax.tree.map(_zero_cotangent, plan)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), plan_cotangent
 

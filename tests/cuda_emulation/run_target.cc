@@ -1,25 +1,21 @@
-// C entry points of the CUDA launchers for Python (ctypes): one call of forward, dq, dkv or
-// delta on the default stream. Shared by the host emulation (tests/test_cuda_emulated.py, g++) and the
-// standalone GPU harness (tests/gpu_kernel_sanitizer.py, nvcc): pointers are host memory in
-// the first and device memory in the second, except `sizes`, which is always host memory.
+// C entry points of the CUDA launchers for Python (ctypes): one call of forward, dq, dkv, the tiled dq
+// that forms delta, or delta on the default stream. Shared by the host emulation
+// (tests/test_cuda_emulated.py, g++) and the standalone GPU harness (tests/gpu_kernel_sanitizer.py,
+// nvcc): pointers are host memory in the first and device memory in the second, except `sizes`,
+// which is always host memory.
 #include <cstdint>
 
 #include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/tiled_attn_kernels.h"
 
-// target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv) of the arc-segment kernels;
-// 3, 4, 5 the same of the tiled kernels, whose `arc_offsets`/`arcs` carry the segment table
-// (num_arcs = its row count). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
-// nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
-// of the activations and of the gradient results (forward results are float32). Returns the
-// launcher's cudaError_t.
-extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
-                                 const void* v, const void* dout, const float* lse, const float* delta,
-                                 const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
-                                 const int32_t* arcs, const float* quad_weights, void* result0, void* result1,
-                                 const int64_t* sizes, float scale) {
-  if (target < 0 || target > 5) return cudaErrorInvalidValue;
+namespace {
+
+// The launch parameters of one call of the arguments below (the results are left to the caller).
+s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q, const void* k, const void* v,
+                                   const void* dout, const float* lse, const int32_t* window,
+                                   const int32_t* row_order, const int32_t* arc_offsets, const int32_t* arcs,
+                                   const float* quad_weights, const int64_t* sizes, float scale) {
   s2attn::NbhdAttnGpuParams p;
   p.dtype = static_cast<s2attn::ActivationType>(dtype);
   p.gradient_dtype = static_cast<s2attn::ActivationType>(gradient_dtype);
@@ -28,7 +24,6 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
   p.v = v;
   p.dout = dout;
   p.lse = lse;
-  p.delta = delta;
   p.window = window;
   p.row_order = row_order;
   p.arc_offsets = arc_offsets;
@@ -50,6 +45,26 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
   p.shift = static_cast<int32_t>(sizes[13]);
   p.num_arcs = sizes[14];
   p.scale = scale;
+  return p;
+}
+
+}  // namespace
+
+// target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv) of the arc-segment kernels;
+// 3, 4, 5 the same of the tiled kernels, whose `arc_offsets`/`arcs` carry the segment table
+// (num_arcs = its row count). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
+// nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
+// of the activations and of the gradient results (forward results are float32). Returns the
+// launcher's cudaError_t.
+extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
+                                 const void* v, const void* dout, const float* lse, const float* delta,
+                                 const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
+                                 const int32_t* arcs, const float* quad_weights, void* result0, void* result1,
+                                 const int64_t* sizes, float scale) {
+  if (target < 0 || target > 5) return cudaErrorInvalidValue;
+  s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
+                                         arcs, quad_weights, sizes, scale);
+  p.delta = delta;
   const bool tiled = target >= 3;
   switch (target % 3) {
     case 0:
@@ -64,6 +79,22 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
       p.dv = result1;
       return tiled ? s2attn::LaunchTiledAttnBwdDkv(nullptr, p) : s2attn::LaunchNbhdAttnBwdDkv(nullptr, p);
   }
+}
+
+// The tiled dq that forms delta (the target jax_s2attn_tiled_bwd_dq_delta): target 4's arguments with
+// the forward's float32 out and dlse in place of delta; results dq and delta.
+extern "C" int RunTiledDqFormingDelta(int dtype, int gradient_dtype, const void* q, const void* k, const void* v,
+                                      const void* dout, const float* lse, const float* forward_out, const float* dlse,
+                                      const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
+                                      const int32_t* arcs, const float* quad_weights, void* dq, float* delta,
+                                      const int64_t* sizes, float scale) {
+  s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
+                                         arcs, quad_weights, sizes, scale);
+  p.forward_out = forward_out;
+  p.dlse = dlse;
+  p.dq = dq;
+  p.delta_out = delta;
+  return s2attn::LaunchTiledAttnBwdDq(nullptr, p);
 }
 
 // delta[r] = sum_c dout[r, c] * out[r, c] - dlse[r] for `rows` rows of `dv` channels.
