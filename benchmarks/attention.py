@@ -145,8 +145,9 @@ def _jax_runs(plan, cfg: Config, dtype: str, implementation: str, reps: int, inp
 
 
 def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
-    """Median ms of the forward, dq, dkv and delta targets of ``kernel`` ("arc" or "tiled"), each
-    alone: the backward targets read the lse, out and delta of a forward of the same inputs."""
+    """Median ms of the forward, dq, dkv and delta targets of ``kernel`` ("arc" or "tiled"), and for
+    "tiled" its dq that forms delta (``dq_delta``), each alone: the backward targets read the lse,
+    out and delta of a forward of the same inputs."""
     window, scale = full_window(plan), float(input_sets[0][0].shape[-1]) ** -0.5
     forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(
         q, k, v, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel))  # fmt: skip

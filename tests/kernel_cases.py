@@ -406,4 +406,3 @@ def verify_dq_forming_delta(case: KernelCase, out: np.ndarray, dlse: np.ndarray,
     excess = np.abs(results["delta"] - expected) - bound
     assert (excess <= 0).all(), f"delta: error exceeds its bound by up to {excess.max():.2e}"
     assert results["dq"].tobytes() == results["dq_given_delta"].tobytes(), "dq: not the bits of the dq given its delta"
-

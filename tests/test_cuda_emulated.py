@@ -278,7 +278,7 @@ def test_tiled_matches_float64(emulator, rng, plan_name, d, dtype):
 
 
 # The tiled dq that forms delta itself: every head dim and both dtypes, resampling, windows with
-# padding (delta of padding rows too) and rows of several blocks.
+# padding (delta of padding rows too) and rows of several blocks (self-72).
 FORMING_DELTA_CASES = [
     ("self", 32, "float16", {}),
     ("self", 64, "bfloat16", {}),
@@ -286,6 +286,7 @@ FORMING_DELTA_CASES = [
     ("self", 64, "float16", {"q_window": WINDOWS[2][0], "k_window": WINDOWS[2][1], "padding": WINDOWS[2][2]}),
     ("down", 64, "bfloat16", {}),
     ("up", 64, "float16", {}),
+    ("self-72", 64, "bfloat16", LONG_ROW_WINDOWS["self-72"]),
 ]
 
 
@@ -296,9 +297,9 @@ FORMING_DELTA_CASES = [
 )
 def test_tiled_dq_forms_delta(emulator, rng, plan_name, d, dtype, windows):
     """delta = sum(dout * out) - dlse for every local row to float32 round-off, and dq the bits of the
-    tiled dq given that delta, from the forward's own out and a random dlse."""
-    case = prepare_case(rng, PLANS[plan_name](), 2, 2, d, d, dtype, **windows)
-    out = run_case(case, emulator, "tiled")["out"]
+    tiled dq given that delta, from random out (padding rows too) and dlse."""
+    case = prepare_case(rng, (PLANS | LONG_ROW_PLANS)[plan_name](), 2, 2, d, d, dtype, **windows)
+    out = rng.standard_normal(case.inputs[3].shape).astype(np.float32)
     dlse = rng.standard_normal(out.shape[:4]).astype(np.float32)
     verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, emulator, out, dlse))
 
@@ -366,8 +367,8 @@ def test_tiled_windows_of_long_rows(emulator, rng, plan_name):
 
 # Pipeline shapes the benchmark variants and benchmarks/occupancy.py compare (macros of
 # cuda/gpu/tiled_attn_device.cuh; each overrides that part of every kernel's shape, and the default
-# build above runs both shapes the kernels pick: chunks of 32 in 4 stages for forward and dq, in 3
-# with k and v waiting in shared memory for dk/dv): wide units of 8 warps (the variant to time with a
+# build above runs the shapes the kernels pick: chunks of 32 in 4 stages for forward and dq (the
+# forward with q waiting in shared memory), in 3 with k and v waiting there for dk/dv): wide units of 8 warps (the variant to time with a
 # 2-blocks-per-SM register cap, which only the device build feels; chunks of 64 for all kernels, as 8
 # threads per column of a 32-column chunk would split D = 32's four 16-byte pieces), and narrow units
 # with short chunks and a deeper ring. Each is a build of its own.

@@ -196,6 +196,30 @@ def test_gradient_dtype_is_checked_before_lowering(plan, kernel, dtype, allowed,
         call(**args, row_order=plan.tables.forward_row_order)
 
 
+# (change of the arguments, error, message) for the tiled dq that forms delta.
+DQ_DELTA_ERRORS = {
+    "gradient-dtype": (lambda a: dict(gradient_dtype=jnp.float16), ValueError, "gradient_dtype must be float32 or bf"),
+    "out-dtype": (lambda a: dict(out=a["out"].astype(jnp.bfloat16)), ValueError, "out must be float32 .* got bfloat16"),
+    "out-shape": (lambda a: dict(out=a["out"][..., :-1]), ValueError, "out must be float32 with the shape of dout"),
+    "dlse-shape": (lambda a: dict(dlse=a["dlse"][..., :1]), ValueError, r"dlse must be float32 of shape \(2, 6, 12, 2"),
+    "dout-dtype": (lambda a: dict(dout=a["dout"].astype(np.float64)), TypeError, "dout must be float32, bfloat16 or"),
+}
+
+
+@pytest.mark.parametrize("name", DQ_DELTA_ERRORS)
+def test_dq_that_forms_delta_checks_its_operands_before_lowering(plan, name):
+    """The tiled dq that forms delta takes out and dlse as the delta target does, checked in Python:
+    a handler's error would crash jax 0.11.2's GPU runtime."""
+    q, k, v = _arrays(plan, dtype=jnp.bfloat16)
+    rows = np.zeros(q.shape[:-1], np.float32)
+    args = dict(query=q, key=k, value=v, dout=np.ones((*q.shape[:-1], v.shape[-1]), jnp.bfloat16), lse=rows,
+                out=np.ones((*q.shape[:-1], v.shape[-1]), np.float32), dlse=rows, plan=plan, window=full_window(plan),
+                row_order=plan.tables.forward_row_order, scale=0.5)  # fmt: skip
+    change, error, message = DQ_DELTA_ERRORS[name]
+    with pytest.raises(error, match=message):
+        _ffi.ffi_backward_dq_delta(**(args | change(args)))
+
+
 @native
 @pytest.mark.parametrize("target", ["dq", "dkv"])
 def test_arc_handlers_refuse_16_bit_gradients(platform, plan, target, monkeypatch):

@@ -27,7 +27,12 @@ from jax_s2attn.parallel import sharded_neighborhood_attention
 sys.path.insert(0, str(Path(__file__).parent))
 from test_nbhd_ffi import _tile, _window  # noqa: E402  (blocks of a grid with padding)
 from test_nbhd_grad import _vjp  # noqa: E402  ((out, lse, dq, dk, dv) of the op)
-from kernel_cases import OUT_TOLERANCE, check_nan_poisoning, smooth_field  # noqa: E402  (NaN reach; smooth values)
+from kernel_cases import (  # noqa: E402  (NaN reach; smooth values; the formed delta's bar)
+    FORMED_DELTA_TOLERANCE,
+    OUT_TOLERANCE,
+    check_nan_poisoning,
+    smooth_field,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -207,7 +212,7 @@ def test_dq_forming_delta_on_windows(dtype, geometry, rng, exact_random):
         ql, doutl, lsel, outl, dlsel = (qb.extract(x, rng).astype(np.float32) for x in (q, dout, lse, out, dlse))
         q_rows = local_row_order(plan, "forward", qb.lat0, qb.local_shape[0])
         terms = _rounded(doutl, dtype).astype(np.float64) * outl
-        bound = 1e-6 * (np.abs(terms).sum(-1) + np.abs(dlsel))
+        bound = FORMED_DELTA_TOLERANCE * (np.abs(terms).sum(-1) + np.abs(dlsel))
         for kb in _tile(*plan.in_shape, 2, 3):
             activations = [jnp.asarray(x, dtype) for x in (ql, kb.extract(k, rng), kb.extract(v, rng), doutl)]
             window = _window(qb, kb)

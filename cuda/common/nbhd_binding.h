@@ -53,7 +53,7 @@ auto BindForward(Binding&& binding) {
 // out and dlse in place of delta.
 template <bool kDeltaFromOut = false, typename Binding>
 auto BindBackwardArgs(Binding&& binding) {
-  auto rows = std::move(binding)
+  auto through_lse = std::move(binding)
                   .template Arg<ffi::AnyBuffer>()  // q
                   .template Arg<ffi::AnyBuffer>()  // k
                   .template Arg<ffi::AnyBuffer>()  // v
@@ -61,9 +61,9 @@ auto BindBackwardArgs(Binding&& binding) {
                   .template Arg<F32Buffer>();      // lse
   auto with_delta = [&] {
     if constexpr (kDeltaFromOut) {
-      return std::move(rows).template Arg<F32Buffer>().template Arg<F32Buffer>();  // out, dlse
+      return std::move(through_lse).template Arg<F32Buffer>().template Arg<F32Buffer>();  // out, dlse
     } else {
-      return std::move(rows).template Arg<F32Buffer>();  // delta
+      return std::move(through_lse).template Arg<F32Buffer>();  // delta
     }
   }();
   return std::move(with_delta)

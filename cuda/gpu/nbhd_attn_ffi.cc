@@ -158,10 +158,10 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return LaunchStatus(Kernels::Forward(stream, g), Kernels::kForward);
 }
 
-// Decodes the operands shared by the backward targets; `rows` is the per-row operand after lse
-// (delta, or dlse where the kernel forms delta), checked under `row_name` and left to the caller.
+// Decodes the operands shared by the backward targets; `per_row` is the operand after lse (delta,
+// or dlse where the kernel forms delta), checked under `row_name` and left to the caller.
 ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
-                          const ffi::AnyBuffer& dout, const F32Buffer& lse, const F32Buffer& rows,
+                          const ffi::AnyBuffer& dout, const F32Buffer& lse, const F32Buffer& per_row,
                           const char* row_name, const I32Buffer& window, const I32Buffer& row_order,
                           const I32Buffer& arc_offsets, const I32Buffer& arcs, const F32Buffer& quad_weights,
                           const NbhdAttrs& attrs, bool walk_keys, TableForm form, NbhdAttnGpuParams* g) {
@@ -169,7 +169,7 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, cons
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, attrs, walk_keys, window.element_count(), row_order.element_count(),
                                       arc_offsets.element_count(), arcs.element_count(),
                                       quad_weights.element_count(), &p, form));
-  S2ATTN_RETURN_IF_ERROR(CheckBackwardOperands(q, dout, lse.dimensions(), rows.dimensions(), p, row_name));
+  S2ATTN_RETURN_IF_ERROR(CheckBackwardOperands(q, dout, lse.dimensions(), per_row.dimensions(), p, row_name));
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, walk_keys));
   *g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, form);
   g->dout = dout.untyped_data();

@@ -1,12 +1,6 @@
 // Tiled forward: out and lse of a unit of 64 queries, K/V windows staged once per block and
 // multiplied on tensor cores (tiled_attn_device.cuh describes the walk).
-// The narrow shape with q's fragments waiting in shared memory: the two-part P.V left the forward at
-// D 64 at its cap of 128 registers with 40 bytes of spills; parked, none, and 5-6 % faster on the H200
-// (NOTES, session 12; dq and dk/dv measured slower so, and keep theirs).
-#ifndef S2ATTN_TILED_OWN_SHARED
-#define S2ATTN_TILED_OWN_SHARED 1
-#endif
-#include "gpu/tiled_narrow_shape.cuh"  // before the device header: this kernel's pipeline shape
+#include "gpu/tiled_fwd_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
 
@@ -117,7 +111,7 @@ bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
   const bool sixteen_bit = p.dtype == ActivationType::kBF16 || p.dtype == ActivationType::kF16;
   const bool dims = p.head_dim_k == p.head_dim_v && (p.head_dim_k == 32 || p.head_dim_k == 64 || p.head_dim_k == 128);
   const bool gradients = p.gradient_dtype == ActivationType::kF32 || p.gradient_dtype == p.dtype;
-  return sixteen_bit && dims && gradients && gpu::Aligned16({p.q, p.k, p.v, p.dout});
+  return sixteen_bit && dims && gradients && gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out});
 }
 
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {

@@ -1,4 +1,5 @@
-// Pipeline shape of the tiled forward and dq kernels, included before tiled_attn_device.cuh: chunks
+// Pipeline shape of the tiled dq kernel and (with q parked, tiled_fwd_shape.cuh) the forward,
+// included before tiled_attn_device.cuh: chunks
 // of 32 columns, 4 stages, 4 blocks per SM. Chunks half as wide keep a warp's scores of one chunk in
 // half the registers, so 128 per thread (16 warps per SM instead of 12) cost 24-32 bytes of spills;
 // measured on the H200 against the header's default, forward and dq 5-15 % faster at 721x1440

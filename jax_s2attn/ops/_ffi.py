@@ -222,14 +222,15 @@ _STEPS = {
     "tiled": {
         "forward": (TILED_FORWARD_TARGET, "forward_segment_offsets", "forward_segments"),
         "dq": (TILED_BACKWARD_DQ_TARGET, "forward_segment_offsets", "forward_segments"),
+        "dq_delta": (TILED_BACKWARD_DQ_DELTA_TARGET, "forward_segment_offsets", "forward_segments"),
         "dkv": (TILED_BACKWARD_DKV_TARGET, "backward_segment_offsets", "backward_segments"),
     },
 }
 
 
 def _step(plan, kernel: str, step: str, scale) -> tuple[str, tuple, dict]:
-    """``(target, (offsets, entries) operands, attributes)`` of ``step`` ("forward", "dq"
-    or "dkv") of ``kernel``."""
+    """``(target, (offsets, entries) operands, attributes)`` of ``step`` ("forward", "dq",
+    "dkv", or for the tiled kernels "dq_delta") of ``kernel``."""
     if kernel not in _STEPS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}.")
     target, offsets, entries = _STEPS[kernel][step]
@@ -295,9 +296,9 @@ def _call(target, operands, result_shapes, attributes, poison_results, result_dt
     dtypes = result_dtype if isinstance(result_dtype, tuple) else (result_dtype,) * len(result_shapes)
     operands = [jnp.asarray(x) for x in operands]
     if poison_results:
-        operands += [jnp.full(shape, jnp.nan, dtype) for shape, dtype in zip(result_shapes, dtypes)]
+        operands += [jnp.full(shape, jnp.nan, dtype) for shape, dtype in zip(result_shapes, dtypes, strict=True)]
     operands = _vary_together(operands)
-    results = [_result_type(operands[0], shape, dtype) for shape, dtype in zip(result_shapes, dtypes)]
+    results = [_result_type(operands[0], shape, dtype) for shape, dtype in zip(result_shapes, dtypes, strict=True)]
     first_alias = len(operands) - len(result_shapes)
     aliases = {first_alias + i: i for i in range(len(result_shapes))} if poison_results else None
     call = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all", input_output_aliases=aliases)
@@ -368,22 +369,20 @@ def ffi_backward_dq_delta(
     """The tiled dq that forms delta itself: ``(dq, delta)``.
 
     As :func:`ffi_backward_dq` with ``kernel="tiled"``, but given the forward's float32 ``out``
-    (``[..., nq_lat, nq_lon, H, Dv]``) and ``dlse`` (float32 ``[..., nq_lat, nq_lon, H]``) in place
-    of delta: it forms ``delta = sum(dout * out, -1) - dlse`` of every query (inside ``window`` or
-    not) in a fixed order, uses it, and returns it for :func:`ffi_backward_dkv`. Only for whole
-    query grids per call: where dq is summed over several key windows (the ring of
-    :mod:`jax_s2attn.parallel`), :func:`ffi_delta` once is cheaper.
+    and ``dlse`` (as :func:`ffi_delta` takes them) in place of delta: it forms
+    ``delta = sum(dout * out, -1) - dlse`` of every local row, padding included, in a fixed order
+    (not the delta target's: the last bits may differ), uses it, and returns it for
+    :func:`ffi_backward_dkv`. Meant for whole query grids per call; where dq is summed over several
+    key windows (the ring of :mod:`jax_s2attn.parallel`), :func:`ffi_delta` once is cheaper.
     """
     ensure_registered()
-    _, walk, attributes = _step(plan, "tiled", "dq", scale)
+    target, walk, attributes = _step(plan, "tiled", "dq_delta", scale)
     dtype = _gradient_dtype(gradient_dtype, "tiled", query)
-    lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
+    dout, out, dlse = _delta_operands(dout, out, dlse)
     operands = (query, key, value, dout, lse, out, dlse, _index(window), _index(row_order), *walk,
                 plan.tables.quad_weights)
-    shapes = [query.shape, (*lead, nq_lat, nq_lon, heads)]
-    dq, delta = _call(TILED_BACKWARD_DQ_DELTA_TARGET, operands, shapes, attributes, poison_results,
-                      (dtype, jnp.dtype(jnp.float32)))
-    return dq, delta
+    shapes = [query.shape, dlse.shape]
+    return tuple(_call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32))))
 
 
 def ffi_backward_dkv(
@@ -426,15 +425,9 @@ def _gradient_dtype(gradient_dtype, kernel: str, query) -> jnp.dtype:
 _DELTA_DOUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def ffi_delta(dout, out, dlse=None, *, poison_results=False):
-    """The backward's ``delta = sum(dout * out, -1) - dlse`` in float32, summed in a fixed order.
-
-    ``dout [..., nlat, nlon, H, Dv]`` (float32, bfloat16 or float16), ``out`` float32 of the same
-    shape (the unrounded forward output), ``dlse`` float32 ``[..., nlat, nlon, H]`` (the cotangent
-    of ``lse``; None means zero). Returns float32 ``[..., nlat, nlon, H]``, bitwise identical in
-    every compiled program (a jnp reduction is not: XLA fuses it per program).
-    """
-    ensure_registered()
+def _delta_operands(dout, out, dlse) -> tuple:
+    """``(dout, out, dlse)`` as arrays after checking their dtypes and shapes; ``dlse`` None becomes
+    zeros."""
     dout, out = jnp.asarray(dout), jnp.asarray(out)
     lead, nlat, nlon, heads = _grid_dims("dout", dout)
     rows_shape = (*lead, nlat, nlon, heads)
@@ -444,13 +437,24 @@ def ffi_delta(dout, out, dlse=None, *, poison_results=False):
         raise ValueError(
             f"out must be float32 with the shape of dout {tuple(dout.shape)}, got {out.dtype.name} {tuple(out.shape)}."
         )
-    if dlse is None:
-        dlse = jnp.zeros(rows_shape, jnp.float32)
-    dlse = jnp.asarray(dlse)
-    if dlse.shape != rows_shape or dlse.dtype != jnp.float32:
+    dlse = jnp.zeros(rows_shape, jnp.float32) if dlse is None else jnp.asarray(dlse)
+    if tuple(dlse.shape) != rows_shape or dlse.dtype != jnp.float32:
         raise ValueError(
             f"dlse must be float32 of shape {rows_shape} (dout without its last axis), "
             f"got {dlse.dtype.name} {tuple(dlse.shape)}."
         )
+    return dout, out, dlse
+
+
+def ffi_delta(dout, out, dlse=None, *, poison_results=False):
+    """The backward's ``delta = sum(dout * out, -1) - dlse`` in float32, summed in a fixed order.
+
+    ``dout [..., nlat, nlon, H, Dv]`` (float32, bfloat16 or float16), ``out`` float32 of the same
+    shape (the unrounded forward output), ``dlse`` float32 ``[..., nlat, nlon, H]`` (the cotangent
+    of ``lse``; None means zero). Returns float32 ``[..., nlat, nlon, H]``, bitwise identical in
+    every compiled program (a jnp reduction is not: XLA fuses it per program).
+    """
+    ensure_registered()
+    dout, out, dlse = _delta_operands(dout, out, dlse)
     (delta,) = _call(DELTA_TARGET, (dout, out, dlse), [rows_shape], {}, poison_results)
     return delta
