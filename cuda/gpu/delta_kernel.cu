@@ -56,9 +56,10 @@ cudaError_t Launch(cudaStream_t stream, const DeltaGpuParams& p) {
   void* args[] = {&params};
   constexpr int64_t kRowsPerBlock = kDeltaWarps * kRowsPerWarp;
   const int64_t blocks = std::min<int64_t>((p.rows + kRowsPerBlock - 1) / kRowsPerBlock, kMaxDeltaBlocks);
-  const cudaError_t status = cudaLaunchKernel(reinterpret_cast<const void*>(DeltaKernel<T>),
-                                              dim3(static_cast<unsigned>(blocks)), dim3(32 * kDeltaWarps), args,
-                                              0, stream);
+  // Typed: the host emulation then copies a DeltaGpuParams (its untyped launch takes the attention
+  // kernels' NbhdAttnGpuParams).
+  const cudaError_t status =
+      cudaLaunchKernel(DeltaKernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(32 * kDeltaWarps), args, 0, stream);
   return status != cudaSuccess ? status : cudaGetLastError();
 }
 

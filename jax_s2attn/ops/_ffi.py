@@ -456,5 +456,5 @@ def ffi_delta(dout, out, dlse=None, *, poison_results=False):
     """
     ensure_registered()
     dout, out, dlse = _delta_operands(dout, out, dlse)
-    (delta,) = _call(DELTA_TARGET, (dout, out, dlse), [rows_shape], {}, poison_results)
+    (delta,) = _call(DELTA_TARGET, (dout, out, dlse), [dlse.shape], {}, poison_results)
     return delta

@@ -996,8 +996,8 @@ cudaError_t CUDARTAPI cudaFuncSetAttribute(const void* func, enum cudaFuncAttrib
 
 cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared_bytes,
                                        cudaStream_t /*stream*/) {
-  // The kernels of cuda/gpu take one NbhdAttnGpuParams by value; other kernels launch through the
-  // typed overload of emulation.h.
+  // The attention kernels of cuda/gpu take one NbhdAttnGpuParams by value and launch through here; other
+  // kernels (delta, cuda/bench) launch through the typed overload of emulation.h.
   const auto kernel = reinterpret_cast<void (*)(s2attn::NbhdAttnGpuParams)>(const_cast<void*>(func));
   const s2attn::NbhdAttnGpuParams params = *static_cast<const s2attn::NbhdAttnGpuParams*>(args[0]);
   return EmulatedLaunch(func, grid, block, shared_bytes, [kernel, params] { kernel(params); });
