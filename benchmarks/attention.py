@@ -151,11 +151,11 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
     window, scale = full_window(plan), float(input_sets[0][0].shape[-1]) ** -0.5
     forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(
         q, k, v, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel))  # fmt: skip
-    gradients = dict(scale=scale, kernel=kernel, gradient_dtype=_ffi.op_gradient_dtype(kernel, input_sets[0][0].dtype))
+    gradients = dict(scale=scale, gradient_dtype=_ffi.op_gradient_dtype(kernel, input_sets[0][0].dtype))
     dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dq(
-        q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, **gradients))  # fmt: skip
+        q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, kernel=kernel, **gradients))  # fmt: skip
     dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dkv(
-        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, **gradients))  # fmt: skip
+        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, kernel=kernel, **gradients))  # fmt: skip
     delta = jax.jit(_ffi.ffi_delta)
     forward_sets = [(q, k, v, plan) for q, k, v, _ in input_sets]
     delta_sets, backward_sets, forming_sets = [], [], []
@@ -163,7 +163,8 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
         out, lse = forward(q, k, v, plan)
         delta_sets.append((g, out))
         backward_sets.append((q, k, v, g, lse, delta(g, out), plan))
-        forming_sets.append((q, k, v, g, lse, out, jnp.zeros_like(lse), plan))
+        if kernel == "tiled":
+            forming_sets.append((q, k, v, g, lse, out, jnp.zeros_like(lse), plan))
     times = {
         "forward": median_ms(forward, forward_sets, reps),
         "dq": median_ms(dq, backward_sets, reps),
@@ -171,9 +172,8 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
         "delta": median_ms(delta, delta_sets, reps),
     }
     if kernel == "tiled":
-        forming = {name: x for name, x in gradients.items() if name != "kernel"}
         dq_delta = jax.jit(lambda q, k, v, g, lse, out, dlse, p: _ffi.ffi_backward_dq_delta(
-            q, k, v, g, lse, out, dlse, p, window, p.tables.forward_row_order, **forming))  # fmt: skip
+            q, k, v, g, lse, out, dlse, p, window, p.tables.forward_row_order, **gradients))  # fmt: skip
         times["dq_delta"] = median_ms(dq_delta, forming_sets, reps)
     return times
 

@@ -54,11 +54,11 @@ auto BindForward(Binding&& binding) {
 template <bool kDeltaFromOut = false, typename Binding>
 auto BindBackwardArgs(Binding&& binding) {
   auto through_lse = std::move(binding)
-                  .template Arg<ffi::AnyBuffer>()  // q
-                  .template Arg<ffi::AnyBuffer>()  // k
-                  .template Arg<ffi::AnyBuffer>()  // v
-                  .template Arg<ffi::AnyBuffer>()  // dout
-                  .template Arg<F32Buffer>();      // lse
+                         .template Arg<ffi::AnyBuffer>()  // q
+                         .template Arg<ffi::AnyBuffer>()  // k
+                         .template Arg<ffi::AnyBuffer>()  // v
+                         .template Arg<ffi::AnyBuffer>()  // dout
+                         .template Arg<F32Buffer>();      // lse
   auto with_delta = [&] {
     if constexpr (kDeltaFromOut) {
       return std::move(through_lse).template Arg<F32Buffer>().template Arg<F32Buffer>();  // out, dlse
