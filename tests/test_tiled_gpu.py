@@ -136,6 +136,19 @@ def test_smooth_values_keep_gradients_accurate(dtype, geometry, rng, dense_atten
 
 # Geometries of the windowed checks: a self-attention (odd nlat), a downsampling and an upsampling walk.
 WINDOW_CASES = [CASES[0][0], CASES[4][0], CASES[6][0]]
+WINDOW_SCALE = 0.125
+
+
+def _whole_grid_forward(geometry, dtype, rng, exact_random):
+    """The plan of a windowed check; q, k, v (batch 2, heads 2, D 64) and a cotangent dout, all
+    float32 holding values of ``dtype``; and the forward's out and lse over the whole grids."""
+    plan = NeighborhoodPlan(*geometry)
+    q = _rounded(exact_random(2, *plan.out_shape, 2, 64), dtype).astype(np.float32)
+    k, v = (_rounded(exact_random(2, *plan.in_shape, 2, 64), dtype).astype(np.float32) for _ in range(2))
+    out, lse = (np.asarray(x) for x in _ffi.ffi_forward(q, k, v, plan, full_window(plan),
+                                                        plan.tables.forward_row_order, scale=WINDOW_SCALE))  # fmt: skip
+    dout = _rounded(rng.standard_normal(out.shape), dtype).astype(np.float32)
+    return plan, q, k, v, dout, out, lse
 
 
 @pytest.mark.parametrize("geometry", WINDOW_CASES, ids=str)
@@ -145,14 +158,8 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
     is written, padding holds zeros (-inf for lse), and each partial matches the arc
     kernel's partial of the same window. Gradients written in the activations' dtype (also
     poisoned first) are the float32 ones rounded, bit for bit."""
-    plan = NeighborhoodPlan(*geometry)
-    heads, dim, scale = 2, 64, 0.125
-    q = _rounded(exact_random(2, *plan.out_shape, heads, dim), dtype).astype(np.float32)
-    k, v = (_rounded(exact_random(2, *plan.in_shape, heads, dim), dtype).astype(np.float32) for _ in range(2))
-    out, lse = _ffi.ffi_forward(q, k, v, plan, full_window(plan), plan.tables.forward_row_order, scale=scale)
-    dout = _rounded(rng.standard_normal(out.shape), dtype).astype(np.float32)
-    delta = np.sum(dout * np.asarray(out), axis=-1)
-    lse = np.asarray(lse)
+    plan, q, k, v, dout, out, lse = _whole_grid_forward(geometry, dtype, rng, exact_random)
+    delta = np.sum(dout * out, axis=-1)
     for qb in _tile(*plan.out_shape, 2, 2):
         ql, doutl, lsel, deltal = (qb.extract(x, rng).astype(np.float32) for x in (q, dout, lse, delta))
         q_rows = local_row_order(plan, "forward", qb.lat0, qb.local_shape[0])
@@ -165,7 +172,7 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
             backward = (*activations, lsel, deltal, plan, window)
 
             def run(kernel):
-                kwargs = dict(scale=scale, kernel=kernel, poison_results=True)
+                kwargs = dict(scale=WINDOW_SCALE, kernel=kernel, poison_results=True)
                 return (
                     *_ffi.ffi_forward(*activations[:3], plan, window, q_rows, **kwargs),
                     _ffi.ffi_backward_dq(*backward, q_rows, **kwargs),
@@ -174,7 +181,7 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
 
             tiled = [np.asarray(x) for x in run("tiled")]
             arc = [np.asarray(x) for x in run("arc")]
-            narrow = dict(scale=scale, kernel="tiled", poison_results=True, gradient_dtype=dtype)
+            narrow = dict(scale=WINDOW_SCALE, kernel="tiled", poison_results=True, gradient_dtype=dtype)
             gradients = (_ffi.ffi_backward_dq(*backward, q_rows, **narrow),
                          *_ffi.ffi_backward_dkv(*backward, k_rows, **narrow))  # fmt: skip
             for name, got, wide in zip(NAMES[2:], gradients, tiled[2:]):
@@ -200,13 +207,7 @@ def test_dq_forming_delta_on_windows(dtype, geometry, rng, exact_random):
     results poisoned with NaN first and fully written; delta = sum(dout * out) - dlse of every local
     row (padding too) to float32 round-off; dq the bits of the tiled dq given that delta, in float32
     and in the activations' dtype."""
-    plan = NeighborhoodPlan(*geometry)
-    heads, dim, scale = 2, 64, 0.125
-    q = _rounded(exact_random(2, *plan.out_shape, heads, dim), dtype).astype(np.float32)
-    k, v = (_rounded(exact_random(2, *plan.in_shape, heads, dim), dtype).astype(np.float32) for _ in range(2))
-    out, lse = (np.asarray(x) for x in _ffi.ffi_forward(q, k, v, plan, full_window(plan),
-                                                        plan.tables.forward_row_order, scale=scale))  # fmt: skip
-    dout = _rounded(rng.standard_normal(out.shape), dtype).astype(np.float32)
+    plan, q, k, v, dout, out, lse = _whole_grid_forward(geometry, dtype, rng, exact_random)
     dlse = rng.standard_normal(lse.shape).astype(np.float32)
     for qb in _tile(*plan.out_shape, 2, 2):
         ql, doutl, lsel, outl, dlsel = (qb.extract(x, rng).astype(np.float32) for x in (q, dout, lse, out, dlse))
@@ -217,7 +218,7 @@ def test_dq_forming_delta_on_windows(dtype, geometry, rng, exact_random):
             activations = [jnp.asarray(x, dtype) for x in (ql, kb.extract(k, rng), kb.extract(v, rng), doutl)]
             window = _window(qb, kb)
             for gradient_dtype in (jnp.float32, dtype):
-                kwargs = dict(scale=scale, poison_results=True, gradient_dtype=gradient_dtype)
+                kwargs = dict(scale=WINDOW_SCALE, poison_results=True, gradient_dtype=gradient_dtype)
                 dq, delta = _ffi.ffi_backward_dq_delta(*activations, lsel, outl, dlsel, plan, window, q_rows, **kwargs)
                 given = _ffi.ffi_backward_dq(*activations, lsel, delta, plan, window, q_rows, kernel="tiled", **kwargs)
                 dq, delta, given = (np.asarray(x) for x in (dq, delta, given))

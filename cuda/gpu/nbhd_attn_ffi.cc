@@ -186,6 +186,16 @@ ffi::Error SetGradientType(const char* names, std::initializer_list<ffi::DataTyp
   return ffi::Error::Success();
 }
 
+// dq's shape and element type (float32, or the activations' type where `narrow_allowed`), and where the
+// kernel writes it.
+ffi::Error SetDqResult(AnyResult dq, ffi::DataType activations, bool narrow_allowed, NbhdAttnGpuParams* g) {
+  S2ATTN_RETURN_IF_ERROR(
+      CheckGridArray("dq", dq->dimensions(), g->batch, g->nq_lat, g->nq_lon, g->heads, g->head_dim_k));
+  S2ATTN_RETURN_IF_ERROR(SetGradientType("dq", {dq->element_type()}, activations, narrow_allowed, g));
+  g->dq = dq->untyped_data();
+  return ffi::Error::Success();
+}
+
 template <typename Kernels>
 ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                       F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
@@ -197,12 +207,8 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                                         quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                         /*walk_keys=*/false, Kernels::kForm, &g));
   g.delta = delta.typed_data();
-  S2ATTN_RETURN_IF_ERROR(
-      CheckGridArray("dq", dq->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_k));
-  S2ATTN_RETURN_IF_ERROR(
-      SetGradientType("dq", {dq->element_type()}, q.element_type(), Kernels::kNarrowGradients, &g));
+  S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), Kernels::kNarrowGradients, &g));
   if (dq->element_count() == 0) return ffi::Error::Success();
-  g.dq = dq->untyped_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::BackwardDq(stream, g), Kernels::kBackwardDq);
 }
@@ -246,12 +252,9 @@ ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                         quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                         /*walk_keys=*/false, TiledKernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_v));
-  S2ATTN_RETURN_IF_ERROR(
-      CheckGridArray("dq", dq->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_k));
+  S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), /*narrow_allowed=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, -1));
-  S2ATTN_RETURN_IF_ERROR(SetGradientType("dq", {dq->element_type()}, q.element_type(), true, &g));
   if (delta->element_count() == 0) return ffi::Error::Success();  // no query rows: dq is empty too
-  g.dq = dq->untyped_data();
   g.forward_out = out.typed_data();
   g.dlse = dlse.typed_data();
   g.delta_out = delta->typed_data();
