@@ -9,9 +9,14 @@ namespace gpu {
 namespace tiled {
 namespace {
 
+// How far (log2 units) a score may exceed its row's running maximum before the maximum is moved:
+// p stays below 2^8.
+constexpr float kRescaleSlack = 8.f;
+
 // Online softmax per tile row in log2 units with the quadrature weight folded into the column
-// bias: x = log2(e) * scale * q.k + log2(w), p = exp2(x - m), lse = ln(2) * (m + log2(l)). Each
-// thread keeps partial row sums over its columns; the four lanes of a row add them at the end.
+// bias: x = log2(e) * scale * q.k + log2(w), p = exp2(x - m), lse = ln(2) * (m + log2(l)), with m a
+// running maximum moved lazily (kRescaleSlack). Each thread keeps partial row sums over its columns;
+// the four lanes of a row add them at the end.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(const NbhdAttnGpuParams p) {
   const Windows win = ReadDeviceWindows(p);
@@ -57,20 +62,27 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
       }
     }
     if (!any) return;  // warp-uniform: this chunk lies outside the warp's band
-    float base[2];
+    // Lazy rescaling: the running maxima move (and l, acc are rescaled) only when some row of the warp
+    // sees a score above its maximum by more than kRescaleSlack; otherwise p = exp2(x - m) stays below
+    // 2^kRescaleSlack, harmless in float32 sums and in T. A lane's own partial maximum decides for its
+    // row, so the common case skips the row reductions, the decay and the rescale.
+    if (__any_sync(0xffffffffu, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], RowMax(mx[h]));
-      base[h] = m_new == kNegInf ? 0.f : m_new;  // nothing seen yet: keep everything at zero
-      const float decay = Exp2(m[h] - base[h]);
-      m[h] = m_new;
-      l[h] *= decay;
+      for (int h = 0; h < 2; ++h) {
+        const float m_new = fmaxf(m[h], RowMax(mx[h]));
+        const float decay = m_new == kNegInf ? 1.f : Exp2(m[h] - m_new);
+        m[h] = m_new;
+        l[h] *= decay;
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        acc[n][2 * h] *= decay;
-        acc[n][2 * h + 1] *= decay;
+        for (int n = 0; n < D / 8; ++n) {
+          acc[n][2 * h] *= decay;
+          acc[n][2 * h + 1] *= decay;
+        }
       }
     }
+    float base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) base[h] = m[h] == kNegInf ? 0.f : m[h];  // nothing seen yet: p = 0
 #pragma unroll
     for (int kb = 0; kb < kBlocksPerChunk; ++kb) {
       if (!active[kb]) continue;
