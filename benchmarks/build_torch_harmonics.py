@@ -47,6 +47,15 @@ def _build(name: str, src: Path) -> tuple[str, str]:
     return name, str(build_dir / f"{name}.so")
 
 
+def _copy_sources(src: Path, dest: Path) -> Path:
+    """Copies SRC's torch_harmonics/ into DEST without the prebuilt extensions of an unpacked wheel: built
+    for another torch, they would load before ours (Python tries `_C.cpython-312-...so` before `_C.so`)
+    and fail, leaving the package unimportable. Returns the copy."""
+    package = dest / "torch_harmonics"
+    shutil.copytree(src / "torch_harmonics", package, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.so"))
+    return package
+
+
 def _import_without_disco_kernels(package: Path) -> None:
     """Binds the names disco/convolution.py imports from its optimized module to None where absent."""
     path = package / "disco" / "convolution.py"
@@ -66,8 +75,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     os.environ.setdefault("MAX_JOBS", "12")
     start = time.time()
-    package = args.dest / "torch_harmonics"
-    shutil.copytree(args.src / "torch_harmonics", package, dirs_exist_ok=True)
+    package = _copy_sources(args.src, args.dest)
     _import_without_disco_kernels(package)
     with ProcessPoolExecutor(len(MODULES)) as pool:
         for name, library in pool.map(_build, MODULES, [args.src] * len(MODULES)):

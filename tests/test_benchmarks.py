@@ -155,6 +155,16 @@ def test_torch_harmonics_build_imports_without_the_disco_extension(tmp_path, mon
     assert convolution.after == pytest.approx(3.14159, 1e-5)  # the rest of the module untouched
 
 
+def test_torch_harmonics_build_leaves_a_wheels_prebuilt_extensions_behind(tmp_path):
+    build = _benchmark_module("build_torch_harmonics")
+    attention = tmp_path / "wheel" / "torch_harmonics" / "attention"
+    attention.mkdir(parents=True)
+    for name in ("__init__.py", "_C.cpython-312-x86_64-linux-gnu.so", "attention.py"):
+        (attention / name).write_text("")
+    package = build._copy_sources(tmp_path / "wheel", tmp_path / "dest")
+    assert sorted(p.name for p in (package / "attention").iterdir()) == ["__init__.py", "attention.py"]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_occupancy_report(tmp_path):
     lines = _run("occupancy.py", cwd=tmp_path).splitlines()
