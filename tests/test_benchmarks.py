@@ -8,7 +8,10 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
+
+from jax_s2attn import NeighborhoodPlan
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -153,6 +156,29 @@ def test_torch_harmonics_build_imports_without_the_disco_extension(tmp_path, mon
     convolution = importlib.import_module("fake_th.disco.convolution")
     assert convolution.built() == 1 and convolution.missing is None
     assert convolution.after == pytest.approx(3.14159, 1e-5)  # the rest of the module untouched
+
+
+@pytest.mark.parametrize(
+    "shapes", [((17, 36), (17, 36)), ((34, 72), (17, 36)), ((17, 36), (33, 72))], ids=["self", "down", "up"]
+)
+def test_row_widths_split_the_plans_pairs(shapes):
+    plan = NeighborhoodPlan(*shapes, theta_cutoff=0.3)
+    row_widths = _benchmark_module("row_widths")
+    # Forward walk, from each pattern's expanded neighbours (an arc is contiguous, so its length is the
+    # pattern's count of neighbours on that input row); a row's pairs: nlon / R points per pattern.
+    arcs, (nlat_out, nlon_out), nlon_in = plan.forward_arcs, plan.out_shape, plan.in_shape[1]
+    longest, row_pairs = np.zeros(nlat_out, int), np.zeros(nlat_out, int)
+    for h in range(nlat_out):
+        for r in range(arcs.residues):
+            neighbours = arcs.expand(h * arcs.residues + r)
+            longest[h] = max(longest[h], np.bincount(neighbours // nlon_in, minlength=1).max())
+            row_pairs[h] += neighbours.size * (nlon_out // arcs.residues)
+    for width in (0, 3, 8, nlon_in):
+        split = row_widths.row_split(plan, "forward", width)
+        narrow = longest <= width
+        assert (split.narrow_rows, split.narrow_pairs) == (narrow.sum(), row_pairs[narrow].sum())
+        assert split.pairs == plan.num_pairs == row_widths.row_split(plan, "backward", width).pairs
+    assert row_widths.row_split(plan, "backward", plan.out_shape[1]).narrow_pairs == plan.num_pairs
 
 
 def test_torch_harmonics_build_leaves_a_wheels_prebuilt_extensions_behind(tmp_path):
