@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "bench/bench_common.h"
+#include "bench/bench_reference.h"
 #include "gpu/device_common.cuh"
 #include "gpu/mbarrier_sm90.cuh"
 #include "gpu/tma_sm90.cuh"
@@ -50,10 +51,8 @@ using s2attn::gpu::MbarrierWait;
 using s2attn::gpu::PackPair;
 using s2attn::gpu::PackRemainder;
 namespace sm90 = s2attn::gpu::sm90;
-using T = __nv_bfloat16;
+using namespace bench;  // T, kD, kScale, kRing and the float64 truth
 
-constexpr int kD = 64;                 // channels: one 128-byte row per point, one swizzle span
-constexpr float kScale = 0.125f;       // softmax scale, 1 / sqrt(kD)
 // Build parameters: other shapes with -DWS_CONSUMERS=... -DWS_STAGES=... on the nvcc line;
 // WS_MIN_BLOCKS (forward, dq) and WS_DKV_BLOCKS (dk/dv) ask for that many blocks per SM (with
 // -maxrregcount where the schedulers' register files need it).
@@ -79,7 +78,6 @@ constexpr int kConsumers = WS_CONSUMERS;  // warpgroups per block
 constexpr int kBlockLons = kGroupLons * kConsumers;
 constexpr int kThreads = 128 * kConsumers + 32;  // and one producer warp
 constexpr int kChunkBytes = kChunk * kD * 2;
-constexpr int kRing = 1 << 20;         // half-width of a key row every query of the row sees whole
 
 // The three kernels. A block *walks* tiles of one grid (the queries for the forward and dq, the keys
 // for dk/dv: self-attention, so both walks read the same half-widths) and *streams* chunks of the
@@ -604,93 +602,6 @@ __global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? WS_DKV_BLOCKS 
 
 // ------------------------------------------------------------------------------------------ host
 
-// Half-widths of the geodesic disk: query row i sees key (j, c) iff the angular distance of the points
-// is <= cutoff, i.e. |c - lon| <= half[i][j] around its own longitude.
-std::vector<int> HalfWidths(int nlat, int nlon, double cutoff) {
-  std::vector<int> half(size_t(nlat) * nlat, -1);
-  const double pi = 3.14159265358979323846, step = 2 * pi / nlon;
-  for (int i = 0; i < nlat; ++i) {
-    for (int j = 0; j < nlat; ++j) {
-      const double ti = pi * i / (nlat - 1), tj = pi * j / (nlat - 1);
-      const double sines = std::sin(ti) * std::sin(tj);
-      int& h = half[size_t(i) * nlat + j];
-      if (sines < 1e-12) {
-        h = std::fabs(ti - tj) <= cutoff ? kRing : -1;
-        continue;
-      }
-      const double c = (std::cos(cutoff) - std::cos(ti) * std::cos(tj)) / sines;
-      if (c > 1) continue;
-      h = c <= -1 ? kRing : int(std::floor(std::acos(c) / step + 1e-9));
-      if (2 * h + 1 >= nlon) h = kRing;
-    }
-  }
-  return half;
-}
-
-struct Config {
-  const char* name;
-  int nlat, nlon;
-  double cutoff;
-};
-
-// The float64 truth for one query: out, lse and dq (the latter for a given dout and the true delta).
-struct QueryTruth {
-  std::vector<double> out, dq;
-  double lse;
-};
-
-struct Inputs {
-  int nlat, nlon;
-  std::vector<int> half;
-  std::vector<float> weight;
-  std::vector<T> q, k, v, dout;
-};
-
-// Element d of point `point` of a [points, kD] operand, widened.
-double Element(const std::vector<T>& x, size_t point, int d) { return double(__bfloat162float(x[point * kD + d])); }
-
-double Dot(const std::vector<T>& x, size_t x_point, const std::vector<T>& y, size_t y_point) {
-  double dot = 0;
-  for (int d = 0; d < kD; ++d) dot += Element(x, x_point, d) * Element(y, y_point, d);
-  return dot;
-}
-
-// visit(other_row, other_point) for every point of the other grid that the point (row, lon) sees (the
-// half-width table is symmetric, so this serves queries and keys alike).
-template <typename Visit>
-void ForEachNeighbour(const Inputs& in, int row, int lon, Visit&& visit) {
-  for (int other = 0; other < in.nlat; ++other) {
-    const int h = in.half[size_t(row) * in.nlat + other];
-    if (h < 0) continue;
-    const int width = h >= kRing ? in.nlon : 2 * h + 1, first = h >= kRing ? 0 : lon - h;
-    for (int c = 0; c < width; ++c) visit(other, size_t(other) * in.nlon + ((first + c) % in.nlon + in.nlon) % in.nlon);
-  }
-}
-
-QueryTruth Truth(const Inputs& in, int i, int lon) {
-  const size_t query = size_t(i) * in.nlon + lon;
-  std::vector<std::pair<double, size_t>> logits;
-  double top = -1e300;
-  ForEachNeighbour(in, i, lon, [&](int j, size_t key) {
-    logits.emplace_back(kScale * Dot(in.q, query, in.k, key) + std::log(double(in.weight[j])), key);
-    top = std::max(top, logits.back().first);
-  });
-  QueryTruth truth{std::vector<double>(kD), std::vector<double>(kD), 0};
-  double total = 0;
-  for (const auto& [logit, key] : logits) total += std::exp(logit - top);
-  truth.lse = top + std::log(total);
-  for (const auto& [logit, key] : logits) {
-    for (int d = 0; d < kD; ++d) truth.out[d] += std::exp(logit - truth.lse) * Element(in.v, key, d);
-  }
-  double delta = 0;
-  for (int d = 0; d < kD; ++d) delta += Element(in.dout, query, d) * truth.out[d];
-  for (const auto& [logit, key] : logits) {
-    const double ds = std::exp(logit - truth.lse) * (Dot(in.dout, query, in.v, key) - delta);
-    for (int d = 0; d < kD; ++d) truth.dq[d] += kScale * ds * Element(in.k, key, d);
-  }
-  return truth;
-}
-
 // The float64 truth of one key's gradients, given the queries' lse and delta (the kernels').
 struct KeyTruth {
   std::vector<double> dk, dv;
@@ -711,50 +622,6 @@ KeyTruth TruthOfKey(const Inputs& in, const std::vector<float>& lse, const std::
   return truth;
 }
 
-// Largest error of `got` against the truths of the sampled queries, relative to the truths' largest value.
-struct Check {
-  double error = 0, scale = 0;
-  int row = 0, lon = 0, channel = 0;
-  double expected = 0, written = 0;
-  void Add(int i, int lon_, const std::vector<double>& truth, const float* got) {
-    for (int d = 0; d < kD; ++d) {
-      const double wrong = std::fabs(truth[d] - got[d]);
-      if (!(wrong <= error)) row = i, lon = lon_, channel = d, expected = truth[d], written = got[d];
-      error = std::max(error, wrong);
-      scale = std::max(scale, std::fabs(truth[d]));
-    }
-  }
-  double Relative() const { return error / scale; }
-};
-
-template <typename Launch>
-bool MedianMs(int reps, Launch&& launch, double* ms, double* fastest) {
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int rep = 0; rep < reps; ++rep) {
-    CHECK_CUDA(cudaEventRecord(start));
-    CHECK_CUDA(launch());
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    if (rep >= reps / 7) times.push_back(t);
-  }
-  CHECK_CUDA(cudaGetLastError());
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  *ms = times[times.size() / 2];
-  *fastest = times.front();
-  return true;
-}
-
-size_t CountNaN(const std::vector<float>& x) {
-  return std::count_if(x.begin(), x.end(), [](float v) { return std::isnan(v); });
-}
-
 bool Run(const Config& config, EncodeTiled encode, int reps) {
   const int nlat = config.nlat, nlon = config.nlon;
   if (nlon % kGroupLons != 0) {  // a warpgroup's 16 longitudes are written whole
@@ -762,7 +629,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
     return false;
   }
   const size_t points = size_t(nlat) * nlon;
-  Inputs in{nlat, nlon, HalfWidths(nlat, nlon, config.cutoff), std::vector<float>(nlat), {}, {}, {}, {}};
+  std::mt19937 rng(1234);
+  const Inputs in = MakeInputs(config, rng);
   const int row_blocks = (nlat + kTileRows - 1) / kTileRows;
   std::vector<int> key_rows(2 * row_blocks);
   for (int b = 0; b < row_blocks; ++b) {
@@ -775,21 +643,10 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
     key_rows[2 * b] = first, key_rows[2 * b + 1] = last;
   }
   std::vector<float> bias(nlat);
-  const double pi = 3.14159265358979323846;
-  for (int j = 0; j < nlat; ++j) {
-    in.weight[j] = float(std::max(std::sin(pi * j / (nlat - 1)), 0.5 * std::sin(pi / (nlat - 1))) * pi / (nlat - 1));
-    bias[j] = std::log2(in.weight[j]);
-  }
-  std::mt19937 rng(1234);
-  std::normal_distribution<float> normal;
-  std::vector<T>* operands[4] = {&in.q, &in.k, &in.v, &in.dout};
+  for (int j = 0; j < nlat; ++j) bias[j] = std::log2(in.weight[j]);
+  const std::vector<T>* operands[4] = {&in.q, &in.k, &in.v, &in.dout};
   T* device[4];
-  for (int i = 0; i < 4; ++i) {
-    operands[i]->resize(points * kD);
-    for (T& e : *operands[i]) e = __float2bfloat16(normal(rng));
-    CHECK_CUDA(cudaMalloc(&device[i], points * kD * sizeof(T)));
-    CHECK_CUDA(cudaMemcpy(device[i], operands[i]->data(), points * kD * sizeof(T), cudaMemcpyHostToDevice));
-  }
+  for (int i = 0; i < 4; ++i) CHECK_CUDA(Upload(*operands[i], &device[i]));
   float *out, *lse, *delta, *dq, *dk, *dv, *dbias;
   int *dhalf, *dkey_rows;
   for (float** x : {&out, &dq, &dk, &dv}) CHECK_CUDA(cudaMalloc(x, points * kD * sizeof(float)));
@@ -946,7 +803,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
 
 // Without arguments: every config, timed. `--once`: the smallest config, the checked launches and one
 // timed each (for compute-sanitizer). `--tiny`: small grids that cross longitude 0, touch the poles and
-// see whole rings, one launch each (for the host emulation, tests/test_ws_prototype_emulated.py).
+// see whole rings, one launch each (for the host emulation, tests/test_bench_prototypes_emulated.py).
 bool Main(const std::string& mode) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
