@@ -8,18 +8,30 @@ forward and dq walk; backward: key rows, which dk/dv walk) and per bound W on a 
 prints how many rows have all arcs within W, their share of the pairs and their pairs per point, and
 the same for the remaining rows.
 
-Usage: ``python benchmarks/row_widths.py [--grid NLAT NLON [--theta-cutoff TC]] ...`` (default: the
-benchmark's 721x1440 default cutoff, 721x1440 tc 0.03 and 360x720 tc 0.03, self-attention).
+With ``--time KERNEL`` ("tiled" on a GPU, "arc" anywhere a native module runs), it also times the
+forward target of that kernel (bf16, C 64, one head) on every row and, per split of the forward walk, on
+the band of query rows from its first to its last short-arc row (a window of those rows; the short-arc
+rows of a self-attention plan are one band around the equator, and the count of rows in the band says
+whether others lie inside): the baseline a stencil path for those rows must beat
+(``cuda/bench/stencil_forward.cu``), measured in the same run.
+
+Usage: ``python benchmarks/row_widths.py [--grid NLAT NLON [--theta-cutoff TC]] ... [--time KERNEL]``
+(default: the benchmark's 721x1440 default cutoff, 721x1440 tc 0.03 and 360x720 tc 0.03, self-attention).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 
 import numpy as np
 
 from jax_s2attn import NeighborhoodPlan
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling timing module, also under -P
+from timing import median_ms  # noqa: E402
 
 WIDTHS = (8, 16, 32, 64)
 
@@ -33,8 +45,8 @@ class RowSplit:
     points_per_row: int
 
 
-def row_split(plan: NeighborhoodPlan, walk: str, width: int) -> RowSplit:
-    """The split of ``plan``'s ``walk`` ("forward" or "backward") at arcs of ``width`` columns."""
+def _rows(plan: NeighborhoodPlan, walk: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per walking row of ``walk`` ("forward" or "backward"): its longest arc and its pairs; and its points."""
     table = plan.forward_segments if walk == "forward" else plan.backward_segments
     offsets, segments = np.asarray(table.offsets), np.asarray(table.segments)
     residues = table.residues
@@ -45,16 +57,47 @@ def row_split(plan: NeighborhoodPlan, walk: str, width: int) -> RowSplit:
     np.maximum.at(longest, row_of_segment, lengths.max(axis=1))
     # Point (h, w) reads len_r columns per segment, r = w % R: a row's pairs are nlon / R times the sum.
     points_per_row = (plan.out_shape if walk == "forward" else plan.in_shape)[1]
-    per_row = np.zeros(rows, np.int64)
-    np.add.at(per_row, row_of_segment, lengths.sum(axis=1) * (points_per_row // residues))
+    pairs = np.zeros(rows, np.int64)
+    np.add.at(pairs, row_of_segment, lengths.sum(axis=1) * (points_per_row // residues))
+    return longest, pairs, points_per_row
+
+
+def narrow_rows(plan: NeighborhoodPlan, walk: str, width: int) -> np.ndarray:
+    """The walking rows of ``walk`` whose every arc has at most ``width`` columns, ascending."""
+    return np.flatnonzero(_rows(plan, walk)[0] <= width)
+
+
+def row_split(plan: NeighborhoodPlan, walk: str, width: int) -> RowSplit:
+    """The split of ``plan``'s ``walk`` ("forward" or "backward") at arcs of ``width`` columns."""
+    longest, pairs, points_per_row = _rows(plan, walk)
     narrow = longest <= width
-    return RowSplit(int(narrow.sum()), rows, int(per_row[narrow].sum()), int(per_row.sum()), points_per_row)
+    return RowSplit(int(narrow.sum()), len(longest), int(pairs[narrow].sum()), int(pairs.sum()), points_per_row)
+
+
+def forward_ms(plan: NeighborhoodPlan, kernel: str, lat0: int, nrows: int, reps: int = 20) -> float:
+    """Median ms of ``kernel``'s forward target on the query rows ``lat0 .. lat0 + nrows - 1`` alone (a
+    window of those rows over every key; bf16, C 64, one head)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_s2attn.ops import _ffi
+    from jax_s2attn.ops.local import local_row_order
+
+    rng = np.random.default_rng(0)
+    nlon_q = plan.out_shape[1]
+    shapes = [(1, nrows, nlon_q, 1, 64), (1, *plan.in_shape, 1, 64), (1, *plan.in_shape, 1, 64)]
+    inputs = [tuple(jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16) for s in shapes) for _ in range(3)]
+    window = np.array([lat0, 0, nrows, nlon_q, 0, 0, *plan.in_shape], np.int32)
+    order = local_row_order(plan, "forward", lat0, nrows)
+    forward = jax.jit(lambda q, k, v: _ffi.ffi_forward(q, k, v, plan, window, order, scale=0.125, kernel=kernel))
+    return median_ms(forward, inputs, reps)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", type=int, nargs=2, action="append", metavar=("NLAT", "NLON"))
     parser.add_argument("--theta-cutoff", type=float, action="append", help="one per --grid; omit for the default")
+    parser.add_argument("--time", metavar="KERNEL", help="time this kernel's forward on each split's rows")
     args = parser.parse_args()
     if args.grid:
         cutoffs = args.theta_cutoff or [None] * len(args.grid)
@@ -65,15 +108,23 @@ def main() -> None:
         plan = NeighborhoodPlan(shape, shape, theta_cutoff=cutoff)
         per_point = plan.num_pairs / np.prod(shape)
         print(f"{shape[0]}x{shape[1]}, theta_cutoff {plan.theta_cutoff:.4g}: {per_point:.1f} pairs/point")
+        if args.time:
+            print(f"  {args.time} forward, every row: {forward_ms(plan, args.time, 0, shape[0]):.4f} ms")
         for walk in ("forward", "backward"):
             for width in WIDTHS:
                 s = row_split(plan, walk, width)
                 wide_rows = s.rows - s.narrow_rows
                 narrow_per_point = s.narrow_pairs / max(1, s.narrow_rows * s.points_per_row)
                 wide_per_point = (s.pairs - s.narrow_pairs) / max(1, wide_rows * s.points_per_row)
-                print(f"  {walk:8s} arcs <= {width:2d}: rows {s.narrow_rows:4d} ({s.narrow_rows / s.rows:6.1%}), "
-                      f"pairs {s.narrow_pairs / s.pairs:6.1%}, {narrow_per_point:6.1f} per point; "
-                      f"the other {wide_rows:4d} rows {wide_per_point:7.1f} per point")
+                line = (f"  {walk:8s} arcs <= {width:2d}: rows {s.narrow_rows:4d} ({s.narrow_rows / s.rows:6.1%}), "
+                        f"pairs {s.narrow_pairs / s.pairs:6.1%}, {narrow_per_point:6.1f} per point; "
+                        f"the other {wide_rows:4d} rows {wide_per_point:7.1f} per point")
+                if args.time and walk == "forward" and s.narrow_rows:
+                    rows = narrow_rows(plan, walk, width)
+                    band = rows[-1] - rows[0] + 1
+                    line += f"; {args.time} forward on rows {rows[0]}..{rows[-1]} ({band} rows): "
+                    line += f"{forward_ms(plan, args.time, int(rows[0]), int(band)):.4f} ms"
+                print(line)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import types
 import numpy as np
 import pytest
 
+import jax_s2attn
 from jax_s2attn import NeighborhoodPlan
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -179,6 +180,14 @@ def test_row_widths_split_the_plans_pairs(shapes):
         assert (split.narrow_rows, split.narrow_pairs) == (narrow.sum(), row_pairs[narrow].sum())
         assert split.pairs == plan.num_pairs == row_widths.row_split(plan, "backward", width).pairs
     assert row_widths.row_split(plan, "backward", plan.out_shape[1]).narrow_pairs == plan.num_pairs
+
+
+@pytest.mark.skipif(not jax_s2attn.native_backends().get("cpu"), reason="needs the native CPU module (CI has it)")
+def test_row_widths_times_a_kernel_on_each_band(tmp_path):
+    lines = _run("row_widths.py", "--grid", "17", "36", "--theta-cutoff", "0.3", "--time", "arc", cwd=tmp_path)
+    timed = [line for line in lines.splitlines() if "arc forward" in line]
+    # every row, then each of the forward walk's four splits (each has short-arc rows here)
+    assert len(timed) == 5 and all(float(line.split()[-2]) > 0 for line in timed), lines
 
 
 def test_torch_harmonics_build_leaves_a_wheels_prebuilt_extensions_behind(tmp_path):
