@@ -13,7 +13,7 @@ forward target of that kernel (bf16, C 64, one head) on every row and, per split
 the band of query rows from its first to its last short-arc row (a window of those rows; the short-arc
 rows of a self-attention plan are one band around the equator, and the count of rows in the band says
 whether others lie inside): the baseline a stencil path for those rows must beat
-(``cuda/bench/stencil_forward.cu``), measured in the same run.
+(``cuda/bench/stencil_attention.cu``), measured in the same run.
 
 Usage: ``python benchmarks/row_widths.py [--grid NLAT NLON [--theta-cutoff TC]] ... [--time KERNEL]``
 (default: the benchmark's 721x1440 default cutoff, 721x1440 tc 0.03 and 360x720 tc 0.03, self-attention).

@@ -6,8 +6,9 @@ kernels' logic anywhere.
 * ``ws_attention`` (warp-specialised forward, dq, dk/dv): grids that cross longitude 0, touch the poles,
   see whole rings and have fewer longitudes than two chunks; out within 1e-4, lse, dq, dk, dv within bf16
   tolerance.
-* ``stencil_forward`` (the rows of short arcs on CUDA cores): a longitude tail (nlon not a multiple of the
-  block's 32), arcs crossing longitude 0, blocks of four key rows; out within 1e-5, lse within 1e-4.
+* ``stencil_attention`` (forward, dq, dk/dv of the rows of short arcs on CUDA cores): a longitude tail (nlon
+  not a multiple of the block's 32), arcs crossing longitude 0, blocks of four other rows, key rows seen by
+  query rows outside the processed ones; out, dq, dk, dv within 1e-4, lse within 1e-4.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from emulation_build import ROOT, build_emulated_program  # noqa: E402
 
 
-@pytest.mark.parametrize(("program", "configs"), [("ws_attention", 3), ("stencil_forward", 2)])
+@pytest.mark.parametrize(("program", "configs"), [("ws_attention", 3), ("stencil_attention", 2)])
 def test_prototype_matches_float64_under_emulation(tmp_path, program, configs):
     binary = build_emulated_program(tmp_path, ROOT / "cuda" / "bench" / f"{program}.cu")
     result = subprocess.run([str(binary), "--tiny"], capture_output=True, text=True, timeout=600)

@@ -237,7 +237,7 @@ def test_profile_driver_runs_each_configuration(tmp_path):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 @pytest.mark.parametrize(
-    "program, arch", [("staging_bandwidth", "90"), ("ws_attention", "90a"), ("stencil_forward", "90")]
+    "program, arch", [("staging_bandwidth", "90"), ("ws_attention", "90a"), ("stencil_attention", "90")]
 )
 def test_bench_program_builds(tmp_path, program, arch):
     # They run only on an sm_90 GPU (benchmarks/<program>.sh); here each must at least compile for its

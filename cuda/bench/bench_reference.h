@@ -1,4 +1,4 @@
-// The host side of the standalone attention prototypes (ws_attention.cu, stencil_forward.cu): bf16
+// The host side of the standalone attention prototypes (ws_attention.cu, stencil_attention.cu): bf16
 // self-attention at D 64 on an equiangular grid, neighbourhoods from per-(row, row) longitude
 // half-widths (the plan's geodesic-disk rule without its epsilon; symmetric, so one table serves both
 // walks), positive stand-in quadrature weights, random inputs, and the float64 truth of a query.
@@ -109,6 +109,26 @@ inline QueryTruth Truth(const Inputs& in, int i, int lon) {
     const double ds = std::exp(logit - truth.lse) * (Dot(in.dout, query, in.v, key) - delta);
     for (int d = 0; d < kD; ++d) truth.dq[d] += kScale * ds * Element(in.k, key, d);
   }
+  return truth;
+}
+
+// The float64 truth of one key's gradients, given the queries' lse and delta (the kernels').
+struct KeyTruth {
+  std::vector<double> dk, dv;
+};
+
+inline KeyTruth TruthOfKey(const Inputs& in, const std::vector<float>& lse, const std::vector<float>& delta, int j,
+                           int lon) {
+  const size_t key = size_t(j) * in.nlon + lon;
+  KeyTruth truth{std::vector<double>(kD), std::vector<double>(kD)};
+  ForEachNeighbour(in, j, lon, [&](int, size_t query) {
+    const double p = std::exp(kScale * Dot(in.q, query, in.k, key) + std::log(double(in.weight[j])) - lse[query]);
+    const double dp = Dot(in.dout, query, in.v, key);
+    for (int d = 0; d < kD; ++d) {
+      truth.dv[d] += p * Element(in.dout, query, d);
+      truth.dk[d] += kScale * p * (dp - delta[query]) * Element(in.q, query, d);
+    }
+  });
   return truth;
 }
 

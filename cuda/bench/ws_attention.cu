@@ -602,26 +602,6 @@ __global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? WS_DKV_BLOCKS 
 
 // ------------------------------------------------------------------------------------------ host
 
-// The float64 truth of one key's gradients, given the queries' lse and delta (the kernels').
-struct KeyTruth {
-  std::vector<double> dk, dv;
-};
-
-KeyTruth TruthOfKey(const Inputs& in, const std::vector<float>& lse, const std::vector<float>& delta, int j,
-                    int lon) {
-  const size_t key = size_t(j) * in.nlon + lon;
-  KeyTruth truth{std::vector<double>(kD), std::vector<double>(kD)};
-  ForEachNeighbour(in, j, lon, [&](int, size_t query) {
-    const double p = std::exp(kScale * Dot(in.q, query, in.k, key) + std::log(double(in.weight[j])) - lse[query]);
-    const double dp = Dot(in.dout, query, in.v, key);
-    for (int d = 0; d < kD; ++d) {
-      truth.dv[d] += p * Element(in.dout, query, d);
-      truth.dk[d] += kScale * p * (dp - delta[query]) * Element(in.q, query, d);
-    }
-  });
-  return truth;
-}
-
 bool Run(const Config& config, EncodeTiled encode, int reps) {
   const int nlat = config.nlat, nlon = config.nlon;
   if (nlon % kGroupLons != 0) {  // a warpgroup's 16 longitudes are written whole
