@@ -48,11 +48,12 @@ def _build(name: str, src: Path) -> tuple[str, str]:
 
 
 def _copy_sources(src: Path, dest: Path) -> Path:
-    """Copies SRC's torch_harmonics/ into DEST without the prebuilt extensions of an unpacked wheel: built
-    for another torch, they would load before ours (Python tries `_C.cpython-312-...so` before `_C.so`)
-    and fail, leaving the package unimportable. Returns the copy."""
+    """Copies SRC's torch_harmonics/ into DEST (replacing an earlier copy) without the prebuilt extensions
+    of an unpacked wheel: built for another torch, they would load before ours (Python tries
+    `_C.cpython-312-...so` before `_C.so`) and fail, leaving the package unimportable. Returns the copy."""
     package = dest / "torch_harmonics"
-    shutil.copytree(src / "torch_harmonics", package, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.so"))
+    shutil.rmtree(package, ignore_errors=True)
+    shutil.copytree(src / "torch_harmonics", package, ignore=shutil.ignore_patterns("*.so"))
     return package
 
 

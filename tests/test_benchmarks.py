@@ -159,27 +159,34 @@ def test_torch_harmonics_build_imports_without_the_disco_extension(tmp_path, mon
     assert convolution.after == pytest.approx(3.14159, 1e-5)  # the rest of the module untouched
 
 
+def _expanded_rows(arcs, walk_shape, nlon_other):
+    """Per walking row: its longest arc and its pairs, from each pattern's expanded neighbours (an arc is
+    contiguous, so its length is the pattern's count of neighbours on that row of the other grid); a
+    row's pairs: nlon / R points per pattern."""
+    longest, row_pairs = np.zeros(walk_shape[0], int), np.zeros(walk_shape[0], int)
+    for h in range(walk_shape[0]):
+        for r in range(arcs.residues):
+            neighbours = arcs.expand(h * arcs.residues + r)
+            longest[h] = max(longest[h], np.bincount(neighbours // nlon_other, minlength=1).max())
+            row_pairs[h] += neighbours.size * (walk_shape[1] // arcs.residues)
+    return longest, row_pairs
+
+
 @pytest.mark.parametrize(
     "shapes", [((17, 36), (17, 36)), ((34, 72), (17, 36)), ((17, 36), (33, 72))], ids=["self", "down", "up"]
 )
 def test_row_widths_split_the_plans_pairs(shapes):
     plan = NeighborhoodPlan(*shapes, theta_cutoff=0.3)
     row_widths = _benchmark_module("row_widths")
-    # Forward walk, from each pattern's expanded neighbours (an arc is contiguous, so its length is the
-    # pattern's count of neighbours on that input row); a row's pairs: nlon / R points per pattern.
-    arcs, (nlat_out, nlon_out), nlon_in = plan.forward_arcs, plan.out_shape, plan.in_shape[1]
-    longest, row_pairs = np.zeros(nlat_out, int), np.zeros(nlat_out, int)
-    for h in range(nlat_out):
-        for r in range(arcs.residues):
-            neighbours = arcs.expand(h * arcs.residues + r)
-            longest[h] = max(longest[h], np.bincount(neighbours // nlon_in, minlength=1).max())
-            row_pairs[h] += neighbours.size * (nlon_out // arcs.residues)
-    for width in (0, 3, 8, nlon_in):
-        split = row_widths.row_split(plan, "forward", width)
-        narrow = longest <= width
-        assert (split.narrow_rows, split.narrow_pairs) == (narrow.sum(), row_pairs[narrow].sum())
-        assert split.pairs == plan.num_pairs == row_widths.row_split(plan, "backward", width).pairs
-    assert row_widths.row_split(plan, "backward", plan.out_shape[1]).narrow_pairs == plan.num_pairs
+    walks = {"forward": (plan.forward_arcs, plan.out_shape, plan.in_shape[1]),
+             "backward": (plan.backward_arcs, plan.in_shape, plan.out_shape[1])}  # fmt: skip
+    for walk, (arcs, walk_shape, nlon_other) in walks.items():
+        longest, row_pairs = _expanded_rows(arcs, walk_shape, nlon_other)
+        for width in (0, 3, 8, nlon_other):
+            split = row_widths.row_split(plan, walk, width)
+            narrow = longest <= width
+            assert (split.narrow_rows, split.narrow_pairs) == (narrow.sum(), row_pairs[narrow].sum()), walk
+            assert split.pairs == plan.num_pairs
 
 
 @pytest.mark.skipif(not jax_s2attn.native_backends().get("cpu"), reason="needs the native CPU module (CI has it)")
@@ -196,6 +203,10 @@ def test_torch_harmonics_build_leaves_a_wheels_prebuilt_extensions_behind(tmp_pa
     attention.mkdir(parents=True)
     for name in ("__init__.py", "_C.cpython-312-x86_64-linux-gnu.so", "attention.py"):
         (attention / name).write_text("")
+    # A DEST that an earlier run filled, with the wheel's extension in it.
+    stale = tmp_path / "dest" / "torch_harmonics" / "attention"
+    stale.mkdir(parents=True)
+    (stale / "_C.cpython-312-x86_64-linux-gnu.so").write_text("")
     package = build._copy_sources(tmp_path / "wheel", tmp_path / "dest")
     assert sorted(p.name for p in (package / "attention").iterdir()) == ["__init__.py", "attention.py"]
 

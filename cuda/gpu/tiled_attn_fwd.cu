@@ -10,7 +10,7 @@ namespace tiled {
 namespace {
 
 // How far (log2 units) a score may exceed its row's running maximum before the maximum is moved:
-// p stays below 2^8.
+// p is at most 2^8 (so values within a factor 2^8 of float32's largest could now overflow the sums).
 constexpr float kRescaleSlack = 8.f;
 
 // Online softmax per tile row in log2 units with the quadrature weight folded into the column
