@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # One call on the H200 box: build against the box's jax, run the GPU tests, the sanitizers
-# and the benchmark. Usage (from the repository root): bash benchmarks/run_h200.sh [tests|sanitize|bench|profile|all] ...
-# Logs and CSVs go to $OUT (or ./out) so the device tool brings them back. "profile" (not part of
-# "all") writes ncu's raw metrics of the tiled kernels, stall reasons included.
+# and the benchmark. Usage (from the repository root):
+#   bash benchmarks/run_h200.sh [tests|sanitize|bench|profile|stencil|all] ...
+# Logs and CSVs go to $OUT (or ./out) so the device tool brings them back. Not part of "all": "profile"
+# writes ncu's raw metrics of the tiled kernels, stall reasons included; "stencil" runs the stencil
+# prototype and, as its baseline in the same call, the tiled forward on the same rows (NOTES, session 13).
+# TORCH_HARMONICS_SRC (an unpacked torch-harmonics 0.9.3 wheel or sdist) builds it in the background while
+# the tests run, for the benchmark's torch-harmonics column (about 4 minutes).
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -21,6 +25,18 @@ JAX_S2ATTN_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-
   -Cbuild-dir=/tmp/s2attn-build . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 (cd / && python3 -c "import jax, jax_s2attn; print(jax.devices()); print(jax_s2attn.native_status())")
+
+th_build=""
+if [[ -n "${TORCH_HARMONICS_SRC:-}" ]] && has bench; then
+  nice -n 19 python3 benchmarks/build_torch_harmonics.py "$TORCH_HARMONICS_SRC" /tmp/thsite > "$OUT/th-build.log" 2>&1 &
+  th_build=$!
+fi
+# Timed steps wait for that build: it takes every core.
+wait_for_torch_harmonics() {
+  [[ -n "$th_build" ]] || return 0
+  wait "$th_build"; echo "torch-harmonics build: exit $?"; th_build=""
+  export PYTHONPATH="/tmp/thsite${PYTHONPATH:+:$PYTHONPATH}"
+}
 
 status=0
 if has tests; then
@@ -55,7 +71,15 @@ if [[ " $steps " == *" profile "* ]]; then
     status=$(( status | rc ))
   done
 fi
+if [[ " $steps " == *" stencil "* ]]; then
+  wait_for_torch_harmonics
+  bash benchmarks/stencil_attention.sh 2>&1 | tee "$OUT/stencil.log" | tail -8
+  status=$(( status | ${PIPESTATUS[0]} ))
+  python3 -P benchmarks/row_widths.py --time tiled 2>&1 | tee "$OUT/row-widths.log" | tail -30
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
 if has bench; then
+  wait_for_torch_harmonics
   PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-3000} python3 benchmarks/attention.py ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
 fi
 exit "$status"
