@@ -31,11 +31,14 @@ if [[ -n "${TORCH_HARMONICS_SRC:-}" ]] && has bench; then
   nice -n 19 python3 benchmarks/build_torch_harmonics.py "$TORCH_HARMONICS_SRC" /tmp/thsite > "$OUT/th-build.log" 2>&1 &
   th_build=$!
 fi
-# Timed steps wait for that build: it takes every core.
+# Every step after the tests waits for that build: it takes every core.
 wait_for_torch_harmonics() {
   [[ -n "$th_build" ]] || return 0
-  wait "$th_build"; echo "torch-harmonics build: exit $?"; th_build=""
-  export PYTHONPATH="/tmp/thsite${PYTHONPATH:+:$PYTHONPATH}"
+  wait "$th_build"
+  local rc=$?
+  echo "torch-harmonics build: exit $rc"; th_build=""
+  status=$(( status | rc ))
+  if [[ $rc -eq 0 ]]; then export PYTHONPATH="/tmp/thsite${PYTHONPATH:+:$PYTHONPATH}"; fi
 }
 
 status=0
@@ -49,6 +52,7 @@ if has tests; then
   echo "GPU handler error tests: exit $?"; tail -3 "$OUT/gpu-error-tests.log"
 fi
 if has sanitize; then
+  wait_for_torch_harmonics
   # Our kernels alone (no XLA in the process: XLA's own compilation crashes under the sanitizer).
   for tool in memcheck racecheck synccheck; do
     timeout ${SANITIZER_TIMEOUT:-240} compute-sanitizer --tool "$tool" --error-exitcode 9 python3 tests/gpu_kernel_sanitizer.py \
@@ -58,6 +62,7 @@ if has sanitize; then
   done
 fi
 if [[ " $steps " == *" profile "* ]]; then
+  wait_for_torch_harmonics
   # ncu reads counters on the Firecracker machines only; leave the clocks alone (METHOD.md). The
   # report is exported whole, then its raw metrics (stall reasons included) are written as CSV.
   for name in qdeg_tc003:"--theta-cutoff 0.03" qdeg_default:""; do
