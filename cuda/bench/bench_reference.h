@@ -132,6 +132,25 @@ inline KeyTruth TruthOfKey(const Inputs& in, const std::vector<float>& lse, cons
   return truth;
 }
 
+// What a block of walking rows row0 .. row0 + rows - 1 sees: the first and last row of the other grid
+// (last < first: none) and the widest half-width there (kRing: a whole ring). The table is symmetric, so
+// this serves query and key blocks alike.
+struct RowSpan {
+  int first, last, widest;
+};
+
+inline RowSpan SpanOfRows(const Inputs& in, int row0, int rows) {
+  RowSpan span{in.nlat, -1, -1};
+  for (int i = row0; i < std::min(in.nlat, row0 + rows); ++i) {
+    for (int j = 0; j < in.nlat; ++j) {
+      const int h = in.half[size_t(i) * in.nlat + j];
+      if (h < 0) continue;
+      span.first = std::min(span.first, j), span.last = std::max(span.last, j), span.widest = std::max(span.widest, h);
+    }
+  }
+  return span;
+}
+
 // Half-widths for `config`, weights sin(theta) (the poles' raised to half the first row's) times the row
 // spacing, and q, k, v, dout drawn from `rng` in that order.
 inline Inputs MakeInputs(const Config& config, std::mt19937& rng) {

@@ -75,6 +75,9 @@ struct Staged {
 };
 static_assert(sizeof(Staged) <= 48 * 1024, "dynamic shared memory beyond 48 KiB needs an opt-in");
 
+// log2(e) * lse, with +inf for a point without neighbours (lse = -inf), so that exp2(x - it) = 0.
+__device__ float Log2Lse(float lse) { return lse == -INFINITY ? INFINITY : kLog2e * lse; }
+
 // Stages rows other_row0 .. other_row0 + kMaxOtherRows - 1 (those past the grid are never read), columns
 // lon0 - kMaxHalf .. lon0 + kLons + kMaxHalf - 1 taken modulo nlon.
 template <Kind kKind>
@@ -89,8 +92,7 @@ __device__ void StageOtherRows(Staged& s, const Problem& p, int other_row0, int 
     *reinterpret_cast<uint4*>(&s.a[r][col][8 * vec]) = __ldg(reinterpret_cast<const uint4*>(a + point * kD) + vec);
     *reinterpret_cast<uint4*>(&s.b[r][col][8 * vec]) = __ldg(reinterpret_cast<const uint4*>(b + point * kD) + vec);
     if (kKind == Kind::kDkv && vec == 0) {
-      const float lse = __ldg(p.lse + point);
-      s.lse2[r][col] = lse == -INFINITY ? INFINITY : kLog2e * lse;
+      s.lse2[r][col] = Log2Lse(__ldg(p.lse + point));
       s.delta[r][col] = __ldg(p.delta + point);
     }
   }
@@ -117,20 +119,16 @@ __device__ void LoadLane(float (&dst)[kLaneChannels], const T* x, size_t point, 
   for (float& e : dst) e *= scale;
 }
 
-// x . row over the point's kLanes lanes (every lane of the warp takes part).
-__device__ float LaneDot(const float (&x)[kLaneChannels], const T* row) {
-  float y[kLaneChannels];
-  LoadChannels(y, row);
+// x . y over the point's kLanes lanes (every lane of the warp takes part).
+__device__ float LaneDot(const float (&x)[kLaneChannels], const float (&y)[kLaneChannels]) {
   float dot = 0.f;
   for (int e = 0; e < kLaneChannels; ++e) dot = fmaf(x[e], y[e], dot);
   dot += __shfl_xor_sync(0xffffffffu, dot, 1);
   return dot + __shfl_xor_sync(0xffffffffu, dot, 2);
 }
 
-// acc = acc * decay + weight * row (the lane's channels).
-__device__ void Accumulate(float (&acc)[kLaneChannels], float decay, float weight, const T* row) {
-  float y[kLaneChannels];
-  LoadChannels(y, row);
+// acc = acc * decay + weight * y (the lane's channels).
+__device__ void Accumulate(float (&acc)[kLaneChannels], float decay, float weight, const float (&y)[kLaneChannels]) {
   for (int e = 0; e < kLaneChannels; ++e) acc[e] = fmaf(acc[e], decay, weight * y[e]);
 }
 
@@ -162,8 +160,7 @@ __global__ void __launch_bounds__(kThreads) Stencil(const Problem p) {
   if (kKind != Kind::kForward) LoadLane(second, kKind == Kind::kDkv ? p.v : p.dout, point, lane, 1.f);
   float m = -INFINITY, l = 0.f, own_lse2 = 0.f, own_delta = 0.f;
   if (kKind == Kind::kDq) {
-    const float lse = __ldg(p.lse + point);
-    own_lse2 = lse == -INFINITY ? INFINITY : kLog2e * lse;
+    own_lse2 = Log2Lse(__ldg(p.lse + point));
     own_delta = __ldg(p.delta + point);
   }
   const float own_log2w = __ldg(p.log2w + walk_row);
@@ -172,20 +169,25 @@ __global__ void __launch_bounds__(kThreads) Stencil(const Problem p) {
     if (h < 0) continue;
     const float other_log2w = __ldg(p.log2w + other_row0 + r);
     for (int c = kMaxHalf + lon_in_block - h; c <= kMaxHalf + lon_in_block + h; ++c) {
-      const T* a = &s.a[r][c][lane * kLaneChannels];
-      const T* b = &s.b[r][c][lane * kLaneChannels];
+      // The staged column's two rows, each read from shared memory once (b after the first dot product:
+      // fewer registers live across it).
+      float a[kLaneChannels], b[kLaneChannels];
+      LoadChannels(a, &s.a[r][c][lane * kLaneChannels]);
       if constexpr (kKind == Kind::kForward) {
         const float x = LaneDot(own, a) + other_log2w, m_new = fmaxf(m, x);
         const float decay = Exp2(m - m_new), pr = Exp2(x - m_new);
         m = m_new;
         l = fmaf(l, decay, pr);
+        LoadChannels(b, &s.b[r][c][lane * kLaneChannels]);
         Accumulate(acc, decay, pr, b);
       } else if constexpr (kKind == Kind::kDq) {
         const float pr = Exp2(LaneDot(own, a) + other_log2w - own_lse2);
+        LoadChannels(b, &s.b[r][c][lane * kLaneChannels]);
         const float ds = pr * (LaneDot(second, b) - own_delta);
         Accumulate(acc, 1.f, ds, a);
       } else {
         const float pr = Exp2(LaneDot(own, a) + own_log2w - s.lse2[r][c]);
+        LoadChannels(b, &s.b[r][c][lane * kLaneChannels]);
         const float ds = pr * (LaneDot(second, b) - s.delta[r][c]);
         Accumulate(acc, 1.f, pr, b);  // dv
         Accumulate(acc2, 1.f, ds, a);  // dk
@@ -209,17 +211,10 @@ __global__ void __launch_bounds__(kThreads) Stencil(const Problem p) {
 std::vector<int> BlockRows(const Inputs& in) {
   std::vector<int> blocks;
   for (int row0 = 0; row0 < in.nlat; row0 += kRows) {
-    int first = in.nlat, last = -1;
-    bool short_arcs = true;
-    for (int i = row0; i < std::min(in.nlat, row0 + kRows); ++i) {
-      for (int j = 0; j < in.nlat; ++j) {
-        const int h = in.half[size_t(i) * in.nlat + j];
-        if (h < 0) continue;
-        short_arcs = short_arcs && h <= kMaxHalf;
-        first = std::min(first, j), last = std::max(last, j);
-      }
+    const RowSpan span = SpanOfRows(in, row0, kRows);
+    if (span.last >= span.first && span.widest <= kMaxHalf && span.last - span.first < kMaxOtherRows) {
+      blocks.insert(blocks.end(), {row0, span.first});
     }
-    if (short_arcs && last >= 0 && last - first < kMaxOtherRows) blocks.insert(blocks.end(), {row0, first});
   }
   return blocks;
 }

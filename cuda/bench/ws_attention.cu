@@ -614,13 +614,8 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
   const int row_blocks = (nlat + kTileRows - 1) / kTileRows;
   std::vector<int> key_rows(2 * row_blocks);
   for (int b = 0; b < row_blocks; ++b) {
-    int first = nlat, last = -1;
-    for (int i = b * kTileRows; i < std::min(nlat, (b + 1) * kTileRows); ++i) {
-      for (int j = 0; j < nlat; ++j) {
-        if (in.half[size_t(i) * nlat + j] >= 0) first = std::min(first, j), last = std::max(last, j);
-      }
-    }
-    key_rows[2 * b] = first, key_rows[2 * b + 1] = last;
+    const RowSpan span = SpanOfRows(in, b * kTileRows, kTileRows);
+    key_rows[2 * b] = span.first, key_rows[2 * b + 1] = span.last;
   }
   std::vector<float> bias(nlat);
   for (int j = 0; j < nlat; ++j) bias[j] = std::log2(in.weight[j]);
