@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
     }
     if (!any) return;  // warp-uniform: this chunk lies outside the warp's band
     // Lazy rescaling: the running maxima move (and l, acc are rescaled) only when some row of the warp
-    // sees a score above its maximum by more than kRescaleSlack; otherwise p = exp2(x - m) stays below
+    // sees a score above its maximum by more than kRescaleSlack; otherwise p = exp2(x - m) is at most
     // 2^kRescaleSlack, harmless in float32 sums and in T. A lane's own partial maximum decides for its
     // row, so the common case skips the row reductions, the decay and the rescale.
     if (__any_sync(0xffffffffu, mx[0] > m[0] + kRescaleSlack || mx[1] > m[1] + kRescaleSlack)) {
