@@ -151,7 +151,7 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
     window, scale = full_window(plan), float(input_sets[0][0].shape[-1]) ** -0.5
     forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(
         q, k, v, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel))  # fmt: skip
-    gradients = dict(scale=scale, gradient_dtype=_ffi.op_gradient_dtype(kernel, input_sets[0][0].dtype))
+    gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, input_sets[0][0].dtype))
     dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dq(
         q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, kernel=kernel, **gradients))  # fmt: skip
     dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dkv(

@@ -50,9 +50,11 @@ from kernel_cases import (  # noqa: E402
     prepare_case,
     run_case,
     run_dq_forming_delta,
+    run_narrow_forward,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
+    verify_narrow_forward,
 )
 
 NOT_AVAILABLE = 2
@@ -116,7 +118,7 @@ def gpu_launch(lib, cupy):
         if status != 0:
             raise RuntimeError(f"launcher of target {target} returned cudaError {status}")
         cupy.cuda.Device().synchronize()  # raises on a fault of the kernel just launched
-        for result in buffers[-2:]:
+        for result in buffers[10:]:  # after the inputs (kernel_cases.call_run_target): the results
             if result is not None:
                 result[...] = device[id(result)].get().view(result.dtype).reshape(result.shape)
 
@@ -173,7 +175,10 @@ def main(argv=None) -> int:
             try:
                 results = run_case(case, launch, kernel)
                 verify_case(case, results, tolerance_of(kernel, case.dtype))
-                if kernel == "tiled":  # and its dq that forms delta, from random out (padding rows too)
+                # Tiled: its forward writing out in the activations' type, and its dq that forms delta
+                # from random out (padding rows too).
+                if kernel == "tiled":
+                    verify_narrow_forward(results, run_narrow_forward(case, launch))
                     out = rng.standard_normal(results["out"].shape).astype(np.float32)
                     dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
                     verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, launch, out, dlse))

@@ -9,10 +9,11 @@ segment tables; 16-bit activations with Dk == Dv in {32, 64, 128}).
 A *launch* callable runs one target through ``tests/cuda_emulation/run_target.cc``::
 
     launch(target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table,
-           weights, result0, result1)
+           weights, result0, result1[, result2])
 
 with numpy inputs (``None`` for unused ones), ``table`` an ArcTable (arc targets) or a
-SegmentTable (tiled targets), and NaN-filled numpy results that it overwrites in place.
+SegmentTable (tiled targets), and NaN-filled numpy results that it overwrites in place
+(``result2``: the tiled forward's out in the activations' type, in place of ``result0``).
 """
 
 from __future__ import annotations
@@ -301,6 +302,26 @@ def run_case(
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
+def run_narrow_forward(case: KernelCase, launch: Launch) -> dict[str, np.ndarray]:
+    """The tiled forward writing out in the activations' type (what the op returns when it is not
+    differentiated), into NaN-filled results: ``{"out", "lse"}``."""
+    q, k, v, *_, window = case.inputs
+    out = np.full((*q.shape[:4], v.shape[-1]), np.nan, q.dtype)
+    lse = np.full(q.shape[:4], np.nan, np.float32)
+    launch(TILED_TARGET_OFFSET + FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window,
+           case.fwd_order, case.plan.forward_segments, case.plan.quad_weights, None, lse, out)  # fmt: skip
+    return {"out": out, "lse": lse}
+
+
+def verify_narrow_forward(float32: dict[str, np.ndarray], narrow: dict[str, np.ndarray]) -> None:
+    """The narrow forward's out is the float32 forward's (``run_case``) rounded to nearest, bit for bit,
+    padding zeros included, and its lse the same bits."""
+    assert not np.isnan(narrow["out"]).any(), "out: some elements were never written"
+    rounded = float32["out"].astype(narrow["out"].dtype)
+    assert narrow["out"].tobytes() == rounded.tobytes(), "out: not the float32 out rounded to nearest"
+    assert narrow["lse"].tobytes() == float32["lse"].tobytes(), "lse: not the float32 forward's"
+
+
 def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:
     """Asserts that every element was written, real blocks match float64 and padding is empty.
 
@@ -357,18 +378,23 @@ def table_rows(table: ArcTable | SegmentTable) -> np.ndarray:
 
 
 def call_run_target(
-    lib, address, target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table, weights, r0, r1
-) -> int:
+    lib, address, target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table, weights, r0, r1,
+    r2=None,
+) -> int:  # fmt: skip
     """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable
     and returns its cudaError_t. ``address(array)`` gives the buffer address the kernels use
     for a (non-None) numpy array; ``table`` is an ArcTable or a SegmentTable. The gradient
-    results' type is that of ``r0`` (forward results are float32)."""
+    results' type is that of ``r0`` (forward results are float32); ``r2`` as a launch's ``result2``."""
     rows = table_rows(table)
     forming_delta = target == TILED_DQ_FORMING_DELTA
+    if forming_delta and r2 is not None:
+        raise ValueError("the dq that forms delta has two results")
     row_inputs = delta if forming_delta else (delta,)  # (forward out, dlse) or (delta,)
-    arrays = (q, k, v, dout, lse, *row_inputs, window, row_order, table.offsets, rows, weights, r0, r1)
+    results = (r0, r1) if forming_delta else (r0, r1, r2)
+    arrays = (q, k, v, dout, lse, *row_inputs, window, row_order, table.offsets, rows, weights, *results)
     all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
-    gradient_dtype = next(code for code, storage in DTYPES.values() if np.dtype(storage) == r0.dtype)
+    result_type = np.float32 if r0 is None else r0.dtype
+    gradient_dtype = next(code for code, storage in DTYPES.values() if np.dtype(storage) == result_type)
     pointers = [ctypes.c_void_p(None if a is None else address(a)) for a in arrays]
     types = [ctypes.c_int(DTYPES[dtype][0]), ctypes.c_int(gradient_dtype)]
     tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale)]

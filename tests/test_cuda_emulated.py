@@ -52,9 +52,11 @@ from kernel_cases import (  # noqa: E402
     prepare_case,
     run_case,
     run_dq_forming_delta,
+    run_narrow_forward,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
+    verify_narrow_forward,
 )
 
 CUDA_ERROR_INVALID_VALUE = 1
@@ -445,6 +447,28 @@ def test_tiled_gradients_in_the_activations_type_are_the_rounded_float32_ones(em
         assert narrow[name].dtype == storage, name
         assert not np.isnan(narrow[name]).any(), f"{name}: some elements were never written"
         assert np.array_equal(narrow[name].view(np.uint16), wide[name].astype(storage).view(np.uint16)), name
+
+
+@pytest.mark.parametrize(("dtype", "d"), [("bfloat16", 64), ("float16", 32), ("bfloat16", 128)])
+@pytest.mark.parametrize("windows", WINDOWS[1::2], ids=lambda w: f"q{w[0]}-k{w[1]}")
+def test_tiled_forward_in_the_activations_type_is_the_rounded_float32_one(emulator, rng, windows, dtype, d):
+    """out in the activations' type (the op's result when not differentiated): every element
+    written, with the bits of the float32 out rounded to nearest, padding zeros included; lse the same."""
+    case = prepare_case(rng, PLANS["self"](), 2, 2, d, d, dtype, *windows)
+    verify_narrow_forward(run_case(case, emulator, "tiled"), run_narrow_forward(case, emulator))
+
+
+def test_tiled_forward_launcher_takes_exactly_one_out(launch_status, rng):
+    """Both outs, or neither: cudaErrorInvalidValue, nothing written."""
+    case = prepare_case(rng, PLANS["self"](), 1, 1, 64, 64, "bfloat16")
+    q, k, v, *_, window = case.inputs
+    both = (np.full((*q.shape[:4], 64), np.nan, np.float32), np.full(q.shape, np.nan, q.dtype))
+    for out, narrow in [(None, None), both]:
+        lse = np.full(q.shape[:4], np.nan, np.float32)
+        status = launch_status(TILED_TARGET_OFFSET + FORWARD, "bfloat16", case.sizes, case.scale, q, k, v, None, None,
+                               None, window, case.fwd_order, case.plan.forward_segments, case.plan.quad_weights, out,
+                               lse, narrow)  # fmt: skip
+        assert status == CUDA_ERROR_INVALID_VALUE and np.isnan(lse).all()
 
 
 @pytest.mark.parametrize(("kernel", "gradient_type"), [("arc", ml_dtypes.bfloat16), ("tiled", np.float16)])

@@ -194,18 +194,21 @@ def test_sharded_arc_equals_sharded_ffi_on_cpu():
 # ----------------------------------------------------------------------------- exported programs
 
 
-def _exported_module(implementation, dtype, dk, dv, platforms) -> str:
-    """MLIR text of the gradient of the op's outputs, exported for ``platforms``."""
+def _exported_module(implementation, dtype, dk, dv, platforms, differentiated=True) -> str:
+    """MLIR text of the gradient of the op's outputs (or of the op alone), exported for ``platforms``."""
 
     def loss(q, k, v, plan):
         out, lse = neighborhood_attention(q, k, v, plan, implementation=implementation, return_residual=True)
         return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(jnp.cos(lse))
 
+    def attention(q, k, v, plan):
+        return neighborhood_attention(q, k, v, plan, implementation=implementation)
+
     shapes = [(2, *PLAN.out_shape, 2, dk), (2, *PLAN.in_shape, 2, dk), (2, *PLAN.in_shape, 2, dv)]
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     plan = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), PLAN)
     exported = jax.export.export(
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))),
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if differentiated else attention),
         platforms=platforms,
         disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call(t)
@@ -243,6 +246,28 @@ def test_export_for_cuda_runs_arc_kernels_elsewhere(tiled_build, dtype, dk, dv):
     assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
     assert not _calls(module, _ffi.TILED_TARGETS)
     assert _calls(module, [_ffi.DELTA_TARGET])
+
+
+def _forward_result_types(module: str, target: str) -> str:
+    """The result types of the (one) custom call of ``target`` in ``module``."""
+    (line,) = [line for line in module.splitlines() if f"stablehlo.custom_call @{target}(" in line]
+    return line.rsplit("->", 1)[1].split(" loc(")[0].strip()
+
+
+@native
+def test_export_for_cuda_writes_the_undifferentiated_out_in_the_input_dtype(tiled_build):
+    """Not differentiated, the tiled forward writes out in bfloat16 itself (no float32 out, no cast);
+    differentiated, it writes the float32 out the backward forms delta from."""
+    if not _ffi.HAS_CUDA_EXT:
+        pytest.skip("the CUDA module is not built")
+    out_shape = "2x" + "x".join(map(str, PLAN.out_shape)) + "x2x64"
+    rows = out_shape.removesuffix("x64")
+    alone = _exported_module("ffi", BF16, 64, 64, ["cuda"], differentiated=False)
+    assert _forward_result_types(alone, _ffi.TILED_FORWARD_TARGET) == f"(tensor<{out_shape}xbf16>, tensor<{rows}xf32>)"
+    differentiated = _exported_module("ffi", BF16, 64, 64, ["cuda"])
+    assert _forward_result_types(differentiated, _ffi.TILED_FORWARD_TARGET) == (
+        f"(tensor<{out_shape}xf32>, tensor<{rows}xf32>)"
+    )
 
 
 @native

@@ -183,17 +183,22 @@ def test_cuda_head_dim_limit_is_known_before_lowering():
     assert "Dk + Dv <= 6144" in _ffi.unavailable_reason("cuda", 4000, 4000)
 
 
-@pytest.mark.parametrize(("kernel", "dtype", "allowed"), [("arc", jnp.bfloat16, r"float32 \(16-bit gradients need"),
+@pytest.mark.parametrize(("kernel", "dtype", "allowed"), [("arc", jnp.bfloat16, r"float32 \(16-bit results need"),
                                                           ("tiled", jnp.float16, "float32 or bfloat16")])  # fmt: skip
-@pytest.mark.parametrize("target", ["dq", "dkv"])
-def test_gradient_dtype_is_checked_before_lowering(plan, kernel, dtype, allowed, target):
+@pytest.mark.parametrize("target", ["forward", "dq", "dkv"])
+def test_result_dtypes_are_checked_before_lowering(plan, kernel, dtype, allowed, target):
     q, k, v = _arrays(plan, dtype=jnp.bfloat16)
-    rows = np.zeros(q.shape[:-1], np.float32)
-    args = dict(query=q, key=k, value=v, dout=np.ones((*q.shape[:-1], v.shape[-1]), jnp.bfloat16), lse=rows,
-                delta=rows, plan=plan, window=full_window(plan), scale=0.5, kernel=kernel, gradient_dtype=dtype)
-    call = _ffi.ffi_backward_dq if target == "dq" else _ffi.ffi_backward_dkv
-    with pytest.raises(ValueError, match=f"gradient_dtype must be {allowed}"):
-        call(**args, row_order=plan.tables.forward_row_order)
+    common = dict(query=q, key=k, value=v, plan=plan, window=full_window(plan), scale=0.5, kernel=kernel,
+                  row_order=plan.tables.forward_row_order)  # fmt: skip
+    if target == "forward":
+        call, name, args = _ffi.ffi_forward, "out_dtype", dict(out_dtype=dtype)
+    else:
+        rows = np.zeros(q.shape[:-1], np.float32)
+        dout = np.ones((*q.shape[:-1], v.shape[-1]), jnp.bfloat16)
+        call = _ffi.ffi_backward_dq if target == "dq" else _ffi.ffi_backward_dkv
+        name, args = "gradient_dtype", dict(dout=dout, lse=rows, delta=rows, gradient_dtype=dtype)
+    with pytest.raises(ValueError, match=f"{name} must be {allowed}"):
+        call(**common, **args)
 
 
 # (change of the arguments, error, message) for the tiled dq that forms delta.
@@ -225,7 +230,7 @@ def test_dq_that_forms_delta_checks_its_operands_before_lowering(plan, name):
 def test_arc_handlers_refuse_16_bit_gradients(platform, plan, target, monkeypatch):
     """The handlers' own check, behind the Python one (bypassed here)."""
     _skip_on_cuda(platform)
-    monkeypatch.setattr(_ffi, "_gradient_dtype", lambda gradient_dtype, kernel, query: jnp.dtype(gradient_dtype))
+    monkeypatch.setattr(_ffi, "_result_dtype", lambda dtype, kernel, query, name: jnp.dtype(dtype))
     args = _backward_args(plan)
     if target == "dq":
         call = lambda: _ffi.ffi_backward_dq(**args, row_order=plan.tables.forward_row_order, scale=0.5,  # noqa: E731
@@ -233,7 +238,7 @@ def test_arc_handlers_refuse_16_bit_gradients(platform, plan, target, monkeypatc
     else:
         call = lambda: _ffi.ffi_backward_dkv(**args, row_order=plan.tables.backward_row_order, scale=0.5,  # noqa: E731
                                              gradient_dtype=jnp.float16)  # fmt: skip
-    message = r"must be float32 \(16-bit gradients come from the tiled CUDA targets\), got float16"
+    message = r"must be float32 \(16-bit results come from the tiled CUDA targets\), got float16"
     _expect_invalid_argument(call, message)
 
 

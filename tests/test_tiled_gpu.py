@@ -157,7 +157,8 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
     """Query blocks x key blocks with padding: every tiled result (poisoned with NaN first)
     is written, padding holds zeros (-inf for lse), and each partial matches the arc
     kernel's partial of the same window. Gradients written in the activations' dtype (also
-    poisoned first) are the float32 ones rounded, bit for bit."""
+    poisoned first) are the float32 ones rounded, bit for bit, and so is out written in that dtype
+    (with the float32 forward's lse)."""
     plan, q, k, v, dout, out, lse = _whole_grid_forward(geometry, dtype, rng, exact_random)
     delta = np.sum(dout * out, axis=-1)
     for qb in _tile(*plan.out_shape, 2, 2):
@@ -181,6 +182,12 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
 
             tiled = [np.asarray(x) for x in run("tiled")]
             arc = [np.asarray(x) for x in run("arc")]
+            narrow_out, narrow_lse = (np.asarray(x) for x in _ffi.ffi_forward(
+                *activations[:3], plan, window, q_rows, scale=WINDOW_SCALE, kernel="tiled", poison_results=True,
+                out_dtype=dtype))  # fmt: skip
+            assert narrow_out.dtype == dtype and narrow_lse.tobytes() == tiled[1].tobytes()
+            rounded = np.asarray(jnp.asarray(tiled[0]).astype(dtype))
+            np.testing.assert_array_equal(narrow_out.view(np.uint16), rounded.view(np.uint16), err_msg="narrow out")
             narrow = dict(scale=WINDOW_SCALE, kernel="tiled", poison_results=True, gradient_dtype=dtype)
             gradients = (_ffi.ffi_backward_dq(*backward, q_rows, **narrow),
                          *_ffi.ffi_backward_dkv(*backward, k_rows, **narrow))  # fmt: skip

@@ -186,11 +186,11 @@ inline const char* DataTypeName(ffi::DataType type) {
   }
 }
 
-// The element type of the gradient results `names` (dq, or dk and dv) of `types`: all float32, or,
-// where `narrow_allowed` (the tiled CUDA targets), all of q's dtype `activations`; their type goes
-// to `*gradient_type` unless that is null.
-inline ffi::Error CheckGradientTypes(const char* names, std::initializer_list<ffi::DataType> types,
-                                     ffi::DataType activations, bool narrow_allowed, ElementType* gradient_type) {
+// The element type of the results `names` (out, dq, or dk and dv) of `types`: all float32, or, where
+// `narrow_allowed` (the tiled CUDA targets), all of q's dtype `activations`; their type goes to
+// `*result_type` unless that is null.
+inline ffi::Error CheckResultTypes(const char* names, std::initializer_list<ffi::DataType> types,
+                                   ffi::DataType activations, bool narrow_allowed, ElementType* result_type) {
   const ffi::DataType first = *types.begin();
   bool ok = first == ffi::DataType::F32 || (narrow_allowed && first == activations);
   std::string got;
@@ -203,9 +203,9 @@ inline ffi::Error CheckGradientTypes(const char* names, std::initializer_list<ff
     S2ATTN_CHECK(ok, names << " must be " << all << "float32 or " << all << DataTypeName(activations)
                            << " (the dtype of q), got " << got);
   } else {
-    S2ATTN_CHECK(ok, names << " must be float32 (16-bit gradients come from the tiled CUDA targets), got " << got);
+    S2ATTN_CHECK(ok, names << " must be float32 (16-bit results come from the tiled CUDA targets), got " << got);
   }
-  return gradient_type ? ToElementType(first, gradient_type) : ffi::Error::Success();
+  return result_type ? ToElementType(first, result_type) : ffi::Error::Success();
 }
 
 }  // namespace s2attn

@@ -371,7 +371,7 @@ ffi::Error BackwardDq(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   const NbhdParams& p = bw.p;
   const Walk& walk = bw.walk;
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dk));
-  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes("dq", {dq->element_type()}, q.element_type(), false, nullptr));
+  S2ATTN_RETURN_IF_ERROR(CheckResultTypes("dq", {dq->element_type()}, q.element_type(), false, nullptr));
   if (dq->element_count() == 0) return ffi::Error::Success();
   try {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);
@@ -427,7 +427,7 @@ ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dk", dk->dimensions(), p.batch, p.nk_lat, p.nk_lon, p.heads, p.dk));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dv", dv->dimensions(), p.batch, p.nk_lat, p.nk_lon, p.heads, p.dv));
   S2ATTN_RETURN_IF_ERROR(
-      CheckGradientTypes("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(), false, nullptr));
+      CheckResultTypes("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(), false, nullptr));
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
   try {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);

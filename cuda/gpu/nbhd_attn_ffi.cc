@@ -94,14 +94,15 @@ NbhdAttnGpuParams GpuParams(const NbhdParams& p, const ffi::AnyBuffer& q, const 
   return g;
 }
 
-// The two kernel families behind one handler template: table form, target names, launchers,
-// and what a family cannot run (reported before launching).
+// The two kernel families behind one handler template: table form, target names, launchers, whether
+// results may be written in the activations' type, and what a family cannot run (reported before
+// launching).
 struct ArcKernels {
   static constexpr TableForm kForm = TableForm::kArcs;
   static constexpr const char* kForward = kTargetForward;
   static constexpr const char* kBackwardDq = kTargetBackwardDq;
   static constexpr const char* kBackwardDkv = kTargetBackwardDkv;
-  static constexpr bool kNarrowGradients = false;
+  static constexpr bool kNarrowResults = false;
   static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnFwd(s, g); }
   static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnBwdDq(s, g); }
   static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchNbhdAttnBwdDkv(s, g); }
@@ -113,7 +114,7 @@ struct TiledKernels {
   static constexpr const char* kForward = kTargetTiledForward;
   static constexpr const char* kBackwardDq = kTargetTiledBackwardDq;
   static constexpr const char* kBackwardDkv = kTargetTiledBackwardDkv;
-  static constexpr bool kNarrowGradients = true;
+  static constexpr bool kNarrowResults = true;
   static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnFwd(s, g); }
   static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDq(s, g); }
   static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDkv(s, g); }
@@ -137,10 +138,11 @@ NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q
   return NbhdAttrs{scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k};
 }
 
+// out is float32, or on the tiled kernels also the activations' type (`out_narrow`).
 template <typename Kernels>
 ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
                    I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                   ffi::RemainingArgs /*aliased_results*/, F32Result out, F32Result lse, float scale,
+                   ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale,
                    int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
   NbhdParams p;
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
@@ -149,10 +151,17 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                                       quad_weights.element_count(), &p, Kernels::kForm));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
+  ElementType out_type;
+  S2ATTN_RETURN_IF_ERROR(
+      CheckResultTypes("out", {out->element_type()}, q.element_type(), Kernels::kNarrowResults, &out_type));
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, /*walk_keys=*/false));
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
   NbhdAttnGpuParams g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, Kernels::kForm);
-  g.out = out->typed_data();
+  if (out_type == ElementType::kF32) {
+    g.out = static_cast<float*>(out->untyped_data());
+  } else {
+    g.out_narrow = out->untyped_data();
+  }
   g.lse_out = lse->typed_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::Forward(stream, g), Kernels::kForward);
@@ -181,7 +190,7 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, cons
 ffi::Error SetGradientType(const char* names, std::initializer_list<ffi::DataType> types, ffi::DataType activations,
                            bool narrow_allowed, NbhdAttnGpuParams* g) {
   ElementType gradient_type;
-  S2ATTN_RETURN_IF_ERROR(CheckGradientTypes(names, types, activations, narrow_allowed, &gradient_type));
+  S2ATTN_RETURN_IF_ERROR(CheckResultTypes(names, types, activations, narrow_allowed, &gradient_type));
   g->gradient_dtype = ToActivationType(gradient_type);
   return ffi::Error::Success();
 }
@@ -207,7 +216,7 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                                         quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                         /*walk_keys=*/false, Kernels::kForm, &g));
   g.delta = delta.typed_data();
-  S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), Kernels::kNarrowGradients, &g));
+  S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), Kernels::kNarrowResults, &g));
   if (dq->element_count() == 0) return ffi::Error::Success();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::BackwardDq(stream, g), Kernels::kBackwardDq);
@@ -230,7 +239,7 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dv", dv->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_v));
   S2ATTN_RETURN_IF_ERROR(SetGradientType("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(),
-                                         Kernels::kNarrowGradients, &g));
+                                         Kernels::kNarrowResults, &g));
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
   g.dk = dk->untyped_data();
   g.dv = dv->untyped_data();
@@ -283,7 +292,8 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
 
 #define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, KERNELS)                                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, s2attn::Forward<KERNELS>,                                   \
-                                s2attn::BindForward(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));            \
+                                s2attn::BindForward<xla::ffi::AnyBuffer>(                                         \
+                                    xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                            \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDqCuda, s2attn::BackwardDq<KERNELS>,                             \
                                 s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDkvCuda, s2attn::BackwardDkv<KERNELS>,                           \

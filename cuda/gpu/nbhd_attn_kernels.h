@@ -41,6 +41,9 @@ struct NbhdAttnGpuParams {
 
   // Results (device memory). Unused ones are null.
   float* out = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
+  // Tiled forward only, in place of `out`: out in `dtype`, each element the float32 result rounded to
+  // nearest (the bits of a cast), at half the bytes; what the op returns when not differentiated.
+  void* out_narrow = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
   float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
   void* dq = nullptr;        // like q, of gradient_dtype
   float* delta_out = nullptr;  // [batch, nq_lat, nq_lon, heads] (tiled dq with forward_out)

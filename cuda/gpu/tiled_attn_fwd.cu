@@ -111,8 +111,14 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
     scale[h] = seen[h] ? 1.f / l[h] : 0.f;
     if (t == 0 && u.row_exists[h]) p.lse_out[u.row_point[h]] = seen[h] ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
   }
-  StoreRows<D>(ExistingRow(p.out, D, u, 0), ExistingRow(p.out, D, u, 1), acc, scale[0], scale[1], seen[0],
-               seen[1]);
+  const auto store = [&](auto* out) {
+    StoreRows<D>(ExistingRow(out, D, u, 0), ExistingRow(out, D, u, 1), acc, scale[0], scale[1], seen[0], seen[1]);
+  };
+  if (p.out != nullptr) {
+    store(p.out);
+  } else {  // out in T: the same float32 values, rounded to nearest
+    store(static_cast<T*>(p.out_narrow));
+  }
 }
 
 }  // namespace
@@ -123,10 +129,11 @@ bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
   const bool sixteen_bit = p.dtype == ActivationType::kBF16 || p.dtype == ActivationType::kF16;
   const bool dims = p.head_dim_k == p.head_dim_v && (p.head_dim_k == 32 || p.head_dim_k == 64 || p.head_dim_k == 128);
   const bool gradients = p.gradient_dtype == ActivationType::kF32 || p.gradient_dtype == p.dtype;
-  return sixteen_bit && dims && gradients && gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out});
+  return sixteen_bit && dims && gradients && gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out, p.out_narrow});
 }
 
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  if ((p.out == nullptr) == (p.out_narrow == nullptr)) return cudaErrorInvalidValue;  // one out, of either type
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
     return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledFwdKernel<typename V::Element, V::kDim>, stream, p,

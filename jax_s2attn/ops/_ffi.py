@@ -317,8 +317,10 @@ def _grid_dims(name, x) -> tuple:
     return tuple(lead), nlat, nlon, heads
 
 
-def ffi_forward(query, key, value, plan, window, row_order, *, scale, kernel="arc", poison_results=False):
-    """Forward target: ``(out, lse)`` in float32 over the keys inside ``window``.
+def ffi_forward(
+    query, key, value, plan, window, row_order, *, scale, kernel="arc", poison_results=False, out_dtype=jnp.float32
+):  # fmt: skip
+    """Forward target: ``(out, lse)`` over the keys inside ``window``, ``lse`` in float32.
 
     Activations ``query [..., nq_lat, nq_lon, H, Dk]``, ``key [..., nk_lat, nk_lon, H, Dk]``,
     ``value [..., nk_lat, nk_lon, H, Dv]`` (local blocks, equal leading dims, one dtype);
@@ -331,13 +333,18 @@ def ffi_forward(query, key, value, plan, window, row_order, *, scale, kernel="ar
     query's rank, shapes and dtypes are checked by the handler (``INVALID_ARGUMENT``).
     ``poison_results`` (all three targets) is a test aid: results start as NaN, so any
     element a kernel leaves unwritten shows.
+
+    ``out_dtype``: float32, or with ``kernel="tiled"`` also the activations' dtype, each element the
+    float32 result rounded to nearest (the bits of ``.astype``), written at half the bytes: what the
+    op returns when it is not differentiated (its backward forms delta from the float32 out).
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "forward", scale)
+    dtype = _result_dtype(out_dtype, kernel, query, "out_dtype")
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     operands = (query, key, value, _index(window), _index(row_order), *walk, plan.tables.quad_weights)
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
-    out, lse = _call(target, operands, shapes, attributes, poison_results)
+    out, lse = _call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32)))
     return out, lse
 
 
@@ -355,7 +362,7 @@ def ffi_backward_dq(
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "dq", scale)
-    dtype = _gradient_dtype(gradient_dtype, kernel, query)
+    dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
                 plan.tables.quad_weights)
     (dq,) = _call(target, operands, [query.shape], attributes, poison_results, dtype)
@@ -377,7 +384,7 @@ def ffi_backward_dq_delta(
     """
     ensure_registered()
     target, walk, attributes = _step(plan, "tiled", "dq_delta", scale)
-    dtype = _gradient_dtype(gradient_dtype, "tiled", query)
+    dtype = _result_dtype(gradient_dtype, "tiled", query, "gradient_dtype")
     dout, out, dlse = _delta_operands(dout, out, dlse)
     operands = (query, key, value, dout, lse, out, dlse, _index(window), _index(row_order), *walk,
                 plan.tables.quad_weights)
@@ -396,29 +403,30 @@ def ffi_backward_dkv(
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "dkv", scale)
-    dtype = _gradient_dtype(gradient_dtype, kernel, query)
+    dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
                 plan.tables.quad_weights)
     dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results, dtype)
     return dk, dv
 
 
-def op_gradient_dtype(kernel: str, dtype) -> jnp.dtype:
-    """The gradients' dtype the op asks of ``kernel`` for activations of ``dtype``: that dtype on
-    the tiled kernels (the bits a cast would give, half the bytes), float32 on the arc kernels."""
+def op_result_dtype(kernel: str, dtype) -> jnp.dtype:
+    """The dtype of the results the op asks of ``kernel`` for activations of ``dtype`` (the gradients,
+    and out when not differentiated): that dtype on the tiled kernels (the bits a cast would give,
+    half the bytes), float32 on the arc kernels."""
     return jnp.dtype(dtype) if kernel == "tiled" else jnp.dtype(jnp.float32)
 
 
-def _gradient_dtype(gradient_dtype, kernel: str, query) -> jnp.dtype:
-    """``gradient_dtype`` checked: float32, or the activations' dtype on the tiled kernels."""
-    dtype = jnp.dtype(gradient_dtype)
+def _result_dtype(dtype, kernel: str, query, name: str) -> jnp.dtype:
+    """``dtype`` (the argument ``name``) checked: float32, or the activations' dtype on the tiled kernels."""
+    dtype = jnp.dtype(dtype)
     if dtype == jnp.float32 or (kernel == "tiled" and dtype == query.dtype):
         return dtype
     if kernel == "tiled":
         allowed = f"float32 or {jnp.dtype(query.dtype).name} (the dtype of query)"
     else:
-        allowed = "float32 (16-bit gradients need kernel='tiled')"
-    raise ValueError(f"gradient_dtype must be {allowed} for the {kernel} kernels, got {dtype.name}.")
+        allowed = "float32 (16-bit results need kernel='tiled')"
+    raise ValueError(f"{name} must be {allowed} for the {kernel} kernels, got {dtype.name}.")
 
 
 #: Element types of ``dout`` the delta target accepts.

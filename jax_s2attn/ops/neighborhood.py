@@ -144,9 +144,13 @@ def _per_platform(query, key, value, plan, scale, implementation):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _native_attention(query, key, value, plan, scale, kernel):
     """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc" or
-    "tiled"), whole grids; the backward pass runs the same kernel family."""
-    outputs, _ = _native_forward(query, key, value, plan, scale, kernel)
-    return outputs
+    "tiled"), whole grids; the backward pass runs the same kernel family. Not differentiated,
+    the tiled forward writes out in the input dtype itself (no float32 out, no cast after it)."""
+    out, lse = _ffi.ffi_forward(
+        query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale, kernel=kernel,
+        out_dtype=_ffi.op_result_dtype(kernel, query.dtype),
+    )
+    return out.astype(query.dtype), lse
 
 
 def _native_forward(query, key, value, plan, scale, kernel):
@@ -170,7 +174,7 @@ def _native_backward(scale, kernel, residuals, cotangents):
     # the delta target.
     window = full_window(plan)
     tables = plan.tables
-    gradients = dict(scale=scale, gradient_dtype=_ffi.op_gradient_dtype(kernel, query.dtype))
+    gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
     if kernel == "tiled":
         dq, delta = _ffi.ffi_backward_dq_delta(
             query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order, **gradients

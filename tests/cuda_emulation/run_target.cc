@@ -54,14 +54,15 @@ s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q,
 // 3, 4, 5 the same of the tiled kernels, whose `arc_offsets`/`arcs` carry the segment table
 // (num_arcs = its row count). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
 // nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
-// of the activations and of the gradient results (forward results are float32). Returns the
+// of the activations and of the gradient results (forward results are float32). `result2`: null, or
+// for the tiled forward out in `dtype`, in place of a float32 out (result0 null). Returns the
 // launcher's cudaError_t.
 extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
                                  const void* v, const void* dout, const float* lse, const float* delta,
                                  const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
                                  const int32_t* arcs, const float* quad_weights, void* result0, void* result1,
-                                 const int64_t* sizes, float scale) {
-  if (target < 0 || target > 5) return cudaErrorInvalidValue;
+                                 void* result2, const int64_t* sizes, float scale) {
+  if (target < 0 || target > 5 || (result2 != nullptr && target != 3)) return cudaErrorInvalidValue;
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
                                          arcs, quad_weights, sizes, scale);
   p.delta = delta;
@@ -70,6 +71,7 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
     case 0:
       p.out = static_cast<float*>(result0);
       p.lse_out = static_cast<float*>(result1);
+      p.out_narrow = result2;
       return tiled ? s2attn::LaunchTiledAttnFwd(nullptr, p) : s2attn::LaunchNbhdAttnFwd(nullptr, p);
     case 1:
       p.dq = result0;
