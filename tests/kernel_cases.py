@@ -384,7 +384,8 @@ def call_run_target(
     """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable
     and returns its cudaError_t. ``address(array)`` gives the buffer address the kernels use
     for a (non-None) numpy array; ``table`` is an ArcTable or a SegmentTable. The gradient
-    results' type is that of ``r0`` (forward results are float32); ``r2`` as a launch's ``result2``."""
+    results' type is that of ``r0`` (the forward's lse and ``r0`` out are float32); ``r2`` as a launch's
+    ``result2``."""
     rows = table_rows(table)
     forming_delta = target == TILED_DQ_FORMING_DELTA
     if forming_delta and r2 is not None:

@@ -469,6 +469,7 @@ def test_tiled_forward_launcher_takes_exactly_one_out(launch_status, rng):
                                None, window, case.fwd_order, case.plan.forward_segments, case.plan.quad_weights, out,
                                lse, narrow)  # fmt: skip
         assert status == CUDA_ERROR_INVALID_VALUE and np.isnan(lse).all()
+        assert all(np.isnan(x).all() for x in (out, narrow) if x is not None)
 
 
 @pytest.mark.parametrize(("kernel", "gradient_type"), [("arc", ml_dtypes.bfloat16), ("tiled", np.float16)])

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_s2attn import NeighborhoodPlan, neighborhood_attention
+from jax_s2attn import RESIDUAL_NAME, NeighborhoodPlan, neighborhood_attention
 from jax_s2attn.ops import _checks, _ffi
 from jax_s2attn.parallel import sharded_neighborhood_attention
 
@@ -194,21 +194,24 @@ def test_sharded_arc_equals_sharded_ffi_on_cpu():
 # ----------------------------------------------------------------------------- exported programs
 
 
-def _exported_module(implementation, dtype, dk, dv, platforms, differentiated=True) -> str:
-    """MLIR text of the gradient of the op's outputs (or of the op alone), exported for ``platforms``."""
+def _loss(q, k, v, plan, implementation="ffi"):
+    out, lse = neighborhood_attention(q, k, v, plan, implementation=implementation, return_residual=True)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(jnp.cos(lse))
 
-    def loss(q, k, v, plan):
-        out, lse = neighborhood_attention(q, k, v, plan, implementation=implementation, return_residual=True)
-        return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(jnp.cos(lse))
 
-    def attention(q, k, v, plan):
-        return neighborhood_attention(q, k, v, plan, implementation=implementation)
+def _gradient(loss):
+    return jax.grad(loss, argnums=(0, 1, 2))
 
+
+def _exported_module(implementation, dtype, dk, dv, platforms, program=None) -> str:
+    """MLIR text of ``program(q, k, v, plan)`` (by default the gradient of a loss of the op's
+    outputs), exported for ``platforms``."""
+    program = program or _gradient(functools.partial(_loss, implementation=implementation))
     shapes = [(2, *PLAN.out_shape, 2, dk), (2, *PLAN.in_shape, 2, dk), (2, *PLAN.in_shape, 2, dv)]
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     plan = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), PLAN)
     exported = jax.export.export(
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2)) if differentiated else attention),
+        jax.jit(program),
         platforms=platforms,
         disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call(t)
@@ -254,20 +257,36 @@ def _forward_result_types(module: str, target: str) -> str:
     return line.rsplit("->", 1)[1].split(" loc(")[0].strip()
 
 
+def _attention(q, k, v, plan):
+    return neighborhood_attention(q, k, v, plan, implementation="ffi")
+
+
+_SAVING_RESIDUALS = jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)
+# Programs running the op, and the element type its tiled forward writes out in: the activations'
+# where nothing differentiates it, float32 (the residual delta is formed from) where something does.
+FORWARD_OUT_TYPES = {
+    "alone": (_attention, "bf16"),
+    "vmap": (jax.vmap(_attention, in_axes=(0, 0, 0, None)), "bf16"),
+    "checkpoint": (jax.checkpoint(_attention), "bf16"),
+    "grad": (_gradient(_loss), "f32"),
+    "grad-of-checkpoint-saving-residuals": (_gradient(jax.checkpoint(_loss, policy=_SAVING_RESIDUALS)), "f32"),
+    "vmap-of-grad": (jax.vmap(_gradient(_loss), in_axes=(0, 0, 0, None)), "f32"),
+}
+
+
 @native
-def test_export_for_cuda_writes_the_undifferentiated_out_in_the_input_dtype(tiled_build):
+@pytest.mark.parametrize("name", FORWARD_OUT_TYPES)
+def test_export_for_cuda_writes_out_in_the_input_dtype_unless_differentiated(tiled_build, name):
     """Not differentiated, the tiled forward writes out in bfloat16 itself (no float32 out, no cast);
-    differentiated, it writes the float32 out the backward forms delta from."""
+    differentiated, it writes the float32 out the backward forms delta from. One forward either way."""
     if not _ffi.HAS_CUDA_EXT:
         pytest.skip("the CUDA module is not built")
+    program, out_type = FORWARD_OUT_TYPES[name]
+    module = _exported_module("ffi", BF16, 64, 64, ["cuda"], program)
     out_shape = "2x" + "x".join(map(str, PLAN.out_shape)) + "x2x64"
     rows = out_shape.removesuffix("x64")
-    alone = _exported_module("ffi", BF16, 64, 64, ["cuda"], differentiated=False)
-    assert _forward_result_types(alone, _ffi.TILED_FORWARD_TARGET) == f"(tensor<{out_shape}xbf16>, tensor<{rows}xf32>)"
-    differentiated = _exported_module("ffi", BF16, 64, 64, ["cuda"])
-    assert _forward_result_types(differentiated, _ffi.TILED_FORWARD_TARGET) == (
-        f"(tensor<{out_shape}xf32>, tensor<{rows}xf32>)"
-    )
+    want = f"(tensor<{out_shape}x{out_type}>, tensor<{rows}xf32>)"
+    assert _forward_result_types(module, _ffi.TILED_FORWARD_TARGET) == want
 
 
 @native

@@ -226,13 +226,16 @@ def test_dq_that_forms_delta_checks_its_operands_before_lowering(plan, name):
 
 
 @native
-@pytest.mark.parametrize("target", ["dq", "dkv"])
-def test_arc_handlers_refuse_16_bit_gradients(platform, plan, target, monkeypatch):
+@pytest.mark.parametrize("target", ["forward", "dq", "dkv"])
+def test_arc_handlers_refuse_16_bit_results(platform, plan, target, monkeypatch):
     """The handlers' own check, behind the Python one (bypassed here)."""
     _skip_on_cuda(platform)
     monkeypatch.setattr(_ffi, "_result_dtype", lambda dtype, kernel, query, name: jnp.dtype(dtype))
     args = _backward_args(plan)
-    if target == "dq":
+    if target == "forward":
+        call = lambda: _ffi.ffi_forward(args["query"], args["key"], args["value"], plan, args["window"],  # noqa: E731
+                                        plan.tables.forward_row_order, scale=0.5, out_dtype=jnp.float16)  # fmt: skip
+    elif target == "dq":
         call = lambda: _ffi.ffi_backward_dq(**args, row_order=plan.tables.forward_row_order, scale=0.5,  # noqa: E731
                                             gradient_dtype=jnp.float16)  # fmt: skip
     else:

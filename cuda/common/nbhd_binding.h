@@ -31,9 +31,8 @@ auto BindAttrs(Binding&& binding) {
 // Extra operands after the documented ones are ignored (RemainingArgs): tests alias
 // NaN-filled buffers to the results through them to check that every element is written.
 
-// jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse);
-// `Out` is the buffer type out binds (float32 only on the CPU, checked by the handler on CUDA).
-template <typename Out = F32Buffer, typename Binding>
+// jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse).
+template <typename Binding>
 auto BindForward(Binding&& binding) {
   return BindAttrs(std::move(binding)
                        .template Arg<ffi::AnyBuffer>()  // q
@@ -45,8 +44,8 @@ auto BindForward(Binding&& binding) {
                        .template Arg<I32Buffer>()       // arcs
                        .template Arg<F32Buffer>()       // quad_weights
                        .RemainingArgs()
-                       .template Ret<Out>()          // out
-                       .template Ret<F32Buffer>());  // lse
+                       .template Ret<ffi::AnyBuffer>()  // out (type checked by the handler)
+                       .template Ret<F32Buffer>());     // lse
 }
 
 // Operands of the backward targets: q, k, v, dout, lse, delta, window, row_order, arc_offsets,
@@ -76,7 +75,7 @@ auto BindBackwardArgs(Binding&& binding) {
       .RemainingArgs();
 }
 
-// Gradient results (and the CUDA forward's out) are float32, or on the tiled CUDA targets also the
+// Gradient results and the forward's out are float32, or on the tiled CUDA targets also the
 // activations' dtype (CheckResultTypes in nbhd_params.h); the handlers check which.
 
 // jax_s2attn_nbhd_bwd_dq: backward operands -> dq.

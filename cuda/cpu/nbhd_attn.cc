@@ -272,8 +272,9 @@ ffi::Error OutOfMemory() {
 
 ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
                    I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                   ffi::RemainingArgs /*aliased_results*/, F32Result out, F32Result lse, float scale,
-                   int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
+                   ffi::RemainingArgs /*aliased_results*/, ffi::Result<ffi::AnyBuffer> out, F32Result lse,
+                   float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
+                   int64_t nlon_k) {
   NbhdParams p;
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                       /*walk_keys=*/false, window.element_count(), row_order.element_count(),
@@ -281,6 +282,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                                       quad_weights.element_count(), &p));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
+  S2ATTN_RETURN_IF_ERROR(CheckResultTypes("out", {out->element_type()}, q.element_type(), false, nullptr));
   Walk walk;
   S2ATTN_RETURN_IF_ERROR(ReadWalk(p, /*walk_keys=*/false, window, row_order, arc_offsets, arcs, &walk));
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
@@ -288,7 +290,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);
     const int64_t H = p.heads, dk = p.dk, dv = p.dv;
     const float* weights = quad_weights.typed_data();
-    float* out_data = out->typed_data();
+    float* out_data = static_cast<float*>(out->untyped_data());
     float* lse_data = lse->typed_data();
     const bool ok = ForEachWalkingRow(pool, p, walk, p.nq_lat, [&](int64_t b, int64_t i) {
       // Online softmax per head: running max m, weighted sum A, accumulator acc.

@@ -292,8 +292,7 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
 
 #define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, KERNELS)                                                          \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, s2attn::Forward<KERNELS>,                                   \
-                                s2attn::BindForward<xla::ffi::AnyBuffer>(                                         \
-                                    xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                            \
+                                s2attn::BindForward(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));            \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDqCuda, s2attn::BackwardDq<KERNELS>,                             \
                                 s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDkvCuda, s2attn::BackwardDkv<KERNELS>,                           \

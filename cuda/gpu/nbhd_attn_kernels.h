@@ -11,7 +11,8 @@
 namespace s2attn {
 
 // Element type of q, k, v and dout. Accumulation is float32, and so is every result but the
-// gradients of the tiled kernels, which may be stored in the activations' type (gradient_dtype).
+// gradients and the forward's out of the tiled kernels, which may be stored in the activations' type
+// (gradient_dtype, out_narrow).
 enum class ActivationType : int { kF32, kBF16, kF16 };
 
 // One call of any of the three targets, passed to the kernels by value. Activations are
@@ -41,10 +42,10 @@ struct NbhdAttnGpuParams {
 
   // Results (device memory). Unused ones are null.
   float* out = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
+  float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
   // Tiled forward only, in place of `out`: out in `dtype`, each element the float32 result rounded to
   // nearest (the bits of a cast), at half the bytes; what the op returns when not differentiated.
   void* out_narrow = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
-  float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
   void* dq = nullptr;        // like q, of gradient_dtype
   float* delta_out = nullptr;  // [batch, nq_lat, nq_lon, heads] (tiled dq with forward_out)
   void* dk = nullptr;        // like k, of gradient_dtype

@@ -129,7 +129,7 @@ bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
   const bool sixteen_bit = p.dtype == ActivationType::kBF16 || p.dtype == ActivationType::kF16;
   const bool dims = p.head_dim_k == p.head_dim_v && (p.head_dim_k == 32 || p.head_dim_k == 64 || p.head_dim_k == 128);
   const bool gradients = p.gradient_dtype == ActivationType::kF32 || p.gradient_dtype == p.dtype;
-  return sixteen_bit && dims && gradients && gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out, p.out_narrow});
+  return sixteen_bit && dims && gradients && gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out});
 }
 
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {

@@ -15,7 +15,8 @@ namespace s2attn {
 // turn `false` into INVALID_ARGUMENT.
 bool TiledAttnSupported(const NbhdAttnGpuParams& params);
 
-// Same results and contract as LaunchNbhdAttnFwd / BwdDq / BwdDkv (cuda/README.md).
+// Same results and contract as LaunchNbhdAttnFwd / BwdDq / BwdDkv (cuda/README.md); the forward writes
+// `out` or, given `out_narrow` instead, out in the activations' type (exactly one of them).
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& params);
 cudaError_t LaunchTiledAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& params);
 cudaError_t LaunchTiledAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& params);

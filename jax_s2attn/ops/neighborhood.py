@@ -146,17 +146,17 @@ def _native_attention(query, key, value, plan, scale, kernel):
     """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc" or
     "tiled"), whole grids; the backward pass runs the same kernel family. Not differentiated,
     the tiled forward writes out in the input dtype itself (no float32 out, no cast after it)."""
-    out, lse = _ffi.ffi_forward(
-        query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale, kernel=kernel,
-        out_dtype=_ffi.op_result_dtype(kernel, query.dtype),
-    )
+    out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel, _ffi.op_result_dtype(kernel, query.dtype))
     return out.astype(query.dtype), lse
 
 
+def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32):
+    window, rows = full_window(plan), plan.tables.forward_row_order
+    return _ffi.ffi_forward(query, key, value, plan, window, rows, scale=scale, kernel=kernel, out_dtype=out_dtype)
+
+
 def _native_forward(query, key, value, plan, scale, kernel):
-    out, lse = _ffi.ffi_forward(
-        query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale, kernel=kernel
-    )
+    out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel)
     # The outputs are computed from the named values so that a checkpoint policy saving
     # the names can rebuild them too (they feed the caller's own backward pass).
     saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))

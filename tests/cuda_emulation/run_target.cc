@@ -54,9 +54,9 @@ s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q,
 // 3, 4, 5 the same of the tiled kernels, whose `arc_offsets`/`arcs` carry the segment table
 // (num_arcs = its row count). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
 // nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
-// of the activations and of the gradient results (forward results are float32). `result2`: null, or
-// for the tiled forward out in `dtype`, in place of a float32 out (result0 null). Returns the
-// launcher's cudaError_t.
+// of the activations and of the gradient results (the forward's lse and result0 out are float32).
+// `result2`: null, or for the tiled forward out in `dtype`, in place of a float32 out (result0 null).
+// Returns the launcher's cudaError_t.
 extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
                                  const void* v, const void* dout, const float* lse, const float* delta,
                                  const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
