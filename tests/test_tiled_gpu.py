@@ -182,16 +182,12 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
 
             tiled = [np.asarray(x) for x in run("tiled")]
             arc = [np.asarray(x) for x in run("arc")]
-            narrow_out, narrow_lse = (np.asarray(x) for x in _ffi.ffi_forward(
-                *activations[:3], plan, window, q_rows, scale=WINDOW_SCALE, kernel="tiled", poison_results=True,
-                out_dtype=dtype))  # fmt: skip
-            assert narrow_out.dtype == dtype and narrow_lse.tobytes() == tiled[1].tobytes()
-            rounded = np.asarray(jnp.asarray(tiled[0]).astype(dtype))
-            np.testing.assert_array_equal(narrow_out.view(np.uint16), rounded.view(np.uint16), err_msg="narrow out")
-            narrow = dict(scale=WINDOW_SCALE, kernel="tiled", poison_results=True, gradient_dtype=dtype)
-            gradients = (_ffi.ffi_backward_dq(*backward, q_rows, **narrow),
-                         *_ffi.ffi_backward_dkv(*backward, k_rows, **narrow))  # fmt: skip
-            for name, got, wide in zip(NAMES[2:], gradients, tiled[2:]):
+            narrow = dict(scale=WINDOW_SCALE, kernel="tiled", poison_results=True)
+            narrow_out, narrow_lse = _ffi.ffi_forward(*activations[:3], plan, window, q_rows, out_dtype=dtype, **narrow)
+            assert np.asarray(narrow_lse).tobytes() == tiled[1].tobytes()
+            gradients = (_ffi.ffi_backward_dq(*backward, q_rows, gradient_dtype=dtype, **narrow),
+                         *_ffi.ffi_backward_dkv(*backward, k_rows, gradient_dtype=dtype, **narrow))  # fmt: skip
+            for name, got, wide in zip(("out", *NAMES[2:]), (narrow_out, *gradients), (tiled[0], *tiled[2:])):
                 assert got.dtype == dtype, name
                 want = np.asarray(jnp.asarray(wide).astype(dtype))
                 np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16), err_msg=name)
