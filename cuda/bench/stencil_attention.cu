@@ -7,7 +7,7 @@
 // A block owns kRows consecutive walking rows x kLons longitudes (query rows for the forward and dq,
 // key rows for dk/dv). It stages the rows of the other grid its points see (at most kMaxOtherRows, each
 // kLons + 2 kMaxHalf columns around the block's longitudes: K and V, or Q and dout with their lse and
-// delta) into shared memory once, then kLanes lanes per point (kD / kLanes channels each) walk the
+// delta) into shared memory once, all copies in flight together (cp.async), then kLanes lanes per point (kD / kLanes channels each) walk the
 // point's columns there: dot products over the lanes (two shuffles each), in float32 throughout:
 //   forward: online softmax in log2 units with the quadrature weight as a bias, out = P V / l, lse;
 //   dq:      p = w exp(s - lse), dq = scale sum p (dout.v - delta) k;
@@ -36,6 +36,7 @@
 #include "bench/bench_common.h"
 #include "bench/bench_reference.h"
 #include "gpu/device_common.cuh"
+#include "gpu/mbarrier_sm90.cuh"
 
 namespace {
 
@@ -43,6 +44,12 @@ using namespace bench;  // T, kD, kScale, kRing and the float64 truth
 using s2attn::gpu::Exp2;
 using s2attn::gpu::kLn2;
 using s2attn::gpu::kLog2e;
+
+// Blocks per SM the launch bounds ask of dq and dk/dv (-DSTENCIL_MIN_BLOCKS=3 caps them at 80 registers);
+// the forward asks for 4 (64 registers).
+#ifndef STENCIL_MIN_BLOCKS
+#define STENCIL_MIN_BLOCKS 2
+#endif
 
 constexpr int kMaxHalf = 3;                 // longitudes each side: arcs of at most 7 columns
 constexpr int kRows = 2;                    // walking rows per block
@@ -74,18 +81,21 @@ struct Problem {
 struct Staged {
   T a[kMaxOtherRows][kWindow][kStride];  // K (query walks) or Q (key walk)
   T b[kMaxOtherRows][kWindow][kStride];  // V or dout
-  float lse2[kMaxOtherRows][kWindow];    // key walk: log2(e) * lse of the staged queries (+inf: none)
+  float lse[kMaxOtherRows][kWindow];     // key walk: lse of the staged queries
   float delta[kMaxOtherRows][kWindow];   // key walk: their delta
+  uint64_t staged;                       // completes when every thread's copies landed
 };
 static_assert(sizeof(Staged) <= 48 * 1024, "dynamic shared memory beyond 48 KiB needs an opt-in");
 
 // log2(e) * lse, with +inf for a point without neighbours (lse = -inf), so that exp2(x - it) = 0.
 __device__ float Log2Lse(float lse) { return lse == -INFINITY ? INFINITY : kLog2e * lse; }
 
-// Stages rows other_row0 .. other_row0 + kMaxOtherRows - 1 (those past the grid are never read), columns
-// lon0 - kMaxHalf .. lon0 + kLons + kMaxHalf - 1 taken modulo nlon.
+// Starts staging rows other_row0 .. other_row0 + kMaxOtherRows - 1 (those past the grid are never read),
+// columns lon0 - kMaxHalf .. lon0 + kLons + kMaxHalf - 1 taken modulo nlon: every copy of the thread in
+// flight at once (cp.async), landed when s.staged completes (each thread arrives for its copies and for
+// itself), so that staging costs one trip to memory rather than one per copy.
 template <Kind kKind>
-__device__ void StageOtherRows(Staged& s, const Problem& p, int other_row0, int lon0) {
+__device__ void StartStaging(Staged& s, const Problem& p, int other_row0, int lon0) {
   const T* a = kKind == Kind::kDkv ? p.q : p.k;
   const T* b = kKind == Kind::kDkv ? p.dout : p.v;
   for (int e = threadIdx.x; e < kMaxOtherRows * kWindow * kVectors; e += kThreads) {
@@ -93,14 +103,15 @@ __device__ void StageOtherRows(Staged& s, const Problem& p, int other_row0, int 
     if (other_row0 + r >= p.nlat) continue;
     const int lon = ((lon0 - kMaxHalf + col) % p.nlon + p.nlon) % p.nlon;
     const size_t point = size_t(other_row0 + r) * p.nlon + lon;
-    *reinterpret_cast<uint4*>(&s.a[r][col][8 * vec]) = __ldg(reinterpret_cast<const uint4*>(a + point * kD) + vec);
-    *reinterpret_cast<uint4*>(&s.b[r][col][8 * vec]) = __ldg(reinterpret_cast<const uint4*>(b + point * kD) + vec);
+    s2attn::gpu::CopyAsync16(&s.a[r][col][8 * vec], a + point * kD + 8 * vec);
+    s2attn::gpu::CopyAsync16(&s.b[r][col][8 * vec], b + point * kD + 8 * vec);
     if (kKind == Kind::kDkv && vec == 0) {
-      s.lse2[r][col] = Log2Lse(__ldg(p.lse + point));
-      s.delta[r][col] = __ldg(p.delta + point);
+      s2attn::gpu::CopyAsync4(&s.lse[r][col], p.lse + point);
+      s2attn::gpu::CopyAsync4(&s.delta[r][col], p.delta + point);
     }
   }
-  __syncthreads();
+  s2attn::gpu::CopyAsyncArriveOn(&s.staged);
+  s2attn::gpu::MbarrierArrive(&s.staged);
 }
 
 // A lane's kLaneChannels channels of a row, widened: two 16-byte loads (in shared memory, a quarter-warp's
@@ -157,11 +168,13 @@ __device__ void StoreLane(T* x, size_t point, int lane, const float (&acc)[kLane
 }
 
 template <Kind kKind>
-__global__ void __launch_bounds__(kThreads) Stencil(const Problem p) {
+__global__ void __launch_bounds__(kThreads, kKind == Kind::kForward ? 4 : STENCIL_MIN_BLOCKS) Stencil(const Problem p) {
   Staged& s = *reinterpret_cast<Staged*>(s2attn::gpu::DynamicShared());
   const int row0 = p.block_rows[2 * blockIdx.y], other_row0 = p.block_rows[2 * blockIdx.y + 1];
   const int lon0 = blockIdx.x * kLons;
-  StageOtherRows<kKind>(s, p, other_row0, lon0);
+  if (threadIdx.x == 0) s2attn::gpu::MbarrierInit(&s.staged, 2 * kThreads);
+  __syncthreads();
+  StartStaging<kKind>(s, p, other_row0, lon0);
 
   const int lane = threadIdx.x % kLanes, point_in_block = threadIdx.x / kLanes;
   const int row = row0 + point_in_block / kLons, lon_in_block = point_in_block % kLons, lon = lon0 + lon_in_block;
@@ -181,29 +194,38 @@ __global__ void __launch_bounds__(kThreads) Stencil(const Problem p) {
     own_delta = __ldg(p.delta + point);
   }
   const float own_log2w = __ldg(p.log2w + walk_row);
-  for (int r = 0; r < kMaxOtherRows && other_row0 + r < p.nlat; ++r) {
-    const int h = __ldg(p.half + size_t(walk_row) * p.nlat + other_row0 + r);
-    if (h < 0) continue;
-    const float other_log2w = __ldg(p.log2w + other_row0 + r);
+  // The point's half-widths and the rows' weights, read while the copies are in flight.
+  int half[kMaxOtherRows];
+  float other_log2w[kMaxOtherRows];
+#pragma unroll
+  for (int r = 0; r < kMaxOtherRows; ++r) {
+    const bool on_grid = other_row0 + r < p.nlat;
+    half[r] = on_grid ? __ldg(p.half + size_t(walk_row) * p.nlat + other_row0 + r) : -1;
+    other_log2w[r] = on_grid ? __ldg(p.log2w + other_row0 + r) : 0.f;
+  }
+  s2attn::gpu::MbarrierWait(&s.staged, 0);
+#pragma unroll 1
+  for (int r = 0; r < kMaxOtherRows; ++r) {
+    const int h = half[r];
     for (int c = kMaxHalf + lon_in_block - h; c <= kMaxHalf + lon_in_block + h; ++c) {
       // The staged column's two rows, each read from shared memory once (b after the first dot product:
       // fewer registers live across it).
       float a[kLaneChannels], b[kLaneChannels];
       LoadChannels(a, &s.a[r][c][lane * kLaneChannels]);
       if constexpr (kKind == Kind::kForward) {
-        const float x = LaneDot(own, a) + other_log2w, m_new = fmaxf(m, x);
+        const float x = LaneDot(own, a) + other_log2w[r], m_new = fmaxf(m, x);
         const float decay = Exp2(m - m_new), pr = Exp2(x - m_new);
         m = m_new;
         l = fmaf(l, decay, pr);
         LoadChannels(b, &s.b[r][c][lane * kLaneChannels]);
         Accumulate(acc, decay, pr, b);
       } else if constexpr (kKind == Kind::kDq) {
-        const float pr = Exp2(LaneDot(own, a) + other_log2w - own_lse2);
+        const float pr = Exp2(LaneDot(own, a) + other_log2w[r] - own_lse2);
         LoadChannels(b, &s.b[r][c][lane * kLaneChannels]);
         const float ds = pr * (LaneDot(second, b) - own_delta);
         Accumulate(acc, 1.f, ds, a);
       } else {
-        const float pr = Exp2(LaneDot(own, a) + own_log2w - s.lse2[r][c]);
+        const float pr = Exp2(LaneDot(own, a) + own_log2w - Log2Lse(s.lse[r][c]));
         LoadChannels(b, &s.b[r][c][lane * kLaneChannels]);
         const float ds = pr * (LaneDot(second, b) - s.delta[r][c]);
         Accumulate(acc, 1.f, pr, b);  // dv
