@@ -55,6 +55,7 @@ import numpy as np
 import jax_s2attn
 from jax_s2attn.ops import _ffi  # which native kernels can run a row, and which one "ffi" picks
 from jax_s2attn.ops.local import full_window
+from jax_s2attn.ops.neighborhood import uses_stencil_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling timing module, also under -P
 from timing import median_ms  # noqa: E402
@@ -147,10 +148,12 @@ def _jax_runs(plan, cfg: Config, dtype: str, implementation: str, reps: int, inp
 def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
     """Median ms of the forward, dq, dkv and delta targets of ``kernel`` ("arc" or "tiled"), and for
     "tiled" its dq that forms delta (``dq_delta``), each alone: the backward targets read the lse,
-    out and delta of a forward of the same inputs."""
+    out and delta of a forward of the same inputs. The tiled forward runs as the op runs it (with the
+    plan's stencil rows where the op leaves them to the stencil kernel)."""
     window, scale = full_window(plan), float(input_sets[0][0].shape[-1]) ** -0.5
+    stencil = uses_stencil_rows(plan, input_sets[0][0], kernel)
     forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(
-        q, k, v, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel))  # fmt: skip
+        q, k, v, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel, stencil=stencil))  # fmt: skip
     gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, input_sets[0][0].dtype))
     dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dq(
         q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, kernel=kernel, **gradients))  # fmt: skip

@@ -33,10 +33,19 @@ import numpy as np
 
 from .grids import latitude_spacing, precompute_latitudes, precompute_longitudes, validate_grid, validate_shape
 
-__all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "THETA_CUTOFF_EPS"]
+__all__ = [
+    "ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "STENCIL_MAX_HALF", "STENCIL_OTHER_ROWS",
+    "THETA_CUTOFF_EPS", "stencil_pairs",
+]  # fmt: skip
 
 #: Relative widening of the cutoff used by the membership test (torch-harmonics).
 THETA_CUTOFF_EPS = 1e-3
+
+#: The shape of the CUDA stencil kernels (cuda/gpu/stencil_attn_kernels.h): a block walks two consecutive
+#: rows, stages at most ``STENCIL_OTHER_ROWS`` consecutive rows of the other grid, and every arc of its
+#: points starts and ends within ``STENCIL_MAX_HALF`` longitudes of the point.
+STENCIL_OTHER_ROWS = 4
+STENCIL_MAX_HALF = 3
 
 # Bounds the float64 temporaries of the membership test to ~16 MB each.
 _MEMBERSHIP_CHUNK = 1 << 21
@@ -49,7 +58,9 @@ class ArcTable(NamedTuple):
       offsets: ``[num_patterns + 1]`` CSR offsets into ``arcs``.
       arcs: ``[num_arcs, 3]`` rows of ``(row, lo, len)``, rows ascending per pattern.
       row_order: ``[rows]`` rows of the walking grid, most neighbours first
-        (summed over the row's residues): the kernels' schedule.
+        (summed over the row's residues): the kernels' schedule. The forward table's
+        stencil rows (:func:`stencil_pairs`) come last, ascending: the tiled forward
+        walks the ranks before them.
       residues: ``R``; pattern of point ``(h, w)`` is ``h*R + w % R``.
       shift: ``S``; arcs of point ``(h, w)`` start ``S*(w // R)`` longitudes later.
       nlon: longitudes of the grid the arcs run on.
@@ -144,6 +155,47 @@ class SegmentTable(NamedTuple):
         return cls(offsets, segments, residues, table.shift, table.nlon)
 
 
+def stencil_pairs(table: SegmentTable) -> np.ndarray:
+    """The walking row pairs ``(2i, 2i + 1)`` of ``table`` the stencil kernels take, int32 ``[pairs, 2]``
+    rows of (first walking row, first other-grid row they see).
+
+    A pair qualifies when the walk has one residue and shift 1 (arcs relative to their point), each arc
+    ``(lo, len)`` of both rows starts at ``lo`` (or ``lo - nlon`` when ``lo > STENCIL_MAX_HALF``)
+    longitudes from its point, at least ``-STENCIL_MAX_HALF``, and ends at most ``STENCIL_MAX_HALF``
+    past it, and the rows both rows see span at most ``STENCIL_OTHER_ROWS``. The kernel applies the same
+    rule to every arc it reads. Rows of short arcs cost the tensor-core kernels whole 16-column blocks
+    for a few neighbours (benchmarks/NOTES.md, sessions 13-15).
+    """
+    none = np.zeros((0, 2), np.int32)
+    if table.residues != 1 or table.shift != 1:
+        return none
+    rows = table.offsets.size - 1
+    segments = table.segments.astype(np.int64)
+    row_of = np.repeat(np.arange(rows), np.diff(table.offsets))
+    other, lo, length = segments[:, 0], segments[:, 1], segments[:, 2]
+    start = np.where(lo > STENCIL_MAX_HALF, lo - table.nlon, lo)
+    short = (start >= -STENCIL_MAX_HALF) & (start + length - 1 <= STENCIL_MAX_HALF)
+    row_short = np.ones(rows, bool)
+    np.logical_and.at(row_short, row_of, short)
+    first, last = np.full(rows, np.iinfo(np.int64).max), np.full(rows, -1)
+    np.minimum.at(first, row_of, other)
+    np.maximum.at(last, row_of, other)
+    pairs = np.arange(rows // 2)
+    even, odd = 2 * pairs, 2 * pairs + 1
+    pair_first = np.minimum(first[even], first[odd])
+    keep = row_short[even] & row_short[odd] & (np.maximum(last[even], last[odd]) - pair_first < STENCIL_OTHER_ROWS)
+    # A pair of rows without arcs (never in a plan: every query has a neighbour) stages from row 0.
+    pair_first = np.where(pair_first > last.max(initial=0), 0, pair_first)
+    return np.stack([even[keep], pair_first[keep]], axis=1).astype(np.int32).reshape(-1, 2)
+
+
+def _stencil_rows_last(row_order: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """``row_order`` with the rows of ``pairs`` moved to its end (ascending), the others' order kept."""
+    stencil = np.zeros(row_order.size, bool)
+    stencil[pairs[:, 0]] = stencil[pairs[:, 0] + 1] = True
+    return np.concatenate([row_order[~stencil[row_order]], np.flatnonzero(stencil)]).astype(np.int32)
+
+
 class PlanTables(NamedTuple):
     """Device-side tables the kernels read; the pytree leaves of a plan.
 
@@ -163,6 +215,7 @@ class PlanTables(NamedTuple):
     forward_segments: object
     backward_segment_offsets: object
     backward_segments: object
+    forward_stencil_pairs: object
 
 
 def _membership(theta_out, theta_in, lon_in, eff):
@@ -346,7 +399,7 @@ class NeighborhoodPlan:
                 for table, arcs in walks:
                     # With R == 1 the segment table is the arc table (checked when the plan is built).
                     segment_tables += arcs if table.residues == 1 else map(jax.device_put, table[:2])
-                tables = PlanTables(*arc_tables, *segment_tables)
+                tables = PlanTables(*arc_tables, *segment_tables, jax.device_put(self.forward_stencil_pairs))
             object.__setattr__(self, "_tables", tables)
         return tables
 
@@ -416,6 +469,9 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         )
 
     forward_segments, backward_segments = SegmentTable.from_arcs(forward), SegmentTable.from_arcs(backward)
+    forward_stencil_pairs = stencil_pairs(forward_segments)
+    # The tiled forward walks the first ranks of the row order, the stencil kernel the pairs' rows.
+    forward = forward._replace(row_order=_stencil_rows_last(forward.row_order, forward_stencil_pairs))
     for arcs, segments in [(forward, forward_segments), (backward, backward_segments)]:
         # The device tables share the arc arrays when R == 1, which relies on this.
         if arcs.residues == 1 and not (
@@ -447,10 +503,11 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         backward_arcs=backward,
         forward_segments=forward_segments,
         backward_segments=backward_segments,
+        forward_stencil_pairs=forward_stencil_pairs,
     )
     _set(plan, _host=plan)
     host_tables = (csr_offsets, csr_columns, quad_weights, theta_in, theta_out, *forward[:3], *backward[:3])
-    for table in (*host_tables, *forward_segments[:2], *backward_segments[:2]):
+    for table in (*host_tables, *forward_segments[:2], *backward_segments[:2], forward_stencil_pairs):
         table.setflags(write=False)
     return plan
 

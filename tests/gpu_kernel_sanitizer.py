@@ -1,8 +1,8 @@
 """The CUDA kernels alone on a GPU (no JAX/XLA in the process), for compute-sanitizer.
 
-Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu`` and the C
-entry point ``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library,
-uploads the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``,
+Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu``,
+``cuda/gpu/stencil_attn_fwd.cu`` and the C entry point ``tests/cuda_emulation/run_target.cc`` with nvcc
+into a temporary shared library, uploads the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``,
 results poisoned with NaN), runs forward, dq and dkv of the arc-segment or the tiled kernels
 (and the tiled dq that forms delta) on the default stream, synchronises after every launch and
 checks the results against the float64 reference of ``kernel_cases.py`` (the one the
@@ -45,6 +45,7 @@ from kernel_cases import (  # noqa: E402
     PLANS,
     ROOT,
     RUN_TARGET_SHIM,
+    STENCIL_PLANS,
     KernelCase,
     call_run_target,
     prepare_case,
@@ -82,6 +83,10 @@ CASES = [
     ("tiled", "self-72", 64, 64, "float16", LONG_ROW_WINDOWS["self-72"]),
     ("tiled", "up-100", 32, 32, "bfloat16", LONG_ROW_WINDOWS["up-100"]),
     ("tiled", "rings-72", 64, 64, "float16", {}),
+    # The tiled forward leaving the plan's stencil pairs to the stencil kernel (kernel_cases.STENCIL_PLANS).
+    ("tiled+stencil", "self-17x72", 32, 32, "bfloat16", {}),
+    ("tiled+stencil", "self-9x4", 64, 64, "float16", {}),
+    ("tiled+stencil", "lat-10x40-9x40", 128, 128, "bfloat16", {}),
 ]
 
 
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     rng = np.random.default_rng(20261129)
-    plans = PLANS | LONG_ROW_PLANS
+    plans = PLANS | LONG_ROW_PLANS | STENCIL_PLANS
     cases: list[tuple[str, str, KernelCase]] = [
         (case_name(*spec), spec[0], prepare_case(rng, plans[spec[1]](), 2, 2, *spec[2:5], **spec[5]))
         for spec in CASES
@@ -171,14 +176,15 @@ def main(argv=None) -> int:
         cupy.cuda.set_allocator(None)  # one cudaMalloc per buffer, so memcheck sees each buffer's bounds
         launch = gpu_launch(ctypes.CDLL(str(library)), cupy)
         failures = 0
-        for name, kernel, case in cases:
+        for name, kind, case in cases:
+            kernel, stencil = kind.removesuffix("+stencil"), kind.endswith("+stencil")
             try:
-                results = run_case(case, launch, kernel)
+                results = run_case(case, launch, kernel, stencil=stencil)
                 verify_case(case, results, tolerance_of(kernel, case.dtype))
                 # Tiled: its forward writing out in the activations' type, and its dq that forms delta
                 # from random out (padding rows too).
                 if kernel == "tiled":
-                    verify_narrow_forward(results, run_narrow_forward(case, launch))
+                    verify_narrow_forward(results, run_narrow_forward(case, launch, stencil))
                     out = rng.standard_normal(results["out"].shape).astype(np.float32)
                     dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
                     verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, launch, out, dlse))

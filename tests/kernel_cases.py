@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
     ROOT / "cuda" / "gpu" / name
     for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "tiled_attn_fwd.cu", "tiled_attn_dq.cu",
-                 "tiled_attn_dkv.cu", "delta_kernel.cu")
+                 "tiled_attn_dkv.cu", "stencil_attn_fwd.cu", "delta_kernel.cu")
 ]
 RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
@@ -45,6 +45,9 @@ TILED_TARGET_OFFSET = 3
 # The tiled dq that forms delta itself (run_target.cc's RunTiledDqFormingDelta): a launch of it takes
 # (forward out, dlse) in place of delta and gives (dq, delta).
 TILED_DQ_FORMING_DELTA = 6
+# The tiled forward with the plan's stencil rows (run_target.cc's RunTiledForwardWithStencil): a launch of it
+# takes the plan's forward_stencil_pairs in the place of delta (whole grids only).
+TILED_FORWARD_WITH_STENCIL = 7
 # Its delta against float64, per row relative to sum |dout * out| + |dlse| (float32 sums of Dv terms).
 FORMED_DELTA_TOLERANCE = 1e-6
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
@@ -77,6 +80,17 @@ LONG_ROW_PLANS = {
     "up-100": lambda: NeighborhoodPlan((4, 50), (8, 100), theta_cutoff=0.6),  # residues 2
     "down-100": lambda: NeighborhoodPlan((8, 100), (4, 50), theta_cutoff=0.6),  # shift 2
     "rings-72": lambda: NeighborhoodPlan((6, 72), (6, 72), theta_cutoff=2.0),  # mostly whole rings
+}
+
+# Plans whose forward walk leaves row pairs to the stencil kernel (jax_s2attn.plan.stencil_pairs: one residue,
+# arcs within 3 longitudes): rings longer than a block's longitudes at every head dim (64, 32, 16) with a tail,
+# rings shorter than the staged window (wrapped many times), more key rows than query rows, Legendre-Gauss.
+STENCIL_PLANS = {
+    "self": PLANS["self"],
+    "legendre-gauss": PLANS["legendre-gauss"],
+    "self-17x72": lambda: NeighborhoodPlan((17, 72), (17, 72)),
+    "self-9x4": lambda: NeighborhoodPlan((9, 4), (9, 4)),
+    "lat-10x40-9x40": lambda: NeighborhoodPlan((10, 40), (9, 40), theta_cutoff=0.2),
 }
 
 # Walking rows with more segments than a tiled block lays out at once (kSlots = 64 segment slots in
@@ -261,7 +275,7 @@ def prepare_case(
 
 def run_case(
     case: KernelCase, launch: Launch, kernel: str = "arc", tables=None, as_op: bool = False,
-    gradient_type=np.float32,
+    gradient_type=np.float32, stencil: bool = False,
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """Runs forward, dq and dkv of ``kernel`` ("arc" or "tiled") with ``launch`` into NaN-filled
     results and returns them. ``tables``: the (forward, backward) tables walked, by default the
@@ -269,7 +283,8 @@ def run_case(
     lse of this forward and a delta from its out (float32; on "tiled" the one its dq forms), as the
     op feeds them, instead of the case's exact float64 ones; whole grids only (the forward's lse
     covers the window's keys, the backward needs every key's). ``gradient_type``: the numpy type
-    of dq, dk and dv (float32, or for the tiled kernels the activations' storage type)."""
+    of dq, dk and dv (float32, or for the tiled kernels the activations' storage type). ``stencil``: the
+    tiled forward leaves the plan's stencil rows to the stencil kernel, as the op's does (whole grids)."""
     q, k, v, dout, lse_in, delta, window = case.inputs
     if as_op and case.sizes[4:8] != case.sizes[8:12]:
         raise ValueError("as_op needs whole grids (no windows, no padding)")
@@ -282,10 +297,7 @@ def run_case(
         raise ValueError(f"kernel must be 'arc' or 'tiled', got {kernel!r}")
     forward_table, backward_table = tables or default_tables
     common = (case.dtype, case.sizes, case.scale)
-    out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
-    lse = np.full(q.shape[:4], np.nan, np.float32)
-    launch(first + FORWARD, *common, q, k, v, None, None, None, window, case.fwd_order, forward_table, weights,
-           out, lse)  # fmt: skip
+    out, lse = run_forward(case, launch, kernel, forward_table, stencil)
     dq = np.full(q.shape, np.nan, gradient_type)
     if as_op and kernel == "tiled":  # as the op: the tiled dq forms delta from out, for dk/dv too
         lse_in, delta = lse, np.full(q.shape[:4], np.nan, np.float32)
@@ -302,14 +314,38 @@ def run_case(
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def run_narrow_forward(case: KernelCase, launch: Launch) -> dict[str, np.ndarray]:
+def run_forward(case: KernelCase, launch: Launch, kernel: str, table, stencil: bool = False) -> tuple[np.ndarray, ...]:
+    """The forward of ``kernel`` walking ``table``, into NaN-filled results: float32 ``(out, lse)``. ``stencil``
+    as in run_case."""
+    q, k, v, *_, window = case.inputs
+    out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
+    lse = np.full(q.shape[:4], np.nan, np.float32)
+    target, pairs = _forward_target(case, kernel, stencil)
+    launch(target, case.dtype, case.sizes, case.scale, q, k, v, None, None, pairs, window, case.fwd_order, table,
+           case.plan.quad_weights, out, lse)  # fmt: skip
+    return out, lse
+
+
+def _forward_target(case: KernelCase, kernel: str, stencil: bool) -> tuple[int, np.ndarray | None]:
+    """The forward's target for ``kernel`` and what a launch of it takes in the place of delta: the plan's
+    stencil pairs where ``stencil`` (tiled, whole grids), else None."""
+    first = TILED_TARGET_OFFSET if kernel == "tiled" else 0
+    if not stencil:
+        return first + FORWARD, None
+    if kernel != "tiled" or case.sizes[4:8] != case.sizes[8:12]:
+        raise ValueError("the stencil rows belong to the tiled forward on whole grids (no windows, no padding)")
+    return TILED_FORWARD_WITH_STENCIL, case.plan.forward_stencil_pairs
+
+
+def run_narrow_forward(case: KernelCase, launch: Launch, stencil: bool = False) -> dict[str, np.ndarray]:
     """The tiled forward writing out in the activations' type (what the op returns when it is not
-    differentiated), into NaN-filled results: ``{"out", "lse"}``."""
+    differentiated), into NaN-filled results: ``{"out", "lse"}``. ``stencil`` as in run_case."""
     q, k, v, *_, window = case.inputs
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, q.dtype)
     lse = np.full(q.shape[:4], np.nan, np.float32)
-    launch(TILED_TARGET_OFFSET + FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window,
-           case.fwd_order, case.plan.forward_segments, case.plan.quad_weights, None, lse, out)  # fmt: skip
+    target, pairs = _forward_target(case, "tiled", stencil)
+    launch(target, case.dtype, case.sizes, case.scale, q, k, v, None, None, pairs, window, case.fwd_order,
+           case.plan.forward_segments, case.plan.quad_weights, None, lse, out)  # fmt: skip
     return {"out": out, "lse": lse}
 
 
@@ -387,18 +423,24 @@ def call_run_target(
     results' type is that of ``r0`` (the forward's lse and ``r0`` out are float32); ``r2`` as a launch's
     ``result2``."""
     rows = table_rows(table)
+    all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
+    tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale)]
+    if target == TILED_FORWARD_WITH_STENCIL:  # `delta` holds the stencil pairs
+        arrays = (q, k, v, window, row_order, table.offsets, rows, weights, delta)
+        pointers = [ctypes.c_void_p(address(a)) for a in arrays]
+        results = [ctypes.c_void_p(None if a is None else address(a)) for a in (r0, r1, r2)]
+        return lib.RunTiledForwardWithStencil(ctypes.c_int(DTYPES[dtype][0]), *pointers,
+                                              ctypes.c_int64(delta.shape[0]), *results, *tail)  # fmt: skip
     forming_delta = target == TILED_DQ_FORMING_DELTA
     if forming_delta and r2 is not None:
         raise ValueError("the dq that forms delta has two results")
     row_inputs = delta if forming_delta else (delta,)  # (forward out, dlse) or (delta,)
     results = (r0, r1) if forming_delta else (r0, r1, r2)
     arrays = (q, k, v, dout, lse, *row_inputs, window, row_order, table.offsets, rows, weights, *results)
-    all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
     result_type = np.float32 if r0 is None else r0.dtype
     gradient_dtype = next(code for code, storage in DTYPES.values() if np.dtype(storage) == result_type)
     pointers = [ctypes.c_void_p(None if a is None else address(a)) for a in arrays]
     types = [ctypes.c_int(DTYPES[dtype][0]), ctypes.c_int(gradient_dtype)]
-    tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale)]
     if forming_delta:
         return lib.RunTiledDqFormingDelta(*types, *pointers, *tail)
     return lib.RunNbhdAttnTarget(ctypes.c_int(target), *types, *pointers, *tail)

@@ -44,6 +44,8 @@ from kernel_cases import (  # noqa: E402
     MANY_SEGMENTS_PLAN,
     PLANS,
     RUN_TARGET_SHIM,
+    STENCIL_PLANS,
+    TILED_FORWARD_WITH_STENCIL,
     TILED_SEGMENT_SLOTS,
     TILED_TARGET_OFFSET,
     call_run_target,
@@ -52,6 +54,7 @@ from kernel_cases import (  # noqa: E402
     prepare_case,
     run_case,
     run_dq_forming_delta,
+    run_forward,
     run_narrow_forward,
     tolerance_of,
     verify_case,
@@ -456,6 +459,50 @@ def test_tiled_forward_in_the_activations_type_is_the_rounded_float32_one(emulat
     written, with the bits of the float32 out rounded to nearest, padding zeros included; lse the same."""
     case = prepare_case(rng, PLANS["self"](), 2, 2, d, d, dtype, *windows)
     verify_narrow_forward(run_case(case, emulator, "tiled"), run_narrow_forward(case, emulator))
+
+
+STENCIL_CASES = [
+    ("self", 64, "bfloat16"), ("legendre-gauss", 32, "float16"), ("self-17x72", 32, "bfloat16"),
+    ("self-17x72", 64, "float16"), ("self-17x72", 128, "bfloat16"), ("self-9x4", 128, "float16"),
+    ("lat-10x40-9x40", 64, "bfloat16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("plan_name", "d", "dtype"), STENCIL_CASES, ids=[f"{p}-d{d}-{t}" for p, d, t in STENCIL_CASES])
+def test_tiled_forward_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dtype):
+    """The tiled forward leaving the plan's stencil pairs to the stencil kernel (as the op runs it): every
+    element written, out and lse against float64 (the backward from this forward, as the op feeds it), the
+    out in the activations' type the float32 one rounded; the stencil rows (float32 throughout, P never
+    rounded) within float32 round-off, and every other row the tiled kernel's alone, bit for bit."""
+    plan = STENCIL_PLANS[plan_name]()
+    pairs = plan.forward_stencil_pairs
+    assert pairs.size, "the plan must leave rows to the stencil kernel"
+    case = prepare_case(rng, plan, 2, 2, d, d, dtype)
+    results = run_case(case, emulator, "tiled", as_op=True, stencil=True)
+    verify_case(case, results, tolerance_of("tiled", dtype))
+    verify_narrow_forward(results, run_narrow_forward(case, emulator, stencil=True))
+    stencil_rows = np.zeros(plan.nlat_out, bool)
+    stencil_rows[pairs[:, 0]] = stencil_rows[pairs[:, 0] + 1] = True
+    out = results["out"][:, stencil_rows]
+    expected = case.expected["out"][:, stencil_rows]
+    assert np.abs(out - expected).max() <= 2e-5 * np.abs(expected).max()
+    tiled_out, tiled_lse = run_forward(case, emulator, "tiled", plan.forward_segments)
+    assert not np.array_equal(out, tiled_out[:, stencil_rows]), "the stencil rows are the tiled kernel's"
+    assert np.array_equal(results["out"][:, ~stencil_rows], tiled_out[:, ~stencil_rows])
+    assert np.array_equal(results["lse"][:, ~stencil_rows], tiled_lse[:, ~stencil_rows])
+
+
+def test_tiled_forward_launcher_checks_stencil_pairs(launch_status, rng):
+    """More pairs than rows, or pairs without their table: cudaErrorInvalidValue, nothing written."""
+    case = prepare_case(rng, STENCIL_PLANS["self"](), 1, 1, 64, 64, "bfloat16")
+    q, k, v, *_, window = case.inputs
+    for pairs in [np.zeros((case.sizes[4] // 2 + 1, 2), np.int32)]:
+        out, lse = np.full((*q.shape[:4], 64), np.nan, np.float32), np.full(q.shape[:4], np.nan, np.float32)
+        status = launch_status(TILED_FORWARD_WITH_STENCIL, "bfloat16", case.sizes, case.scale, q, k, v, None, None,
+                               pairs, window, case.fwd_order, case.plan.forward_segments, case.plan.quad_weights,
+                               out, lse)  # fmt: skip
+        assert status == CUDA_ERROR_INVALID_VALUE
+        assert np.isnan(out).all() and np.isnan(lse).all()
 
 
 def test_tiled_forward_launcher_takes_exactly_one_out(launch_status, rng):

@@ -289,6 +289,31 @@ def test_export_for_cuda_writes_out_in_the_input_dtype_unless_differentiated(til
     assert _forward_result_types(module, _ffi.TILED_FORWARD_TARGET) == want
 
 
+STENCIL_PLAN = NeighborhoodPlan((65, 100), (65, 100))  # 27 stencil pairs: 5,400 query points per batch and head
+
+
+@native
+@pytest.mark.parametrize(("heads", "pairs"), [(97, 0), (98, 27)])
+def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_points(tiled_build, heads, pairs):
+    """The tiled forward gets the plan's stencil pairs from STENCIL_MIN_POINTS query points of them per batch
+    entry (5,400 x 98 heads), none below (x 97; batch 2 either way): its last operand."""
+    if not _ffi.HAS_CUDA_EXT:
+        pytest.skip("the CUDA module is not built")
+    from jax_s2attn.ops.neighborhood import STENCIL_MIN_POINTS
+
+    assert 5_400 * 97 < STENCIL_MIN_POINTS <= 5_400 * 98
+    plan = STENCIL_PLAN
+    shapes = (plan.out_shape, plan.in_shape, plan.in_shape)
+    args = [jax.ShapeDtypeStruct((2, *shape, heads, 32), BF16) for shape in shapes]
+    tables = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), plan)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*_ffi.TILED_TARGETS, _ffi.DELTA_TARGET)]
+    exported = jax.export.export(jax.jit(_gradient(_loss)), platforms=["cuda"], disabled_checks=checks)(*args, tables)
+    call = f"stablehlo.custom_call @{_ffi.TILED_FORWARD_TARGET}("
+    (line,) = [x for x in exported.mlir_module().splitlines() if call in x]
+    operand_types = line.split(" : (", 1)[1].split(") ->", 1)[0]
+    assert operand_types.endswith(f"tensor<{pairs}x2xi32>")
+
+
 @native
 def test_export_for_cpu_and_cuda_chooses_per_platform(tiled_build):
     """One program for both platforms: the arc kernels in its CPU branch, the tiled ones in its CUDA branch."""

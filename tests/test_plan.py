@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_s2attn import GRIDS, NeighborhoodPlan
-from jax_s2attn.plan import _build_plan
+from jax_s2attn.plan import STENCIL_MAX_HALF, STENCIL_OTHER_ROWS, _build_plan
 
 # Spec 8, equiangular self-attention: (nlat, nlon, cutoff) -> (min, max neighbours per
 # point, total arcs, psi nnz, total pairs). cutoff None = default.
@@ -175,10 +175,57 @@ def test_wrapping_arcs_and_polar_rings():
 
 def test_row_order_is_longest_first():
     plan = NeighborhoodPlan((31, 64), (31, 64), theta_cutoff=0.3)
-    table = plan.forward_arcs
-    lengths = table.pattern_lengths[table.row_order]
-    assert np.all(np.diff(lengths) <= 0)
-    assert min(table.row_order[0], 30 - table.row_order[0]) <= 2  # a (near-)polar row
+    assert plan.forward_stencil_pairs.size == 0  # every row is the tiled kernels'
+    for table in (plan.forward_arcs, plan.backward_arcs):
+        lengths = table.pattern_lengths[table.row_order]
+        assert np.all(np.diff(lengths) <= 0)
+        assert min(table.row_order[0], 30 - table.row_order[0]) <= 2  # a (near-)polar row
+
+
+STENCIL_CONFIGS = [
+    ((17, 72), (17, 72), "equiangular", "equiangular", None),
+    ((9, 4), (9, 4), "equiangular", "equiangular", None),  # rings shorter than the reach
+    ((10, 40), (9, 40), "equiangular", "equiangular", 0.2),  # more key rows than query rows
+    ((13, 24), (13, 24), "legendre-gauss", "legendre-gauss", None),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS + STENCIL_CONFIGS, ids=_config_id)
+def test_stencil_pairs_fit_the_stencil_kernels(config):
+    """Every pair's points see only the 4 other rows from its first and longitudes within 3 of their own;
+    pairs exist only for walks of one residue and shift; their rows end the forward row order, the other
+    rows keep theirs, longest first."""
+    plan = NeighborhoodPlan(*config)
+    pairs, table = plan.forward_stencil_pairs, plan.forward_arcs
+    assert pairs.dtype == np.int32 and pairs.shape == (len(pairs), 2)
+    if table.residues != 1 or table.shift != 1:
+        assert pairs.size == 0
+    assert np.all(pairs[:, 0] % 2 == 0) and np.all(pairs[:, 0] + 1 < plan.nlat_out)
+    nlon = plan.nlon_in
+    reach = {d % nlon for d in range(-STENCIL_MAX_HALF, STENCIL_MAX_HALF + 1)}
+    for row0, first in pairs:
+        for h in (row0, row0 + 1):
+            neighbours = table.expand(h)  # the point at longitude 0; every other one is the same shifted
+            rows, lons = np.divmod(neighbours, nlon)
+            assert np.all((first <= rows) & (rows < first + STENCIL_OTHER_ROWS)), (h, rows)
+            assert set(lons.tolist()) <= reach, (h, lons)
+    stencil_rows = np.sort(np.concatenate([pairs[:, 0], pairs[:, 0] + 1]))
+    tail = table.row_order[table.row_order.size - stencil_rows.size :]
+    np.testing.assert_array_equal(tail, stencil_rows)
+    head = table.row_order[: table.row_order.size - stencil_rows.size]
+    row_lengths = table.pattern_lengths.reshape(-1, table.residues).sum(axis=1)
+    assert np.all(np.diff(row_lengths[head]) <= 0)
+    np.testing.assert_array_equal(plan.tables.forward_stencil_pairs, pairs)
+
+
+def test_stencil_pairs_at_the_default_cutoff():
+    # 721x1440: the stencil prototype's own rule (cuda/bench/stencil_attention.cu, from its half-width table)
+    # took 604 rows: the plan's 302 pairs are the same rows.
+    plan = NeighborhoodPlan((721, 1440), (721, 1440))
+    pairs = plan.forward_stencil_pairs
+    assert len(pairs) == 302
+    assert pairs[0, 0] == 58 and pairs[-1, 0] == 660  # one band around the equator
+    assert NeighborhoodPlan((721, 1440), (721, 1440), theta_cutoff=0.03).forward_stencil_pairs.size == 0
 
 
 def test_default_cutoff():
@@ -212,7 +259,7 @@ def test_plan_is_immutable_hashable_cached_and_picklable():
 def test_plan_as_static_and_as_pytree_jit_argument():
     plan = NeighborhoodPlan((12, 24), (12, 24), theta_cutoff=0.5)
     leaves = jax.tree_util.tree_leaves(plan)
-    assert len(leaves) == 11 and all(isinstance(x, jax.Array) for x in leaves)
+    assert len(leaves) == 12 and all(isinstance(x, jax.Array) for x in leaves)
 
     def count_weights(p):
         return jnp.sum(p.tables.quad_weights) * p.nlon_in

@@ -22,6 +22,7 @@ import pytest
 from jax_s2attn import NeighborhoodPlan, neighborhood_attention
 from jax_s2attn.ops import _ffi
 from jax_s2attn.ops.local import full_window, local_row_order
+from jax_s2attn.ops.neighborhood import uses_stencil_rows
 from jax_s2attn.parallel import sharded_neighborhood_attention
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -100,6 +101,73 @@ def test_matches_float64_oracle(case, exact_random, dense_attention, rel_error):
         as_dtype = lambda xs: tuple(jnp.asarray(x, dtype) for x in xs)  # noqa: E731 (exact: see exact_random)
         got = _compiled_vjp(plan, "ffi-tiled")(as_dtype((q, k, v)), as_dtype(cotangents))
         _check(got, want, rel_error, dtype)
+
+
+# Plans whose forward leaves row pairs to the stencil kernel (jax_s2attn.plan.stencil_pairs): every head dim
+# (blocks of 64, 32, 16 longitudes), rings shorter than the staged window, more key rows than query rows.
+STENCIL_CASES = [
+    (((17, 72), (17, 72), EQ, EQ, None), 2, 32),
+    (((17, 72), (17, 72), EQ, EQ, None), 1, 64),
+    (((9, 4), (9, 4), EQ, EQ, None), 2, 128),
+    (((10, 40), (9, 40), EQ, EQ, 0.2), 1, 64),
+    (((13, 24), (13, 24), LG, LG, None), 2, 128),
+]
+
+
+@pytest.mark.parametrize("case", STENCIL_CASES, ids=_case_id)
+def test_stencil_rows(case, exact_random, dense_attention, rel_error):
+    """The tiled forward leaving the plan's stencil pairs to the stencil kernel (as the op does from enough
+    query points): results poisoned with NaN first are all written; on those rows out (float32 throughout)
+    and lse are within float32 round-off of float64, every other row is the tiled kernel's alone, bit for
+    bit, and out in the activations' dtype is the float32 out rounded; the op's results and gradients
+    meet the 16-bit bar."""
+    geometry, heads, dim = case
+    plan = NeighborhoodPlan(*geometry)
+    pairs = plan.forward_stencil_pairs
+    assert pairs.size, "the plan must leave rows to the stencil kernel"
+    rows = np.zeros(plan.nlat_out, bool)
+    rows[pairs[:, 0]] = rows[pairs[:, 0] + 1] = True
+    q = exact_random(2, *plan.out_shape, heads, dim)
+    k, v = (exact_random(2, *plan.in_shape, heads, dim) for _ in range(2))
+    cotangents = (exact_random(2, *plan.out_shape, heads, dim), exact_random(2, *plan.out_shape, heads))
+    want = [np.asarray(x) for x in _oracle(plan, (q, k, v), cotangents, dense_attention)]
+    for dtype in DTYPES:
+        as_dtype = lambda xs: tuple(jnp.asarray(x, dtype) for x in xs)  # noqa: E731 (exact: see exact_random)
+        _check(_compiled_vjp(plan, "ffi-tiled")(as_dtype((q, k, v)), as_dtype(cotangents)), want, rel_error, dtype)
+        args = (*as_dtype((q, k, v)), plan, full_window(plan), plan.tables.forward_row_order)
+        kwargs = dict(scale=1.0 / np.sqrt(dim), kernel="tiled", poison_results=True)
+        out, lse = (np.asarray(x) for x in _ffi.ffi_forward(*args, stencil=True, **kwargs))
+        alone_out, alone_lse = (np.asarray(x) for x in _ffi.ffi_forward(*args, **kwargs))
+        narrow_out, narrow_lse = (np.asarray(x) for x in _ffi.ffi_forward(*args, stencil=True, out_dtype=dtype,
+                                                                           **kwargs))  # fmt: skip
+        assert not np.isnan(out).any() and not np.isnan(lse).any() and not np.isnan(narrow_out).any()
+        assert rel_error(out[:, rows], want[0][:, rows]) <= 2e-5
+        assert rel_error(lse[:, rows], want[1][:, rows]) <= 1e-5
+        assert not np.array_equal(out[:, rows], alone_out[:, rows]), "the stencil rows are the tiled kernel's"
+        np.testing.assert_array_equal(out[:, ~rows], alone_out[:, ~rows])
+        np.testing.assert_array_equal(lse[:, ~rows], alone_lse[:, ~rows])
+        rounded = np.asarray(jnp.asarray(out).astype(dtype))
+        np.testing.assert_array_equal(narrow_out.view(np.uint16), rounded.view(np.uint16))
+        assert narrow_lse.tobytes() == lse.tobytes()
+
+
+def test_op_with_stencil_rows_agrees_with_arc_kernels_and_under_vmap(exact_random, rel_error):
+    """Query points enough for the op to leave the plan's stencil pairs to the stencil kernel (5,400 x 98
+    heads per batch entry; test_dispatch checks its program): out, lse and gradients against the arc
+    kernels'; vmapped over the batch (the pairs then come as copies), the same bits as batched."""
+    plan = NeighborhoodPlan((65, 100), (65, 100))
+    primals = tuple(jnp.asarray(exact_random(2, 65, 100, 98, 32), jnp.bfloat16) for _ in range(3))
+    assert uses_stencil_rows(plan, primals[0], "tiled")
+    dout = jnp.asarray(exact_random(2, 65, 100, 98, 32), jnp.bfloat16)
+    cotangents = (dout, jnp.asarray(exact_random(2, 65, 100, 98)))
+    tiled = _compiled_vjp(plan, "ffi-tiled")(primals, cotangents)
+    arc = _compiled_vjp(plan, "ffi-arc")(primals, cotangents)
+    _check(tiled, arc, rel_error, jnp.bfloat16)
+    def attend(q, k, v):
+        return neighborhood_attention(q, k, v, plan, implementation="ffi-tiled", return_residual=True)
+
+    for a, b in zip(jax.jit(attend)(*primals), jax.jit(jax.vmap(attend))(*primals)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
 # (in_shape, out_shape, grid, theta_cutoff) of the smooth-field checks: every direction.
@@ -230,9 +298,11 @@ def test_dq_forming_delta_on_windows(dtype, geometry, rng, exact_random):
                 assert (np.abs(delta - (terms.sum(-1) - dlsel)) <= bound).all()
 
 
-def test_gradients_are_bitwise_reproducible(exact_random):
+@pytest.mark.parametrize("cutoff", [0.1, None])  # None: the default cutoff, with stencil rows
+def test_gradients_are_bitwise_reproducible(cutoff, exact_random):
     """Two runs of one compiled program give the same bits (no atomics)."""
-    plan = NeighborhoodPlan((65, 100), (65, 100), theta_cutoff=0.1)
+    plan = NeighborhoodPlan((65, 100), (65, 100), theta_cutoff=cutoff)
+    assert (plan.forward_stencil_pairs.size > 0) == (cutoff is None)
     primals = tuple(jnp.asarray(exact_random(2, 65, 100, 2, 64), jnp.bfloat16) for _ in range(3))
     cotangents = (jnp.asarray(exact_random(2, 65, 100, 2, 64), jnp.bfloat16), jnp.zeros((2, 65, 100, 2)))
     program = _compiled_vjp(plan, "ffi-tiled")

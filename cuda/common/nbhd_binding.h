@@ -31,21 +31,33 @@ auto BindAttrs(Binding&& binding) {
 // Extra operands after the documented ones are ignored (RemainingArgs): tests alias
 // NaN-filled buffers to the results through them to check that every element is written.
 
-// jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse).
+// The forward's results and attributes after its operands.
 template <typename Binding>
-auto BindForward(Binding&& binding) {
+auto BindForwardResults(Binding&& binding) {
   return BindAttrs(std::move(binding)
-                       .template Arg<ffi::AnyBuffer>()  // q
-                       .template Arg<ffi::AnyBuffer>()  // k
-                       .template Arg<ffi::AnyBuffer>()  // v
-                       .template Arg<I32Buffer>()       // window
-                       .template Arg<I32Buffer>()       // row_order
-                       .template Arg<I32Buffer>()       // arc_offsets
-                       .template Arg<I32Buffer>()       // arcs
-                       .template Arg<F32Buffer>()       // quad_weights
                        .RemainingArgs()
                        .template Ret<ffi::AnyBuffer>()  // out (type checked by the handler)
                        .template Ret<F32Buffer>());     // lse
+}
+
+// jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse);
+// with kStencilPairs (jax_s2attn_tiled_fwd) one more operand, the stencil pairs.
+template <bool kStencilPairs = false, typename Binding>
+auto BindForward(Binding&& binding) {
+  auto operands = std::move(binding)
+                      .template Arg<ffi::AnyBuffer>()  // q
+                      .template Arg<ffi::AnyBuffer>()  // k
+                      .template Arg<ffi::AnyBuffer>()  // v
+                      .template Arg<I32Buffer>()       // window
+                      .template Arg<I32Buffer>()       // row_order
+                      .template Arg<I32Buffer>()       // arc_offsets
+                      .template Arg<I32Buffer>()       // arcs
+                      .template Arg<F32Buffer>();      // quad_weights
+  if constexpr (kStencilPairs) {
+    return BindForwardResults(std::move(operands).template Arg<I32Buffer>());  // stencil_pairs
+  } else {
+    return BindForwardResults(std::move(operands));
+  }
 }
 
 // Operands of the backward targets: q, k, v, dout, lse, delta, window, row_order, arc_offsets,

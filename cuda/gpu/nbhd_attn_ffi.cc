@@ -138,16 +138,16 @@ NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q
   return NbhdAttrs{scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k};
 }
 
-// out is float32, or on the tiled kernels also the activations' type (`out_narrow`).
+// out is float32, or on the tiled kernels also the activations' type (`out_narrow`); `stencil_pairs`
+// (tiled only, else null) are the query row pairs the tiled launcher leaves to the stencil kernel.
 template <typename Kernels>
-ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
-                   I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                   ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale,
-                   int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
+ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                     const I32Buffer& window, const I32Buffer& row_order, const I32Buffer& arc_offsets,
+                     const I32Buffer& arcs, const F32Buffer& quad_weights, const I32Buffer* stencil_pairs,
+                     AnyResult& out, F32Result& lse, const NbhdAttrs& attrs) {
   NbhdParams p;
-  S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
-                                      /*walk_keys=*/false, window.element_count(), row_order.element_count(),
-                                      arc_offsets.element_count(), arcs.element_count(),
+  S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, attrs, /*walk_keys=*/false, window.element_count(),
+                                      row_order.element_count(), arc_offsets.element_count(), arcs.element_count(),
                                       quad_weights.element_count(), &p, Kernels::kForm));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, -1));
@@ -155,6 +155,20 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   S2ATTN_RETURN_IF_ERROR(
       CheckResultTypes("out", {out->element_type()}, q.element_type(), Kernels::kNarrowResults, &out_type));
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, /*walk_keys=*/false));
+  int64_t pairs = 0;
+  if (stencil_pairs != nullptr) {
+    // Leading dims are copies (vmap_method="broadcast_all"); the first copy is read.
+    const auto dims = stencil_pairs->dimensions();
+    S2ATTN_CHECK(dims.size() >= 2 && dims.back() == 2, "stencil_pairs must be int32 [..., pairs, 2] (first query "
+                                                       "row, first key row of each pair; jax_s2attn.plan), got rank "
+                                                           << dims.size());
+    pairs = dims[dims.size() - 2];
+    S2ATTN_CHECK(2 * pairs <= p.nq_lat, "stencil_pairs holds " << pairs << " row pairs, more than the " << p.nq_lat
+                                                                << " local query rows");
+    S2ATTN_CHECK(pairs == 0 || (p.residues == 1 && p.shift == 1 && p.nlon_q == p.nlon_k),
+                 "stencil rows need a walk of one residue and shift 1 between grids of equal longitudes (got "
+                 "residues " << p.residues << ", shift " << p.shift << "); pass no stencil pairs");
+  }
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
   NbhdAttnGpuParams g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, Kernels::kForm);
   if (out_type == ElementType::kF32) {
@@ -163,8 +177,31 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
     g.out_narrow = out->untyped_data();
   }
   g.lse_out = lse->typed_data();
+  if (pairs > 0) {
+    g.stencil_pairs = stencil_pairs->typed_data();
+    g.num_stencil_pairs = static_cast<int32_t>(pairs);
+  }
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::Forward(stream, g), Kernels::kForward);
+}
+
+// jax_s2attn_nbhd_fwd.
+ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
+                   I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
+                   ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale,
+                   int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
+  return ForwardOf<ArcKernels>(stream, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, nullptr, out, lse,
+                               MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+}
+
+// jax_s2attn_tiled_fwd: the same operands and the stencil pairs.
+ffi::Error TiledForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
+                        I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
+                        I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse,
+                        float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
+                        int64_t nlon_k) {
+  return ForwardOf<TiledKernels>(stream, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, &stencil_pairs,
+                                 out, lse, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
 // Decodes the operands shared by the backward targets; `per_row` is the operand after lse (delta,
@@ -290,16 +327,16 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
 }  // namespace
 }  // namespace s2attn
 
-#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, KERNELS)                                                          \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, s2attn::Forward<KERNELS>,                                   \
-                                s2attn::BindForward(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));            \
+#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, KERNELS, FORWARD, STENCIL_PAIRS)                                     \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, FORWARD,                                                    \
+                                s2attn::BindForward<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>())); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDqCuda, s2attn::BackwardDq<KERNELS>,                             \
                                 s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDkvCuda, s2attn::BackwardDkv<KERNELS>,                           \
                                 s2attn::BindBackwardDkv(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
 
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::ArcKernels);
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledKernels);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::ArcKernels, s2attn::Forward, false);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledKernels, s2attn::TiledForward, true);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::TiledBackwardDqDelta,
                               s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCuda, s2attn::Delta,

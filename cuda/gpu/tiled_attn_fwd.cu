@@ -3,6 +3,7 @@
 #include "gpu/tiled_fwd_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
+#include "gpu/stencil_attn_kernels.h"
 
 namespace s2attn {
 namespace gpu {
@@ -134,10 +135,18 @@ bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
 
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
   if ((p.out == nullptr) == (p.out_narrow == nullptr)) return cudaErrorInvalidValue;  // one out, of either type
+  const int64_t tiled_rows = int64_t{p.nq_lat} - 2 * int64_t{p.num_stencil_pairs};
+  if (p.num_stencil_pairs < 0 || tiled_rows < 0 || (p.num_stencil_pairs > 0 && p.stencil_pairs == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
-    return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledFwdKernel<typename V::Element, V::kDim>, stream, p,
-                                            p.nq_lat, p.nq_lon);
+    using T = typename V::Element;
+    // The tiled kernel walks the first ranks of the row order, the stencil kernel the pairs' rows (the rest).
+    const cudaError_t status = gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledFwdKernel<T, V::kDim>, stream, p,
+                                                                static_cast<int32_t>(tiled_rows), p.nq_lon);
+    if (status != cudaSuccess || p.num_stencil_pairs == 0) return status;
+    return gpu::stencil::LaunchStencilFwd<T, V::kDim>(stream, p);
   });
 }
 

@@ -318,7 +318,8 @@ def _grid_dims(name, x) -> tuple:
 
 
 def ffi_forward(
-    query, key, value, plan, window, row_order, *, scale, kernel="arc", poison_results=False, out_dtype=jnp.float32
+    query, key, value, plan, window, row_order, *, scale, kernel="arc", poison_results=False, out_dtype=jnp.float32,
+    stencil=False,
 ):  # fmt: skip
     """Forward target: ``(out, lse)`` over the keys inside ``window``, ``lse`` in float32.
 
@@ -337,12 +338,21 @@ def ffi_forward(
     ``out_dtype``: float32, or with ``kernel="tiled"`` also the activations' dtype, each element the
     float32 result rounded to nearest (the bits of ``.astype``), written at half the bytes: what the
     op returns when it is not differentiated (its backward forms delta from the float32 out).
+
+    ``stencil`` (``kernel="tiled"`` only): leave the query rows of ``plan.forward_stencil_pairs`` to the
+    stencil kernel (CUDA cores; rows of short arcs), which needs the whole grids: ``window`` must be
+    :func:`~jax_s2attn.ops.neighborhood.full_window` and ``row_order`` the plan's forward row order,
+    whose last ranks are those rows. Without it the tiled kernel walks every row.
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "forward", scale)
     dtype = _result_dtype(out_dtype, kernel, query, "out_dtype")
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     operands = (query, key, value, _index(window), _index(row_order), *walk, plan.tables.quad_weights)
+    if kernel == "tiled":
+        operands += (plan.tables.forward_stencil_pairs if stencil else np.zeros((0, 2), np.int32),)
+    elif stencil:
+        raise ValueError("stencil=True needs kernel='tiled' (the stencil rows are part of the tiled forward).")
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
     out, lse = _call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32)))
     return out, lse

@@ -23,6 +23,14 @@ __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
 #: native forward is not run a second time in the backward pass.
 RESIDUAL_NAME = "s2attn_residual"
 
+#: Query points per batch entry (rows x longitudes x heads) of the plan's stencil pairs from which the op's
+#: tiled forward leaves them to the stencil kernel. The two kernels run one after the other, so the stencil
+#: rows pay only when their work outweighs the idle SMs of the tiled kernel's tail on the other (polar)
+#: rows: on the H200, 721x1440 with one head (870k points) ran its forward target 17 % faster, 360x720
+#: (216k) 7 % slower (benchmarks/NOTES.md, session 15). Batch dims do not count, so that vmap and batch
+#: dims pick the same kernels (and give the same bits).
+STENCIL_MIN_POINTS = 1 << 19
+
 
 def neighborhood_attention(
     query,
@@ -152,7 +160,18 @@ def _native_attention(query, key, value, plan, scale, kernel):
 
 def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32):
     window, rows = full_window(plan), plan.tables.forward_row_order
-    return _ffi.ffi_forward(query, key, value, plan, window, rows, scale=scale, kernel=kernel, out_dtype=out_dtype)
+    stencil = uses_stencil_rows(plan, query, kernel)
+    return _ffi.ffi_forward(
+        query, key, value, plan, window, rows, scale=scale, kernel=kernel, out_dtype=out_dtype, stencil=stencil
+    )
+
+
+def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str) -> bool:
+    """Whether the op's forward on ``kernel`` leaves ``plan``'s stencil pairs to the stencil kernel for
+    queries shaped like ``query``: on the tiled kernels, from :data:`STENCIL_MIN_POINTS` of their points per
+    batch entry (rows x longitudes x heads)."""
+    points = 2 * len(plan.forward_stencil_pairs) * plan.nlon_out * query.shape[-2]
+    return kernel == "tiled" and points >= STENCIL_MIN_POINTS
 
 
 def _native_forward(query, key, value, plan, scale, kernel):

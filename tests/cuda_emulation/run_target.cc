@@ -99,6 +99,23 @@ extern "C" int RunTiledDqFormingDelta(int dtype, int gradient_dtype, const void*
   return s2attn::LaunchTiledAttnBwdDq(nullptr, p);
 }
 
+// The tiled forward (target 3) leaving the query rows of `num_pairs` stencil pairs ([num_pairs, 2]: first query
+// row, first key row; the last ranks of row_order) to the stencil kernel: results out (float32, or null) or
+// out_narrow (in `dtype`), and lse.
+extern "C" int RunTiledForwardWithStencil(int dtype, const void* q, const void* k, const void* v, const int32_t* window,
+                                          const int32_t* row_order, const int32_t* arc_offsets, const int32_t* arcs,
+                                          const float* quad_weights, const int32_t* stencil_pairs, int64_t num_pairs,
+                                          float* out, float* lse, void* out_narrow, const int64_t* sizes, float scale) {
+  s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, /*gradient_dtype=*/0, q, k, v, nullptr, nullptr, window, row_order,
+                                         arc_offsets, arcs, quad_weights, sizes, scale);
+  p.stencil_pairs = stencil_pairs;
+  p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
+  p.out = out;
+  p.lse_out = lse;
+  p.out_narrow = out_narrow;
+  return s2attn::LaunchTiledAttnFwd(nullptr, p);
+}
+
 // delta[r] = sum_c dout[r, c] * out[r, c] - dlse[r] for `rows` rows of `dv` channels.
 // Returns the launcher's cudaError_t.
 extern "C" int RunDelta(int dtype, const void* dout, const float* out, const float* dlse, float* delta, int64_t rows,

@@ -1,0 +1,29 @@
+// Launcher of the stencil forward (stencil_attn_fwd.cu): the query rows of short arcs, on CUDA cores,
+// launched by the tiled forward's launcher for the rows the plan leaves to it (NbhdAttnGpuParams::
+// stencil_pairs). Plain C++ and CUDA runtime types.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "gpu/nbhd_attn_kernels.h"
+
+namespace s2attn {
+namespace gpu {
+namespace stencil {
+
+// The shape a row pair must fit, mirrored by jax_s2attn.plan (STENCIL_*), which picks the pairs: a
+// block walks kRows consecutive query rows, stages at most kMaxOtherRows consecutive key rows, and
+// every arc of its points lies within kMaxHalf longitudes of the point.
+constexpr int kRows = 2;
+constexpr int kMaxOtherRows = 4;
+constexpr int kMaxHalf = 3;
+
+// out (or out_narrow) and lse_out of the query rows of p.stencil_pairs, for T = __nv_bfloat16 or __half
+// and Dk == Dv == D in {32, 64, 128}; needs R == S == 1 and whole windows (rows of a call with any other
+// window get zeros and lse = -inf, as if they had no neighbours).
+template <typename T, int D>
+cudaError_t LaunchStencilFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
+
+}  // namespace stencil
+}  // namespace gpu
+}  // namespace s2attn
