@@ -314,13 +314,16 @@ def run_case(
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def run_forward(case: KernelCase, launch: Launch, kernel: str, table, stencil: bool = False) -> tuple[np.ndarray, ...]:
+def run_forward(
+    case: KernelCase, launch: Launch, kernel: str, table, stencil: bool = False, stencil_pairs=None
+) -> tuple[np.ndarray, ...]:  # fmt: skip
     """The forward of ``kernel`` walking ``table``, into NaN-filled results: float32 ``(out, lse)``. ``stencil``
-    as in run_case."""
+    as in run_case; ``stencil_pairs`` (with it) in place of the plan's."""
     q, k, v, *_, window = case.inputs
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
     lse = np.full(q.shape[:4], np.nan, np.float32)
     target, pairs = _forward_target(case, kernel, stencil)
+    pairs = pairs if stencil_pairs is None else stencil_pairs
     launch(target, case.dtype, case.sizes, case.scale, q, k, v, None, None, pairs, window, case.fwd_order, table,
            case.plan.quad_weights, out, lse)  # fmt: skip
     return out, lse

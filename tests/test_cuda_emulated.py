@@ -431,6 +431,31 @@ def test_tiled_corrupted_tables_stay_in_bounds(emulator, rng, plan_name):
         assert not any(np.isnan(r).any() for r in results.values())
 
 
+def test_stencil_rows_with_corrupted_tables_stay_in_bounds(emulator, rng):
+    """The stencil kernel on device tables the host cannot validate: garbage segments (random; every
+    segment of the pairs' rows at the largest start and length, whose sum overflows int32), garbage
+    offsets, garbage pairs (first rows and first key rows anywhere) and a window that is not whole must
+    never index outside the arrays (the sanitized run checks), and but for garbage pairs (whose rows are
+    no longer the row order's last) every result is still written."""
+    plan = STENCIL_PLANS["self-17x72"]()
+    case = prepare_case(rng, plan, 1, 2, 32, 32, "bfloat16")
+    table, pairs = plan.forward_segments, plan.forward_stencil_pairs
+    extreme = table.segments.copy()
+    rows = np.concatenate([pairs[:, 0], pairs[:, 0] + 1])
+    for h in rows:
+        extreme[table.offsets[h] : table.offsets[h + 1], 1:] = np.iinfo(np.int32).max
+    tables = [*_corrupted(table, rng, *plan.in_shape), table._replace(segments=extreme)]
+    big = np.iinfo(np.int32).max
+    bad_pairs = rng.integers(-big, big, size=pairs.shape, dtype=np.int64).astype(np.int32)
+    bad_window = np.asarray([0, 0, plan.nlat_out, plan.nlon_out - 1, 0, 0, *plan.in_shape], np.int32)
+    runs = [(case, t, pairs) for t in tables]
+    runs.append((dataclasses.replace(case, inputs=(*case.inputs[:6], bad_window)), table, pairs))
+    for broken_case, broken_table, broken_pairs in runs:
+        out, lse = run_forward(broken_case, emulator, "tiled", broken_table, stencil=True, stencil_pairs=broken_pairs)
+        assert not np.isnan(out).any() and not np.isnan(lse).any()
+    run_forward(case, emulator, "tiled", table, stencil=True, stencil_pairs=bad_pairs)
+
+
 def test_tiled_runs_are_bitwise_reproducible(emulator, rng):
     case = prepare_case(rng, LONG_ROW_PLANS["self-72"](), 1, 2, 64, 64, "bfloat16")
     first, second = (run_case(case, emulator, "tiled") for _ in range(2))
@@ -493,7 +518,7 @@ def test_tiled_forward_with_stencil_rows_matches_float64(emulator, rng, plan_nam
 
 
 def test_tiled_forward_launcher_checks_stencil_pairs(launch_status, rng):
-    """More pairs than rows, or pairs without their table: cudaErrorInvalidValue, nothing written."""
+    """More pairs than rows: cudaErrorInvalidValue, nothing written."""
     case = prepare_case(rng, STENCIL_PLANS["self"](), 1, 1, 64, 64, "bfloat16")
     q, k, v, *_, window = case.inputs
     for pairs in [np.zeros((case.sizes[4] // 2 + 1, 2), np.int32)]:
@@ -560,7 +585,7 @@ def test_tiled_launchers_refuse_unsupported_cases(launch_status, rng, dims, dtyp
 # read or write outside an array that would pass unnoticed here (garbage tables, an index past a
 # short table) aborts the run with a report naming the kernel's line.
 SANITIZED_TESTS = (
-    "corrupted or tiled_windows or resampling or (tiled_matches and d64) or rounded_float32 or delta"
+    "corrupted or tiled_windows or resampling or (tiled_matches and d64) or rounded_float32 or delta or stencil"
 )
 
 

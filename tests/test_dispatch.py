@@ -314,6 +314,16 @@ def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_p
     assert operand_types.endswith(f"tensor<{pairs}x2xi32>")
 
 
+def test_stencil_rows_need_the_tiled_kernel_and_whole_grids():
+    plan = STENCIL_PLAN
+    q, k, v = _arrays(BF16, 32, 32, plan=plan)
+    args = (plan, np.array([0, 0, *plan.out_shape, 0, 0, *plan.in_shape], np.int32), plan.tables.forward_row_order)
+    with pytest.raises(ValueError, match="stencil=True needs kernel='tiled'"):
+        _ffi.ffi_forward(q, k, v, *args, scale=1.0, stencil=True)
+    with pytest.raises(ValueError, match=r"needs whole grids.*\(got \(64, 100\) and \(65, 100\)\)"):
+        _ffi.ffi_forward(q[:, :-1], k, v, *args, scale=1.0, kernel="tiled", stencil=True)
+
+
 @native
 def test_export_for_cpu_and_cuda_chooses_per_platform(tiled_build):
     """One program for both platforms: the arc kernels in its CPU branch, the tiled ones in its CUDA branch."""

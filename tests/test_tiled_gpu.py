@@ -298,11 +298,10 @@ def test_dq_forming_delta_on_windows(dtype, geometry, rng, exact_random):
                 assert (np.abs(delta - (terms.sum(-1) - dlsel)) <= bound).all()
 
 
-@pytest.mark.parametrize("cutoff", [0.1, None])  # None: the default cutoff, with stencil rows
+@pytest.mark.parametrize("cutoff", [0.1, None])  # None: the default cutoff
 def test_gradients_are_bitwise_reproducible(cutoff, exact_random):
     """Two runs of one compiled program give the same bits (no atomics)."""
     plan = NeighborhoodPlan((65, 100), (65, 100), theta_cutoff=cutoff)
-    assert (plan.forward_stencil_pairs.size > 0) == (cutoff is None)
     primals = tuple(jnp.asarray(exact_random(2, 65, 100, 2, 64), jnp.bfloat16) for _ in range(3))
     cotangents = (jnp.asarray(exact_random(2, 65, 100, 2, 64), jnp.bfloat16), jnp.zeros((2, 65, 100, 2)))
     program = _compiled_vjp(plan, "ffi-tiled")

@@ -163,11 +163,17 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
                                                        "row, first key row of each pair; jax_s2attn.plan), got rank "
                                                            << dims.size());
     pairs = dims[dims.size() - 2];
-    S2ATTN_CHECK(2 * pairs <= p.nq_lat, "stencil_pairs holds " << pairs << " row pairs, more than the " << p.nq_lat
-                                                                << " local query rows");
+    S2ATTN_CHECK(2 * pairs <= p.nq_lat && static_cast<int64_t>(stencil_pairs->element_count()) >= 2 * pairs,
+                 "stencil_pairs holds " << pairs << " row pairs, more than the " << p.nq_lat
+                                        << " local query rows (or than its copies hold)");
     S2ATTN_CHECK(pairs == 0 || (p.residues == 1 && p.shift == 1 && p.nlon_q == p.nlon_k),
                  "stencil rows need a walk of one residue and shift 1 between grids of equal longitudes (got "
-                 "residues " << p.residues << ", shift " << p.shift << "); pass no stencil pairs");
+                 "residues " << p.residues << ", shift " << p.shift << ", nlon_q " << p.nlon_q << ", nlon_k "
+                             << p.nlon_k << "); pass no stencil pairs");
+    S2ATTN_CHECK(pairs == 0 || (p.nq_lat == p.nlat_q && p.nq_lon == p.nlon_q && p.nk_lat == p.nlat_k &&
+                                p.nk_lon == p.nlon_k && p.nlat_k > 0 && p.nlon_k > 0),
+                 "stencil rows need whole grids (local arrays of the global grids' shape, no padding); pass no "
+                 "stencil pairs for blocks of a sharded grid");
   }
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
   NbhdAttnGpuParams g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, Kernels::kForm);

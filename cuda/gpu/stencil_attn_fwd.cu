@@ -75,8 +75,10 @@ struct StagedArc {
 __device__ __forceinline__ StagedArc ArcOf(const int32_t* segment, int32_t other0, const NbhdAttnGpuParams& p) {
   const int32_t key_row = __ldg(segment), lo = __ldg(segment + 1), len = __ldg(segment + 2);
   const int32_t start = lo > kMaxHalf ? lo - p.nlon_k : lo;
+  // Each bound alone first, so that no sum of table values can overflow.
   const bool fits = key_row >= other0 && key_row - other0 < kMaxOtherRows && key_row < p.nk_lat &&
-                    start >= -kMaxHalf && len >= 0 && start + len - 1 <= kMaxHalf;
+                    start >= -kMaxHalf && start <= kMaxHalf && len >= 0 && len <= 2 * kMaxHalf + 1 &&
+                    start + len - 1 <= kMaxHalf;
   if (!fits) return StagedArc{0, 0, 0, 0.f};
   return StagedArc{key_row - other0, kMaxHalf + start, len, log2f(__ldg(p.quad_weights + key_row))};
 }

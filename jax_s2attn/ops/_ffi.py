@@ -349,10 +349,15 @@ def ffi_forward(
     dtype = _result_dtype(out_dtype, kernel, query, "out_dtype")
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     operands = (query, key, value, _index(window), _index(row_order), *walk, plan.tables.quad_weights)
+    if stencil and kernel != "tiled":
+        raise ValueError("stencil=True needs kernel='tiled' (the stencil rows are part of the tiled forward).")
+    if stencil and (tuple(query.shape[-4:-2]) != plan.out_shape or tuple(key.shape[-4:-2]) != plan.in_shape):
+        raise ValueError(
+            f"stencil=True needs whole grids: query and key of the plan's grids {plan.out_shape} and {plan.in_shape} "
+            f"(got {tuple(query.shape[-4:-2])} and {tuple(key.shape[-4:-2])}); blocks of a sharded grid take none."
+        )
     if kernel == "tiled":
         operands += (plan.tables.forward_stencil_pairs if stencil else np.zeros((0, 2), np.int32),)
-    elif stencil:
-        raise ValueError("stencil=True needs kernel='tiled' (the stencil rows are part of the tiled forward).")
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
     out, lse = _call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32)))
     return out, lse
