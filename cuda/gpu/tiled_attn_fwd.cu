@@ -3,6 +3,7 @@
 #include "gpu/tiled_fwd_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
+#include "gpu/side_stream.h"
 #include "gpu/stencil_attn_kernels.h"
 
 namespace s2attn {
@@ -142,11 +143,15 @@ cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) 
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
     using T = typename V::Element;
-    // The tiled kernel walks the first ranks of the row order, the stencil kernel the pairs' rows (the rest).
-    const cudaError_t status = gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledFwdKernel<T, V::kDim>, stream, p,
-                                                                static_cast<int32_t>(tiled_rows), p.nq_lon);
-    if (status != cudaSuccess || p.num_stencil_pairs == 0) return status;
-    return gpu::stencil::LaunchStencilFwd<T, V::kDim>(stream, p);
+    // The tiled kernel walks the first ranks of the row order, the stencil kernel the pairs' rows (the rest),
+    // alongside: its blocks fill the SMs that the tiled kernel's tail of long (polar) rows leaves idle.
+    const auto tiled = [&](cudaStream_t s) {
+      return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledFwdKernel<T, V::kDim>, s, p,
+                                              static_cast<int32_t>(tiled_rows), p.nq_lon);
+    };
+    if (p.num_stencil_pairs == 0) return tiled(stream);
+    const auto stencil = [&](cudaStream_t s) { return gpu::stencil::LaunchStencilFwd<T, V::kDim>(s, p); };
+    return gpu::RunAlongside(stream, tiled, stencil);
   });
 }
 
