@@ -1,7 +1,7 @@
 """The CUDA kernels alone on a GPU (no JAX/XLA in the process), for compute-sanitizer.
 
 Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu``,
-``cuda/gpu/stencil_attn_fwd.cu`` and the C entry point ``tests/cuda_emulation/run_target.cc`` with nvcc
+``cuda/gpu/stencil_attn_{fwd,dq}.cu`` and the C entry point ``tests/cuda_emulation/run_target.cc`` with nvcc
 into a temporary shared library, uploads the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``,
 results poisoned with NaN), runs forward, dq and dkv of the arc-segment or the tiled kernels
 (and the tiled dq that forms delta) on the default stream, synchronises after every launch and
@@ -83,7 +83,7 @@ CASES = [
     ("tiled", "self-72", 64, 64, "float16", LONG_ROW_WINDOWS["self-72"]),
     ("tiled", "up-100", 32, 32, "bfloat16", LONG_ROW_WINDOWS["up-100"]),
     ("tiled", "rings-72", 64, 64, "float16", {}),
-    # The tiled forward leaving the plan's stencil pairs to the stencil kernel (kernel_cases.STENCIL_PLANS).
+    # The tiled forward and dq leaving the plan's stencil pairs to the stencil kernels (kernel_cases.STENCIL_PLANS).
     ("tiled+stencil", "self-17x72", 32, 32, "bfloat16", {}),
     ("tiled+stencil", "self-9x4", 64, 64, "float16", {}),
     ("tiled+stencil", "lat-10x40-9x40", 128, 128, "bfloat16", {}),
@@ -111,7 +111,7 @@ def build(out: Path) -> Path:
 def gpu_launch(lib, cupy):
     """A launch callable (see kernel_cases.py) that runs the kernels on the GPU."""
 
-    def launch(target, dtype, sizes, scale, *buffers):
+    def launch(target, dtype, sizes, scale, *buffers, **kwargs):
         device = {}  # id(host array) -> its device copy (uploaded as bytes: cupy has no bfloat16)
 
         def address(a):
@@ -119,7 +119,7 @@ def gpu_launch(lib, cupy):
                 device[id(a)] = cupy.asarray(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
             return device[id(a)].data.ptr
 
-        status = call_run_target(lib, address, target, dtype, sizes, scale, *buffers)
+        status = call_run_target(lib, address, target, dtype, sizes, scale, *buffers, **kwargs)
         if status != 0:
             raise RuntimeError(f"launcher of target {target} returned cudaError {status}")
         cupy.cuda.Device().synchronize()  # raises on a fault of the kernel just launched
@@ -187,7 +187,8 @@ def main(argv=None) -> int:
                     verify_narrow_forward(results, run_narrow_forward(case, launch, stencil))
                     out = rng.standard_normal(results["out"].shape).astype(np.float32)
                     dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
-                    verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, launch, out, dlse))
+                    verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, launch, out, dlse,
+                                                                                  stencil=stencil))  # fmt: skip
                 print(f"ok   {name}")
             except AssertionError as error:
                 failures += 1

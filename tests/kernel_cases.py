@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
     ROOT / "cuda" / "gpu" / name
     for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "tiled_attn_fwd.cu", "tiled_attn_dq.cu",
-                 "tiled_attn_dkv.cu", "stencil_attn_fwd.cu", "delta_kernel.cu")
+                 "tiled_attn_dkv.cu", "stencil_attn_fwd.cu", "stencil_attn_dq.cu", "delta_kernel.cu")
 ]
 RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
@@ -45,9 +45,6 @@ TILED_TARGET_OFFSET = 3
 # The tiled dq that forms delta itself (run_target.cc's RunTiledDqFormingDelta): a launch of it takes
 # (forward out, dlse) in place of delta and gives (dq, delta).
 TILED_DQ_FORMING_DELTA = 6
-# The tiled forward with the plan's stencil rows (run_target.cc's RunTiledForwardWithStencil): a launch of it
-# takes the plan's forward_stencil_pairs in the place of delta (whole grids only).
-TILED_FORWARD_WITH_STENCIL = 7
 # Its delta against float64, per row relative to sum |dout * out| + |dlse| (float32 sums of Dv terms).
 FORMED_DELTA_TOLERANCE = 1e-6
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
@@ -297,47 +294,43 @@ def run_case(
         raise ValueError(f"kernel must be 'arc' or 'tiled', got {kernel!r}")
     forward_table, backward_table = tables or default_tables
     common = (case.dtype, case.sizes, case.scale)
-    out, lse = run_forward(case, launch, kernel, forward_table, stencil)
+    pairs = stencil_pairs_of(case, kernel, stencil)
+    out, lse = run_forward(case, launch, kernel, forward_table, pairs)
     dq = np.full(q.shape, np.nan, gradient_type)
     if as_op and kernel == "tiled":  # as the op: the tiled dq forms delta from out, for dk/dv too
         lse_in, delta = lse, np.full(q.shape[:4], np.nan, np.float32)
         launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse_in, (out, np.zeros_like(lse)), window,
-               case.fwd_order, forward_table, weights, dq, delta)  # fmt: skip
+               case.fwd_order, forward_table, weights, dq, delta, stencil_pairs=pairs)  # fmt: skip
     else:
         if as_op:
             lse_in, delta = lse, (dout.astype(np.float64) * out).sum(-1).astype(np.float32)
         launch(first + DQ, *common, q, k, v, dout, lse_in, delta, window, case.fwd_order, forward_table, weights,
-               dq, None)  # fmt: skip
+               dq, None, stencil_pairs=pairs)  # fmt: skip
     backward_inputs = (q, k, v, dout, lse_in, delta, window)
     dk, dv = np.full(k.shape, np.nan, gradient_type), np.full(v.shape, np.nan, gradient_type)
     launch(first + DKV, *common, *backward_inputs, case.bwd_order, backward_table, weights, dk, dv)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def run_forward(
-    case: KernelCase, launch: Launch, kernel: str, table, stencil: bool = False, stencil_pairs=None
-) -> tuple[np.ndarray, ...]:  # fmt: skip
-    """The forward of ``kernel`` walking ``table``, into NaN-filled results: float32 ``(out, lse)``. ``stencil``
-    as in run_case; ``stencil_pairs`` (with it) in place of the plan's."""
+def run_forward(case: KernelCase, launch: Launch, kernel: str, table, stencil_pairs=None) -> tuple[np.ndarray, ...]:
+    """The forward of ``kernel`` walking ``table``, into NaN-filled results: float32 ``(out, lse)``; the tiled
+    one leaving ``stencil_pairs`` (if given) to the stencil kernel."""
     q, k, v, *_, window = case.inputs
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
     lse = np.full(q.shape[:4], np.nan, np.float32)
-    target, pairs = _forward_target(case, kernel, stencil)
-    pairs = pairs if stencil_pairs is None else stencil_pairs
-    launch(target, case.dtype, case.sizes, case.scale, q, k, v, None, None, pairs, window, case.fwd_order, table,
-           case.plan.quad_weights, out, lse)  # fmt: skip
+    first = TILED_TARGET_OFFSET if kernel == "tiled" else 0
+    launch(first + FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window, case.fwd_order,
+           table, case.plan.quad_weights, out, lse, stencil_pairs=stencil_pairs)  # fmt: skip
     return out, lse
 
 
-def _forward_target(case: KernelCase, kernel: str, stencil: bool) -> tuple[int, np.ndarray | None]:
-    """The forward's target for ``kernel`` and what a launch of it takes in the place of delta: the plan's
-    stencil pairs where ``stencil`` (tiled, whole grids), else None."""
-    first = TILED_TARGET_OFFSET if kernel == "tiled" else 0
+def stencil_pairs_of(case: KernelCase, kernel: str, stencil: bool) -> np.ndarray | None:
+    """The plan's stencil pairs where ``stencil`` (tiled kernels, whole grids), else None."""
     if not stencil:
-        return first + FORWARD, None
+        return None
     if kernel != "tiled" or case.sizes[4:8] != case.sizes[8:12]:
-        raise ValueError("the stencil rows belong to the tiled forward on whole grids (no windows, no padding)")
-    return TILED_FORWARD_WITH_STENCIL, case.plan.forward_stencil_pairs
+        raise ValueError("the stencil rows belong to the tiled forward and dq on whole grids (no windows, no padding)")
+    return case.plan.forward_stencil_pairs
 
 
 def run_narrow_forward(case: KernelCase, launch: Launch, stencil: bool = False) -> dict[str, np.ndarray]:
@@ -346,9 +339,9 @@ def run_narrow_forward(case: KernelCase, launch: Launch, stencil: bool = False) 
     q, k, v, *_, window = case.inputs
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, q.dtype)
     lse = np.full(q.shape[:4], np.nan, np.float32)
-    target, pairs = _forward_target(case, "tiled", stencil)
-    launch(target, case.dtype, case.sizes, case.scale, q, k, v, None, None, pairs, window, case.fwd_order,
-           case.plan.forward_segments, case.plan.quad_weights, None, lse, out)  # fmt: skip
+    launch(TILED_TARGET_OFFSET + FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window,
+           case.fwd_order, case.plan.forward_segments, case.plan.quad_weights, None, lse, out,
+           stencil_pairs=stencil_pairs_of(case, "tiled", stencil))  # fmt: skip
     return {"out": out, "lse": lse}
 
 
@@ -418,22 +411,20 @@ def table_rows(table: ArcTable | SegmentTable) -> np.ndarray:
 
 def call_run_target(
     lib, address, target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table, weights, r0, r1,
-    r2=None,
+    r2=None, stencil_pairs=None,
 ) -> int:  # fmt: skip
     """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable
     and returns its cudaError_t. ``address(array)`` gives the buffer address the kernels use
     for a (non-None) numpy array; ``table`` is an ArcTable or a SegmentTable. The gradient
     results' type is that of ``r0`` (the forward's lse and ``r0`` out are float32); ``r2`` as a launch's
-    ``result2``."""
+    ``result2``; ``stencil_pairs`` (int32 ``[pairs, 2]``, tiled forward and dq) the query row pairs left to the
+    stencil kernels."""
     rows = table_rows(table)
     all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
-    tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale)]
-    if target == TILED_FORWARD_WITH_STENCIL:  # `delta` holds the stencil pairs
-        arrays = (q, k, v, window, row_order, table.offsets, rows, weights, delta)
-        pointers = [ctypes.c_void_p(address(a)) for a in arrays]
-        results = [ctypes.c_void_p(None if a is None else address(a)) for a in (r0, r1, r2)]
-        return lib.RunTiledForwardWithStencil(ctypes.c_int(DTYPES[dtype][0]), *pointers,
-                                              ctypes.c_int64(delta.shape[0]), *results, *tail)  # fmt: skip
+    pairs = [ctypes.c_void_p(None), ctypes.c_int64(0)]
+    if stencil_pairs is not None and len(stencil_pairs):
+        pairs = [ctypes.c_void_p(address(stencil_pairs)), ctypes.c_int64(len(stencil_pairs))]
+    tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale), *pairs]
     forming_delta = target == TILED_DQ_FORMING_DELTA
     if forming_delta and r2 is not None:
         raise ValueError("the dq that forms delta has two results")
@@ -450,20 +441,22 @@ def call_run_target(
 
 
 def run_dq_forming_delta(
-    case: KernelCase, launch: Launch, out: np.ndarray, dlse: np.ndarray, gradient_type=np.float32
+    case: KernelCase, launch: Launch, out: np.ndarray, dlse: np.ndarray, gradient_type=np.float32,
+    stencil: bool = False,
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """The tiled dq that forms delta from the forward's ``out`` and ``dlse``, into NaN-filled results,
-    and the tiled dq given that delta: ``{"dq", "delta", "dq_given_delta"}``."""
+    and the tiled dq given that delta: ``{"dq", "delta", "dq_given_delta"}``. ``stencil`` as in run_case."""
+    pairs = stencil_pairs_of(case, "tiled", stencil)
     q, k, v, dout, lse, _, window = case.inputs
     common = (case.dtype, case.sizes, case.scale)
     table, weights = case.plan.forward_segments, case.plan.quad_weights
     dq = np.full(q.shape, np.nan, gradient_type)
     delta = np.full(q.shape[:4], np.nan, np.float32)
     launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse, (out, dlse), window, case.fwd_order, table, weights,
-           dq, delta)  # fmt: skip
+           dq, delta, stencil_pairs=pairs)  # fmt: skip
     dq_given = np.full(q.shape, np.nan, gradient_type)
     launch(TILED_TARGET_OFFSET + DQ, *common, q, k, v, dout, lse, delta, window, case.fwd_order, table, weights,
-           dq_given, None)  # fmt: skip
+           dq_given, None, stencil_pairs=pairs)  # fmt: skip
     return {"dq": dq, "delta": delta, "dq_given_delta": dq_given}
 
 

@@ -45,7 +45,6 @@ from kernel_cases import (  # noqa: E402
     PLANS,
     RUN_TARGET_SHIM,
     STENCIL_PLANS,
-    TILED_FORWARD_WITH_STENCIL,
     TILED_SEGMENT_SLOTS,
     TILED_TARGET_OFFSET,
     call_run_target,
@@ -78,14 +77,14 @@ def _build(out: Path, defines: tuple[str, ...] = ()):
 def _status_callable(lib):
     """A status callable of the library ``lib``: runs one target on host arrays (arguments of a
     launch callable, see kernel_cases.py) and returns the launcher's cudaError_t."""
-    return lambda *args: call_run_target(lib, lambda a: a.ctypes.data, *args)
+    return lambda *args, **kwargs: call_run_target(lib, lambda a: a.ctypes.data, *args, **kwargs)
 
 
 def _asserting_success(status_of):
     """The launch callable of a status callable: a launcher's error fails the test."""
 
-    def launch(*args):
-        status = status_of(*args)
+    def launch(*args, **kwargs):
+        status = status_of(*args, **kwargs)
         assert status == 0, f"launcher returned cudaError {status}"
 
     return launch
@@ -451,9 +450,9 @@ def test_stencil_rows_with_corrupted_tables_stay_in_bounds(emulator, rng):
     runs = [(case, t, pairs) for t in tables]
     runs.append((dataclasses.replace(case, inputs=(*case.inputs[:6], bad_window)), table, pairs))
     for broken_case, broken_table, broken_pairs in runs:
-        out, lse = run_forward(broken_case, emulator, "tiled", broken_table, stencil=True, stencil_pairs=broken_pairs)
+        out, lse = run_forward(broken_case, emulator, "tiled", broken_table, broken_pairs)
         assert not np.isnan(out).any() and not np.isnan(lse).any()
-    run_forward(case, emulator, "tiled", table, stencil=True, stencil_pairs=bad_pairs)
+    run_forward(case, emulator, "tiled", table, bad_pairs)
 
 
 def test_tiled_runs_are_bitwise_reproducible(emulator, rng):
@@ -494,27 +493,33 @@ STENCIL_CASES = [
 
 
 @pytest.mark.parametrize(("plan_name", "d", "dtype"), STENCIL_CASES, ids=[f"{p}-d{d}-{t}" for p, d, t in STENCIL_CASES])
-def test_tiled_forward_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dtype):
-    """The tiled forward leaving the plan's stencil pairs to the stencil kernel (as the op runs it): every
-    element written, out and lse against float64 (the backward from this forward, as the op feeds it), the
-    out in the activations' type the float32 one rounded; the stencil rows (float32 throughout, P never
-    rounded) within float32 round-off, and every other row the tiled kernel's alone, bit for bit."""
+def test_tiled_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dtype):
+    """The tiled forward and dq leaving the plan's stencil pairs to the stencil kernels (as the op runs them):
+    every element written, out, lse and the gradients against float64 (the backward from this forward, as the
+    op feeds it: dq forming delta), the out in the activations' type the float32 one rounded, the formed delta
+    right and dq the bits of the dq given it; on the stencil rows (float32 throughout, P and dS never rounded)
+    out and dq within float32 round-off, and every other row the tiled kernels' alone, bit for bit."""
     plan = STENCIL_PLANS[plan_name]()
     pairs = plan.forward_stencil_pairs
-    assert pairs.size, "the plan must leave rows to the stencil kernel"
+    assert pairs.size, "the plan must leave rows to the stencil kernels"
     case = prepare_case(rng, plan, 2, 2, d, d, dtype)
     results = run_case(case, emulator, "tiled", as_op=True, stencil=True)
     verify_case(case, results, tolerance_of("tiled", dtype))
     verify_narrow_forward(results, run_narrow_forward(case, emulator, stencil=True))
-    stencil_rows = np.zeros(plan.nlat_out, bool)
-    stencil_rows[pairs[:, 0]] = stencil_rows[pairs[:, 0] + 1] = True
-    out = results["out"][:, stencil_rows]
-    expected = case.expected["out"][:, stencil_rows]
-    assert np.abs(out - expected).max() <= 2e-5 * np.abs(expected).max()
-    tiled_out, tiled_lse = run_forward(case, emulator, "tiled", plan.forward_segments)
-    assert not np.array_equal(out, tiled_out[:, stencil_rows]), "the stencil rows are the tiled kernel's"
-    assert np.array_equal(results["out"][:, ~stencil_rows], tiled_out[:, ~stencil_rows])
-    assert np.array_equal(results["lse"][:, ~stencil_rows], tiled_lse[:, ~stencil_rows])
+    dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
+    verify_dq_forming_delta(case, results["out"], dlse,
+                            run_dq_forming_delta(case, emulator, results["out"], dlse, stencil=True))  # fmt: skip
+    rows = np.zeros(plan.nlat_out, bool)
+    rows[pairs[:, 0]] = rows[pairs[:, 0] + 1] = True
+    alone = run_case(case, emulator, "tiled", as_op=True)
+    for name in ("out", "dq"):
+        got, expected = results[name][:, rows], case.expected[name][:, rows]
+        assert np.abs(got - expected).max() <= 2e-5 * np.abs(expected).max(), name
+        assert not np.array_equal(got, alone[name][:, rows]), f"{name}: the stencil rows are the tiled kernel's"
+    for name in ("out", "lse"):
+        assert np.array_equal(results[name][:, ~rows], alone[name][:, ~rows]), name
+    # dq of the other rows reads their delta, formed alike, and the lse of the stencil forward's rows: equal bits.
+    assert np.array_equal(results["dq"][:, ~rows], alone["dq"][:, ~rows])
 
 
 def test_tiled_forward_launcher_checks_stencil_pairs(launch_status, rng):
@@ -523,9 +528,9 @@ def test_tiled_forward_launcher_checks_stencil_pairs(launch_status, rng):
     q, k, v, *_, window = case.inputs
     for pairs in [np.zeros((case.sizes[4] // 2 + 1, 2), np.int32)]:
         out, lse = np.full((*q.shape[:4], 64), np.nan, np.float32), np.full(q.shape[:4], np.nan, np.float32)
-        status = launch_status(TILED_FORWARD_WITH_STENCIL, "bfloat16", case.sizes, case.scale, q, k, v, None, None,
-                               pairs, window, case.fwd_order, case.plan.forward_segments, case.plan.quad_weights,
-                               out, lse)  # fmt: skip
+        status = launch_status(TILED_TARGET_OFFSET + FORWARD, "bfloat16", case.sizes, case.scale, q, k, v, None, None,
+                               None, window, case.fwd_order, case.plan.forward_segments, case.plan.quad_weights,
+                               out, lse, stencil_pairs=pairs)  # fmt: skip
         assert status == CUDA_ERROR_INVALID_VALUE
         assert np.isnan(out).all() and np.isnan(lse).all()
 

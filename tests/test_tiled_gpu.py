@@ -116,11 +116,11 @@ STENCIL_CASES = [
 
 @pytest.mark.parametrize("case", STENCIL_CASES, ids=_case_id)
 def test_stencil_rows(case, exact_random, dense_attention, rel_error):
-    """The tiled forward leaving the plan's stencil pairs to the stencil kernel (as the op does from enough
-    query points): results poisoned with NaN first are all written; on those rows out (float32 throughout)
-    and lse are within float32 round-off of float64, every other row is the tiled kernel's alone, bit for
-    bit, and out in the activations' dtype is the float32 out rounded; the op's results and gradients
-    meet the 16-bit bar."""
+    """The tiled forward and dq leaving the plan's stencil pairs to the stencil kernels (as the op does from
+    enough query points): results poisoned with NaN first are all written; on those rows out, lse and dq
+    (float32 throughout) are within float32 round-off of float64, every other row is the tiled kernels'
+    alone, bit for bit, and out in the activations' dtype is the float32 out rounded; the op's results and
+    gradients meet the 16-bit bar."""
     geometry, heads, dim = case
     plan = NeighborhoodPlan(*geometry)
     pairs = plan.forward_stencil_pairs
@@ -149,6 +149,15 @@ def test_stencil_rows(case, exact_random, dense_attention, rel_error):
         rounded = np.asarray(jnp.asarray(out).astype(dtype))
         np.testing.assert_array_equal(narrow_out.view(np.uint16), rounded.view(np.uint16))
         assert narrow_lse.tobytes() == lse.tobytes()
+        # dq forming delta from that out, with and without the stencil rows (float32 dq).
+        backward = (*as_dtype((q, k, v, cotangents[0])), lse, out, np.asarray(cotangents[1], np.float32), *args[3:])
+        dq_kwargs = dict(scale=kwargs["scale"], poison_results=True)
+        dq, delta = (np.asarray(x) for x in _ffi.ffi_backward_dq_delta(*backward, stencil=True, **dq_kwargs))
+        alone_dq, _ = (np.asarray(x) for x in _ffi.ffi_backward_dq_delta(*backward, **dq_kwargs))
+        assert not np.isnan(dq).any() and not np.isnan(delta).any()
+        assert rel_error(dq[:, rows], want[2][:, rows]) <= 2e-5
+        assert not np.array_equal(dq[:, rows], alone_dq[:, rows]), "the stencil rows are the tiled kernel's"
+        np.testing.assert_array_equal(dq[:, ~rows], alone_dq[:, ~rows])
 
 
 def test_op_with_stencil_rows_agrees_with_arc_kernels_and_under_vmap(exact_random, rel_error):

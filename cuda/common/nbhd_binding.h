@@ -31,39 +31,39 @@ auto BindAttrs(Binding&& binding) {
 // Extra operands after the documented ones are ignored (RemainingArgs): tests alias
 // NaN-filled buffers to the results through them to check that every element is written.
 
-// The forward's results and attributes after its operands.
-template <typename Binding>
-auto BindForwardResults(Binding&& binding) {
-  return BindAttrs(std::move(binding)
-                       .RemainingArgs()
+// The tables every target takes after its activations (window, row_order, arc_offsets, arcs,
+// quad_weights), with kStencilPairs the stencil pairs (the tiled forward and dq targets), then the
+// operands aliased to results.
+template <bool kStencilPairs, typename Binding>
+auto BindTables(Binding&& binding) {
+  auto tables = std::move(binding)
+                    .template Arg<I32Buffer>()   // window
+                    .template Arg<I32Buffer>()   // row_order
+                    .template Arg<I32Buffer>()   // arc_offsets
+                    .template Arg<I32Buffer>()   // arcs
+                    .template Arg<F32Buffer>();  // quad_weights
+  if constexpr (kStencilPairs) {
+    return std::move(tables).template Arg<I32Buffer>().RemainingArgs();  // stencil_pairs
+  } else {
+    return std::move(tables).RemainingArgs();
+  }
+}
+
+// jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse);
+// with kStencilPairs (jax_s2attn_tiled_fwd) the stencil pairs after them.
+template <bool kStencilPairs = false, typename Binding>
+auto BindForward(Binding&& binding) {
+  return BindAttrs(BindTables<kStencilPairs>(std::move(binding)
+                                                 .template Arg<ffi::AnyBuffer>()   // q
+                                                 .template Arg<ffi::AnyBuffer>()   // k
+                                                 .template Arg<ffi::AnyBuffer>())  // v
                        .template Ret<ffi::AnyBuffer>()  // out (type checked by the handler)
                        .template Ret<F32Buffer>());     // lse
 }
 
-// jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse);
-// with kStencilPairs (jax_s2attn_tiled_fwd) one more operand, the stencil pairs.
-template <bool kStencilPairs = false, typename Binding>
-auto BindForward(Binding&& binding) {
-  auto operands = std::move(binding)
-                      .template Arg<ffi::AnyBuffer>()  // q
-                      .template Arg<ffi::AnyBuffer>()  // k
-                      .template Arg<ffi::AnyBuffer>()  // v
-                      .template Arg<I32Buffer>()       // window
-                      .template Arg<I32Buffer>()       // row_order
-                      .template Arg<I32Buffer>()       // arc_offsets
-                      .template Arg<I32Buffer>()       // arcs
-                      .template Arg<F32Buffer>();      // quad_weights
-  if constexpr (kStencilPairs) {
-    return BindForwardResults(std::move(operands).template Arg<I32Buffer>());  // stencil_pairs
-  } else {
-    return BindForwardResults(std::move(operands));
-  }
-}
-
-// Operands of the backward targets: q, k, v, dout, lse, delta, window, row_order, arc_offsets,
-// arcs, quad_weights; with kDeltaFromOut (jax_s2attn_tiled_bwd_dq_delta) the forward's float32
-// out and dlse in place of delta.
-template <bool kDeltaFromOut = false, typename Binding>
+// Operands of the backward targets: q, k, v, dout, lse, delta, then the tables; with kDeltaFromOut
+// (jax_s2attn_tiled_bwd_dq_delta) the forward's float32 out and dlse in place of delta.
+template <bool kDeltaFromOut = false, bool kStencilPairs = false, typename Binding>
 auto BindBackwardArgs(Binding&& binding) {
   auto through_lse = std::move(binding)
                          .template Arg<ffi::AnyBuffer>()  // q
@@ -71,36 +71,27 @@ auto BindBackwardArgs(Binding&& binding) {
                          .template Arg<ffi::AnyBuffer>()  // v
                          .template Arg<ffi::AnyBuffer>()  // dout
                          .template Arg<F32Buffer>();      // lse
-  auto with_delta = [&] {
-    if constexpr (kDeltaFromOut) {
-      return std::move(through_lse).template Arg<F32Buffer>().template Arg<F32Buffer>();  // out, dlse
-    } else {
-      return std::move(through_lse).template Arg<F32Buffer>();  // delta
-    }
-  }();
-  return std::move(with_delta)
-      .template Arg<I32Buffer>()       // window
-      .template Arg<I32Buffer>()       // row_order
-      .template Arg<I32Buffer>()       // arc_offsets
-      .template Arg<I32Buffer>()       // arcs
-      .template Arg<F32Buffer>()       // quad_weights
-      .RemainingArgs();
+  if constexpr (kDeltaFromOut) {
+    return BindTables<kStencilPairs>(std::move(through_lse).template Arg<F32Buffer>().template Arg<F32Buffer>());
+  } else {
+    return BindTables<kStencilPairs>(std::move(through_lse).template Arg<F32Buffer>());  // delta
+  }
 }
 
 // Gradient results and the forward's out are float32, or on the tiled CUDA targets also the
 // activations' dtype (CheckResultTypes in nbhd_params.h); the handlers check which.
 
 // jax_s2attn_nbhd_bwd_dq: backward operands -> dq.
-template <typename Binding>
+template <bool kStencilPairs = false, typename Binding>
 auto BindBackwardDq(Binding&& binding) {
-  return BindAttrs(BindBackwardArgs(std::move(binding)).template Ret<ffi::AnyBuffer>());
+  return BindAttrs(BindBackwardArgs<false, kStencilPairs>(std::move(binding)).template Ret<ffi::AnyBuffer>());
 }
 
-// jax_s2attn_tiled_bwd_dq_delta: backward operands with out and dlse -> (dq, delta).
+// jax_s2attn_tiled_bwd_dq_delta: backward operands with out and dlse, and the stencil pairs -> (dq, delta).
 template <typename Binding>
 auto BindBackwardDqDelta(Binding&& binding) {
   return BindAttrs(
-      BindBackwardArgs<true>(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<F32Buffer>());
+      BindBackwardArgs<true, true>(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<F32Buffer>());
 }
 
 // jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv).

@@ -138,6 +138,32 @@ NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q
   return NbhdAttrs{scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k};
 }
 
+// The query row pairs the tiled launchers leave to the stencil kernels (jax_s2attn_tiled_fwd, _bwd_dq and
+// _bwd_dq_delta), checked against the call `g` describes. Leading dims are copies (vmap_method=
+// "broadcast_all"); the first copy is read.
+ffi::Error SetStencilPairs(const I32Buffer& stencil_pairs, NbhdAttnGpuParams* g) {
+  const auto dims = stencil_pairs.dimensions();
+  S2ATTN_CHECK(dims.size() >= 2 && dims.back() == 2, "stencil_pairs must be int32 [..., pairs, 2] (first query "
+                                                     "row, first key row of each pair; jax_s2attn.plan), got rank "
+                                                         << dims.size());
+  const int64_t pairs = dims[dims.size() - 2];
+  S2ATTN_CHECK(2 * pairs <= g->nq_lat && static_cast<int64_t>(stencil_pairs.element_count()) >= 2 * pairs,
+               "stencil_pairs holds " << pairs << " row pairs, more than the " << g->nq_lat
+                                      << " local query rows (or than its copies hold)");
+  if (pairs == 0) return ffi::Error::Success();
+  S2ATTN_CHECK(g->residues == 1 && g->shift == 1 && g->nlon_q == g->nlon_k,
+               "stencil rows need a walk of one residue and shift 1 between grids of equal longitudes (got residues "
+                   << g->residues << ", shift " << g->shift << ", nlon_q " << g->nlon_q << ", nlon_k " << g->nlon_k
+                   << "); pass no stencil pairs");
+  S2ATTN_CHECK(g->nq_lat == g->nlat_q && g->nq_lon == g->nlon_q && g->nk_lat == g->nlat_k && g->nk_lon == g->nlon_k &&
+                   g->nlat_k > 0 && g->nlon_k > 0,
+               "stencil rows need whole grids (local arrays of the global grids' shape, no padding); pass no "
+               "stencil pairs for blocks of a sharded grid");
+  g->stencil_pairs = stencil_pairs.typed_data();
+  g->num_stencil_pairs = static_cast<int32_t>(pairs);
+  return ffi::Error::Success();
+}
+
 // out is float32, or on the tiled kernels also the activations' type (`out_narrow`); `stencil_pairs`
 // (tiled only, else null) are the query row pairs the tiled launcher leaves to the stencil kernel.
 template <typename Kernels>
@@ -155,26 +181,6 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
   S2ATTN_RETURN_IF_ERROR(
       CheckResultTypes("out", {out->element_type()}, q.element_type(), Kernels::kNarrowResults, &out_type));
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, /*walk_keys=*/false));
-  int64_t pairs = 0;
-  if (stencil_pairs != nullptr) {
-    // Leading dims are copies (vmap_method="broadcast_all"); the first copy is read.
-    const auto dims = stencil_pairs->dimensions();
-    S2ATTN_CHECK(dims.size() >= 2 && dims.back() == 2, "stencil_pairs must be int32 [..., pairs, 2] (first query "
-                                                       "row, first key row of each pair; jax_s2attn.plan), got rank "
-                                                           << dims.size());
-    pairs = dims[dims.size() - 2];
-    S2ATTN_CHECK(2 * pairs <= p.nq_lat && static_cast<int64_t>(stencil_pairs->element_count()) >= 2 * pairs,
-                 "stencil_pairs holds " << pairs << " row pairs, more than the " << p.nq_lat
-                                        << " local query rows (or than its copies hold)");
-    S2ATTN_CHECK(pairs == 0 || (p.residues == 1 && p.shift == 1 && p.nlon_q == p.nlon_k),
-                 "stencil rows need a walk of one residue and shift 1 between grids of equal longitudes (got "
-                 "residues " << p.residues << ", shift " << p.shift << ", nlon_q " << p.nlon_q << ", nlon_k "
-                             << p.nlon_k << "); pass no stencil pairs");
-    S2ATTN_CHECK(pairs == 0 || (p.nq_lat == p.nlat_q && p.nq_lon == p.nlon_q && p.nk_lat == p.nlat_k &&
-                                p.nk_lon == p.nlon_k && p.nlat_k > 0 && p.nlon_k > 0),
-                 "stencil rows need whole grids (local arrays of the global grids' shape, no padding); pass no "
-                 "stencil pairs for blocks of a sharded grid");
-  }
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
   NbhdAttnGpuParams g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, Kernels::kForm);
   if (out_type == ElementType::kF32) {
@@ -183,10 +189,7 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
     g.out_narrow = out->untyped_data();
   }
   g.lse_out = lse->typed_data();
-  if (pairs > 0) {
-    g.stencil_pairs = stencil_pairs->typed_data();
-    g.num_stencil_pairs = static_cast<int32_t>(pairs);
-  }
+  if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, &g));
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::Forward(stream, g), Kernels::kForward);
 }
@@ -248,21 +251,44 @@ ffi::Error SetDqResult(AnyResult dq, ffi::DataType activations, bool narrow_allo
   return ffi::Error::Success();
 }
 
+// dq of either family; `stencil_pairs` as in ForwardOf.
 template <typename Kernels>
+ffi::Error BackwardDqOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        const ffi::AnyBuffer& dout, const F32Buffer& lse, const F32Buffer& delta,
+                        const I32Buffer& window, const I32Buffer& row_order, const I32Buffer& arc_offsets,
+                        const I32Buffer& arcs, const F32Buffer& quad_weights, const I32Buffer* stencil_pairs,
+                        AnyResult& dq, const NbhdAttrs& attrs) {
+  NbhdAttnGpuParams g;
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, "delta", window, row_order, arc_offsets, arcs,
+                                        quad_weights, attrs, /*walk_keys=*/false, Kernels::kForm, &g));
+  g.delta = delta.typed_data();
+  S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), Kernels::kNarrowResults, &g));
+  if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, &g));
+  if (dq->element_count() == 0) return ffi::Error::Success();
+  S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
+  return LaunchStatus(Kernels::BackwardDq(stream, g), Kernels::kBackwardDq);
+}
+
+// jax_s2attn_nbhd_bwd_dq.
 ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
                       F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
                       I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
                       float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                       int64_t nlon_k) {
-  NbhdAttnGpuParams g;
-  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, "delta", window, row_order, arc_offsets, arcs,
-                                        quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
-                                        /*walk_keys=*/false, Kernels::kForm, &g));
-  g.delta = delta.typed_data();
-  S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), Kernels::kNarrowResults, &g));
-  if (dq->element_count() == 0) return ffi::Error::Success();
-  S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
-  return LaunchStatus(Kernels::BackwardDq(stream, g), Kernels::kBackwardDq);
+  return BackwardDqOf<ArcKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
+                                  quad_weights, nullptr, dq,
+                                  MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+}
+
+// jax_s2attn_tiled_bwd_dq: the same operands and the stencil pairs.
+ffi::Error TiledBackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order,
+                           I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights, I32Buffer stencil_pairs,
+                           ffi::RemainingArgs /*aliased_results*/, AnyResult dq, float scale, int64_t residues,
+                           int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
+  return BackwardDqOf<TiledKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
+                                    quad_weights, &stencil_pairs, dq,
+                                    MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
 template <typename Kernels>
@@ -296,7 +322,8 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::AnyBuffer dout, F32Buffer lse, F32Buffer out, F32Buffer dlse, I32Buffer window,
                                 I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                                ffi::RemainingArgs /*aliased_results*/, AnyResult dq, F32Result delta, float scale,
+                                I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
+                                F32Result delta, float scale,
                                 int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                                 int64_t nlon_k) {
   NbhdAttnGpuParams g;
@@ -306,6 +333,7 @@ ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_v));
   S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), /*narrow_allowed=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, -1));
+  S2ATTN_RETURN_IF_ERROR(SetStencilPairs(stencil_pairs, &g));
   if (delta->element_count() == 0) return ffi::Error::Success();  // no query rows: dq is empty too
   g.forward_out = out.typed_data();
   g.dlse = dlse.typed_data();
@@ -333,16 +361,17 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
 }  // namespace
 }  // namespace s2attn
 
-#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, KERNELS, FORWARD, STENCIL_PAIRS)                                     \
+#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, KERNELS, FORWARD, BACKWARD_DQ, STENCIL_PAIRS)                        \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, FORWARD,                                                    \
                                 s2attn::BindForward<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>())); \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDqCuda, s2attn::BackwardDq<KERNELS>,                             \
-                                s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                 \
+      PREFIX##BackwardDqCuda, BACKWARD_DQ,                                                                       \
+      s2attn::BindBackwardDq<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDkvCuda, s2attn::BackwardDkv<KERNELS>,                           \
                                 s2attn::BindBackwardDkv(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
 
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::ArcKernels, s2attn::Forward, false);
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledKernels, s2attn::TiledForward, true);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::ArcKernels, s2attn::Forward, s2attn::BackwardDq, false);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledKernels, s2attn::TiledForward, s2attn::TiledBackwardDq, true);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::TiledBackwardDqDelta,
                               s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCuda, s2attn::Delta,

@@ -1,6 +1,6 @@
-// Launcher of the stencil forward (stencil_attn_fwd.cu): the query rows of short arcs, on CUDA cores,
-// launched by the tiled forward's launcher for the rows the plan leaves to it (NbhdAttnGpuParams::
-// stencil_pairs). Plain C++ and CUDA runtime types.
+// Launchers of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu): the query rows of short arcs,
+// on CUDA cores, launched by the tiled forward's and dq's launchers for the rows the plan leaves to them
+// (NbhdAttnGpuParams::stencil_pairs). Plain C++ and CUDA runtime types.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,6 +23,10 @@ constexpr int kMaxHalf = 3;
 // window get zeros and lse = -inf, as if they had no neighbours).
 template <typename T, int D>
 cudaError_t LaunchStencilFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
+
+// dq (and, given forward_out and dlse in place of delta, delta_out) of the same rows; the same requirements.
+template <typename T, int D>
+cudaError_t LaunchStencilDq(cudaStream_t stream, const NbhdAttnGpuParams& p);
 
 }  // namespace stencil
 }  // namespace gpu

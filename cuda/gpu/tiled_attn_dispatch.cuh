@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "gpu/device_common.cuh"
+#include "gpu/side_stream.h"
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_kernels.h"
 
@@ -48,6 +49,22 @@ cudaError_t LaunchUnits(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, 
   if (status != cudaSuccess) return status;
   const int64_t tiles = (int64_t{cols} + kTilePoints - 1) / kTilePoints;
   return LaunchRowGrid(kernel, stream, p, rows, tiles, kThreads, kShared);
+}
+
+// LaunchUnits over the first ranks of the query row order, and `stencil(stream)` for the rows of the
+// stencil pairs (its last 2 * p.num_stencil_pairs ranks) alongside on a side stream (side_stream.h): the
+// tiled forward's and dq's launchers.
+template <int D, typename Stencil>
+cudaError_t LaunchQueryUnitsAndStencilRows(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream,
+                                           const NbhdAttnGpuParams& p, Stencil&& stencil) {
+  const int64_t tiled_rows = int64_t{p.nq_lat} - 2 * int64_t{p.num_stencil_pairs};
+  if (p.num_stencil_pairs < 0 || tiled_rows < 0 || (p.num_stencil_pairs > 0 && p.stencil_pairs == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const auto tiled = [&](cudaStream_t s) {
+    return LaunchUnits<D>(kernel, s, p, static_cast<int32_t>(tiled_rows), p.nq_lon);
+  };
+  return p.num_stencil_pairs == 0 ? tiled(stream) : RunAlongside(stream, tiled, stencil);
 }
 
 }  // inline namespace (the pipeline shape)

@@ -5,6 +5,7 @@
 #include "gpu/tiled_narrow_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
+#include "gpu/stencil_attn_kernels.h"
 
 namespace s2attn {
 namespace gpu {
@@ -116,8 +117,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
 cudaError_t LaunchTiledAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
-    return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledDqKernel<typename V::Element, V::kDim>, stream, p,
-                                            p.nq_lat, p.nq_lon);
+    using T = typename V::Element;
+    const auto stencil = [&](cudaStream_t s) { return gpu::stencil::LaunchStencilDq<T, V::kDim>(s, p); };
+    return gpu::tiled::LaunchQueryUnitsAndStencilRows<V::kDim>(gpu::tiled::TiledDqKernel<T, V::kDim>, stream, p, stencil);
   });
 }
 

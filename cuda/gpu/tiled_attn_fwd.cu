@@ -3,7 +3,6 @@
 #include "gpu/tiled_fwd_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
-#include "gpu/side_stream.h"
 #include "gpu/stencil_attn_kernels.h"
 
 namespace s2attn {
@@ -136,22 +135,11 @@ bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
 
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
   if ((p.out == nullptr) == (p.out_narrow == nullptr)) return cudaErrorInvalidValue;  // one out, of either type
-  const int64_t tiled_rows = int64_t{p.nq_lat} - 2 * int64_t{p.num_stencil_pairs};
-  if (p.num_stencil_pairs < 0 || tiled_rows < 0 || (p.num_stencil_pairs > 0 && p.stencil_pairs == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
     using T = typename V::Element;
-    // The tiled kernel walks the first ranks of the row order, the stencil kernel the pairs' rows (the rest),
-    // alongside: its blocks fill the SMs that the tiled kernel's tail of long (polar) rows leaves idle.
-    const auto tiled = [&](cudaStream_t s) {
-      return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledFwdKernel<T, V::kDim>, s, p,
-                                              static_cast<int32_t>(tiled_rows), p.nq_lon);
-    };
-    if (p.num_stencil_pairs == 0) return tiled(stream);
     const auto stencil = [&](cudaStream_t s) { return gpu::stencil::LaunchStencilFwd<T, V::kDim>(s, p); };
-    return gpu::RunAlongside(stream, tiled, stencil);
+    return gpu::tiled::LaunchQueryUnitsAndStencilRows<V::kDim>(gpu::tiled::TiledFwdKernel<T, V::kDim>, stream, p, stencil);
   });
 }
 

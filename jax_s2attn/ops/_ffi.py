@@ -349,23 +349,30 @@ def ffi_forward(
     dtype = _result_dtype(out_dtype, kernel, query, "out_dtype")
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     operands = (query, key, value, _index(window), _index(row_order), *walk, plan.tables.quad_weights)
-    if stencil and kernel != "tiled":
-        raise ValueError("stencil=True needs kernel='tiled' (the stencil rows are part of the tiled forward).")
-    if stencil and (tuple(query.shape[-4:-2]) != plan.out_shape or tuple(key.shape[-4:-2]) != plan.in_shape):
-        raise ValueError(
-            f"stencil=True needs whole grids: query and key of the plan's grids {plan.out_shape} and {plan.in_shape} "
-            f"(got {tuple(query.shape[-4:-2])} and {tuple(key.shape[-4:-2])}); blocks of a sharded grid take none."
-        )
-    if kernel == "tiled":
-        operands += (plan.tables.forward_stencil_pairs if stencil else np.zeros((0, 2), np.int32),)
+    operands += _stencil_operand(plan, kernel, stencil, query, key)
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
     out, lse = _call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32)))
     return out, lse
 
 
+def _stencil_operand(plan, kernel: str, stencil: bool, query, key) -> tuple:
+    """The stencil pairs operand of the tiled forward and dq targets (the plan's, or none), after checking
+    that ``stencil`` may be asked for; nothing for the arc targets."""
+    if stencil and kernel != "tiled":
+        raise ValueError("stencil=True needs kernel='tiled' (the stencil rows are part of the tiled targets).")
+    if stencil and (tuple(query.shape[-4:-2]) != plan.out_shape or tuple(key.shape[-4:-2]) != plan.in_shape):
+        raise ValueError(
+            f"stencil=True needs whole grids: query and key of the plan's grids {plan.out_shape} and {plan.in_shape} "
+            f"(got {tuple(query.shape[-4:-2])} and {tuple(key.shape[-4:-2])}); blocks of a sharded grid take none."
+        )
+    if kernel != "tiled":
+        return ()
+    return (plan.tables.forward_stencil_pairs if stencil else np.zeros((0, 2), np.int32),)
+
+
 def ffi_backward_dq(
     query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False,
-    gradient_dtype=jnp.float32,
+    gradient_dtype=jnp.float32, stencil=False,
 ):  # fmt: skip
     """dQ target (shaped like ``query``) over the keys inside ``window``.
 
@@ -373,20 +380,20 @@ def ffi_backward_dq(
     and global (merged over every key block); ``row_order`` holds local query rows.
     ``gradient_dtype`` (both backward targets): float32, or with ``kernel="tiled"`` also the
     activations' dtype, each element the float32 result rounded to nearest (the same bits as
-    ``.astype``), written at half the bytes.
+    ``.astype``), written at half the bytes. ``stencil`` (both dq targets) as in :func:`ffi_forward`.
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "dq", scale)
     dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
-                plan.tables.quad_weights)
+                plan.tables.quad_weights, *_stencil_operand(plan, kernel, stencil, query, key))
     (dq,) = _call(target, operands, [query.shape], attributes, poison_results, dtype)
     return dq
 
 
 def ffi_backward_dq_delta(
     query, key, value, dout, lse, out, dlse, plan, window, row_order, *, scale, poison_results=False,
-    gradient_dtype=jnp.float32,
+    gradient_dtype=jnp.float32, stencil=False,
 ):  # fmt: skip
     """The tiled dq that forms delta itself: ``(dq, delta)``.
 
@@ -402,7 +409,7 @@ def ffi_backward_dq_delta(
     dtype = _result_dtype(gradient_dtype, "tiled", query, "gradient_dtype")
     dout, out, dlse = _delta_operands(dout, out, dlse)
     operands = (query, key, value, dout, lse, out, dlse, _index(window), _index(row_order), *walk,
-                plan.tables.quad_weights)
+                plan.tables.quad_weights, *_stencil_operand(plan, "tiled", stencil, query, key))
     shapes = [query.shape, dlse.shape]
     return tuple(_call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32))))
 

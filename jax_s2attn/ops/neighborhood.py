@@ -196,8 +196,9 @@ def _native_backward(scale, kernel, residuals, cotangents):
     gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
     if kernel == "tiled":
         dq, delta = _ffi.ffi_backward_dq_delta(
-            query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order, **gradients
-        )
+            query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order,
+            stencil=uses_stencil_rows(plan, query, kernel), **gradients,
+        )  # fmt: skip
     else:
         delta = _ffi.ffi_delta(dout, out, dlse)
         dq = _ffi.ffi_backward_dq(

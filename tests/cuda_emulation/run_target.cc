@@ -56,16 +56,22 @@ s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q,
 // nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
 // of the activations and of the gradient results (the forward's lse and result0 out are float32).
 // `result2`: null, or for the tiled forward out in `dtype`, in place of a float32 out (result0 null).
+// `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the tiled forward and dq, the query row pairs left
+// to the stencil kernels (the last 2 * num_pairs ranks of row_order).
 // Returns the launcher's cudaError_t.
 extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
                                  const void* v, const void* dout, const float* lse, const float* delta,
                                  const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
                                  const int32_t* arcs, const float* quad_weights, void* result0, void* result1,
-                                 void* result2, const int64_t* sizes, float scale) {
+                                 void* result2, const int64_t* sizes, float scale, const int32_t* stencil_pairs,
+                                 int64_t num_pairs) {
   if (target < 0 || target > 5 || (result2 != nullptr && target != 3)) return cudaErrorInvalidValue;
+  if (num_pairs != 0 && target != 3 && target != 4) return cudaErrorInvalidValue;
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
                                          arcs, quad_weights, sizes, scale);
   p.delta = delta;
+  p.stencil_pairs = stencil_pairs;
+  p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
   const bool tiled = target >= 3;
   switch (target % 3) {
     case 0:
@@ -89,31 +95,17 @@ extern "C" int RunTiledDqFormingDelta(int dtype, int gradient_dtype, const void*
                                       const void* dout, const float* lse, const float* forward_out, const float* dlse,
                                       const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
                                       const int32_t* arcs, const float* quad_weights, void* dq, float* delta,
-                                      const int64_t* sizes, float scale) {
+                                      const int64_t* sizes, float scale, const int32_t* stencil_pairs,
+                                      int64_t num_pairs) {
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
                                          arcs, quad_weights, sizes, scale);
+  p.stencil_pairs = stencil_pairs;
+  p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
   p.forward_out = forward_out;
   p.dlse = dlse;
   p.dq = dq;
   p.delta_out = delta;
   return s2attn::LaunchTiledAttnBwdDq(nullptr, p);
-}
-
-// The tiled forward (target 3) leaving the query rows of `num_pairs` stencil pairs ([num_pairs, 2]: first query
-// row, first key row; the last ranks of row_order) to the stencil kernel: results out (float32, or null) or
-// out_narrow (in `dtype`), and lse.
-extern "C" int RunTiledForwardWithStencil(int dtype, const void* q, const void* k, const void* v, const int32_t* window,
-                                          const int32_t* row_order, const int32_t* arc_offsets, const int32_t* arcs,
-                                          const float* quad_weights, const int32_t* stencil_pairs, int64_t num_pairs,
-                                          float* out, float* lse, void* out_narrow, const int64_t* sizes, float scale) {
-  s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, /*gradient_dtype=*/0, q, k, v, nullptr, nullptr, window, row_order,
-                                         arc_offsets, arcs, quad_weights, sizes, scale);
-  p.stencil_pairs = stencil_pairs;
-  p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
-  p.out = out;
-  p.lse_out = lse;
-  p.out_narrow = out_narrow;
-  return s2attn::LaunchTiledAttnFwd(nullptr, p);
 }
 
 // delta[r] = sum_c dout[r, c] * out[r, c] - dlse[r] for `rows` rows of `dv` channels.

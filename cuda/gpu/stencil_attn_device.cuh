@@ -1,0 +1,226 @@
+// Building blocks of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu): the query rows whose
+// arcs are all short (within kMaxHalf longitudes of the point), on CUDA cores. At the default cutoff most
+// rows are such rows (84 % of 721x1440), where the tiled kernels' 64-point units multiply whole 16-column
+// blocks for ~5 neighbours (benchmarks/NOTES.md, sessions 13-15); jax_s2attn.plan picks the row pairs, and
+// the tiled launchers run these kernels on them and the tiled ones on every other row.
+//
+// A block owns kRows query rows (one stencil pair) x kLons longitudes of one (batch, head). It stages the
+// <= kMaxOtherRows key rows the pair sees, kLons + 2 kMaxHalf columns each (K and V, every copy in flight
+// at once), then kLanes = D / 16 lanes per point walk the point's arcs there: 16 channels per lane, dot
+// products summed over the lanes by shuffles, float32 throughout (P and dS never rounded). Results are owned
+// by one thread each and summed in a fixed order: bitwise reproducible.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "gpu/device_common.cuh"
+#include "gpu/mbarrier_sm90.cuh"
+#include "gpu/mma_sm80.cuh"
+#include "gpu/stencil_attn_kernels.h"
+
+namespace s2attn {
+namespace gpu {
+namespace stencil {
+
+constexpr int kThreads = 256;
+constexpr int kLaneChannels = 16;  // two 16-byte pieces of a row per lane
+
+template <int D>
+struct Shape {
+  static constexpr int kLanes = D / kLaneChannels;               // 2, 4, 8
+  static constexpr int kLons = kThreads / (kLanes * kRows);      // 64, 32, 16
+  static constexpr int kWindow = kLons + 2 * kMaxHalf;           // staged columns per key row
+  static constexpr int kStride = D + 8;  // padded: a quarter-warp's points read rows in different banks
+  static constexpr int kPieces = D / 8;  // 16-byte pieces per row
+};
+
+// The block's shared memory, under the 48 KiB that needs no opt-in.
+template <typename T, int D>
+struct Staged {
+  T k[kMaxOtherRows][Shape<D>::kWindow][Shape<D>::kStride];
+  T v[kMaxOtherRows][Shape<D>::kWindow][Shape<D>::kStride];
+  uint64_t landed;  // completes once every thread's copies landed
+};
+static_assert(sizeof(Staged<__half, 32>) <= 48 * 1024 && sizeof(Staged<__half, 64>) <= 48 * 1024 &&
+                  sizeof(Staged<__half, 128>) <= 48 * 1024,
+              "stencil blocks fit the default 48 KiB of shared memory");
+
+// Whether the call is what the stencil rows need: whole grids (no sharding windows, no padding), one
+// residue and shift (arcs relative to their point), equal longitude counts.
+__device__ __forceinline__ bool WholeGrids(const NbhdAttnGpuParams& p) {
+  const Windows w = ReadDeviceWindows(p);
+  const auto whole = [](const GridWindow& g, int32_t local_lat, int32_t local_lon, int32_t nlat, int32_t nlon) {
+    return g.lat0 == 0 && g.lon0 == 0 && g.nlat == nlat && g.nlon == nlon && local_lat == nlat && local_lon == nlon;
+  };
+  return whole(w.q, p.nq_lat, p.nq_lon, p.nlat_q, p.nlon_q) && whole(w.k, p.nk_lat, p.nk_lon, p.nlat_k, p.nlon_k) &&
+         p.nlon_q == p.nlon_k && p.residues == 1 && p.shift == 1;
+}
+
+// One arc of a point in the staged window: staged row, column of the first neighbour relative to the
+// point's own column (kMaxHalf + the arc's start offset), length, log2 of the row's quadrature weight.
+struct StagedArc {
+  int32_t row, column, len;
+  float log2_weight;
+};
+
+// The arc of segment (key_row, lo, len) for points of a pair whose staged rows start at `other0`, or an
+// empty one where it does not fit the stencil (never for the plan's pairs; a corrupted table stays in
+// bounds). The plan's rule (jax_s2attn.plan): the arc starts `lo` (or lo - nlon past kMaxHalf)
+// longitudes from its point and must end within kMaxHalf.
+__device__ __forceinline__ StagedArc ArcOf(const int32_t* segment, int32_t other0, const NbhdAttnGpuParams& p) {
+  const int32_t key_row = __ldg(segment), lo = __ldg(segment + 1), len = __ldg(segment + 2);
+  const int32_t start = lo > kMaxHalf ? lo - p.nlon_k : lo;
+  // Each bound alone first, so that no sum of table values can overflow.
+  const bool fits = key_row >= other0 && key_row - other0 < kMaxOtherRows && key_row < p.nk_lat &&
+                    start >= -kMaxHalf && start <= kMaxHalf && len >= 0 && len <= 2 * kMaxHalf + 1 &&
+                    start + len - 1 <= kMaxHalf;
+  if (!fits) return StagedArc{0, 0, 0, 0.f};
+  return StagedArc{key_row - other0, kMaxHalf + start, len, log2f(__ldg(p.quad_weights + key_row))};
+}
+
+// A lane's 16 channels of a row (two 16-byte pieces), widened, times `scale`.
+template <typename T>
+__device__ __forceinline__ void LoadLane(float (&x)[kLaneChannels], const T* row, float scale) {
+  const uint4* pieces = reinterpret_cast<const uint4*>(row);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint4 piece = pieces[h];
+    const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 y = UnpackPair<T>(words[w]);
+      x[8 * h + 2 * w] = y.x * scale;
+      x[8 * h + 2 * w + 1] = y.y * scale;
+    }
+  }
+}
+
+// x . y over the point's kLanes lanes (consecutive lanes of one warp; every lane takes part). Two partial
+// sums halve the dependent chain of FMAs.
+template <int kLanes>
+__device__ __forceinline__ float LaneDot(const float (&x)[kLaneChannels], const float (&y)[kLaneChannels]) {
+  float even = 0.f, odd = 0.f;
+#pragma unroll
+  for (int e = 0; e < kLaneChannels; e += 2) {
+    even = fmaf(x[e], y[e], even);
+    odd = fmaf(x[e + 1], y[e + 1], odd);
+  }
+  float dot = even + odd;
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  return dot;
+}
+
+__device__ __forceinline__ void StoreLane(float* dst, const float (&x)[kLaneChannels]) {
+#pragma unroll
+  for (int c = 0; c < kLaneChannels; c += 4) {
+    *reinterpret_cast<float4*>(dst + c) = make_float4(x[c], x[c + 1], x[c + 2], x[c + 3]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreLane(T* dst, const float (&x)[kLaneChannels]) {
+#pragma unroll
+  for (int c = 0; c < kLaneChannels; c += 8) {
+    *reinterpret_cast<uint4*>(dst + c) = make_uint4(PackPair<T>(x[c], x[c + 1]), PackPair<T>(x[c + 2], x[c + 3]),
+                                                    PackPair<T>(x[c + 4], x[c + 5]), PackPair<T>(x[c + 6], x[c + 7]));
+  }
+}
+
+// What a block of the query walk knows of the thread's point: its lane, its column in the staged window
+// (less the arcs' start), whether it is a point of the grid (else a clamped one that writes nothing), its
+// (point, head) index in [batch, nq_lat, nq_lon, heads], and its row's arcs.
+struct QueryPoint {
+  int lane;
+  int32_t column0;
+  bool real;
+  int64_t point;
+  StagedArc arcs[kMaxOtherRows];
+};
+
+// Starts staging the block's pair of query rows' key rows (K and V) into `s`, every copy in flight at once,
+// and returns the thread's point with its row's arcs. The caller then loads its own operands (while the
+// copies fly) and waits: MbarrierWait(&s.landed, 0). A warp's points lie in one row.
+template <typename T, int D>
+__device__ __forceinline__ QueryPoint StartQueryBlock(const NbhdAttnGpuParams& p, Staged<T, D>& s) {
+  using S = Shape<D>;
+  const BlockRow block = BlockRowOf(p);
+  const int32_t heads = static_cast<int32_t>(p.heads);
+  const int32_t batch = block.batch_head / heads, head = block.batch_head % heads;
+  // The pair's first query row and first staged key row, clamped into the arrays (device memory).
+  const int32_t row0 = min(max(__ldg(p.stencil_pairs + 2 * block.rank), 0), p.nq_lat - 1);
+  const int32_t other0 = min(max(__ldg(p.stencil_pairs + 2 * block.rank + 1), 0), p.nk_lat - 1);
+  const int32_t nlon = p.nk_lon;
+  const int32_t lon0 = static_cast<int32_t>(blockIdx.x) * S::kLons;
+  const int64_t column_stride = int64_t{heads} * D;  // elements between neighbouring points of a row
+
+  if (threadIdx.x == 0) MbarrierInit(&s.landed, 2 * kThreads);
+  __syncthreads();
+  const int64_t key_base = (int64_t{batch} * p.nk_lat * nlon * heads + head) * D;
+  const T* k = static_cast<const T*>(p.k) + key_base;
+  const T* v = static_cast<const T*>(p.v) + key_base;
+  for (int e = threadIdx.x; e < kMaxOtherRows * S::kWindow * S::kPieces; e += kThreads) {
+    const int piece = e % S::kPieces, col = (e / S::kPieces) % S::kWindow, r = e / (S::kPieces * S::kWindow);
+    if (other0 + r >= p.nk_lat) continue;  // never read
+    int32_t lon = (lon0 - kMaxHalf + col) % nlon;
+    if (lon < 0) lon += nlon;
+    const int64_t at = (int64_t{other0 + r} * nlon + lon) * column_stride + 8 * piece;
+    CopyAsync16(&s.k[r][col][8 * piece], k + at);
+    CopyAsync16(&s.v[r][col][8 * piece], v + at);
+  }
+  CopyAsyncArriveOn(&s.landed);
+  MbarrierArrive(&s.landed);
+
+  QueryPoint q;
+  q.lane = threadIdx.x % S::kLanes;
+  const int point_in_block = threadIdx.x / S::kLanes;
+  const int32_t row = row0 + point_in_block / S::kLons, lon = lon0 + point_in_block % S::kLons;
+  q.column0 = point_in_block % S::kLons;
+  q.real = row < p.nq_lat && lon < p.nq_lon;
+  const int32_t walk_row = min(row, p.nq_lat - 1);
+  q.point = ((int64_t{batch} * p.nq_lat + walk_row) * p.nq_lon + min(lon, p.nq_lon - 1)) * heads + head;
+  const bool whole = WholeGrids(p);
+  const int32_t segments = static_cast<int32_t>(min(p.num_arcs, int64_t{INT32_MAX}));  // bounds every copy
+  const int32_t end = min(max(__ldg(p.arc_offsets + walk_row + 1), 0), segments);
+  const int32_t begin = min(max(__ldg(p.arc_offsets + walk_row), 0), end);
+#pragma unroll
+  for (int i = 0; i < kMaxOtherRows; ++i) {
+    q.arcs[i] = whole && begin + i < end ? ArcOf(p.arcs + 3 * int64_t{begin + i}, other0, p) : StagedArc{0, 0, 0, 0.f};
+  }
+  return q;
+}
+
+// Stores the thread's 16 channels of a [batch, rows, cols, heads, D] result at `at` (elements), float32 or in
+// T when `narrow` (the float32 values rounded to nearest).
+template <typename T>
+__device__ __forceinline__ void StoreResult(void* base, bool narrow, int64_t at, const float (&x)[kLaneChannels]) {
+  if (narrow) {
+    StoreLane(static_cast<T*>(base) + at, x);
+  } else {
+    StoreLane(static_cast<float*>(base) + at, x);
+  }
+}
+
+// One block per pair of rows and kLons longitudes of every (batch, head).
+template <typename T, int D>
+cudaError_t LaunchPairs(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  const int64_t tiles = (int64_t{p.nq_lon} + Shape<D>::kLons - 1) / Shape<D>::kLons;
+  return LaunchRowGrid(kernel, stream, p, p.num_stencil_pairs, tiles, kThreads, sizeof(Staged<T, D>));
+}
+
+}  // namespace stencil
+}  // namespace gpu
+}  // namespace s2attn
+
+// The launcher `NAME<T, D>` of stencil_attn_kernels.h for every type and head dim.
+#define S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(NAME)                                            \
+  template cudaError_t NAME<__nv_bfloat16, 32>(cudaStream_t, const NbhdAttnGpuParams&);  \
+  template cudaError_t NAME<__nv_bfloat16, 64>(cudaStream_t, const NbhdAttnGpuParams&);  \
+  template cudaError_t NAME<__nv_bfloat16, 128>(cudaStream_t, const NbhdAttnGpuParams&); \
+  template cudaError_t NAME<__half, 32>(cudaStream_t, const NbhdAttnGpuParams&);         \
+  template cudaError_t NAME<__half, 64>(cudaStream_t, const NbhdAttnGpuParams&);         \
+  template cudaError_t NAME<__half, 128>(cudaStream_t, const NbhdAttnGpuParams&)
