@@ -554,7 +554,8 @@ def test_backward_launchers_refuse_other_gradient_types(launch_status, rng, kern
     """Arc kernels: float32 gradients only; tiled: float32 or the activations' type (bfloat16 here)."""
     case = prepare_case(rng, PLANS["self"](), 1, 1, 64, 64, "bfloat16")
     statuses = []
-    results = run_case(case, lambda *args: statuses.append(launch_status(*args)), kernel, gradient_type=gradient_type)
+    results = run_case(case, lambda *args, **kwargs: statuses.append(launch_status(*args, **kwargs)), kernel,
+                       gradient_type=gradient_type)
     assert statuses == [0, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE]
     assert all(np.isnan(results[name]).all() for name in ("dq", "dk", "dv"))
 
@@ -563,8 +564,8 @@ def _refused_by_tiled_launchers(launch_status, case) -> None:
     """Asserts that each tiled launcher returns cudaErrorInvalidValue without writing a result."""
     statuses = []
 
-    def record(*args):
-        statuses.append(launch_status(*args))
+    def record(*args, **kwargs):
+        statuses.append(launch_status(*args, **kwargs))
 
     results = run_case(case, record, "tiled")
     assert statuses == [CUDA_ERROR_INVALID_VALUE] * 3

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include "gpu/device_common.cuh"
-#include "gpu/side_stream.h"
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_kernels.h"
 
@@ -51,9 +50,10 @@ cudaError_t LaunchUnits(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, 
   return LaunchRowGrid(kernel, stream, p, rows, tiles, kThreads, kShared);
 }
 
-// LaunchUnits over the first ranks of the query row order, and `stencil(stream)` for the rows of the
-// stencil pairs (its last 2 * p.num_stencil_pairs ranks) alongside on a side stream (side_stream.h): the
-// tiled forward's and dq's launchers.
+// LaunchUnits over the first ranks of the query row order, then `stencil(stream)` for the rows of the
+// stencil pairs (its last 2 * p.num_stencil_pairs ranks): the tiled forward's and dq's launchers. One
+// after the other: the tiled blocks take the whole register file, so a stencil block on a second stream
+// could only fill the tiled kernel's tail, and measured no faster (benchmarks/NOTES.md, session 16).
 template <int D, typename Stencil>
 cudaError_t LaunchQueryUnitsAndStencilRows(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream,
                                            const NbhdAttnGpuParams& p, Stencil&& stencil) {
@@ -61,10 +61,8 @@ cudaError_t LaunchQueryUnitsAndStencilRows(void (*kernel)(NbhdAttnGpuParams), cu
   if (p.num_stencil_pairs < 0 || tiled_rows < 0 || (p.num_stencil_pairs > 0 && p.stencil_pairs == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const auto tiled = [&](cudaStream_t s) {
-    return LaunchUnits<D>(kernel, s, p, static_cast<int32_t>(tiled_rows), p.nq_lon);
-  };
-  return p.num_stencil_pairs == 0 ? tiled(stream) : RunAlongside(stream, tiled, stencil);
+  const cudaError_t status = LaunchUnits<D>(kernel, stream, p, static_cast<int32_t>(tiled_rows), p.nq_lon);
+  return status != cudaSuccess || p.num_stencil_pairs == 0 ? status : stencil(stream);
 }
 
 }  // inline namespace (the pipeline shape)

@@ -1118,23 +1118,6 @@ cudaError_t CUDARTAPI cudaEventRecord(cudaEvent_t event, cudaStream_t) {
   return cudaSuccess;
 }
 cudaError_t CUDARTAPI cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-// Launches run at once in the emulation, so streams and the events ordering them are only handles.
-cudaError_t CUDARTAPI cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int) { return cudaEventCreate(event); }
-cudaError_t CUDARTAPI cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) { return cudaSuccess; }
-cudaError_t CUDARTAPI cudaGetDevice(int* device) {
-  *device = 0;
-  return cudaSuccess;
-}
-cudaError_t CUDARTAPI cudaDeviceGetStreamPriorityRange(int* least, int* greatest) {
-  *least = 0;
-  *greatest = -1;
-  return cudaSuccess;
-}
-cudaError_t CUDARTAPI cudaStreamCreateWithPriority(cudaStream_t* stream, unsigned int, int) {
-  static int side;  // any non-null handle
-  *stream = reinterpret_cast<cudaStream_t>(&side);
-  return cudaSuccess;
-}
 cudaError_t CUDARTAPI cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
   *ms = std::chrono::duration<float, std::milli>(end->at - start->at).count();
   return cudaSuccess;
