@@ -148,8 +148,8 @@ def _jax_runs(plan, cfg: Config, dtype: str, implementation: str, reps: int, inp
 def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
     """Median ms of the forward, dq, dkv and delta targets of ``kernel`` ("arc" or "tiled"), and for
     "tiled" its dq that forms delta (``dq_delta``), each alone: the backward targets read the lse,
-    out and delta of a forward of the same inputs. The tiled forward and dq run as the op runs them (with
-    the plan's stencil rows where the op leaves them to the stencil kernels)."""
+    out and delta of a forward of the same inputs. The tiled targets run as the op runs them (with the plan's
+    stencil rows where the op leaves them to the stencil kernels)."""
     window, scale = full_window(plan), float(input_sets[0][0].shape[-1]) ** -0.5
     stencil = uses_stencil_rows(plan, input_sets[0][0], kernel)
     forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(
@@ -159,9 +159,8 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
         gradients["stencil"] = stencil
     dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dq(
         q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, kernel=kernel, **gradients))  # fmt: skip
-    dkv_gradients = {name: value for name, value in gradients.items() if name != "stencil"}
     dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dkv(
-        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, kernel=kernel, **dkv_gradients))  # fmt: skip
+        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, kernel=kernel, **gradients))  # fmt: skip
     delta = jax.jit(_ffi.ffi_delta)
     forward_sets = [(q, k, v, plan) for q, k, v, _ in input_sets]
     delta_sets, backward_sets, forming_sets = [], [], []

@@ -58,9 +58,9 @@ class ArcTable(NamedTuple):
       offsets: ``[num_patterns + 1]`` CSR offsets into ``arcs``.
       arcs: ``[num_arcs, 3]`` rows of ``(row, lo, len)``, rows ascending per pattern.
       row_order: ``[rows]`` rows of the walking grid, most neighbours first
-        (summed over the row's residues): the kernels' schedule. The forward table's
-        stencil rows (:func:`stencil_pairs`) come last, ascending: the tiled forward
-        walks the ranks before them.
+        (summed over the row's residues): the kernels' schedule. The table's stencil
+        rows (:func:`stencil_pairs`) come last, ascending: the tiled kernels walk the
+        ranks before them.
       residues: ``R``; pattern of point ``(h, w)`` is ``h*R + w % R``.
       shift: ``S``; arcs of point ``(h, w)`` start ``S*(w // R)`` longitudes later.
       nlon: longitudes of the grid the arcs run on.
@@ -216,6 +216,7 @@ class PlanTables(NamedTuple):
     backward_segment_offsets: object
     backward_segments: object
     forward_stencil_pairs: object
+    backward_stencil_pairs: object
 
 
 def _membership(theta_out, theta_in, lon_in, eff):
@@ -399,7 +400,8 @@ class NeighborhoodPlan:
                 for table, arcs in walks:
                     # With R == 1 the segment table is the arc table (checked when the plan is built).
                     segment_tables += arcs if table.residues == 1 else map(jax.device_put, table[:2])
-                tables = PlanTables(*arc_tables, *segment_tables, jax.device_put(self.forward_stencil_pairs))
+                stencil = map(jax.device_put, (self.forward_stencil_pairs, self.backward_stencil_pairs))
+                tables = PlanTables(*arc_tables, *segment_tables, *stencil)
             object.__setattr__(self, "_tables", tables)
         return tables
 
@@ -469,9 +471,10 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         )
 
     forward_segments, backward_segments = SegmentTable.from_arcs(forward), SegmentTable.from_arcs(backward)
-    forward_stencil_pairs = stencil_pairs(forward_segments)
-    # The tiled forward walks the first ranks of the row order, the stencil kernel the pairs' rows.
+    forward_stencil_pairs, backward_stencil_pairs = stencil_pairs(forward_segments), stencil_pairs(backward_segments)
+    # The tiled kernels walk the first ranks of a row order, the stencil kernels the pairs' rows.
     forward = forward._replace(row_order=_stencil_rows_last(forward.row_order, forward_stencil_pairs))
+    backward = backward._replace(row_order=_stencil_rows_last(backward.row_order, backward_stencil_pairs))
     for arcs, segments in [(forward, forward_segments), (backward, backward_segments)]:
         # The device tables share the arc arrays when R == 1, which relies on this.
         if arcs.residues == 1 and not (
@@ -504,10 +507,12 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         forward_segments=forward_segments,
         backward_segments=backward_segments,
         forward_stencil_pairs=forward_stencil_pairs,
+        backward_stencil_pairs=backward_stencil_pairs,
     )
     _set(plan, _host=plan)
     host_tables = (csr_offsets, csr_columns, quad_weights, theta_in, theta_out, *forward[:3], *backward[:3])
-    for table in (*host_tables, *forward_segments[:2], *backward_segments[:2], forward_stencil_pairs):
+    stencil = (forward_stencil_pairs, backward_stencil_pairs)
+    for table in (*host_tables, *forward_segments[:2], *backward_segments[:2], *stencil):
         table.setflags(write=False)
     return plan
 

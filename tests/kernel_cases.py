@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
     ROOT / "cuda" / "gpu" / name
     for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "tiled_attn_fwd.cu", "tiled_attn_dq.cu",
-                 "tiled_attn_dkv.cu", "stencil_attn_fwd.cu", "stencil_attn_dq.cu", "delta_kernel.cu")
+                 "tiled_attn_dkv.cu", "stencil_attn_fwd.cu", "stencil_attn_dq.cu",
+                 "stencil_attn_dkv.cu", "delta_kernel.cu")
 ]
 RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
@@ -79,7 +80,7 @@ LONG_ROW_PLANS = {
     "rings-72": lambda: NeighborhoodPlan((6, 72), (6, 72), theta_cutoff=2.0),  # mostly whole rings
 }
 
-# Plans whose forward walk leaves row pairs to the stencil kernel (jax_s2attn.plan.stencil_pairs: one residue,
+# Plans whose walks leave row pairs to the stencil kernels (jax_s2attn.plan.stencil_pairs: one residue,
 # arcs within 3 longitudes): rings longer than a block's longitudes at every head dim (64, 32, 16) with a tail,
 # rings shorter than the staged window (wrapped many times), more key rows than query rows, Legendre-Gauss.
 STENCIL_PLANS = {
@@ -281,7 +282,7 @@ def run_case(
     op feeds them, instead of the case's exact float64 ones; whole grids only (the forward's lse
     covers the window's keys, the backward needs every key's). ``gradient_type``: the numpy type
     of dq, dk and dv (float32, or for the tiled kernels the activations' storage type). ``stencil``: the
-    tiled forward leaves the plan's stencil rows to the stencil kernel, as the op's does (whole grids)."""
+    tiled kernels leave the plan's stencil rows to the stencil kernels, as the op's do (whole grids)."""
     q, k, v, dout, lse_in, delta, window = case.inputs
     if as_op and case.sizes[4:8] != case.sizes[8:12]:
         raise ValueError("as_op needs whole grids (no windows, no padding)")
@@ -308,7 +309,8 @@ def run_case(
                dq, None, stencil_pairs=pairs)  # fmt: skip
     backward_inputs = (q, k, v, dout, lse_in, delta, window)
     dk, dv = np.full(k.shape, np.nan, gradient_type), np.full(v.shape, np.nan, gradient_type)
-    launch(first + DKV, *common, *backward_inputs, case.bwd_order, backward_table, weights, dk, dv)
+    launch(first + DKV, *common, *backward_inputs, case.bwd_order, backward_table, weights, dk, dv,
+           stencil_pairs=stencil_pairs_of(case, kernel, stencil, "backward"))  # fmt: skip
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
@@ -324,13 +326,14 @@ def run_forward(case: KernelCase, launch: Launch, kernel: str, table, stencil_pa
     return out, lse
 
 
-def stencil_pairs_of(case: KernelCase, kernel: str, stencil: bool) -> np.ndarray | None:
-    """The plan's stencil pairs where ``stencil`` (tiled kernels, whole grids), else None."""
+def stencil_pairs_of(case: KernelCase, kernel: str, stencil: bool, walk: str = "forward") -> np.ndarray | None:
+    """The plan's stencil pairs of ``walk`` ("forward": the forward and dq; "backward": dk/dv) where ``stencil``
+    (tiled kernels, whole grids), else None."""
     if not stencil:
         return None
     if kernel != "tiled" or case.sizes[4:8] != case.sizes[8:12]:
-        raise ValueError("the stencil rows belong to the tiled forward and dq on whole grids (no windows, no padding)")
-    return case.plan.forward_stencil_pairs
+        raise ValueError("the stencil rows belong to the tiled kernels on whole grids (no windows, no padding)")
+    return getattr(case.plan, f"{walk}_stencil_pairs")
 
 
 def run_narrow_forward(case: KernelCase, launch: Launch, stencil: bool = False) -> dict[str, np.ndarray]:
@@ -417,7 +420,7 @@ def call_run_target(
     and returns its cudaError_t. ``address(array)`` gives the buffer address the kernels use
     for a (non-None) numpy array; ``table`` is an ArcTable or a SegmentTable. The gradient
     results' type is that of ``r0`` (the forward's lse and ``r0`` out are float32); ``r2`` as a launch's
-    ``result2``; ``stencil_pairs`` (int32 ``[pairs, 2]``, tiled forward and dq) the query row pairs left to the
+    ``result2``; ``stencil_pairs`` (int32 ``[pairs, 2]``, tiled targets) the walking row pairs left to the
     stencil kernels."""
     rows = table_rows(table)
     all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory

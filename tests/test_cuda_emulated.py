@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # emulation_build.py, kernel_cas
 from emulation_build import address_sanitizer_preload, build_emulated_library  # noqa: E402
 from kernel_cases import (  # noqa: E402
     DTYPES,
+    DKV,
     FORWARD,
     KERNEL_SOURCES,
     LONG_ROW_PLANS,
@@ -430,29 +431,44 @@ def test_tiled_corrupted_tables_stay_in_bounds(emulator, rng, plan_name):
         assert not any(np.isnan(r).any() for r in results.values())
 
 
-def test_stencil_rows_with_corrupted_tables_stay_in_bounds(emulator, rng):
-    """The stencil kernel on device tables the host cannot validate: garbage segments (random; every
+def _run_tiled_walk(case, launch, walk: str, table, pairs) -> tuple[np.ndarray, ...]:
+    """The tiled forward ``(out, lse)`` (walk "forward") or dk/dv ``(dk, dv)`` ("backward") walking ``table``,
+    leaving ``pairs`` to the stencil kernels, into NaN-filled results."""
+    if walk == "forward":
+        return run_forward(case, launch, "tiled", table, pairs)
+    q, k, v, dout, lse, delta, window = case.inputs
+    dk, dv = np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32)
+    launch(TILED_TARGET_OFFSET + DKV, case.dtype, case.sizes, case.scale, q, k, v, dout, lse, delta, window,
+           case.bwd_order, table, case.plan.quad_weights, dk, dv, stencil_pairs=pairs)  # fmt: skip
+    return dk, dv
+
+
+@pytest.mark.parametrize("walk", ["forward", "backward"])
+def test_stencil_rows_with_corrupted_tables_stay_in_bounds(emulator, rng, walk):
+    """The stencil kernels on device tables the host cannot validate: garbage segments (random; every
     segment of the pairs' rows at the largest start and length, whose sum overflows int32), garbage
-    offsets, garbage pairs (first rows and first key rows anywhere) and a window that is not whole must
-    never index outside the arrays (the sanitized run checks), and but for garbage pairs (whose rows are
-    no longer the row order's last) every result is still written."""
+    offsets, garbage pairs (first rows and first rows of the other grid anywhere) and a window that is not
+    whole must never index outside the arrays (the sanitized run checks), and but for garbage pairs (whose
+    rows are no longer the row order's last) every result is still written: the forward's, and dk/dv's
+    (whose stencil kernel also stages the queries' lse and delta)."""
     plan = STENCIL_PLANS["self-17x72"]()
     case = prepare_case(rng, plan, 1, 2, 32, 32, "bfloat16")
-    table, pairs = plan.forward_segments, plan.forward_stencil_pairs
+    table, pairs = getattr(plan, f"{walk}_segments"), getattr(plan, f"{walk}_stencil_pairs")
     extreme = table.segments.copy()
     rows = np.concatenate([pairs[:, 0], pairs[:, 0] + 1])
     for h in rows:
         extreme[table.offsets[h] : table.offsets[h + 1], 1:] = np.iinfo(np.int32).max
-    tables = [*_corrupted(table, rng, *plan.in_shape), table._replace(segments=extreme)]
+    other_grid = plan.in_shape if walk == "forward" else plan.out_shape
+    tables = [*_corrupted(table, rng, *other_grid), table._replace(segments=extreme)]
     big = np.iinfo(np.int32).max
     bad_pairs = rng.integers(-big, big, size=pairs.shape, dtype=np.int64).astype(np.int32)
     bad_window = np.asarray([0, 0, plan.nlat_out, plan.nlon_out - 1, 0, 0, *plan.in_shape], np.int32)
     runs = [(case, t, pairs) for t in tables]
     runs.append((dataclasses.replace(case, inputs=(*case.inputs[:6], bad_window)), table, pairs))
     for broken_case, broken_table, broken_pairs in runs:
-        out, lse = run_forward(broken_case, emulator, "tiled", broken_table, broken_pairs)
-        assert not np.isnan(out).any() and not np.isnan(lse).any()
-    run_forward(case, emulator, "tiled", table, bad_pairs)
+        results = _run_tiled_walk(broken_case, emulator, walk, broken_table, broken_pairs)
+        assert not any(np.isnan(r).any() for r in results)
+    _run_tiled_walk(case, emulator, walk, table, bad_pairs)
 
 
 def test_tiled_runs_are_bitwise_reproducible(emulator, rng):
@@ -494,14 +510,15 @@ STENCIL_CASES = [
 
 @pytest.mark.parametrize(("plan_name", "d", "dtype"), STENCIL_CASES, ids=[f"{p}-d{d}-{t}" for p, d, t in STENCIL_CASES])
 def test_tiled_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dtype):
-    """The tiled forward and dq leaving the plan's stencil pairs to the stencil kernels (as the op runs them):
-    every element written, out, lse and the gradients against float64 (the backward from this forward, as the
-    op feeds it: dq forming delta), the out in the activations' type the float32 one rounded, the formed delta
+    """The tiled kernels leaving the plan's stencil pairs to the stencil kernels (as the op runs them): every
+    element written, out, lse and the gradients against float64 (the backward from this forward, as the op
+    feeds it: dq forming delta), the out in the activations' type the float32 one rounded, the formed delta
     right and dq the bits of the dq given it; on the stencil rows (float32 throughout, P and dS never rounded)
-    out and dq within float32 round-off, and every other row the tiled kernels' alone, bit for bit."""
+    out and dq (query rows), dk and dv (key rows) within float32 round-off, and out, lse and dq of every other
+    row the tiled kernels' alone, bit for bit."""
     plan = STENCIL_PLANS[plan_name]()
     pairs = plan.forward_stencil_pairs
-    assert pairs.size, "the plan must leave rows to the stencil kernels"
+    assert pairs.size and plan.backward_stencil_pairs.size, "the plan must leave rows to the stencil kernels"
     case = prepare_case(rng, plan, 2, 2, d, d, dtype)
     results = run_case(case, emulator, "tiled", as_op=True, stencil=True)
     verify_case(case, results, tolerance_of("tiled", dtype))
@@ -511,11 +528,13 @@ def test_tiled_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dt
                             run_dq_forming_delta(case, emulator, results["out"], dlse, stencil=True))  # fmt: skip
     rows = np.zeros(plan.nlat_out, bool)
     rows[pairs[:, 0]] = rows[pairs[:, 0] + 1] = True
+    key_rows = np.zeros(plan.nlat_in, bool)
+    key_rows[plan.backward_stencil_pairs[:, 0]] = key_rows[plan.backward_stencil_pairs[:, 0] + 1] = True
     alone = run_case(case, emulator, "tiled", as_op=True)
-    for name in ("out", "dq"):
-        got, expected = results[name][:, rows], case.expected[name][:, rows]
+    for name, walked in [("out", rows), ("dq", rows), ("dk", key_rows), ("dv", key_rows)]:
+        got, expected = results[name][:, walked], case.expected[name][:, walked]
         assert np.abs(got - expected).max() <= 2e-5 * np.abs(expected).max(), name
-        assert not np.array_equal(got, alone[name][:, rows]), f"{name}: the stencil rows are the tiled kernel's"
+        assert not np.array_equal(got, alone[name][:, walked]), f"{name}: the stencil rows are the tiled kernel's"
     for name in ("out", "lse"):
         assert np.array_equal(results[name][:, ~rows], alone[name][:, ~rows]), name
     # dq of the other rows reads their delta, formed alike, and the lse of the stencil forward's rows: equal bits.

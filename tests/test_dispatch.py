@@ -295,8 +295,8 @@ STENCIL_PLAN = NeighborhoodPlan((65, 100), (65, 100))  # 27 stencil pairs: 5,400
 @native
 @pytest.mark.parametrize(("heads", "pairs"), [(97, 0), (98, 27)])
 def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_points(tiled_build, heads, pairs):
-    """The tiled forward gets the plan's stencil pairs from STENCIL_MIN_POINTS query points of them per batch
-    entry (5,400 x 98 heads), none below (x 97; batch 2 either way): its last operand."""
+    """The tiled forward, dq and dk/dv get the plan's stencil pairs from STENCIL_MIN_POINTS query points of them
+    per batch entry (5,400 x 98 heads), none below (x 97; batch 2 either way): their last operand."""
     if not _ffi.HAS_CUDA_EXT:
         pytest.skip("the CUDA module is not built")
     from jax_s2attn.ops.neighborhood import STENCIL_MIN_POINTS
@@ -308,10 +308,11 @@ def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_p
     tables = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), plan)
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*_ffi.TILED_TARGETS, _ffi.DELTA_TARGET)]
     exported = jax.export.export(jax.jit(_gradient(_loss)), platforms=["cuda"], disabled_checks=checks)(*args, tables)
-    call = f"stablehlo.custom_call @{_ffi.TILED_FORWARD_TARGET}("
-    (line,) = [x for x in exported.mlir_module().splitlines() if call in x]
-    operand_types = line.split(" : (", 1)[1].split(") ->", 1)[0]
-    assert operand_types.endswith(f"tensor<{pairs}x2xi32>")
+    targets = (_ffi.TILED_FORWARD_TARGET, _ffi.TILED_BACKWARD_DQ_DELTA_TARGET, _ffi.TILED_BACKWARD_DKV_TARGET)
+    for target in targets:
+        (line,) = [x for x in exported.mlir_module().splitlines() if f"stablehlo.custom_call @{target}(" in x]
+        operand_types = line.split(" : (", 1)[1].split(") ->", 1)[0]
+        assert operand_types.endswith(f"tensor<{pairs}x2xi32>"), target
 
 
 def test_stencil_rows_need_the_tiled_kernel_and_whole_grids():

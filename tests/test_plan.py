@@ -175,7 +175,7 @@ def test_wrapping_arcs_and_polar_rings():
 
 def test_row_order_is_longest_first():
     plan = NeighborhoodPlan((31, 64), (31, 64), theta_cutoff=0.3)
-    assert plan.forward_stencil_pairs.size == 0  # every row is the tiled kernels'
+    assert plan.forward_stencil_pairs.size == plan.backward_stencil_pairs.size == 0  # every row is the tiled kernels'
     for table in (plan.forward_arcs, plan.backward_arcs):
         lengths = table.pattern_lengths[table.row_order]
         assert np.all(np.diff(lengths) <= 0)
@@ -190,18 +190,19 @@ STENCIL_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("walk", ["forward", "backward"])
 @pytest.mark.parametrize("config", CONFIGS + STENCIL_CONFIGS, ids=_config_id)
-def test_stencil_pairs_fit_the_stencil_kernels(config):
+def test_stencil_pairs_fit_the_stencil_kernels(config, walk):
     """Every pair's points see only the 4 other rows from its first and longitudes within 3 of their own;
-    pairs exist only for walks of one residue and shift; their rows end the forward row order, the other
+    pairs exist only for walks of one residue and shift; their rows end the walk's row order, the other
     rows keep theirs, longest first."""
     plan = NeighborhoodPlan(*config)
-    pairs, table = plan.forward_stencil_pairs, plan.forward_arcs
+    pairs, table = getattr(plan, f"{walk}_stencil_pairs"), getattr(plan, f"{walk}_arcs")
+    walking_rows, nlon = (plan.nlat_out, plan.nlon_in) if walk == "forward" else (plan.nlat_in, plan.nlon_out)
     assert pairs.dtype == np.int32 and pairs.shape == (len(pairs), 2)
     if table.residues != 1 or table.shift != 1:
         assert pairs.size == 0
-    assert np.all(pairs[:, 0] % 2 == 0) and np.all(pairs[:, 0] + 1 < plan.nlat_out)
-    nlon = plan.nlon_in
+    assert np.all(pairs[:, 0] % 2 == 0) and np.all(pairs[:, 0] + 1 < walking_rows)
     reach = {d % nlon for d in range(-STENCIL_MAX_HALF, STENCIL_MAX_HALF + 1)}
     for row0, first in pairs:
         for h in (row0, row0 + 1):
@@ -215,7 +216,7 @@ def test_stencil_pairs_fit_the_stencil_kernels(config):
     head = table.row_order[: table.row_order.size - stencil_rows.size]
     row_lengths = table.pattern_lengths.reshape(-1, table.residues).sum(axis=1)
     assert np.all(np.diff(row_lengths[head]) <= 0)
-    np.testing.assert_array_equal(plan.tables.forward_stencil_pairs, pairs)
+    np.testing.assert_array_equal(getattr(plan.tables, f"{walk}_stencil_pairs"), pairs)
 
 
 def test_stencil_pairs_at_the_default_cutoff():
@@ -225,7 +226,9 @@ def test_stencil_pairs_at_the_default_cutoff():
     pairs = plan.forward_stencil_pairs
     assert len(pairs) == 302
     assert pairs[0, 0] == 58 and pairs[-1, 0] == 660  # one band around the equator
-    assert NeighborhoodPlan((721, 1440), (721, 1440), theta_cutoff=0.03).forward_stencil_pairs.size == 0
+    np.testing.assert_array_equal(plan.backward_stencil_pairs, pairs)  # a symmetric neighbourhood
+    tc003 = NeighborhoodPlan((721, 1440), (721, 1440), theta_cutoff=0.03)
+    assert tc003.forward_stencil_pairs.size == tc003.backward_stencil_pairs.size == 0
 
 
 def test_default_cutoff():
@@ -259,7 +262,7 @@ def test_plan_is_immutable_hashable_cached_and_picklable():
 def test_plan_as_static_and_as_pytree_jit_argument():
     plan = NeighborhoodPlan((12, 24), (12, 24), theta_cutoff=0.5)
     leaves = jax.tree_util.tree_leaves(plan)
-    assert len(leaves) == 12 and all(isinstance(x, jax.Array) for x in leaves)
+    assert len(leaves) == 13 and all(isinstance(x, jax.Array) for x in leaves)
 
     def count_weights(p):
         return jnp.sum(p.tables.quad_weights) * p.nlon_in

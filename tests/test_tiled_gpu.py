@@ -116,17 +116,18 @@ STENCIL_CASES = [
 
 @pytest.mark.parametrize("case", STENCIL_CASES, ids=_case_id)
 def test_stencil_rows(case, exact_random, dense_attention, rel_error):
-    """The tiled forward and dq leaving the plan's stencil pairs to the stencil kernels (as the op does from
-    enough query points): results poisoned with NaN first are all written; on those rows out, lse and dq
-    (float32 throughout) are within float32 round-off of float64, every other row is the tiled kernels'
-    alone, bit for bit, and out in the activations' dtype is the float32 out rounded; the op's results and
-    gradients meet the 16-bit bar."""
+    """The tiled kernels leaving the plan's stencil pairs to the stencil kernels (as the op does from enough
+    query points): results poisoned with NaN first are all written; on those rows out, lse and dq (query
+    rows), dk and dv (key rows; float32 throughout) are within float32 round-off of float64, every other row's
+    out, lse and dq is the tiled kernels' alone, bit for bit, and out in the activations' dtype is the float32
+    out rounded; the op's results and gradients meet the 16-bit bar."""
     geometry, heads, dim = case
     plan = NeighborhoodPlan(*geometry)
-    pairs = plan.forward_stencil_pairs
-    assert pairs.size, "the plan must leave rows to the stencil kernel"
-    rows = np.zeros(plan.nlat_out, bool)
+    pairs, key_pairs = plan.forward_stencil_pairs, plan.backward_stencil_pairs
+    assert pairs.size and key_pairs.size, "the plan must leave rows to the stencil kernels"
+    rows, key_rows = np.zeros(plan.nlat_out, bool), np.zeros(plan.nlat_in, bool)
     rows[pairs[:, 0]] = rows[pairs[:, 0] + 1] = True
+    key_rows[key_pairs[:, 0]] = key_rows[key_pairs[:, 0] + 1] = True
     q = exact_random(2, *plan.out_shape, heads, dim)
     k, v = (exact_random(2, *plan.in_shape, heads, dim) for _ in range(2))
     cotangents = (exact_random(2, *plan.out_shape, heads, dim), exact_random(2, *plan.out_shape, heads))
@@ -158,6 +159,14 @@ def test_stencil_rows(case, exact_random, dense_attention, rel_error):
         assert rel_error(dq[:, rows], want[2][:, rows]) <= 2e-5
         assert not np.array_equal(dq[:, rows], alone_dq[:, rows]), "the stencil rows are the tiled kernel's"
         np.testing.assert_array_equal(dq[:, ~rows], alone_dq[:, ~rows])
+        # dk and dv from that delta, with and without the key rows' stencil pairs (float32).
+        dkv_args = (*backward[:5], delta, plan, full_window(plan), plan.tables.backward_row_order)
+        dk, dv = (np.asarray(x) for x in _ffi.ffi_backward_dkv(*dkv_args, stencil=True, kernel="tiled", **dq_kwargs))
+        alone_dk, alone_dv = (np.asarray(x) for x in _ffi.ffi_backward_dkv(*dkv_args, kernel="tiled", **dq_kwargs))
+        for got, alone, expected in [(dk, alone_dk, want[3]), (dv, alone_dv, want[4])]:
+            assert not np.isnan(got).any()
+            assert rel_error(got[:, key_rows], expected[:, key_rows]) <= 2e-5
+            assert not np.array_equal(got[:, key_rows], alone[:, key_rows]), "the stencil rows are the tiled kernel's"
 
 
 def test_op_with_stencil_rows_agrees_with_arc_kernels_and_under_vmap(exact_random, rel_error):

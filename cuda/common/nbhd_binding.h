@@ -32,7 +32,7 @@ auto BindAttrs(Binding&& binding) {
 // NaN-filled buffers to the results through them to check that every element is written.
 
 // The tables every target takes after its activations (window, row_order, arc_offsets, arcs,
-// quad_weights), with kStencilPairs the stencil pairs (the tiled forward and dq targets), then the
+// quad_weights), with kStencilPairs the stencil pairs (the tiled targets), then the
 // operands aliased to results.
 template <bool kStencilPairs, typename Binding>
 auto BindTables(Binding&& binding) {
@@ -94,11 +94,13 @@ auto BindBackwardDqDelta(Binding&& binding) {
       BindBackwardArgs<true, true>(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<F32Buffer>());
 }
 
-// jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv).
-template <typename Binding>
+// jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv); with kStencilPairs (jax_s2attn_tiled_bwd_dkv) the
+// stencil pairs after them.
+template <bool kStencilPairs = false, typename Binding>
 auto BindBackwardDkv(Binding&& binding) {
-  return BindAttrs(
-      BindBackwardArgs(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>());
+  return BindAttrs(BindBackwardArgs<false, kStencilPairs>(std::move(binding))
+                       .template Ret<ffi::AnyBuffer>()
+                       .template Ret<ffi::AnyBuffer>());
 }
 
 }  // namespace s2attn

@@ -138,18 +138,20 @@ NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q
   return NbhdAttrs{scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k};
 }
 
-// The query row pairs the tiled launchers leave to the stencil kernels (jax_s2attn_tiled_fwd, _bwd_dq and
-// _bwd_dq_delta), checked against the call `g` describes. Leading dims are copies (vmap_method=
-// "broadcast_all"); the first copy is read.
-ffi::Error SetStencilPairs(const I32Buffer& stencil_pairs, NbhdAttnGpuParams* g) {
+// The walking row pairs the tiled launchers leave to the stencil kernels (query rows for jax_s2attn_tiled_fwd,
+// _bwd_dq and _bwd_dq_delta, key rows for _bwd_dkv), checked against the call `g` describes. Leading dims are
+// copies (vmap_method="broadcast_all"); the first copy is read.
+ffi::Error SetStencilPairs(const I32Buffer& stencil_pairs, bool walk_keys, NbhdAttnGpuParams* g) {
   const auto dims = stencil_pairs.dimensions();
-  S2ATTN_CHECK(dims.size() >= 2 && dims.back() == 2, "stencil_pairs must be int32 [..., pairs, 2] (first query "
-                                                     "row, first key row of each pair; jax_s2attn.plan), got rank "
+  S2ATTN_CHECK(dims.size() >= 2 && dims.back() == 2, "stencil_pairs must be int32 [..., pairs, 2] (first walking "
+                                                     "row, first row of the other grid of each pair; "
+                                                     "jax_s2attn.plan), got rank "
                                                          << dims.size());
   const int64_t pairs = dims[dims.size() - 2];
-  S2ATTN_CHECK(2 * pairs <= g->nq_lat && static_cast<int64_t>(stencil_pairs.element_count()) >= 2 * pairs,
-               "stencil_pairs holds " << pairs << " row pairs, more than the " << g->nq_lat
-                                      << " local query rows (or than its copies hold)");
+  const int64_t walking_rows = walk_keys ? g->nk_lat : g->nq_lat;
+  S2ATTN_CHECK(2 * pairs <= walking_rows && static_cast<int64_t>(stencil_pairs.element_count()) >= 2 * pairs,
+               "stencil_pairs holds " << pairs << " row pairs, more than the " << walking_rows
+                                      << " local walking rows (or than its copies hold)");
   if (pairs == 0) return ffi::Error::Success();
   S2ATTN_CHECK(g->residues == 1 && g->shift == 1 && g->nlon_q == g->nlon_k,
                "stencil rows need a walk of one residue and shift 1 between grids of equal longitudes (got residues "
@@ -189,7 +191,7 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
     g.out_narrow = out->untyped_data();
   }
   g.lse_out = lse->typed_data();
-  if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, &g));
+  if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::Forward(stream, g), Kernels::kForward);
 }
@@ -263,7 +265,7 @@ ffi::Error BackwardDqOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi:
                                         quad_weights, attrs, /*walk_keys=*/false, Kernels::kForm, &g));
   g.delta = delta.typed_data();
   S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), Kernels::kNarrowResults, &g));
-  if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, &g));
+  if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, /*walk_keys=*/false, &g));
   if (dq->element_count() == 0) return ffi::Error::Success();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::BackwardDq(stream, g), Kernels::kBackwardDq);
@@ -291,17 +293,17 @@ ffi::Error TiledBackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                                     MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
+// dk and dv of either family; `stencil_pairs` (tiled only, else null) are the key row pairs the tiled
+// launcher leaves to the stencil kernel.
 template <typename Kernels>
-ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order,
-                       I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                       ffi::RemainingArgs /*aliased_results*/, AnyResult dk, AnyResult dv, float scale,
-                       int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
-                       int64_t nlon_k) {
+ffi::Error BackwardDkvOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                         const ffi::AnyBuffer& v, const ffi::AnyBuffer& dout, const F32Buffer& lse,
+                         const F32Buffer& delta, const I32Buffer& window, const I32Buffer& row_order,
+                         const I32Buffer& arc_offsets, const I32Buffer& arcs, const F32Buffer& quad_weights,
+                         const I32Buffer* stencil_pairs, AnyResult& dk, AnyResult& dv, const NbhdAttrs& attrs) {
   NbhdAttnGpuParams g;
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, delta, "delta", window, row_order, arc_offsets, arcs,
-                                        quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
-                                        /*walk_keys=*/true, Kernels::kForm, &g));
+                                        quad_weights, attrs, /*walk_keys=*/true, Kernels::kForm, &g));
   g.delta = delta.typed_data();
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dk", dk->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_k));
@@ -309,11 +311,35 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
       CheckGridArray("dv", dv->dimensions(), g.batch, g.nk_lat, g.nk_lon, g.heads, g.head_dim_v));
   S2ATTN_RETURN_IF_ERROR(SetGradientType("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(),
                                          Kernels::kNarrowResults, &g));
+  if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, /*walk_keys=*/true, &g));
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
   g.dk = dk->untyped_data();
   g.dv = dv->untyped_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
   return LaunchStatus(Kernels::BackwardDkv(stream, g), Kernels::kBackwardDkv);
+}
+
+// jax_s2attn_nbhd_bwd_dkv.
+ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
+                       F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
+                       I32Buffer arcs, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dk,
+                       AnyResult dv, float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q,
+                       int64_t nlat_k, int64_t nlon_k) {
+  return BackwardDkvOf<ArcKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
+                                   quad_weights, nullptr, dk, dv,
+                                   MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+}
+
+// jax_s2attn_tiled_bwd_dkv: the same operands and the stencil pairs.
+ffi::Error TiledBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window,
+                            I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
+                            I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dk,
+                            AnyResult dv, float scale, int64_t residues, int64_t shift, int64_t nlat_q,
+                            int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
+  return BackwardDkvOf<TiledKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
+                                     quad_weights, &stencil_pairs, dk, dv,
+                                     MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
 // jax_s2attn_tiled_bwd_dq_delta: the tiled dq, forming delta = sum(dout * out, -1) - dlse from the
@@ -333,7 +359,7 @@ ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_v));
   S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), /*narrow_allowed=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, -1));
-  S2ATTN_RETURN_IF_ERROR(SetStencilPairs(stencil_pairs, &g));
+  S2ATTN_RETURN_IF_ERROR(SetStencilPairs(stencil_pairs, /*walk_keys=*/false, &g));
   if (delta->element_count() == 0) return ffi::Error::Success();  // no query rows: dq is empty too
   g.forward_out = out.typed_data();
   g.dlse = dlse.typed_data();
@@ -361,17 +387,19 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
 }  // namespace
 }  // namespace s2attn
 
-#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, KERNELS, FORWARD, BACKWARD_DQ, STENCIL_PAIRS)                        \
+#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, FORWARD, BACKWARD_DQ, BACKWARD_DKV, STENCIL_PAIRS)                   \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, FORWARD,                                                    \
                                 s2attn::BindForward<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>())); \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                 \
       PREFIX##BackwardDqCuda, BACKWARD_DQ,                                                                       \
       s2attn::BindBackwardDq<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##BackwardDkvCuda, s2attn::BackwardDkv<KERNELS>,                           \
-                                s2attn::BindBackwardDkv(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                 \
+      PREFIX##BackwardDkvCuda, BACKWARD_DKV,                                                                     \
+      s2attn::BindBackwardDkv<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
 
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::ArcKernels, s2attn::Forward, s2attn::BackwardDq, false);
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledKernels, s2attn::TiledForward, s2attn::TiledBackwardDq, true);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::Forward, s2attn::BackwardDq, s2attn::BackwardDkv, false);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledForward, s2attn::TiledBackwardDq, s2attn::TiledBackwardDkv,
+                            true);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::TiledBackwardDqDelta,
                               s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCuda, s2attn::Delta,

@@ -39,9 +39,10 @@ struct NbhdAttnGpuParams {
   const int32_t* arc_offsets = nullptr;  // [num_patterns + 1]
   const int32_t* arcs = nullptr;         // [num_arcs, 3] = (global row, lo, len) on the other grid
   const float* quad_weights = nullptr;   // [nlat_k] weight of every global key row
-  // Tiled forward only: pairs of query rows (2i, 2i + 1) left to the stencil kernel (stencil_attn_kernels.h),
-  // as rows of (first query row, first key row it stages); their rows are the last 2 * num_stencil_pairs
-  // ranks of row_order, which the tiled kernel does not walk. Whole grids only.
+  // Tiled kernels only: pairs of walking rows (2i, 2i + 1; query rows, or key rows for dk/dv) left to the
+  // stencil kernels (stencil_attn_kernels.h), as rows of (first walking row, first row of the other grid it
+  // stages); their rows are the last 2 * num_stencil_pairs ranks of row_order, which the tiled kernel does
+  // not walk. Whole grids only.
   const int32_t* stencil_pairs = nullptr;  // [num_stencil_pairs, 2]
   int32_t num_stencil_pairs = 0;
 

@@ -1,14 +1,15 @@
-// Building blocks of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu): the query rows whose
-// arcs are all short (within kMaxHalf longitudes of the point), on CUDA cores. At the default cutoff most
-// rows are such rows (84 % of 721x1440), where the tiled kernels' 64-point units multiply whole 16-column
-// blocks for ~5 neighbours (benchmarks/NOTES.md, sessions 13-15); jax_s2attn.plan picks the row pairs, and
-// the tiled launchers run these kernels on them and the tiled ones on every other row.
+// Building blocks of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu, stencil_attn_dkv.cu): the
+// rows whose arcs are all short (within kMaxHalf longitudes of the point), on CUDA cores. At the default
+// cutoff most rows are such rows (84 % of 721x1440), where the tiled kernels' 64-point units multiply whole
+// 16-column blocks for ~5 neighbours (benchmarks/NOTES.md, sessions 13-16); jax_s2attn.plan picks the row
+// pairs, and the tiled launchers run these kernels on them and the tiled ones on every other row.
 //
-// A block owns kRows query rows (one stencil pair) x kLons longitudes of one (batch, head). It stages the
-// <= kMaxOtherRows key rows the pair sees, kLons + 2 kMaxHalf columns each (K and V, every copy in flight
-// at once), then kLanes = D / 16 lanes per point walk the point's arcs there: 16 channels per lane, dot
-// products summed over the lanes by shuffles, float32 throughout (P and dS never rounded). Results are owned
-// by one thread each and summed in a fixed order: bitwise reproducible.
+// A block owns kRows walking rows (one stencil pair: query rows, or key rows for dk/dv) x kLons longitudes of
+// one (batch, head). It stages the <= kMaxOtherRows rows of the other grid the pair sees, kLons + 2 kMaxHalf
+// columns each (K and V; for the key walk Q, dout and the queries' lse and delta; every copy in flight at
+// once), then kLanes = D / 16 lanes per point walk the point's arcs there: 16 channels per lane, dot products
+// summed over the lanes by shuffles, float32 throughout (P and dS never rounded). Results are owned by one
+// thread each and summed in a fixed order: bitwise reproducible.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,15 +39,19 @@ struct Shape {
   static constexpr int kPieces = D / 8;  // 16-byte pieces per row
 };
 
-// The block's shared memory, under the 48 KiB that needs no opt-in.
-template <typename T, int D>
+// The block's shared memory, under the 48 KiB that needs no opt-in: the staged rows of the other grid, K (a)
+// and V (b) for the query walks, Q (a), dout (b) and the queries' lse and delta for the key walk.
+template <typename T, int D, bool kKeyWalk = false>
 struct Staged {
-  T k[kMaxOtherRows][Shape<D>::kWindow][Shape<D>::kStride];
-  T v[kMaxOtherRows][Shape<D>::kWindow][Shape<D>::kStride];
+  static constexpr int kScalars = kKeyWalk ? Shape<D>::kWindow : 1;  // the query walks stage none
+  T a[kMaxOtherRows][Shape<D>::kWindow][Shape<D>::kStride];
+  T b[kMaxOtherRows][Shape<D>::kWindow][Shape<D>::kStride];
+  float lse[kMaxOtherRows][kScalars];
+  float delta[kMaxOtherRows][kScalars];
   uint64_t landed;  // completes once every thread's copies landed
 };
-static_assert(sizeof(Staged<__half, 32>) <= 48 * 1024 && sizeof(Staged<__half, 64>) <= 48 * 1024 &&
-                  sizeof(Staged<__half, 128>) <= 48 * 1024,
+static_assert(sizeof(Staged<__half, 32, true>) <= 48 * 1024 && sizeof(Staged<__half, 64, true>) <= 48 * 1024 &&
+                  sizeof(Staged<__half, 128, true>) <= 48 * 1024,
               "stencil blocks fit the default 48 KiB of shared memory");
 
 // Whether the call is what the stencil rows need: whole grids (no sharding windows, no padding), one
@@ -61,25 +66,41 @@ __device__ __forceinline__ bool WholeGrids(const NbhdAttnGpuParams& p) {
 }
 
 // One arc of a point in the staged window: staged row, column of the first neighbour relative to the
-// point's own column (kMaxHalf + the arc's start offset), length, log2 of the row's quadrature weight.
+// point's own column (kMaxHalf + the arc's start offset), length, and for the query walks log2 of the key
+// row's quadrature weight (the key walk's weight is its own row's).
 struct StagedArc {
   int32_t row, column, len;
   float log2_weight;
 };
 
-// The arc of segment (key_row, lo, len) for points of a pair whose staged rows start at `other0`, or an
+// The sizes of a walk's grids: the walking one (whose points a block owns) and the other (whose rows it
+// stages).
+struct WalkGrids {
+  int32_t nlat, nlon, other_nlat, other_nlon;
+};
+
+template <bool kKeyWalk>
+__device__ __forceinline__ WalkGrids GridsOf(const NbhdAttnGpuParams& p) {
+  if (kKeyWalk) return WalkGrids{p.nk_lat, p.nk_lon, p.nq_lat, p.nq_lon};
+  return WalkGrids{p.nq_lat, p.nq_lon, p.nk_lat, p.nk_lon};
+}
+
+// The arc of segment (other_row, lo, len) for points of a pair whose staged rows start at `other0`, or an
 // empty one where it does not fit the stencil (never for the plan's pairs; a corrupted table stays in
 // bounds). The plan's rule (jax_s2attn.plan): the arc starts `lo` (or lo - nlon past kMaxHalf)
 // longitudes from its point and must end within kMaxHalf.
-__device__ __forceinline__ StagedArc ArcOf(const int32_t* segment, int32_t other0, const NbhdAttnGpuParams& p) {
-  const int32_t key_row = __ldg(segment), lo = __ldg(segment + 1), len = __ldg(segment + 2);
-  const int32_t start = lo > kMaxHalf ? lo - p.nlon_k : lo;
+template <bool kKeyWalk>
+__device__ __forceinline__ StagedArc ArcOf(const int32_t* segment, int32_t other0, const WalkGrids& grids,
+                                           const NbhdAttnGpuParams& p) {
+  const int32_t other_row = __ldg(segment), lo = __ldg(segment + 1), len = __ldg(segment + 2);
+  const int32_t start = lo > kMaxHalf ? lo - grids.other_nlon : lo;
   // Each bound alone first, so that no sum of table values can overflow.
-  const bool fits = key_row >= other0 && key_row - other0 < kMaxOtherRows && key_row < p.nk_lat &&
+  const bool fits = other_row >= other0 && other_row - other0 < kMaxOtherRows && other_row < grids.other_nlat &&
                     start >= -kMaxHalf && start <= kMaxHalf && len >= 0 && len <= 2 * kMaxHalf + 1 &&
                     start + len - 1 <= kMaxHalf;
   if (!fits) return StagedArc{0, 0, 0, 0.f};
-  return StagedArc{key_row - other0, kMaxHalf + start, len, log2f(__ldg(p.quad_weights + key_row))};
+  const float log2_weight = kKeyWalk ? 0.f : log2f(__ldg(p.quad_weights + other_row));
+  return StagedArc{other_row - other0, kMaxHalf + start, len, log2_weight};
 }
 
 // A lane's 16 channels of a row (two 16-byte pieces), widened, times `scale`.
@@ -131,67 +152,74 @@ __device__ __forceinline__ void StoreLane(T* dst, const float (&x)[kLaneChannels
   }
 }
 
-// What a block of the query walk knows of the thread's point: its lane, its column in the staged window
-// (less the arcs' start), whether it is a point of the grid (else a clamped one that writes nothing), its
-// (point, head) index in [batch, nq_lat, nq_lon, heads], and its row's arcs.
-struct QueryPoint {
+// What a block knows of the thread's point: its lane, its column in the staged window (less the arcs'
+// start), whether it is a point of the grid (else a clamped one that writes nothing), its row (clamped),
+// its (point, head) index in [batch, rows, cols, heads] of the walking grid, and its row's arcs.
+struct WalkPoint {
   int lane;
   int32_t column0;
   bool real;
+  int32_t row;
   int64_t point;
   StagedArc arcs[kMaxOtherRows];
 };
 
-// Starts staging the block's pair of query rows' key rows (K and V) into `s`, every copy in flight at once,
-// and returns the thread's point with its row's arcs. The caller then loads its own operands (while the
-// copies fly) and waits: MbarrierWait(&s.landed, 0). A warp's points lie in one row.
-template <typename T, int D>
-__device__ __forceinline__ QueryPoint StartQueryBlock(const NbhdAttnGpuParams& p, Staged<T, D>& s) {
+// Starts staging the rows the block's pair of walking rows sees into `s` (query walks: K and V; the key
+// walk: Q, dout, lse and delta), every copy in flight at once, and returns the thread's point with its row's
+// arcs. The caller then loads its own operands (while the copies fly) and waits: MbarrierWait(&s.landed, 0).
+// A warp's points lie in one row.
+template <typename T, int D, bool kKeyWalk>
+__device__ __forceinline__ WalkPoint StartBlock(const NbhdAttnGpuParams& p, Staged<T, D, kKeyWalk>& s) {
   using S = Shape<D>;
+  const WalkGrids grids = GridsOf<kKeyWalk>(p);
   const BlockRow block = BlockRowOf(p);
   const int32_t heads = static_cast<int32_t>(p.heads);
   const int32_t batch = block.batch_head / heads, head = block.batch_head % heads;
-  // The pair's first query row and first staged key row, clamped into the arrays (device memory).
-  const int32_t row0 = min(max(__ldg(p.stencil_pairs + 2 * block.rank), 0), p.nq_lat - 1);
-  const int32_t other0 = min(max(__ldg(p.stencil_pairs + 2 * block.rank + 1), 0), p.nk_lat - 1);
-  const int32_t nlon = p.nk_lon;
+  // The pair's first walking row and first staged row, clamped into the arrays (device memory).
+  const int32_t row0 = min(max(__ldg(p.stencil_pairs + 2 * block.rank), 0), grids.nlat - 1);
+  const int32_t other0 = min(max(__ldg(p.stencil_pairs + 2 * block.rank + 1), 0), grids.other_nlat - 1);
+  const int32_t nlon = grids.other_nlon;
   const int32_t lon0 = static_cast<int32_t>(blockIdx.x) * S::kLons;
-  const int64_t column_stride = int64_t{heads} * D;  // elements between neighbouring points of a row
 
   if (threadIdx.x == 0) MbarrierInit(&s.landed, 2 * kThreads);
   __syncthreads();
-  const int64_t key_base = (int64_t{batch} * p.nk_lat * nlon * heads + head) * D;
-  const T* k = static_cast<const T*>(p.k) + key_base;
-  const T* v = static_cast<const T*>(p.v) + key_base;
+  const int64_t other_base = int64_t{batch} * grids.other_nlat * nlon * heads + head;  // (point, head) index
+  const T* a = static_cast<const T*>(kKeyWalk ? p.q : p.k) + other_base * D;
+  const T* b = static_cast<const T*>(kKeyWalk ? p.dout : p.v) + other_base * D;
   for (int e = threadIdx.x; e < kMaxOtherRows * S::kWindow * S::kPieces; e += kThreads) {
     const int piece = e % S::kPieces, col = (e / S::kPieces) % S::kWindow, r = e / (S::kPieces * S::kWindow);
-    if (other0 + r >= p.nk_lat) continue;  // never read
+    if (other0 + r >= grids.other_nlat) continue;  // never read
     int32_t lon = (lon0 - kMaxHalf + col) % nlon;
     if (lon < 0) lon += nlon;
-    const int64_t at = (int64_t{other0 + r} * nlon + lon) * column_stride + 8 * piece;
-    CopyAsync16(&s.k[r][col][8 * piece], k + at);
-    CopyAsync16(&s.v[r][col][8 * piece], v + at);
+    const int64_t at = (int64_t{other0 + r} * nlon + lon) * heads;  // (point, head) index less other_base
+    CopyAsync16(&s.a[r][col][8 * piece], a + at * D + 8 * piece);
+    CopyAsync16(&s.b[r][col][8 * piece], b + at * D + 8 * piece);
+    if (kKeyWalk && piece == 0) {
+      CopyAsync4(&s.lse[r][col], p.lse + other_base + at);
+      CopyAsync4(&s.delta[r][col], p.delta + other_base + at);
+    }
   }
   CopyAsyncArriveOn(&s.landed);
   MbarrierArrive(&s.landed);
 
-  QueryPoint q;
-  q.lane = threadIdx.x % S::kLanes;
+  WalkPoint w;
+  w.lane = threadIdx.x % S::kLanes;
   const int point_in_block = threadIdx.x / S::kLanes;
   const int32_t row = row0 + point_in_block / S::kLons, lon = lon0 + point_in_block % S::kLons;
-  q.column0 = point_in_block % S::kLons;
-  q.real = row < p.nq_lat && lon < p.nq_lon;
-  const int32_t walk_row = min(row, p.nq_lat - 1);
-  q.point = ((int64_t{batch} * p.nq_lat + walk_row) * p.nq_lon + min(lon, p.nq_lon - 1)) * heads + head;
+  w.column0 = point_in_block % S::kLons;
+  w.real = row < grids.nlat && lon < grids.nlon;
+  w.row = min(row, grids.nlat - 1);
+  w.point = ((int64_t{batch} * grids.nlat + w.row) * grids.nlon + min(lon, grids.nlon - 1)) * heads + head;
   const bool whole = WholeGrids(p);
   const int32_t segments = static_cast<int32_t>(min(p.num_arcs, int64_t{INT32_MAX}));  // bounds every copy
-  const int32_t end = min(max(__ldg(p.arc_offsets + walk_row + 1), 0), segments);
-  const int32_t begin = min(max(__ldg(p.arc_offsets + walk_row), 0), end);
+  const int32_t end = min(max(__ldg(p.arc_offsets + w.row + 1), 0), segments);
+  const int32_t begin = min(max(__ldg(p.arc_offsets + w.row), 0), end);
 #pragma unroll
   for (int i = 0; i < kMaxOtherRows; ++i) {
-    q.arcs[i] = whole && begin + i < end ? ArcOf(p.arcs + 3 * int64_t{begin + i}, other0, p) : StagedArc{0, 0, 0, 0.f};
+    w.arcs[i] = whole && begin + i < end ? ArcOf<kKeyWalk>(p.arcs + 3 * int64_t{begin + i}, other0, grids, p)
+                                         : StagedArc{0, 0, 0, 0.f};
   }
-  return q;
+  return w;
 }
 
 // Stores the thread's 16 channels of a [batch, rows, cols, heads, D] result at `at` (elements), float32 or in
@@ -206,10 +234,10 @@ __device__ __forceinline__ void StoreResult(void* base, bool narrow, int64_t at,
 }
 
 // One block per pair of rows and kLons longitudes of every (batch, head).
-template <typename T, int D>
+template <typename T, int D, bool kKeyWalk = false>
 cudaError_t LaunchPairs(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, const NbhdAttnGpuParams& p) {
-  const int64_t tiles = (int64_t{p.nq_lon} + Shape<D>::kLons - 1) / Shape<D>::kLons;
-  return LaunchRowGrid(kernel, stream, p, p.num_stencil_pairs, tiles, kThreads, sizeof(Staged<T, D>));
+  const int64_t tiles = (int64_t{kKeyWalk ? p.nk_lon : p.nq_lon} + Shape<D>::kLons - 1) / Shape<D>::kLons;
+  return LaunchRowGrid(kernel, stream, p, p.num_stencil_pairs, tiles, kThreads, sizeof(Staged<T, D, kKeyWalk>));
 }
 
 }  // namespace stencil

@@ -20,7 +20,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpuParams p) {
   using S = Shape<D>;
   Staged<T, D>& s = *reinterpret_cast<Staged<T, D>*>(DynamicShared());
-  const QueryPoint at = StartQueryBlock<T, D>(p, s);
+  const WalkPoint at = StartBlock<T, D, false>(p, s);
   const int64_t row_at = at.point * D + at.lane * kLaneChannels;
   float q[kLaneChannels], dout[kLaneChannels];
   LoadLane<T>(q, static_cast<const T*>(p.q) + row_at, p.scale * kLog2e);
@@ -47,8 +47,8 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
 #pragma unroll 1
   for (int i = 0; i < kMaxOtherRows; ++i) {
     const StagedArc arc = at.arcs[i];
-    const T* k_row = &s.k[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
-    const T* v_row = &s.v[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
+    const T* k_row = &s.a[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
+    const T* v_row = &s.b[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
     for (int32_t j = 0; j < arc.len; ++j) {
       float k[kLaneChannels], v[kLaneChannels];
       LoadLane<T>(k, k_row + j * S::kStride, 1.f);

@@ -14,7 +14,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 4) StencilFwdKernel(const NbhdAttnGpuParams p) {
   using S = Shape<D>;
   Staged<T, D>& s = *reinterpret_cast<Staged<T, D>*>(DynamicShared());
-  const QueryPoint at = StartQueryBlock<T, D>(p, s);
+  const WalkPoint at = StartBlock<T, D, false>(p, s);
   float q[kLaneChannels];
   LoadLane<T>(q, static_cast<const T*>(p.q) + at.point * D + at.lane * kLaneChannels, p.scale * kLog2e);
   MbarrierWait(&s.landed, 0);
@@ -24,8 +24,8 @@ __global__ void __launch_bounds__(kThreads, 4) StencilFwdKernel(const NbhdAttnGp
 #pragma unroll 1
   for (int i = 0; i < kMaxOtherRows; ++i) {
     const StagedArc arc = at.arcs[i];
-    const T* k_row = &s.k[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
-    const T* v_row = &s.v[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
+    const T* k_row = &s.a[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
+    const T* v_row = &s.b[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
     for (int32_t j = 0; j < arc.len; ++j) {
       float x[kLaneChannels];
       LoadLane<T>(x, k_row + j * S::kStride, 1.f);

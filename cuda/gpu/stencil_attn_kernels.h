@@ -1,5 +1,5 @@
-// Launchers of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu): the query rows of short arcs,
-// on CUDA cores, launched by the tiled forward's and dq's launchers for the rows the plan leaves to them
+// Launchers of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu, stencil_attn_dkv.cu): the rows of
+// short arcs, on CUDA cores, launched by the tiled launchers for the rows the plan leaves to them
 // (NbhdAttnGpuParams::stencil_pairs). Plain C++ and CUDA runtime types.
 #pragma once
 
@@ -12,7 +12,7 @@ namespace gpu {
 namespace stencil {
 
 // The shape a row pair must fit, mirrored by jax_s2attn.plan (STENCIL_*), which picks the pairs: a
-// block walks kRows consecutive query rows, stages at most kMaxOtherRows consecutive key rows, and
+// block walks kRows consecutive rows, stages at most kMaxOtherRows consecutive rows of the other grid, and
 // every arc of its points lies within kMaxHalf longitudes of the point.
 constexpr int kRows = 2;
 constexpr int kMaxOtherRows = 4;
@@ -27,6 +27,10 @@ cudaError_t LaunchStencilFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
 // dq (and, given forward_out and dlse in place of delta, delta_out) of the same rows; the same requirements.
 template <typename T, int D>
 cudaError_t LaunchStencilDq(cudaStream_t stream, const NbhdAttnGpuParams& p);
+
+// dk and dv of the key rows of p.stencil_pairs (the backward walk's pairs); the same requirements.
+template <typename T, int D>
+cudaError_t LaunchStencilDkv(cudaStream_t stream, const NbhdAttnGpuParams& p);
 
 }  // namespace stencil
 }  // namespace gpu

@@ -50,18 +50,19 @@ cudaError_t LaunchUnits(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, 
   return LaunchRowGrid(kernel, stream, p, rows, tiles, kThreads, kShared);
 }
 
-// LaunchUnits over the first ranks of the query row order, then `stencil(stream)` for the rows of the
-// stencil pairs (its last 2 * p.num_stencil_pairs ranks): the tiled forward's and dq's launchers. One
-// after the other: the tiled blocks take the whole register file, so a stencil block on a second stream
-// could only fill the tiled kernel's tail, and measured no faster (benchmarks/NOTES.md, session 16).
+// LaunchUnits over the first ranks of the walking grid's row order, then `stencil(stream)` for the rows of
+// the stencil pairs (its last 2 * p.num_stencil_pairs ranks): the tiled launchers. One after the other: the
+// tiled blocks take the whole register file, so a stencil block on a second stream could only fill the
+// tiled kernel's tail, and measured no faster (benchmarks/NOTES.md, session 16).
 template <int D, typename Stencil>
-cudaError_t LaunchQueryUnitsAndStencilRows(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream,
-                                           const NbhdAttnGpuParams& p, Stencil&& stencil) {
-  const int64_t tiled_rows = int64_t{p.nq_lat} - 2 * int64_t{p.num_stencil_pairs};
+cudaError_t LaunchUnitsAndStencilRows(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream,
+                                      const NbhdAttnGpuParams& p, bool walk_keys, Stencil&& stencil) {
+  const int32_t rows = walk_keys ? p.nk_lat : p.nq_lat, cols = walk_keys ? p.nk_lon : p.nq_lon;
+  const int64_t tiled_rows = int64_t{rows} - 2 * int64_t{p.num_stencil_pairs};
   if (p.num_stencil_pairs < 0 || tiled_rows < 0 || (p.num_stencil_pairs > 0 && p.stencil_pairs == nullptr)) {
     return cudaErrorInvalidValue;
   }
-  const cudaError_t status = LaunchUnits<D>(kernel, stream, p, static_cast<int32_t>(tiled_rows), p.nq_lon);
+  const cudaError_t status = LaunchUnits<D>(kernel, stream, p, static_cast<int32_t>(tiled_rows), cols);
   return status != cudaSuccess || p.num_stencil_pairs == 0 ? status : stencil(stream);
 }
 

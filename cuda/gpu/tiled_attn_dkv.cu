@@ -4,6 +4,7 @@
 #include "gpu/tiled_dkv_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
+#include "gpu/stencil_attn_kernels.h"
 
 namespace s2attn {
 namespace gpu {
@@ -78,8 +79,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDkvKernel(
 cudaError_t LaunchTiledAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p) {
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
-    return gpu::tiled::LaunchUnits<V::kDim>(gpu::tiled::TiledDkvKernel<typename V::Element, V::kDim>, stream, p,
-                                            p.nk_lat, p.nk_lon);
+    using T = typename V::Element;
+    const auto stencil = [&](cudaStream_t s) { return gpu::stencil::LaunchStencilDkv<T, V::kDim>(s, p); };
+    return gpu::tiled::LaunchUnitsAndStencilRows<V::kDim>(gpu::tiled::TiledDkvKernel<T, V::kDim>, stream, p,
+                                                           /*walk_keys=*/true, stencil);
   });
 }
 

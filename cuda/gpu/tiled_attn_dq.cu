@@ -119,7 +119,8 @@ cudaError_t LaunchTiledAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p
     using V = decltype(variant);
     using T = typename V::Element;
     const auto stencil = [&](cudaStream_t s) { return gpu::stencil::LaunchStencilDq<T, V::kDim>(s, p); };
-    return gpu::tiled::LaunchQueryUnitsAndStencilRows<V::kDim>(gpu::tiled::TiledDqKernel<T, V::kDim>, stream, p, stencil);
+    return gpu::tiled::LaunchUnitsAndStencilRows<V::kDim>(gpu::tiled::TiledDqKernel<T, V::kDim>, stream, p,
+                                                           /*walk_keys=*/false, stencil);
   });
 }
 

@@ -342,7 +342,8 @@ def ffi_forward(
     ``stencil`` (``kernel="tiled"`` only): leave the query rows of ``plan.forward_stencil_pairs`` to the
     stencil kernel (CUDA cores; rows of short arcs), which needs the whole grids: ``window`` must be
     :func:`~jax_s2attn.ops.neighborhood.full_window` and ``row_order`` the plan's forward row order,
-    whose last ranks are those rows. Without it the tiled kernel walks every row.
+    whose last ranks are those rows. Without it the tiled kernel walks every row. The backward targets
+    take it likewise (dk/dv: the key rows of ``plan.backward_stencil_pairs``, the backward row order).
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "forward", scale)
@@ -355,9 +356,9 @@ def ffi_forward(
     return out, lse
 
 
-def _stencil_operand(plan, kernel: str, stencil: bool, query, key) -> tuple:
-    """The stencil pairs operand of the tiled forward and dq targets (the plan's, or none), after checking
-    that ``stencil`` may be asked for; nothing for the arc targets."""
+def _stencil_operand(plan, kernel: str, stencil: bool, query, key, walk: str = "forward") -> tuple:
+    """The stencil pairs operand of the tiled targets (the plan's pairs of ``walk``, "forward" or "backward",
+    or none), after checking that ``stencil`` may be asked for; nothing for the arc targets."""
     if stencil and kernel != "tiled":
         raise ValueError("stencil=True needs kernel='tiled' (the stencil rows are part of the tiled targets).")
     if stencil and (tuple(query.shape[-4:-2]) != plan.out_shape or tuple(key.shape[-4:-2]) != plan.in_shape):
@@ -367,7 +368,7 @@ def _stencil_operand(plan, kernel: str, stencil: bool, query, key) -> tuple:
         )
     if kernel != "tiled":
         return ()
-    return (plan.tables.forward_stencil_pairs if stencil else np.zeros((0, 2), np.int32),)
+    return (getattr(plan.tables, f"{walk}_stencil_pairs") if stencil else np.zeros((0, 2), np.int32),)
 
 
 def ffi_backward_dq(
@@ -416,18 +417,19 @@ def ffi_backward_dq_delta(
 
 def ffi_backward_dkv(
     query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False,
-    gradient_dtype=jnp.float32,
+    gradient_dtype=jnp.float32, stencil=False,
 ):  # fmt: skip
     """dK/dV target: ``(dk, dv)``, shaped like ``key`` and ``value``.
 
     Sums over the queries inside ``window`` (walking the transposed table); ``row_order``
-    holds local key rows. ``lse``/``delta``/``gradient_dtype`` as in :func:`ffi_backward_dq`.
+    holds local key rows. ``lse``/``delta``/``gradient_dtype`` as in :func:`ffi_backward_dq`;
+    ``stencil`` as in :func:`ffi_forward`, for the key rows of ``plan.backward_stencil_pairs``.
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "dkv", scale)
     dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
-                plan.tables.quad_weights)
+                plan.tables.quad_weights, *_stencil_operand(plan, kernel, stencil, query, key, "backward"))
     dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results, dtype)
     return dk, dv
 

@@ -23,12 +23,12 @@ __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
 #: native forward is not run a second time in the backward pass.
 RESIDUAL_NAME = "s2attn_residual"
 
-#: Query points per batch entry (rows x longitudes x heads) of the plan's stencil pairs from which the op's
-#: tiled forward leaves them to the stencil kernel. The two kernels run one after the other, so the stencil
-#: rows pay only when their work outweighs the idle SMs of the tiled kernel's tail on the other (polar)
-#: rows: on the H200, 721x1440 with one head (870k points) ran its forward target 17 % faster, 360x720
-#: (216k) 7 % slower (benchmarks/NOTES.md, session 15). Batch dims do not count, so that vmap and batch
-#: dims pick the same kernels (and give the same bits).
+#: Query points per batch entry (rows x longitudes x heads) of the plan's forward stencil pairs from which
+#: the op's tiled kernels leave the stencil pairs to the stencil kernels. A tiled kernel and its stencil
+#: kernel run one after the other, so the stencil rows pay only when their work outweighs the tiled
+#: kernel's tail on the other (polar) rows: on the H200, 721x1440 with one head (870k points) ran its
+#: forward target 17 % faster, 360x720 (216k) 7 % slower (benchmarks/NOTES.md, sessions 15-16). Batch dims
+#: do not count, so that vmap and batch dims pick the same kernels (and give the same bits).
 STENCIL_MIN_POINTS = 1 << 19
 
 
@@ -167,9 +167,9 @@ def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.fl
 
 
 def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str) -> bool:
-    """Whether the op's forward on ``kernel`` leaves ``plan``'s stencil pairs to the stencil kernel for
-    queries shaped like ``query``: on the tiled kernels, from :data:`STENCIL_MIN_POINTS` of their points per
-    batch entry (rows x longitudes x heads)."""
+    """Whether the op on ``kernel`` leaves ``plan``'s stencil pairs to the stencil kernels (its forward and dq
+    the forward pairs, its dk/dv the backward ones) for queries shaped like ``query``: on the tiled kernels,
+    from :data:`STENCIL_MIN_POINTS` of the forward pairs' points per batch entry (rows x longitudes x heads)."""
     points = 2 * len(plan.forward_stencil_pairs) * plan.nlon_out * query.shape[-2]
     return kernel == "tiled" and points >= STENCIL_MIN_POINTS
 
@@ -195,10 +195,10 @@ def _native_backward(scale, kernel, residuals, cotangents):
     tables = plan.tables
     gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
     if kernel == "tiled":
+        gradients["stencil"] = uses_stencil_rows(plan, query, kernel)  # dq's and dk/dv's, as the forward's
         dq, delta = _ffi.ffi_backward_dq_delta(
-            query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order,
-            stencil=uses_stencil_rows(plan, query, kernel), **gradients,
-        )  # fmt: skip
+            query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order, **gradients
+        )
     else:
         delta = _ffi.ffi_delta(dout, out, dlse)
         dq = _ffi.ffi_backward_dq(

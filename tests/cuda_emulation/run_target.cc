@@ -56,8 +56,8 @@ s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q,
 // nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
 // of the activations and of the gradient results (the forward's lse and result0 out are float32).
 // `result2`: null, or for the tiled forward out in `dtype`, in place of a float32 out (result0 null).
-// `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the tiled forward and dq, the query row pairs left
-// to the stencil kernels (the last 2 * num_pairs ranks of row_order).
+// `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the tiled targets, the walking row pairs left to
+// the stencil kernels (the last 2 * num_pairs ranks of row_order).
 // Returns the launcher's cudaError_t.
 extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
                                  const void* v, const void* dout, const float* lse, const float* delta,
@@ -66,7 +66,7 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
                                  void* result2, const int64_t* sizes, float scale, const int32_t* stencil_pairs,
                                  int64_t num_pairs) {
   if (target < 0 || target > 5 || (result2 != nullptr && target != 3)) return cudaErrorInvalidValue;
-  if (num_pairs != 0 && target != 3 && target != 4) return cudaErrorInvalidValue;
+  if (num_pairs != 0 && target < 3) return cudaErrorInvalidValue;
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
                                          arcs, quad_weights, sizes, scale);
   p.delta = delta;
