@@ -159,8 +159,11 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
         gradients["stencil"] = stencil
     dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dq(
         q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, kernel=kernel, **gradients))  # fmt: skip
+    dkv_gradients = dict(gradients)
+    if kernel == "tiled":
+        dkv_gradients["stencil"] = uses_stencil_rows(plan, input_sets[0][0], kernel, "backward")
     dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dkv(
-        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, kernel=kernel, **gradients))  # fmt: skip
+        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, kernel=kernel, **dkv_gradients))  # fmt: skip
     delta = jax.jit(_ffi.ffi_delta)
     forward_sets = [(q, k, v, plan) for q, k, v, _ in input_sets]
     delta_sets, backward_sets, forming_sets = [], [], []

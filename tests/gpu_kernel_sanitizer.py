@@ -1,7 +1,7 @@
 """The CUDA kernels alone on a GPU (no JAX/XLA in the process), for compute-sanitizer.
 
 Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu``,
-``cuda/gpu/stencil_attn_{fwd,dq}.cu`` and the C entry point ``tests/cuda_emulation/run_target.cc`` with nvcc
+``cuda/gpu/stencil_attn_{fwd,dq,dkv}.cu`` and the C entry point ``tests/cuda_emulation/run_target.cc`` with nvcc
 into a temporary shared library, uploads the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``,
 results poisoned with NaN), runs forward, dq and dkv of the arc-segment or the tiled kernels
 (and the tiled dq that forms delta) on the default stream, synchronises after every launch and
@@ -83,7 +83,7 @@ CASES = [
     ("tiled", "self-72", 64, 64, "float16", LONG_ROW_WINDOWS["self-72"]),
     ("tiled", "up-100", 32, 32, "bfloat16", LONG_ROW_WINDOWS["up-100"]),
     ("tiled", "rings-72", 64, 64, "float16", {}),
-    # The tiled forward and dq leaving the plan's stencil pairs to the stencil kernels (kernel_cases.STENCIL_PLANS).
+    # The tiled kernels leaving the plan's stencil pairs to the stencil kernels (kernel_cases.STENCIL_PLANS).
     ("tiled+stencil", "self-17x72", 32, 32, "bfloat16", {}),
     ("tiled+stencil", "self-9x4", 64, 64, "float16", {}),
     ("tiled+stencil", "lat-10x40-9x40", 128, 128, "bfloat16", {}),

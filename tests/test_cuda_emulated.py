@@ -454,6 +454,7 @@ def test_stencil_rows_with_corrupted_tables_stay_in_bounds(emulator, rng, walk):
     plan = STENCIL_PLANS["self-17x72"]()
     case = prepare_case(rng, plan, 1, 2, 32, 32, "bfloat16")
     table, pairs = getattr(plan, f"{walk}_segments"), getattr(plan, f"{walk}_stencil_pairs")
+    assert pairs.size, "the plan must leave rows to the stencil kernels"
     extreme = table.segments.copy()
     rows = np.concatenate([pairs[:, 0], pairs[:, 0] + 1])
     for h in rows:
@@ -462,13 +463,15 @@ def test_stencil_rows_with_corrupted_tables_stay_in_bounds(emulator, rng, walk):
     tables = [*_corrupted(table, rng, *other_grid), table._replace(segments=extreme)]
     big = np.iinfo(np.int32).max
     bad_pairs = rng.integers(-big, big, size=pairs.shape, dtype=np.int64).astype(np.int32)
+    near_pairs = rng.integers(-3, max(plan.nlat_in, plan.nlat_out) + 3, size=pairs.shape).astype(np.int32)
     bad_window = np.asarray([0, 0, plan.nlat_out, plan.nlon_out - 1, 0, 0, *plan.in_shape], np.int32)
     runs = [(case, t, pairs) for t in tables]
     runs.append((dataclasses.replace(case, inputs=(*case.inputs[:6], bad_window)), table, pairs))
     for broken_case, broken_table, broken_pairs in runs:
         results = _run_tiled_walk(broken_case, emulator, walk, broken_table, broken_pairs)
         assert not any(np.isnan(r).any() for r in results)
-    _run_tiled_walk(case, emulator, walk, table, bad_pairs)
+    for garbage in (bad_pairs, near_pairs):  # anywhere (clamped to the edges), and rows near and inside the grids
+        _run_tiled_walk(case, emulator, walk, table, garbage)
 
 
 def test_tiled_runs_are_bitwise_reproducible(emulator, rng):
@@ -537,6 +540,11 @@ def test_tiled_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dt
         assert not np.array_equal(got, alone[name][:, walked]), f"{name}: the stencil rows are the tiled kernel's"
     for name in ("out", "lse"):
         assert np.array_equal(results[name][:, ~rows], alone[name][:, ~rows]), name
+    # dk/dv of the other key rows, from the same inputs with and without the key pairs: the tiled kernel's bits.
+    with_pairs, without = (_run_tiled_walk(case, emulator, "backward", plan.backward_segments, p)
+                           for p in (plan.backward_stencil_pairs, None))  # fmt: skip
+    for got, expected in zip(with_pairs, without):
+        assert np.array_equal(got[:, ~key_rows], expected[:, ~key_rows])
     # dq of the other rows reads their delta, formed alike, and the lse of the stencil forward's rows: equal bits.
     assert np.array_equal(results["dq"][:, ~rows], alone["dq"][:, ~rows])
 

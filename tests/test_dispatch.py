@@ -290,29 +290,39 @@ def test_export_for_cuda_writes_out_in_the_input_dtype_unless_differentiated(til
 
 
 STENCIL_PLAN = NeighborhoodPlan((65, 100), (65, 100))  # 27 stencil pairs: 5,400 query points per batch and head
+# Downsampling: no forward pairs; 55 backward pairs, 11,000 key points per batch and head.
+DOWN_STENCIL_PLAN = NeighborhoodPlan((129, 100), (65, 100))
 
 
 @native
-@pytest.mark.parametrize(("heads", "pairs"), [(97, 0), (98, 27)])
-def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_points(tiled_build, heads, pairs):
-    """The tiled forward, dq and dk/dv get the plan's stencil pairs from STENCIL_MIN_POINTS query points of them
-    per batch entry (5,400 x 98 heads), none below (x 97; batch 2 either way): their last operand."""
+@pytest.mark.parametrize(
+    ("plan", "heads", "pairs"),
+    [(STENCIL_PLAN, 97, (0, 0)), (STENCIL_PLAN, 98, (27, 27)), (DOWN_STENCIL_PLAN, 47, (0, 0)),
+     (DOWN_STENCIL_PLAN, 48, (0, 55))],  # fmt: skip
+    ids=["self-97", "self-98", "down-47", "down-48"],
+)
+def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_points(tiled_build, plan, heads, pairs):
+    """The tiled forward and dq get the plan's forward stencil pairs, dk/dv its backward ones, each from
+    STENCIL_MIN_POINTS points of its walk's pairs per batch entry (5,400 query points x 98 heads; 11,000 key
+    points x 48), none below (x 97, x 47; batch 2 either way): their last operand."""
     if not _ffi.HAS_CUDA_EXT:
         pytest.skip("the CUDA module is not built")
     from jax_s2attn.ops.neighborhood import STENCIL_MIN_POINTS
 
-    assert 5_400 * 97 < STENCIL_MIN_POINTS <= 5_400 * 98
-    plan = STENCIL_PLAN
+    assert 5_400 * 97 < STENCIL_MIN_POINTS <= 5_400 * 98 and 11_000 * 47 < STENCIL_MIN_POINTS <= 11_000 * 48
+    assert (len(plan.forward_stencil_pairs), len(plan.backward_stencil_pairs)) in [(27, 27), (0, 55)]
     shapes = (plan.out_shape, plan.in_shape, plan.in_shape)
     args = [jax.ShapeDtypeStruct((2, *shape, heads, 32), BF16) for shape in shapes]
     tables = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), plan)
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*_ffi.TILED_TARGETS, _ffi.DELTA_TARGET)]
     exported = jax.export.export(jax.jit(_gradient(_loss)), platforms=["cuda"], disabled_checks=checks)(*args, tables)
-    targets = (_ffi.TILED_FORWARD_TARGET, _ffi.TILED_BACKWARD_DQ_DELTA_TARGET, _ffi.TILED_BACKWARD_DKV_TARGET)
-    for target in targets:
+    forward_pairs, backward_pairs = pairs
+    targets = {_ffi.TILED_FORWARD_TARGET: forward_pairs, _ffi.TILED_BACKWARD_DQ_DELTA_TARGET: forward_pairs,
+               _ffi.TILED_BACKWARD_DKV_TARGET: backward_pairs}  # fmt: skip
+    for target, count in targets.items():
         (line,) = [x for x in exported.mlir_module().splitlines() if f"stablehlo.custom_call @{target}(" in x]
         operand_types = line.split(" : (", 1)[1].split(") ->", 1)[0]
-        assert operand_types.endswith(f"tensor<{pairs}x2xi32>"), target
+        assert operand_types.endswith(f"tensor<{count}x2xi32>"), target
 
 
 def test_stencil_rows_need_the_tiled_kernel_and_whole_grids():

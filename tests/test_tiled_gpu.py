@@ -103,7 +103,7 @@ def test_matches_float64_oracle(case, exact_random, dense_attention, rel_error):
         _check(got, want, rel_error, dtype)
 
 
-# Plans whose forward leaves row pairs to the stencil kernel (jax_s2attn.plan.stencil_pairs): every head dim
+# Plans whose walks leave row pairs to the stencil kernels (jax_s2attn.plan.stencil_pairs): every head dim
 # (blocks of 64, 32, 16 longitudes), rings shorter than the staged window, more key rows than query rows.
 STENCIL_CASES = [
     (((17, 72), (17, 72), EQ, EQ, None), 2, 32),
@@ -167,6 +167,7 @@ def test_stencil_rows(case, exact_random, dense_attention, rel_error):
             assert not np.isnan(got).any()
             assert rel_error(got[:, key_rows], expected[:, key_rows]) <= 2e-5
             assert not np.array_equal(got[:, key_rows], alone[:, key_rows]), "the stencil rows are the tiled kernel's"
+            np.testing.assert_array_equal(got[:, ~key_rows], alone[:, ~key_rows])
 
 
 def test_op_with_stencil_rows_agrees_with_arc_kernels_and_under_vmap(exact_random, rel_error):

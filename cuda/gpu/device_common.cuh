@@ -70,7 +70,7 @@ inline bool Aligned16(std::initializer_list<const void*> pointers) {
 
 // The (row rank, batch * head) a block works on. The grid is (longitude tile, batch * head,
 // row rank) and blocks start in that order (x fastest), so the longest rows (row_order is
-// sorted longest first) of every head start first and short rows fill the tail.
+// sorted longest first, but for a plan's stencil rows) of every head start first and short rows fill the tail.
 struct BlockRow {
   int32_t rank, batch_head;
 };

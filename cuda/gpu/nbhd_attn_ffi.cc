@@ -157,8 +157,9 @@ ffi::Error SetStencilPairs(const I32Buffer& stencil_pairs, bool walk_keys, NbhdA
                "stencil rows need a walk of one residue and shift 1 between grids of equal longitudes (got residues "
                    << g->residues << ", shift " << g->shift << ", nlon_q " << g->nlon_q << ", nlon_k " << g->nlon_k
                    << "); pass no stencil pairs");
+  // Both grids non-empty: a stencil block stages rows of the other grid, whichever walks.
   S2ATTN_CHECK(g->nq_lat == g->nlat_q && g->nq_lon == g->nlon_q && g->nk_lat == g->nlat_k && g->nk_lon == g->nlon_k &&
-                   g->nlat_k > 0 && g->nlon_k > 0,
+                   g->nlat_q > 0 && g->nlon_q > 0 && g->nlat_k > 0 && g->nlon_k > 0,
                "stencil rows need whole grids (local arrays of the global grids' shape, no padding); pass no "
                "stencil pairs for blocks of a sharded grid");
   g->stencil_pairs = stencil_pairs.typed_data();

@@ -35,7 +35,7 @@ struct NbhdAttnGpuParams {
 
   // Tables (device memory; the first copy when the operand holds several).
   const int32_t* window = nullptr;       // [8] q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon
-  const int32_t* row_order = nullptr;    // [local rows of the walking grid], longest first
+  const int32_t* row_order = nullptr;    // [local rows of the walking grid], longest first (a plan's stencil rows last)
   const int32_t* arc_offsets = nullptr;  // [num_patterns + 1]
   const int32_t* arcs = nullptr;         // [num_arcs, 3] = (global row, lo, len) on the other grid
   const float* quad_weights = nullptr;   // [nlat_k] weight of every global key row

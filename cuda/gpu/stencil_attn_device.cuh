@@ -34,7 +34,7 @@ template <int D>
 struct Shape {
   static constexpr int kLanes = D / kLaneChannels;               // 2, 4, 8
   static constexpr int kLons = kThreads / (kLanes * kRows);      // 64, 32, 16
-  static constexpr int kWindow = kLons + 2 * kMaxHalf;           // staged columns per key row
+  static constexpr int kWindow = kLons + 2 * kMaxHalf;           // staged columns per row of the other grid
   static constexpr int kStride = D + 8;  // padded: a quarter-warp's points read rows in different banks
   static constexpr int kPieces = D / 8;  // 16-byte pieces per row
 };

@@ -23,8 +23,8 @@ __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
 #: native forward is not run a second time in the backward pass.
 RESIDUAL_NAME = "s2attn_residual"
 
-#: Query points per batch entry (rows x longitudes x heads) of the plan's forward stencil pairs from which
-#: the op's tiled kernels leave the stencil pairs to the stencil kernels. A tiled kernel and its stencil
+#: Points per batch entry (rows x longitudes x heads) of a walk's stencil pairs from which the op's tiled
+#: kernels of that walk leave the pairs to the stencil kernels. A tiled kernel and its stencil
 #: kernel run one after the other, so the stencil rows pay only when their work outweighs the tiled
 #: kernel's tail on the other (polar) rows: on the H200, 721x1440 with one head (870k points) ran its
 #: forward target 17 % faster, 360x720 (216k) 7 % slower (benchmarks/NOTES.md, sessions 15-16). Batch dims
@@ -166,11 +166,12 @@ def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.fl
     )
 
 
-def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str) -> bool:
-    """Whether the op on ``kernel`` leaves ``plan``'s stencil pairs to the stencil kernels (its forward and dq
-    the forward pairs, its dk/dv the backward ones) for queries shaped like ``query``: on the tiled kernels,
-    from :data:`STENCIL_MIN_POINTS` of the forward pairs' points per batch entry (rows x longitudes x heads)."""
-    points = 2 * len(plan.forward_stencil_pairs) * plan.nlon_out * query.shape[-2]
+def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "forward") -> bool:
+    """Whether the op on ``kernel`` leaves ``plan``'s stencil pairs of ``walk`` ("forward": its forward and dq;
+    "backward": its dk/dv) to the stencil kernels for queries shaped like ``query``: on the tiled kernels, from
+    :data:`STENCIL_MIN_POINTS` points of the walk's pairs per batch entry (rows x longitudes x heads)."""
+    pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
+    points = 2 * len(pairs) * (plan.nlon_out if walk == "forward" else plan.nlon_in) * query.shape[-2]
     return kernel == "tiled" and points >= STENCIL_MIN_POINTS
 
 
@@ -195,10 +196,11 @@ def _native_backward(scale, kernel, residuals, cotangents):
     tables = plan.tables
     gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
     if kernel == "tiled":
-        gradients["stencil"] = uses_stencil_rows(plan, query, kernel)  # dq's and dk/dv's, as the forward's
         dq, delta = _ffi.ffi_backward_dq_delta(
-            query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order, **gradients
-        )
+            query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order,
+            stencil=uses_stencil_rows(plan, query, kernel), **gradients,
+        )  # fmt: skip
+        gradients["stencil"] = uses_stencil_rows(plan, query, kernel, "backward")
     else:
         delta = _ffi.ffi_delta(dout, out, dlse)
         dq = _ffi.ffi_backward_dq(
