@@ -308,9 +308,8 @@ def run_case(
         launch(first + DQ, *common, q, k, v, dout, lse_in, delta, window, case.fwd_order, forward_table, weights,
                dq, None, stencil_pairs=pairs)  # fmt: skip
     backward_inputs = (q, k, v, dout, lse_in, delta, window)
-    dk, dv = np.full(k.shape, np.nan, gradient_type), np.full(v.shape, np.nan, gradient_type)
-    launch(first + DKV, *common, *backward_inputs, case.bwd_order, backward_table, weights, dk, dv,
-           stencil_pairs=stencil_pairs_of(case, kernel, stencil, "backward"))  # fmt: skip
+    dk, dv = run_dkv(case, launch, kernel, backward_table, backward_inputs,
+                     stencil_pairs_of(case, kernel, stencil, "backward"), gradient_type)  # fmt: skip
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
@@ -324,6 +323,20 @@ def run_forward(case: KernelCase, launch: Launch, kernel: str, table, stencil_pa
     launch(first + FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window, case.fwd_order,
            table, case.plan.quad_weights, out, lse, stencil_pairs=stencil_pairs)  # fmt: skip
     return out, lse
+
+
+def run_dkv(
+    case: KernelCase, launch: Launch, kernel: str, table, backward_inputs, stencil_pairs=None, gradient_type=np.float32
+) -> tuple[np.ndarray, ...]:  # fmt: skip
+    """dk/dv of ``kernel`` walking ``table`` from ``backward_inputs`` (q, k, v, dout, lse, delta, window), into
+    NaN-filled results of ``gradient_type``: ``(dk, dv)``; the tiled one leaving ``stencil_pairs`` (if given)
+    to the stencil kernel."""
+    k, v = backward_inputs[1:3]
+    dk, dv = np.full(k.shape, np.nan, gradient_type), np.full(v.shape, np.nan, gradient_type)
+    first = TILED_TARGET_OFFSET if kernel == "tiled" else 0
+    launch(first + DKV, case.dtype, case.sizes, case.scale, *backward_inputs, case.bwd_order, table,
+           case.plan.quad_weights, dk, dv, stencil_pairs=stencil_pairs)  # fmt: skip
+    return dk, dv
 
 
 def stencil_pairs_of(case: KernelCase, kernel: str, stencil: bool, walk: str = "forward") -> np.ndarray | None:

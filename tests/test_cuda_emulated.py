@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # emulation_build.py, kernel_cas
 from emulation_build import address_sanitizer_preload, build_emulated_library  # noqa: E402
 from kernel_cases import (  # noqa: E402
     DTYPES,
-    DKV,
     FORWARD,
     KERNEL_SOURCES,
     LONG_ROW_PLANS,
@@ -53,6 +52,7 @@ from kernel_cases import (  # noqa: E402
     check_nan_poisoning,
     prepare_case,
     run_case,
+    run_dkv,
     run_dq_forming_delta,
     run_forward,
     run_narrow_forward,
@@ -436,11 +436,7 @@ def _run_tiled_walk(case, launch, walk: str, table, pairs) -> tuple[np.ndarray, 
     leaving ``pairs`` to the stencil kernels, into NaN-filled results."""
     if walk == "forward":
         return run_forward(case, launch, "tiled", table, pairs)
-    q, k, v, dout, lse, delta, window = case.inputs
-    dk, dv = np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32)
-    launch(TILED_TARGET_OFFSET + DKV, case.dtype, case.sizes, case.scale, q, k, v, dout, lse, delta, window,
-           case.bwd_order, table, case.plan.quad_weights, dk, dv, stencil_pairs=pairs)  # fmt: skip
-    return dk, dv
+    return run_dkv(case, launch, "tiled", table, case.inputs, pairs)
 
 
 @pytest.mark.parametrize("walk", ["forward", "backward"])

@@ -38,6 +38,9 @@ __device__ __forceinline__ float Exp2(float x) {
 #endif
 }
 
+// log2(e) * lse, with +inf for a row without neighbours (lse = -inf), so that exp2(x - it) = 0.
+__device__ __forceinline__ float Log2Lse(float lse) { return lse == kNegInf ? -kNegInf : lse * kLog2e; }
+
 // The block's dynamic shared memory.
 __device__ __forceinline__ float* DynamicShared() {
   extern __shared__ float s2attn_dynamic_shared[];

@@ -120,8 +120,16 @@ __device__ __forceinline__ void LoadLane(float (&x)[kLaneChannels], const T* row
   }
 }
 
-// x . y over the point's kLanes lanes (consecutive lanes of one warp; every lane takes part). Two partial
-// sums halve the dependent chain of FMAs.
+// Sum over the point's kLanes lanes (consecutive lanes of one warp; every lane takes part) in a fixed
+// butterfly.
+template <int kLanes>
+__device__ __forceinline__ float LaneSum(float x) {
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// x . y over the point's kLanes lanes. Two partial sums halve the dependent chain of FMAs.
 template <int kLanes>
 __device__ __forceinline__ float LaneDot(const float (&x)[kLaneChannels], const float (&y)[kLaneChannels]) {
   float even = 0.f, odd = 0.f;
@@ -130,10 +138,7 @@ __device__ __forceinline__ float LaneDot(const float (&x)[kLaneChannels], const 
     even = fmaf(x[e], y[e], even);
     odd = fmaf(x[e + 1], y[e + 1], odd);
   }
-  float dot = even + odd;
-#pragma unroll
-  for (int offset = 1; offset < kLanes; offset *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-  return dot;
+  return LaneSum<kLanes>(even + odd);
 }
 
 __device__ __forceinline__ void StoreLane(float* dst, const float (&x)[kLaneChannels]) {

@@ -29,8 +29,7 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDkvKernel(const NbhdAttnGp
     const T* dout_row = &s.b[arc.row][column][at.lane * kLaneChannels];
     for (int32_t j = 0; j < arc.len; ++j) {
       // A query without neighbours (lse = -inf) never has this key as one; its p would be exp2(-inf) = 0.
-      const float lse = s.lse[arc.row][column + j];
-      const float lse2 = lse == kNegInf ? -kNegInf : lse * kLog2e;
+      const float lse2 = Log2Lse(s.lse[arc.row][column + j]);
       float x[kLaneChannels];
       LoadLane<T>(x, q_row + j * S::kStride, 1.f);
       const float probability = Exp2(LaneDot<S::kLanes>(k, x) + log2_weight - lse2);

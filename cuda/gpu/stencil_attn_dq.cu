@@ -8,14 +8,6 @@ namespace gpu {
 namespace stencil {
 namespace {
 
-// Sum over the point's kLanes lanes in a fixed butterfly.
-template <int kLanes>
-__device__ __forceinline__ float LaneSum(float x) {
-#pragma unroll
-  for (int offset = 1; offset < kLanes; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpuParams p) {
   using S = Shape<D>;
@@ -26,8 +18,7 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
   LoadLane<T>(q, static_cast<const T*>(p.q) + row_at, p.scale * kLog2e);
   LoadLane<T>(dout, static_cast<const T*>(p.dout) + row_at, 1.f);
   // A query without neighbours (lse = -inf): p = exp2(x - inf) = 0.
-  const float lse = __ldg(p.lse + at.point);
-  const float lse2 = lse == kNegInf ? -kNegInf : lse * kLog2e;
+  const float lse2 = Log2Lse(__ldg(p.lse + at.point));
   float delta;
   if (p.forward_out != nullptr) {  // delta = sum(dout * out) - dlse: each lane its channels in order, then lanes
     float sum = 0.f;

@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
   for (int h = 0; h < 2; ++h) {
     // A row without neighbours anywhere (lse = -inf) or outside the window: p = exp2(x - inf) = 0.
     const float lse = u.row_real[h] ? __ldg(p.lse + u.row_point[h]) : kNegInf;
-    lse2[h] = lse == kNegInf ? -kNegInf : lse * kLog2e;
+    lse2[h] = Log2Lse(lse);
     if (!form_delta) delta[h] = u.row_real[h] ? __ldg(p.delta + u.row_point[h]) : 0.f;
   }
   const Walk walk = WalkOf(p, u, win.q, win.k, p.nlat_k, p.nlon_k);
