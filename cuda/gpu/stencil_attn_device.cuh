@@ -189,19 +189,37 @@ __device__ __forceinline__ WalkPoint StartBlock(const NbhdAttnGpuParams& p, Stag
   if (threadIdx.x == 0) MbarrierInit(&s.landed, 2 * kThreads);
   __syncthreads();
   const int64_t other_base = int64_t{batch} * grids.other_nlat * nlon * heads + head;  // (point, head) index
-  const T* a = static_cast<const T*>(kKeyWalk ? p.q : p.k) + other_base * D;
-  const T* b = static_cast<const T*>(kKeyWalk ? p.dout : p.v) + other_base * D;
-  for (int e = threadIdx.x; e < kMaxOtherRows * S::kWindow * S::kPieces; e += kThreads) {
-    const int piece = e % S::kPieces, col = (e / S::kPieces) % S::kWindow, r = e / (S::kPieces * S::kWindow);
-    if (other0 + r >= grids.other_nlat) continue;  // never read
-    int32_t lon = (lon0 - kMaxHalf + col) % nlon;
-    if (lon < 0) lon += nlon;
-    const int64_t at = (int64_t{other0 + r} * nlon + lon) * heads;  // (point, head) index less other_base
-    CopyAsync16(&s.a[r][col][8 * piece], a + at * D + 8 * piece);
-    CopyAsync16(&s.b[r][col][8 * piece], b + at * D + 8 * piece);
-    if (kKeyWalk && piece == 0) {
-      CopyAsync4(&s.lse[r][col], p.lse + other_base + at);
-      CopyAsync4(&s.delta[r][col], p.delta + other_base + at);
+  const int64_t row_points = int64_t{nlon} * heads;  // (point, head) indices per row
+  const int64_t other_first = other_base + other0 * row_points;
+  const T* a = static_cast<const T*>(kKeyWalk ? p.q : p.k) + other_first * D;
+  const T* b = static_cast<const T*>(kKeyWalk ? p.dout : p.v) + other_first * D;
+  // Each thread copies one 16-byte piece of every kColumnStep-th column of the window, in every staged row:
+  // a column's longitude (wrapped) is worked out once for its rows, by one step where the window cannot wrap
+  // twice (a division otherwise: rings shorter than the window, or a walking grid wider than this one).
+  constexpr int kColumnStep = kThreads / S::kPieces;
+  const int piece = threadIdx.x % S::kPieces;
+  const int rows = min(kMaxOtherRows, grids.other_nlat - other0);  // the others are never read
+  const bool wraps_once = nlon >= S::kWindow && lon0 < nlon;
+  for (int col = threadIdx.x / S::kPieces; col < S::kWindow; col += kColumnStep) {
+    int32_t lon = lon0 - kMaxHalf + col;
+    if (wraps_once) {  // lon in [-kMaxHalf, 2 nlon)
+      lon += lon < 0 ? nlon : (lon >= nlon ? -nlon : 0);
+    } else {
+      lon %= nlon;
+      if (lon < 0) lon += nlon;
+    }
+    const int64_t at = int64_t{lon} * heads;  // (point, head) index less other_first
+    const T* a_at = a + at * D + 8 * piece;
+    const T* b_at = b + at * D + 8 * piece;
+#pragma unroll
+    for (int r = 0; r < kMaxOtherRows; ++r) {
+      if (r >= rows) break;
+      CopyAsync16(&s.a[r][col][8 * piece], a_at + r * row_points * D);
+      CopyAsync16(&s.b[r][col][8 * piece], b_at + r * row_points * D);
+      if (kKeyWalk && piece == 0) {
+        CopyAsync4(&s.lse[r][col], p.lse + other_first + at + r * row_points);
+        CopyAsync4(&s.delta[r][col], p.delta + other_first + at + r * row_points);
+      }
     }
   }
   CopyAsyncArriveOn(&s.landed);
