@@ -19,48 +19,10 @@
 
 #include <cstdint>
 
+#include "gpu/packed_pair.cuh"
+
 namespace s2attn {
 namespace gpu {
-
-// Two floats rounded to one register of two T (bf16 or f16), `lo` in the low half.
-template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float lo, float hi);
-
-template <>
-__device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&pair);
-}
-
-template <>
-__device__ __forceinline__ uint32_t PackPair<__half>(float lo, float hi) {
-  const __half2 pair = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&pair);
-}
-
-// The two floats of a PackPair register, exactly (every T value is a float).
-template <typename T>
-__device__ __forceinline__ float2 UnpackPair(uint32_t pair);
-
-// bfloat16 is the upper half of a float32: one shift and one mask (the conversion intrinsic moves the upper
-// half down and back up, three instructions a pair; the stencil kernels widen every staged element).
-template <>
-__device__ __forceinline__ float2 UnpackPair<__nv_bfloat16>(uint32_t pair) {
-  return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
-}
-
-template <>
-__device__ __forceinline__ float2 UnpackPair<__half>(uint32_t pair) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&pair));
-}
-
-// What the rounding of PackPair<T>(lo, hi) == `rounded` left of lo and hi, rounded to T again: the two
-// registers together carry about twice T's significant bits (P in two parts: the forwards' P V).
-template <typename T>
-__device__ __forceinline__ uint32_t PackRemainder(float lo, float hi, uint32_t rounded) {
-  const float2 kept = UnpackPair<T>(rounded);
-  return PackPair<T>(lo - kept.x, hi - kept.y);
-}
 
 #if defined(S2ATTN_HOST_EMULATION)
 

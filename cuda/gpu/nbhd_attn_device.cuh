@@ -21,6 +21,7 @@
 #include "common/arc_walk.h"
 #include "gpu/device_common.cuh"
 #include "gpu/nbhd_attn_kernels.h"
+#include "gpu/packed_pair.cuh"
 
 namespace s2attn {
 namespace gpu {
@@ -43,7 +44,16 @@ constexpr int64_t kGeneralSharedBytes = 48 * 1024;
 // 16-bit type) and widened to float. Four channels per lane keep the register footprint of
 // the backward kernels (four head vectors and two tiles per lane) within 128 registers.
 template <typename T>
-struct Pack4;
+struct Pack4 {
+  using Raw = uint2;
+  static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
+    const float2 low = UnpackPair<T>(r.x), high = UnpackPair<T>(r.y);
+    x[0] = low.x;
+    x[1] = low.y;
+    x[2] = high.x;
+    x[3] = high.y;
+  }
+};
 
 template <>
 struct Pack4<float> {
@@ -53,29 +63,6 @@ struct Pack4<float> {
     x[1] = __uint_as_float(r.y);
     x[2] = __uint_as_float(r.z);
     x[3] = __uint_as_float(r.w);
-  }
-};
-
-template <>
-struct Pack4<__nv_bfloat16> {
-  using Raw = uint2;
-  static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
-    // bfloat16 is the upper half of a float32.
-    x[0] = __uint_as_float(r.x << 16);
-    x[1] = __uint_as_float(r.x & 0xffff0000u);
-    x[2] = __uint_as_float(r.y << 16);
-    x[3] = __uint_as_float(r.y & 0xffff0000u);
-  }
-};
-
-template <>
-struct Pack4<__half> {
-  using Raw = uint2;
-  static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
-    x[0] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.x & 0xffffu)));
-    x[1] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.x >> 16)));
-    x[2] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.y & 0xffffu)));
-    x[3] = __half2float(__ushort_as_half(static_cast<unsigned short>(r.y >> 16)));
   }
 };
 
