@@ -37,6 +37,7 @@ struct Shape {
   static constexpr int kWindow = kLons + 2 * kMaxHalf;           // staged columns per row of the other grid
   static constexpr int kStride = D + 8;  // padded: a quarter-warp's points read rows in different banks
   static constexpr int kPieces = D / 8;  // 16-byte pieces per row
+  static_assert(kThreads / kRows % 32 == 0 && kMaxOtherRows <= 32, "a warp's points lie in one row (ArcOfRow)");
 };
 
 // The block's shared memory, under the 48 KiB that needs no opt-in: the staged rows of the other grid, K (a)
@@ -159,15 +160,25 @@ __device__ __forceinline__ void StoreLane(T* dst, const float (&x)[kLaneChannels
 
 // What a block knows of the thread's point: its lane, its column in the staged window (less the arcs'
 // start), whether it is a point of the grid (else a clamped one that writes nothing), its row (clamped),
-// its (point, head) index in [batch, rows, cols, heads] of the walking grid, and its row's arcs.
+// its (point, head) index in [batch, rows, cols, heads] of the walking grid, and arc `threadIdx.x %
+// kMaxOtherRows` of its row (the warp's row: ArcOfRow gives every arc to every lane).
 struct WalkPoint {
   int lane;
   int32_t column0;
   bool real;
   int32_t row;
   int64_t point;
-  StagedArc arcs[kMaxOtherRows];
+  StagedArc lane_arc;
 };
+
+// Arc i of the warp's row, from the lane that read it. The lanes of a warp read the row's arcs side by side
+// (each arc costs a bounds check and a log2, ~60 instructions: a quarter of a point's walk at the default
+// cutoff when every lane read every arc). Every lane of the warp must call it.
+__device__ __forceinline__ StagedArc ArcOfRow(const WalkPoint& at, int i) {
+  constexpr unsigned kWarp = 0xffffffffu;
+  return StagedArc{__shfl_sync(kWarp, at.lane_arc.row, i), __shfl_sync(kWarp, at.lane_arc.column, i),
+                   __shfl_sync(kWarp, at.lane_arc.len, i), __shfl_sync(kWarp, at.lane_arc.log2_weight, i)};
+}
 
 // Starts staging the rows the block's pair of walking rows sees into `s` (query walks: K and V; the key
 // walk: Q, dout, lse and delta), every copy in flight at once, and returns the thread's point with its row's
@@ -188,9 +199,8 @@ __device__ __forceinline__ WalkPoint StartBlock(const NbhdAttnGpuParams& p, Stag
 
   if (threadIdx.x == 0) MbarrierInit(&s.landed, 2 * kThreads);
   __syncthreads();
-  const int64_t other_base = int64_t{batch} * grids.other_nlat * nlon * heads + head;  // (point, head) index
   const int64_t row_points = int64_t{nlon} * heads;  // (point, head) indices per row
-  const int64_t other_first = other_base + other0 * row_points;
+  const int64_t other_first = (int64_t{batch} * grids.other_nlat + other0) * row_points + head;  // (point, head)
   const T* a = static_cast<const T*>(kKeyWalk ? p.q : p.k) + other_first * D;
   const T* b = static_cast<const T*>(kKeyWalk ? p.dout : p.v) + other_first * D;
   // Each thread copies one 16-byte piece of every kColumnStep-th column of the window, in every staged row:
@@ -237,11 +247,9 @@ __device__ __forceinline__ WalkPoint StartBlock(const NbhdAttnGpuParams& p, Stag
   const int32_t segments = static_cast<int32_t>(min(p.num_arcs, int64_t{INT32_MAX}));  // bounds every copy
   const int32_t end = min(max(__ldg(p.arc_offsets + w.row + 1), 0), segments);
   const int32_t begin = min(max(__ldg(p.arc_offsets + w.row), 0), end);
-#pragma unroll
-  for (int i = 0; i < kMaxOtherRows; ++i) {
-    w.arcs[i] = whole && begin + i < end ? ArcOf<kKeyWalk>(p.arcs + 3 * int64_t{begin + i}, other0, grids, p)
-                                         : StagedArc{0, 0, 0, 0.f};
-  }
+  const int32_t arc = begin + static_cast<int32_t>(threadIdx.x % kMaxOtherRows);
+  w.lane_arc = whole && arc < end ? ArcOf<kKeyWalk>(p.arcs + 3 * int64_t{arc}, other0, grids, p)
+                                  : StagedArc{0, 0, 0, 0.f};
   return w;
 }
 

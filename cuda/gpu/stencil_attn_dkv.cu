@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDkvKernel(const NbhdAttnGp
   float dk[kLaneChannels] = {}, dv[kLaneChannels] = {};
 #pragma unroll 1
   for (int i = 0; i < kMaxOtherRows; ++i) {
-    const StagedArc arc = at.arcs[i];
+    const StagedArc arc = ArcOfRow(at, i);
     const int32_t column = at.column0 + arc.column;
     const T* q_row = &s.a[arc.row][column][at.lane * kLaneChannels];
     const T* dout_row = &s.b[arc.row][column][at.lane * kLaneChannels];

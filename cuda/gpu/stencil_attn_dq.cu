@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
   float acc[kLaneChannels] = {};
 #pragma unroll 1
   for (int i = 0; i < kMaxOtherRows; ++i) {
-    const StagedArc arc = at.arcs[i];
+    const StagedArc arc = ArcOfRow(at, i);
     const T* k_row = &s.a[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
     const T* v_row = &s.b[arc.row][at.column0 + arc.column][at.lane * kLaneChannels];
     for (int32_t j = 0; j < arc.len; ++j) {
