@@ -297,19 +297,19 @@ DOWN_STENCIL_PLAN = NeighborhoodPlan((129, 100), (65, 100))
 @native
 @pytest.mark.parametrize(
     ("plan", "heads", "pairs"),
-    [(STENCIL_PLAN, 97, (0, 0)), (STENCIL_PLAN, 98, (27, 27)), (DOWN_STENCIL_PLAN, 47, (0, 0)),
-     (DOWN_STENCIL_PLAN, 48, (0, 55))],  # fmt: skip
-    ids=["self-97", "self-98", "down-47", "down-48"],
+    [(STENCIL_PLAN, 24, (0, 0)), (STENCIL_PLAN, 25, (27, 27)), (DOWN_STENCIL_PLAN, 11, (0, 0)),
+     (DOWN_STENCIL_PLAN, 12, (0, 55))],  # fmt: skip
+    ids=["self-24", "self-25", "down-11", "down-12"],
 )
 def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_points(tiled_build, plan, heads, pairs):
     """The tiled forward and dq get the plan's forward stencil pairs, dk/dv its backward ones, each from
-    STENCIL_MIN_POINTS points of its walk's pairs per batch entry (5,400 query points x 98 heads; 11,000 key
-    points x 48), none below (x 97, x 47; batch 2 either way): their last operand."""
+    STENCIL_MIN_POINTS points of its walk's pairs per batch entry (5,400 query points x 25 heads; 11,000 key
+    points x 12), none below (x 24, x 11; batch 2 either way): their last operand."""
     if not _ffi.HAS_CUDA_EXT:
         pytest.skip("the CUDA module is not built")
     from jax_s2attn.ops.neighborhood import STENCIL_MIN_POINTS
 
-    assert 5_400 * 97 < STENCIL_MIN_POINTS <= 5_400 * 98 and 11_000 * 47 < STENCIL_MIN_POINTS <= 11_000 * 48
+    assert 5_400 * 24 < STENCIL_MIN_POINTS <= 5_400 * 25 and 11_000 * 11 < STENCIL_MIN_POINTS <= 11_000 * 12
     assert (len(plan.forward_stencil_pairs), len(plan.backward_stencil_pairs)) in [(27, 27), (0, 55)]
     shapes = (plan.out_shape, plan.in_shape, plan.in_shape)
     args = [jax.ShapeDtypeStruct((2, *shape, heads, 32), BF16) for shape in shapes]
