@@ -45,6 +45,7 @@ constexpr int64_t kGeneralSharedBytes = 48 * 1024;
 // the backward kernels (four head vectors and two tiles per lane) within 128 registers.
 template <typename T>
 struct Pack4 {
+  static_assert(sizeof(T) == 2, "Pack4 widens float32, bfloat16 and float16");
   using Raw = uint2;
   static __device__ __forceinline__ void Widen(const Raw& r, float (&x)[4]) {
     const float2 low = UnpackPair<T>(r.x), high = UnpackPair<T>(r.y);

@@ -37,7 +37,9 @@ struct Shape {
   static constexpr int kWindow = kLons + 2 * kMaxHalf;           // staged columns per row of the other grid
   static constexpr int kStride = D + 8;  // padded: a quarter-warp's points read rows in different banks
   static constexpr int kPieces = D / 8;  // 16-byte pieces per row
-  static_assert(kThreads / kRows % 32 == 0 && kMaxOtherRows <= 32, "a warp's points lie in one row (ArcOfRow)");
+  // ArcOfRow: a warp's points lie in one row, and lane i of every warp reads the row's arc i.
+  static_assert(kLanes * kLons * kRows == kThreads && kLanes * kLons % 32 == 0 && 32 % kMaxOtherRows == 0,
+                "a warp's points lie in one row");
 };
 
 // The block's shared memory, under the 48 KiB that needs no opt-in: the staged rows of the other grid, K (a)
@@ -161,7 +163,8 @@ __device__ __forceinline__ void StoreLane(T* dst, const float (&x)[kLaneChannels
 // What a block knows of the thread's point: its lane, its column in the staged window (less the arcs'
 // start), whether it is a point of the grid (else a clamped one that writes nothing), its row (clamped),
 // its (point, head) index in [batch, rows, cols, heads] of the walking grid, and arc `threadIdx.x %
-// kMaxOtherRows` of its row (the warp's row: ArcOfRow gives every arc to every lane).
+// kMaxOtherRows` of its row (by the thread's lane in the warp, not in the point: ArcOfRow gives every arc of
+// the warp's row to every lane).
 struct WalkPoint {
   int lane;
   int32_t column0;
@@ -181,9 +184,9 @@ __device__ __forceinline__ StagedArc ArcOfRow(const WalkPoint& at, int i) {
 }
 
 // Starts staging the rows the block's pair of walking rows sees into `s` (query walks: K and V; the key
-// walk: Q, dout, lse and delta), every copy in flight at once, and returns the thread's point with its row's
-// arcs. The caller then loads its own operands (while the copies fly) and waits: MbarrierWait(&s.landed, 0).
-// A warp's points lie in one row.
+// walk: Q, dout, lse and delta), every copy in flight at once, and returns the thread's point with its share
+// of its row's arcs (ArcOfRow). The caller then loads its own operands (while the copies fly) and waits:
+// MbarrierWait(&s.landed, 0). A warp's points lie in one row.
 template <typename T, int D, bool kKeyWalk>
 __device__ __forceinline__ WalkPoint StartBlock(const NbhdAttnGpuParams& p, Staged<T, D, kKeyWalk>& s) {
   using S = Shape<D>;
