@@ -172,7 +172,7 @@ def test_stencil_rows(case, exact_random, dense_attention, rel_error):
 
 def test_op_with_stencil_rows_agrees_with_arc_kernels_and_under_vmap(exact_random, rel_error):
     """Query points enough for the op to leave the plan's stencil pairs to the stencil kernel (5,400 x 98
-    heads per batch entry; test_dispatch checks its program): out, lse and gradients against the arc
+    heads per batch entry; test_dispatch checks the program from 25): out, lse and gradients against the arc
     kernels'; vmapped over the batch (the pairs then come as copies), the same bits as batched."""
     plan = NeighborhoodPlan((65, 100), (65, 100))
     primals = tuple(jnp.asarray(exact_random(2, 65, 100, 98, 32), jnp.bfloat16) for _ in range(3))

@@ -175,8 +175,8 @@ struct WalkPoint {
 };
 
 // Arc i of the warp's row, from the lane that read it. The lanes of a warp read the row's arcs side by side
-// (each arc costs a bounds check and a log2, ~60 instructions: a quarter of a point's walk at the default
-// cutoff when every lane read every arc). Every lane of the warp must call it.
+// (each arc costs bounds tests and a log2, ~60 instructions; every lane reading every arc, kept on the stack,
+// cost the stencil forward 18 % of its time: NOTES, session 18). Every lane of the warp must call it.
 __device__ __forceinline__ StagedArc ArcOfRow(const WalkPoint& at, int i) {
   constexpr unsigned kWarp = 0xffffffffu;
   return StagedArc{__shfl_sync(kWarp, at.lane_arc.row, i), __shfl_sync(kWarp, at.lane_arc.column, i),
