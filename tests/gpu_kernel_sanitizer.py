@@ -181,14 +181,18 @@ def main(argv=None) -> int:
             try:
                 results = run_case(case, launch, kernel, stencil=stencil)
                 verify_case(case, results, tolerance_of(kernel, case.dtype))
-                # Tiled: its forward writing out in the activations' type, and its dq that forms delta
-                # from random out (padding rows too).
+                # Tiled: its forward writing out in the activations' type with its remainder, and its dq that
+                # forms delta from random out (padding rows too) and from that out and remainder.
                 if kernel == "tiled":
-                    verify_narrow_forward(results, run_narrow_forward(case, launch, stencil))
+                    narrow = run_narrow_forward(case, launch, stencil, remainder=True)
+                    verify_narrow_forward(results, narrow)
                     out = rng.standard_normal(results["out"].shape).astype(np.float32)
                     dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
                     verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, launch, out, dlse,
                                                                                   stencil=stencil))  # fmt: skip
+                    hi, lo = narrow["out"], narrow["remainder"]
+                    verify_dq_forming_delta(case, hi, dlse, run_dq_forming_delta(case, launch, hi, dlse,
+                                                                                 stencil=stencil, remainder=lo), lo)
                 print(f"ok   {name}")
             except AssertionError as error:
                 failures += 1

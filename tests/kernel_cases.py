@@ -9,11 +9,12 @@ segment tables; 16-bit activations with Dk == Dv in {32, 64, 128}).
 A *launch* callable runs one target through ``tests/cuda_emulation/run_target.cc``::
 
     launch(target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table,
-           weights, result0, result1[, result2])
+           weights, result0, result1[, result2[, result3]])
 
 with numpy inputs (``None`` for unused ones), ``table`` an ArcTable (arc targets) or a
 SegmentTable (tiled targets), and NaN-filled numpy results that it overwrites in place
-(``result2``: the tiled forward's out in the activations' type, in place of ``result0``).
+(``result2``: the tiled forward's out in the activations' type, in place of ``result0``; ``result3``: with
+it, what that rounding left, rounded again: the residual the op's tiled backward forms delta from).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "floa
 FORWARD, DQ, DKV = 0, 1, 2
 TILED_TARGET_OFFSET = 3
 # The tiled dq that forms delta itself (run_target.cc's RunTiledDqFormingDelta): a launch of it takes
-# (forward out, dlse) in place of delta and gives (dq, delta).
+# (forward out, its remainder or None, dlse) in place of delta and gives (dq, delta).
 TILED_DQ_FORMING_DELTA = 6
 # Its delta against float64, per row relative to sum |dout * out| + |dlse| (float32 sums of Dv terms).
 FORMED_DELTA_TOLERANCE = 1e-6
@@ -277,12 +278,13 @@ def run_case(
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """Runs forward, dq and dkv of ``kernel`` ("arc" or "tiled") with ``launch`` into NaN-filled
     results and returns them. ``tables``: the (forward, backward) tables walked, by default the
-    plan's arc tables ("arc") or segment tables ("tiled"). ``as_op``: the backward targets get the
-    lse of this forward and a delta from its out (float32; on "tiled" the one its dq forms), as the
-    op feeds them, instead of the case's exact float64 ones; whole grids only (the forward's lse
-    covers the window's keys, the backward needs every key's). ``gradient_type``: the numpy type
-    of dq, dk and dv (float32, or for the tiled kernels the activations' storage type). ``stencil``: the
-    tiled kernels leave the plan's stencil rows to the stencil kernels, as the op's do (whole grids)."""
+    plan's arc tables ("arc") or segment tables ("tiled"). ``as_op``: the backward targets get the lse of this
+    forward and a delta from its out (float32; on "tiled" the one its dq forms from the forward's out in the
+    activations' type and its remainder), as the op feeds them, instead of the case's exact float64 ones; whole
+    grids only (the forward's lse covers the window's keys, the backward needs every key's). ``gradient_type``:
+    the numpy type of dq, dk and dv (float32, or for the tiled kernels the activations' storage type).
+    ``stencil``: the tiled kernels leave the plan's stencil rows to the stencil kernels, as the op's do (whole
+    grids)."""
     q, k, v, dout, lse_in, delta, window = case.inputs
     if as_op and case.sizes[4:8] != case.sizes[8:12]:
         raise ValueError("as_op needs whole grids (no windows, no padding)")
@@ -298,10 +300,12 @@ def run_case(
     pairs = stencil_pairs_of(case, kernel, stencil)
     out, lse = run_forward(case, launch, kernel, forward_table, pairs)
     dq = np.full(q.shape, np.nan, gradient_type)
-    if as_op and kernel == "tiled":  # as the op: the tiled dq forms delta from out, for dk/dv too
+    if as_op and kernel == "tiled":  # as the op: the tiled dq forms delta from out in two parts, for dk/dv too
         lse_in, delta = lse, np.full(q.shape[:4], np.nan, np.float32)
-        launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse_in, (out, np.zeros_like(lse)), window,
-               case.fwd_order, forward_table, weights, dq, delta, stencil_pairs=pairs)  # fmt: skip
+        split = run_narrow_forward(case, launch, stencil, remainder=True)
+        launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse_in, (split["out"], split["remainder"],
+               np.zeros_like(lse)), window, case.fwd_order, forward_table, weights, dq, delta,
+               stencil_pairs=pairs)  # fmt: skip
     else:
         if as_op:
             lse_in, delta = lse, (dout.astype(np.float64) * out).sum(-1).astype(np.float32)
@@ -349,25 +353,34 @@ def stencil_pairs_of(case: KernelCase, kernel: str, stencil: bool, walk: str = "
     return getattr(case.plan, f"{walk}_stencil_pairs")
 
 
-def run_narrow_forward(case: KernelCase, launch: Launch, stencil: bool = False) -> dict[str, np.ndarray]:
-    """The tiled forward writing out in the activations' type (what the op returns when it is not
-    differentiated), into NaN-filled results: ``{"out", "lse"}``. ``stencil`` as in run_case."""
+def run_narrow_forward(
+    case: KernelCase, launch: Launch, stencil: bool = False, remainder: bool = False
+) -> dict[str, np.ndarray]:
+    """The tiled forward writing out in the activations' type (what the op returns), into NaN-filled
+    results: ``{"out", "lse"}``, with ``remainder`` also ``"remainder"`` (what the rounding left, as the op
+    keeps it for its backward when differentiated). ``stencil`` as in run_case."""
     q, k, v, *_, window = case.inputs
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, q.dtype)
     lse = np.full(q.shape[:4], np.nan, np.float32)
+    results = {"out": out, "lse": lse} | ({"remainder": np.full_like(out, np.nan)} if remainder else {})
     launch(TILED_TARGET_OFFSET + FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window,
            case.fwd_order, case.plan.forward_segments, case.plan.quad_weights, None, lse, out,
-           stencil_pairs=stencil_pairs_of(case, "tiled", stencil))  # fmt: skip
-    return {"out": out, "lse": lse}
+           results.get("remainder"), stencil_pairs=stencil_pairs_of(case, "tiled", stencil))  # fmt: skip
+    return results
 
 
 def verify_narrow_forward(float32: dict[str, np.ndarray], narrow: dict[str, np.ndarray]) -> None:
     """The narrow forward's out is the float32 forward's (``run_case``) rounded to nearest, bit for bit,
-    padding zeros included, and its lse the same bits."""
-    assert not np.isnan(narrow["out"]).any(), "out: some elements were never written"
+    padding zeros included, its lse the same bits, and its remainder (if any) the rest of the float32 out
+    (exact in float32) rounded to nearest."""
+    for name, result in narrow.items():
+        assert not np.isnan(result).any(), f"{name}: some elements were never written"
     rounded = float32["out"].astype(narrow["out"].dtype)
     assert narrow["out"].tobytes() == rounded.tobytes(), "out: not the float32 out rounded to nearest"
     assert narrow["lse"].tobytes() == float32["lse"].tobytes(), "lse: not the float32 forward's"
+    if "remainder" in narrow:
+        rest = (float32["out"] - rounded.astype(np.float32)).astype(narrow["out"].dtype)
+        assert narrow["remainder"].tobytes() == rest.tobytes(), "remainder: not what rounding out left"
 
 
 def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:
@@ -427,14 +440,13 @@ def table_rows(table: ArcTable | SegmentTable) -> np.ndarray:
 
 def call_run_target(
     lib, address, target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table, weights, r0, r1,
-    r2=None, stencil_pairs=None,
+    r2=None, r3=None, stencil_pairs=None,
 ) -> int:  # fmt: skip
-    """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable
-    and returns its cudaError_t. ``address(array)`` gives the buffer address the kernels use
-    for a (non-None) numpy array; ``table`` is an ArcTable or a SegmentTable. The gradient
-    results' type is that of ``r0`` (the forward's lse and ``r0`` out are float32); ``r2`` as a launch's
-    ``result2``; ``stencil_pairs`` (int32 ``[pairs, 2]``, tiled targets) the walking row pairs left to the
-    stencil kernels."""
+    """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable and returns its
+    cudaError_t. ``address(array)`` gives the buffer address the kernels use for a (non-None) numpy array;
+    ``table`` is an ArcTable or a SegmentTable. The gradient results' type is that of ``r0`` (the forward's lse
+    and ``r0`` out are float32); ``r2``, ``r3`` as a launch's ``result2``, ``result3``; ``stencil_pairs`` (int32
+    ``[pairs, 2]``, tiled targets) the walking row pairs left to the stencil kernels."""
     rows = table_rows(table)
     all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
     pairs = [ctypes.c_void_p(None), ctypes.c_int64(0)]
@@ -442,10 +454,10 @@ def call_run_target(
         pairs = [ctypes.c_void_p(address(stencil_pairs)), ctypes.c_int64(len(stencil_pairs))]
     tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale), *pairs]
     forming_delta = target == TILED_DQ_FORMING_DELTA
-    if forming_delta and r2 is not None:
+    if forming_delta and (r2 is not None or r3 is not None):
         raise ValueError("the dq that forms delta has two results")
-    row_inputs = delta if forming_delta else (delta,)  # (forward out, dlse) or (delta,)
-    results = (r0, r1) if forming_delta else (r0, r1, r2)
+    row_inputs = delta if forming_delta else (delta,)  # (forward out, remainder, dlse) or (delta,)
+    results = (r0, r1) if forming_delta else (r0, r1, r2, r3)
     arrays = (q, k, v, dout, lse, *row_inputs, window, row_order, table.offsets, rows, weights, *results)
     result_type = np.float32 if r0 is None else r0.dtype
     gradient_dtype = next(code for code, storage in DTYPES.values() if np.dtype(storage) == result_type)
@@ -458,30 +470,35 @@ def call_run_target(
 
 def run_dq_forming_delta(
     case: KernelCase, launch: Launch, out: np.ndarray, dlse: np.ndarray, gradient_type=np.float32,
-    stencil: bool = False,
+    stencil: bool = False, remainder: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """The tiled dq that forms delta from the forward's ``out`` and ``dlse``, into NaN-filled results,
-    and the tiled dq given that delta: ``{"dq", "delta", "dq_given_delta"}``. ``stencil`` as in run_case."""
+    """The tiled dq that forms delta from the forward's ``out`` (float32, or in the activations' type plus
+    its ``remainder``) and ``dlse``, into NaN-filled results, and the tiled dq given that delta:
+    ``{"dq", "delta", "dq_given_delta"}``. ``stencil`` as in run_case."""
     pairs = stencil_pairs_of(case, "tiled", stencil)
     q, k, v, dout, lse, _, window = case.inputs
     common = (case.dtype, case.sizes, case.scale)
     table, weights = case.plan.forward_segments, case.plan.quad_weights
     dq = np.full(q.shape, np.nan, gradient_type)
     delta = np.full(q.shape[:4], np.nan, np.float32)
-    launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse, (out, dlse), window, case.fwd_order, table, weights,
-           dq, delta, stencil_pairs=pairs)  # fmt: skip
+    launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse, (out, remainder, dlse), window, case.fwd_order, table,
+           weights, dq, delta, stencil_pairs=pairs)  # fmt: skip
     dq_given = np.full(q.shape, np.nan, gradient_type)
     launch(TILED_TARGET_OFFSET + DQ, *common, q, k, v, dout, lse, delta, window, case.fwd_order, table, weights,
            dq_given, None, stencil_pairs=pairs)  # fmt: skip
     return {"dq": dq, "delta": delta, "dq_given_delta": dq_given}
 
 
-def verify_dq_forming_delta(case: KernelCase, out: np.ndarray, dlse: np.ndarray, results: dict[str, np.ndarray]):
-    """Every element written; delta = sum(dout * out, -1) - dlse of every local row (padding too) to
-    FORMED_DELTA_TOLERANCE; dq the bits of the tiled dq given that delta."""
+def verify_dq_forming_delta(
+    case: KernelCase, out: np.ndarray, dlse: np.ndarray, results: dict[str, np.ndarray],
+    remainder: np.ndarray | None = None,
+):  # fmt: skip
+    """Every element written; delta = sum(dout * out, -1) - dlse of every local row (padding too; out plus
+    its ``remainder`` if given) to FORMED_DELTA_TOLERANCE; dq the bits of the tiled dq given that delta."""
     for name, result in results.items():
         assert not np.isnan(result).any(), f"{name}: some elements were never written"
-    terms = case.inputs[3].astype(np.float64) * out.astype(np.float64)
+    whole = out.astype(np.float64) + (0.0 if remainder is None else remainder.astype(np.float64))
+    terms = case.inputs[3].astype(np.float64) * whole
     expected = terms.sum(-1) - dlse
     bound = FORMED_DELTA_TOLERANCE * (np.abs(terms).sum(-1) + np.abs(dlse))
     excess = np.abs(results["delta"] - expected) - bound

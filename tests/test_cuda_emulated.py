@@ -302,11 +302,15 @@ FORMING_DELTA_CASES = [
 )
 def test_tiled_dq_forms_delta(emulator, rng, plan_name, d, dtype, windows):
     """delta = sum(dout * out) - dlse for every local row to float32 round-off, and dq the bits of the
-    tiled dq given that delta, from random out (padding rows too) and dlse."""
+    tiled dq given that delta, from random out (padding rows too) and dlse: out in float32, and out in the
+    activations' type with its rounding remainder (as the op keeps it)."""
     case = prepare_case(rng, (PLANS | LONG_ROW_PLANS)[plan_name](), 2, 2, d, d, dtype, **windows)
     out = rng.standard_normal(case.inputs[3].shape).astype(np.float32)
     dlse = rng.standard_normal(out.shape[:4]).astype(np.float32)
     verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, emulator, out, dlse))
+    hi = out.astype(case.inputs[0].dtype)
+    lo = (out - hi.astype(np.float32)).astype(hi.dtype)
+    verify_dq_forming_delta(case, hi, dlse, run_dq_forming_delta(case, emulator, hi, dlse, remainder=lo), lo)
 
 
 @pytest.mark.parametrize("shapes", [((33, 72), (33, 72)), ((33, 72), (65, 144))], ids=["self", "up"])
@@ -494,10 +498,11 @@ def test_tiled_gradients_in_the_activations_type_are_the_rounded_float32_ones(em
 @pytest.mark.parametrize(("dtype", "d"), [("bfloat16", 64), ("float16", 32), ("bfloat16", 128)])
 @pytest.mark.parametrize("windows", WINDOWS[1::2], ids=lambda w: f"q{w[0]}-k{w[1]}")
 def test_tiled_forward_in_the_activations_type_is_the_rounded_float32_one(emulator, rng, windows, dtype, d):
-    """out in the activations' type (the op's result when not differentiated): every element
-    written, with the bits of the float32 out rounded to nearest, padding zeros included; lse the same."""
+    """out in the activations' type (the op's result) and its rounding remainder (what the differentiated op
+    keeps for its backward): every element written, with the bits of the float32 out rounded to nearest, and
+    of what that left, padding zeros included; lse the same."""
     case = prepare_case(rng, PLANS["self"](), 2, 2, d, d, dtype, *windows)
-    verify_narrow_forward(run_case(case, emulator, "tiled"), run_narrow_forward(case, emulator))
+    verify_narrow_forward(run_case(case, emulator, "tiled"), run_narrow_forward(case, emulator, remainder=True))
 
 
 STENCIL_CASES = [
@@ -521,7 +526,7 @@ def test_tiled_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dt
     case = prepare_case(rng, plan, 2, 2, d, d, dtype)
     results = run_case(case, emulator, "tiled", as_op=True, stencil=True)
     verify_case(case, results, tolerance_of("tiled", dtype))
-    verify_narrow_forward(results, run_narrow_forward(case, emulator, stencil=True))
+    verify_narrow_forward(results, run_narrow_forward(case, emulator, stencil=True, remainder=True))
     dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
     verify_dq_forming_delta(case, results["out"], dlse,
                             run_dq_forming_delta(case, emulator, results["out"], dlse, stencil=True))  # fmt: skip

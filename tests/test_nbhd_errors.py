@@ -201,6 +201,15 @@ def test_result_dtypes_are_checked_before_lowering(plan, kernel, dtype, allowed,
         call(**common, **args)
 
 
+@pytest.mark.parametrize(("kernel", "out_dtype"), [("arc", jnp.float32), ("tiled", jnp.float32)])
+def test_forward_remainder_needs_a_16_bit_tiled_out(plan, kernel, out_dtype):
+    """Only the tiled forward writing out in the activations' dtype has a rounding remainder to return."""
+    q, k, v = _arrays(plan, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="remainder=True needs kernel='tiled' and out_dtype the dtype of query"):
+        _ffi.ffi_forward(q, k, v, plan, full_window(plan), plan.tables.forward_row_order, scale=0.5, kernel=kernel,
+                         out_dtype=out_dtype, remainder=True)  # fmt: skip
+
+
 # (change of the arguments, error, message) for the tiled dq that forms delta.
 DQ_DELTA_ERRORS = {
     "gradient-dtype": (lambda a: dict(gradient_dtype=jnp.float16), ValueError, "gradient_dtype must be float32 or bf"),
@@ -208,6 +217,14 @@ DQ_DELTA_ERRORS = {
     "out-shape": (lambda a: dict(out=a["out"][..., :-1]), ValueError, "out must be float32 with the shape of dout"),
     "dlse-shape": (lambda a: dict(dlse=a["dlse"][..., :1]), ValueError, r"dlse must be float32 of shape \(2, 6, 12, 2"),
     "dout-dtype": (lambda a: dict(dout=a["dout"].astype(np.float64)), TypeError, "dout must be float32, bfloat16 or"),
+    # out in two parts (the differentiated op's): both in q's dtype, one shape.
+    "split-out-dtype": (lambda a: dict(out=a["out"].astype(jnp.float16), out_remainder=a["out"].astype(jnp.float16)),
+                        ValueError, "out must be bfloat16 with the shape of dout .* got float16"),
+    "remainder-dtype": (lambda a: dict(out=a["out"].astype(jnp.bfloat16), out_remainder=a["out"]),
+                        ValueError, "out_remainder must be bfloat16 with the shape of out .* got float32"),
+    "remainder-shape": (lambda a: dict(out=a["out"].astype(jnp.bfloat16),
+                                       out_remainder=a["out"][..., :-1].astype(jnp.bfloat16)),
+                        ValueError, "out_remainder must be bfloat16 with the shape of out"),
 }
 
 

@@ -50,19 +50,25 @@ auto BindTables(Binding&& binding) {
 }
 
 // jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse);
-// with kStencilPairs (jax_s2attn_tiled_fwd) the stencil pairs after them.
-template <bool kStencilPairs = false, typename Binding>
+// kTiled (jax_s2attn_tiled_fwd): the stencil pairs after them, and out's rounding remainder after lse.
+template <bool kTiled = false, typename Binding>
 auto BindForward(Binding&& binding) {
-  return BindAttrs(BindTables<kStencilPairs>(std::move(binding)
-                                                 .template Arg<ffi::AnyBuffer>()   // q
-                                                 .template Arg<ffi::AnyBuffer>()   // k
-                                                 .template Arg<ffi::AnyBuffer>())  // v
-                       .template Ret<ffi::AnyBuffer>()  // out (type checked by the handler)
-                       .template Ret<F32Buffer>());     // lse
+  auto results = BindTables<kTiled>(std::move(binding)
+                                        .template Arg<ffi::AnyBuffer>()   // q
+                                        .template Arg<ffi::AnyBuffer>()   // k
+                                        .template Arg<ffi::AnyBuffer>())  // v
+                     .template Ret<ffi::AnyBuffer>()                      // out (type checked by the handler)
+                     .template Ret<F32Buffer>();                          // lse
+  if constexpr (kTiled) {
+    return BindAttrs(std::move(results).template Ret<ffi::AnyBuffer>());  // out_remainder (or empty)
+  } else {
+    return BindAttrs(std::move(results));
+  }
 }
 
 // Operands of the backward targets: q, k, v, dout, lse, delta, then the tables; with kDeltaFromOut
-// (jax_s2attn_tiled_bwd_dq_delta) the forward's float32 out and dlse in place of delta.
+// (jax_s2attn_tiled_bwd_dq_delta) the forward's out, its rounding remainder (or empty) and dlse in place of
+// delta.
 template <bool kDeltaFromOut = false, bool kStencilPairs = false, typename Binding>
 auto BindBackwardArgs(Binding&& binding) {
   auto through_lse = std::move(binding)
@@ -72,7 +78,10 @@ auto BindBackwardArgs(Binding&& binding) {
                          .template Arg<ffi::AnyBuffer>()  // dout
                          .template Arg<F32Buffer>();      // lse
   if constexpr (kDeltaFromOut) {
-    return BindTables<kStencilPairs>(std::move(through_lse).template Arg<F32Buffer>().template Arg<F32Buffer>());
+    return BindTables<kStencilPairs>(std::move(through_lse)
+                                         .template Arg<ffi::AnyBuffer>()  // out
+                                         .template Arg<ffi::AnyBuffer>()  // out_remainder
+                                         .template Arg<F32Buffer>());     // dlse
   } else {
     return BindTables<kStencilPairs>(std::move(through_lse).template Arg<F32Buffer>());  // delta
   }

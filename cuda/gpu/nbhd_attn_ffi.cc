@@ -168,12 +168,13 @@ ffi::Error SetStencilPairs(const I32Buffer& stencil_pairs, bool walk_keys, NbhdA
 }
 
 // out is float32, or on the tiled kernels also the activations' type (`out_narrow`); `stencil_pairs`
-// (tiled only, else null) are the query row pairs the tiled launcher leaves to the stencil kernel.
+// (tiled only, else null) are the query row pairs the tiled launcher leaves to the stencil kernel, and
+// `out_remainder` (tiled only, else null; empty for none) what rounding out to that type left.
 template <typename Kernels>
 ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const I32Buffer& window, const I32Buffer& row_order, const I32Buffer& arc_offsets,
                      const I32Buffer& arcs, const F32Buffer& quad_weights, const I32Buffer* stencil_pairs,
-                     AnyResult& out, F32Result& lse, const NbhdAttrs& attrs) {
+                     AnyResult& out, F32Result& lse, AnyResult* out_remainder, const NbhdAttrs& attrs) {
   NbhdParams p;
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, attrs, /*walk_keys=*/false, window.element_count(),
                                       row_order.element_count(), arc_offsets.element_count(), arcs.element_count(),
@@ -183,6 +184,15 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
   ElementType out_type;
   S2ATTN_RETURN_IF_ERROR(
       CheckResultTypes("out", {out->element_type()}, q.element_type(), Kernels::kNarrowResults, &out_type));
+  const bool remainder = out_remainder != nullptr && (*out_remainder)->element_count() > 0;
+  if (remainder) {
+    S2ATTN_RETURN_IF_ERROR(
+        CheckGridArray("out_remainder", (*out_remainder)->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
+    S2ATTN_CHECK(out_type != ElementType::kF32 && (*out_remainder)->element_type() == q.element_type(),
+                 "out_remainder must have the dtype of q, and out too (a float32 out has no remainder), got out "
+                     << DataTypeName(out->element_type()) << " and out_remainder "
+                     << DataTypeName((*out_remainder)->element_type()));
+  }
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, /*walk_keys=*/false));
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
   NbhdAttnGpuParams g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, Kernels::kForm);
@@ -190,6 +200,7 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
     g.out = static_cast<float*>(out->untyped_data());
   } else {
     g.out_narrow = out->untyped_data();
+    if (remainder) g.out_remainder = (*out_remainder)->untyped_data();
   }
   g.lse_out = lse->typed_data();
   if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, /*walk_keys=*/false, &g));
@@ -203,17 +214,18 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale,
                    int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
   return ForwardOf<ArcKernels>(stream, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, nullptr, out, lse,
-                               MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+                               nullptr, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_tiled_fwd: the same operands and the stencil pairs.
+// jax_s2attn_tiled_fwd: the same operands and the stencil pairs; out's remainder after lse.
 ffi::Error TiledForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
                         I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
                         I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse,
-                        float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
-                        int64_t nlon_k) {
+                        AnyResult out_remainder, float scale, int64_t residues, int64_t shift, int64_t nlat_q,
+                        int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
   return ForwardOf<TiledKernels>(stream, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, &stencil_pairs,
-                                 out, lse, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+                                 out, lse, &out_remainder,
+                                 MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
 // Decodes the operands shared by the backward targets; `per_row` is the operand after lse (delta,
@@ -344,10 +356,11 @@ ffi::Error TiledBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 }
 
 // jax_s2attn_tiled_bwd_dq_delta: the tiled dq, forming delta = sum(dout * out, -1) - dlse from the
-// forward's float32 out at each unit's entry and returning it for the dk/dv target, so that the op
-// needs no delta target between the passes.
+// forward's out (float32, or in q's type with its rounding remainder) at each unit's entry and returning it
+// for the dk/dv target, so that the op needs no delta target between the passes.
 ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                ffi::AnyBuffer dout, F32Buffer lse, F32Buffer out, F32Buffer dlse, I32Buffer window,
+                                ffi::AnyBuffer dout, F32Buffer lse, ffi::AnyBuffer out, ffi::AnyBuffer out_remainder,
+                                F32Buffer dlse, I32Buffer window,
                                 I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
                                 I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
                                 F32Result delta, float scale,
@@ -358,11 +371,29 @@ ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                         quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                         /*walk_keys=*/false, TiledKernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_v));
+  const bool split = out.element_type() != ffi::DataType::F32;
+  if (split) {
+    S2ATTN_CHECK(out.element_type() == q.element_type() && out_remainder.element_type() == q.element_type(),
+                 "out must be float32, or have the dtype of q with out_remainder of that dtype too, got out "
+                     << DataTypeName(out.element_type()) << " and out_remainder "
+                     << DataTypeName(out_remainder.element_type()));
+    S2ATTN_RETURN_IF_ERROR(CheckGridArray("out_remainder", out_remainder.dimensions(), g.batch, g.nq_lat, g.nq_lon,
+                                          g.heads, g.head_dim_v));
+  } else {
+    S2ATTN_CHECK(out_remainder.element_count() == 0,
+                 "out_remainder must be empty with a float32 out, got " << out_remainder.element_count()
+                                                                        << " elements");
+  }
   S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), /*narrow_allowed=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, -1));
   S2ATTN_RETURN_IF_ERROR(SetStencilPairs(stencil_pairs, /*walk_keys=*/false, &g));
   if (delta->element_count() == 0) return ffi::Error::Success();  // no query rows: dq is empty too
-  g.forward_out = out.typed_data();
+  if (split) {
+    g.forward_out_narrow = out.untyped_data();
+    g.forward_out_remainder = out_remainder.untyped_data();
+  } else {
+    g.forward_out = out.typed_data<float>();
+  }
   g.dlse = dlse.typed_data();
   g.delta_out = delta->typed_data();
   S2ATTN_RETURN_IF_ERROR(TiledKernels::Check(g));
@@ -388,15 +419,15 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
 }  // namespace
 }  // namespace s2attn
 
-#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, FORWARD, BACKWARD_DQ, BACKWARD_DKV, STENCIL_PAIRS)                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, FORWARD,                                                    \
-                                s2attn::BindForward<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>())); \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                 \
-      PREFIX##BackwardDqCuda, BACKWARD_DQ,                                                                       \
-      s2attn::BindBackwardDq<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                    \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                 \
-      PREFIX##BackwardDkvCuda, BACKWARD_DKV,                                                                     \
-      s2attn::BindBackwardDkv<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
+#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, FORWARD, BACKWARD_DQ, BACKWARD_DKV, TILED)                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, FORWARD,                                                        \
+                                s2attn::BindForward<TILED>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                     \
+      PREFIX##BackwardDqCuda, BACKWARD_DQ,                                                                           \
+      s2attn::BindBackwardDq<TILED>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                     \
+      PREFIX##BackwardDkvCuda, BACKWARD_DKV,                                                                         \
+      s2attn::BindBackwardDkv<TILED>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
 
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::Forward, s2attn::BackwardDq, s2attn::BackwardDkv, false);
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledForward, s2attn::TiledBackwardDq, s2attn::TiledBackwardDkv,

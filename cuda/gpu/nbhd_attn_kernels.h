@@ -28,10 +28,14 @@ struct NbhdAttnGpuParams {
   const void* dout = nullptr;     // [batch, nq_lat, nq_lon, heads, dv]   (backward)
   const float* lse = nullptr;     // [batch, nq_lat, nq_lon, heads]        (backward)
   const float* delta = nullptr;   // [batch, nq_lat, nq_lon, heads]        (backward)
-  // Tiled dq only, instead of `delta`: the forward's float32 out and the cotangent of lse, from which
-  // the kernel forms delta = sum(dout * out, -1) - dlse of its own queries and writes it to `delta_out`.
-  const float* forward_out = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
-  const float* dlse = nullptr;         // [batch, nq_lat, nq_lon, heads]
+  // Tiled dq only, instead of `delta`: the forward's out and the cotangent of lse, from which the kernel
+  // forms delta = sum(dout * out, -1) - dlse of its own queries and writes it to `delta_out`. The out is
+  // float32 (`forward_out`), or in `dtype` with its rounding remainder (`forward_out_narrow` +
+  // `forward_out_remainder`, as the tiled forward writes them with `out_remainder`).
+  const float* forward_out = nullptr;            // [batch, nq_lat, nq_lon, heads, dv]
+  const void* forward_out_narrow = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
+  const void* forward_out_remainder = nullptr;   // [batch, nq_lat, nq_lon, heads, dv]
+  const float* dlse = nullptr;                   // [batch, nq_lat, nq_lon, heads]
 
   // Tables (device memory; the first copy when the operand holds several).
   const int32_t* window = nullptr;       // [8] q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon
@@ -52,8 +56,11 @@ struct NbhdAttnGpuParams {
   // Tiled forward only, in place of `out`: out in `dtype`, each element the float32 result rounded to
   // nearest (the bits of a cast), at half the bytes; what the op returns when not differentiated.
   void* out_narrow = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
+  // With out_narrow (optional): what rounding out to `dtype` left, rounded to `dtype` again; out_narrow plus
+  // it carries about twice dtype's significant bits, the residual the tiled dq forms delta from.
+  void* out_remainder = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
   void* dq = nullptr;        // like q, of gradient_dtype
-  float* delta_out = nullptr;  // [batch, nq_lat, nq_lon, heads] (tiled dq with forward_out)
+  float* delta_out = nullptr;  // [batch, nq_lat, nq_lon, heads] (tiled dq forming delta)
   void* dk = nullptr;        // like k, of gradient_dtype
   void* dv = nullptr;        // like v, of gradient_dtype
   // kF32, or `dtype` (tiled kernels only): each gradient element is its float32 sum rounded to

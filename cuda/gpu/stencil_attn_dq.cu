@@ -1,6 +1,6 @@
 // Stencil dq: dq of the plan's stencil rows (stencil_attn_device.cuh describes the walk), walking the same
 // staged K and V as the forward: p = w exp(s - lse), dq = scale sum p (dout.v - delta) k, with delta given or
-// formed from the forward's float32 out at entry (and then written for dk/dv), as the tiled dq does.
+// formed from the forward's out (ForwardOut) at entry (and then written for dk/dv), as the tiled dq does.
 #include "gpu/stencil_attn_device.cuh"
 
 namespace s2attn {
@@ -20,12 +20,15 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
   // A query without neighbours (lse = -inf): p = exp2(x - inf) = 0.
   const float lse2 = Log2Lse(__ldg(p.lse + at.point));
   float delta;
-  if (p.forward_out != nullptr) {  // delta = sum(dout * out) - dlse: each lane its channels in order, then lanes
+  if (p.forward_out != nullptr || p.forward_out_narrow != nullptr) {
+    // delta = sum(dout * out) - dlse: each lane its channels in order, then the lanes
+    const ForwardOut<T> out{p.forward_out, static_cast<const T*>(p.forward_out_narrow),
+                            static_cast<const T*>(p.forward_out_remainder)};
     float sum = 0.f;
 #pragma unroll
-    for (int c = 0; c < kLaneChannels; c += 4) {
-      const float4 o = __ldg(reinterpret_cast<const float4*>(p.forward_out + row_at + c));
-      sum = fmaf(dout[c + 3], o.w, fmaf(dout[c + 2], o.z, fmaf(dout[c + 1], o.y, fmaf(dout[c], o.x, sum))));
+    for (int c = 0; c < kLaneChannels; c += 2) {
+      const float2 o = out.Pair(row_at + c);
+      sum = fmaf(dout[c + 1], o.y, fmaf(dout[c], o.x, sum));
     }
     delta = LaneSum<S::kLanes>(sum) - __ldg(p.dlse + at.point);
     if (at.lane == 0 && at.real) p.delta_out[at.point] = delta;

@@ -47,7 +47,9 @@ __global__ void __launch_bounds__(kThreads, 4) StencilFwdKernel(const NbhdAttnGp
   for (int c = 0; c < kLaneChannels; ++c) acc[c] = seen ? acc[c] * inverse : 0.f;
   if (at.lane == 0) p.lse_out[at.point] = seen ? (m + log2f(l)) * kLn2 : kNegInf;
   const bool narrow = p.out == nullptr;  // out in T: the same float32 values, rounded to nearest
-  StoreResult<T>(narrow ? p.out_narrow : p.out, narrow, at.point * D + at.lane * kLaneChannels, acc);
+  const int64_t at_channel = at.point * D + at.lane * kLaneChannels;
+  StoreResult<T>(narrow ? p.out_narrow : p.out, narrow, at_channel, acc);
+  if (p.out_remainder != nullptr) StoreLane<true>(static_cast<T*>(p.out_remainder) + at_channel, acc);
 }
 
 }  // namespace

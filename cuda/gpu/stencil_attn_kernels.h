@@ -24,7 +24,7 @@ constexpr int kMaxHalf = 3;
 template <typename T, int D>
 cudaError_t LaunchStencilFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
 
-// dq (and, given forward_out and dlse in place of delta, delta_out) of the same rows; the same requirements.
+// dq (and, given the forward's out and dlse in place of delta, delta_out) of the same rows; the same requirements.
 template <typename T, int D>
 cudaError_t LaunchStencilDq(cudaStream_t stream, const NbhdAttnGpuParams& p);
 

@@ -729,23 +729,32 @@ __device__ __forceinline__ void StorePair(float* dst, float a, float b) {
   *reinterpret_cast<float2*>(dst) = make_float2(a, b);
 }
 
-template <typename T>
+// a and b rounded to T, or with kRemainder what that rounding left of them, rounded to T again.
+template <bool kRemainder = false, typename T>
 __device__ __forceinline__ void StorePair(T* dst, float a, float b) {
-  *reinterpret_cast<uint32_t*>(dst) = PackPair<T>(a, b);
+  const uint32_t rounded = PackPair<T>(a, b);
+  *reinterpret_cast<uint32_t*>(dst) = kRemainder ? PackRemainder<T>(a, b, rounded) : rounded;
 }
 
 // Stores the thread's part of a 16 x D float accumulator tile, scaled per row, as elements of
-// type O; rows without a destination (null) are skipped, rows not kept are written as zeros (by
-// select: a discarded row's accumulator may hold inf or NaN, e.g. a padding key row in a block
-// whose mask was skipped).
-template <int D, typename O>
+// type O (with kRemainder, 16-bit O only: the remainders of their rounding, StorePair); rows without a
+// destination (null) are skipped, rows not kept are written as zeros (by select: a discarded row's
+// accumulator may hold inf or NaN, e.g. a padding key row in a block whose mask was skipped).
+template <int D, bool kRemainder = false, typename O>
 __device__ __forceinline__ void StoreRows(O* row0, O* row1, const float (&acc)[D / 8][4], float scale0,
                                           float scale1, bool keep0, bool keep1) {
   const int t = threadIdx.x % 4;
+  const auto store = [](O* dst, float a, float b) {
+    if constexpr (kRemainder) {
+      StorePair<true>(dst, a, b);
+    } else {
+      StorePair(dst, a, b);
+    }
+  };
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
-    if (row0) StorePair(row0 + 8 * n + 2 * t, keep0 ? acc[n][0] * scale0 : 0.f, keep0 ? acc[n][1] * scale0 : 0.f);
-    if (row1) StorePair(row1 + 8 * n + 2 * t, keep1 ? acc[n][2] * scale1 : 0.f, keep1 ? acc[n][3] * scale1 : 0.f);
+    if (row0) store(row0 + 8 * n + 2 * t, keep0 ? acc[n][0] * scale0 : 0.f, keep0 ? acc[n][1] * scale0 : 0.f);
+    if (row1) store(row1 + 8 * n + 2 * t, keep1 ? acc[n][2] * scale1 : 0.f, keep1 ? acc[n][3] * scale1 : 0.f);
   }
 }
 

@@ -1,6 +1,6 @@
 // Tiled dq without atomics: per unit of 64 queries, walking the forward segments, recomputing
 // p = w exp(s - lse) from the saved lse and using delta = sum(dout * out) - dlse in float32: given by
-// the caller, or formed here from the forward's float32 out at the unit's entry and written for the
+// the caller, or formed here from the forward's out (ForwardOut) at the unit's entry and written for the
 // dk/dv kernel (cuda/README.md).
 #include "gpu/tiled_narrow_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
@@ -17,26 +17,26 @@ namespace {
 // columns 16 ks + 2t and 16 ks + 8 + 2t, two each) with the same elements of `out`, in ks order; the
 // four lanes of a row add their sums in a fixed butterfly. The same bits in every program.
 template <typename T, int D>
-__device__ __forceinline__ void FormDelta(float (&delta)[2], const uint32_t (&da)[D / 16][4], const float* out,
+__device__ __forceinline__ void FormDelta(float (&delta)[2], const uint32_t (&da)[D / 16][4], const ForwardOut<T>& out,
                                           const float* dlse, const Unit& u) {
   const int t = threadIdx.x % 4;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float* row = ExistingRow(out, D, u, h);
     float sum = 0.f;
-    if (row != nullptr) {
+    if (u.row_exists[h]) {
+      const int64_t row = u.row_point[h] * D;
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float2 o = __ldg(reinterpret_cast<const float2*>(row + 16 * ks + 8 * half + 2 * t));
+          const float2 o = out.Pair(row + 16 * ks + 8 * half + 2 * t);
           const float2 d = UnpackPair<T>(da[ks][2 * half + h]);
           sum = fmaf(d.y, o.y, fmaf(d.x, o.x, sum));
         }
       }
     }
     sum = RowSum(sum);
-    delta[h] = row != nullptr ? sum - __ldg(dlse + u.row_point[h]) : 0.f;
+    delta[h] = u.row_exists[h] ? sum - __ldg(dlse + u.row_point[h]) : 0.f;
   }
 }
 
@@ -50,14 +50,16 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
   const T* dout = static_cast<const T*>(p.dout);
   // Forming delta takes every existing row's dout: rows outside the query window then multiply real
   // values too, but their p is 0 (lse below) and their results are written as zeros (StoreGradient).
-  const bool form_delta = p.forward_out != nullptr;
+  const ForwardOut<T> forward_out{p.forward_out, static_cast<const T*>(p.forward_out_narrow),
+                                  static_cast<const T*>(p.forward_out_remainder)};
+  const bool form_delta = p.forward_out != nullptr || p.forward_out_narrow != nullptr;
   uint32_t qa[D / 16][4], da[D / 16][4];
   LoadOwnFragments<T, D>(qa, RealRow(q, D, u, 0), RealRow(q, D, u, 1));
   LoadOwnFragments<T, D>(da, form_delta ? ExistingRow(dout, D, u, 0) : RealRow(dout, D, u, 0),
                          form_delta ? ExistingRow(dout, D, u, 1) : RealRow(dout, D, u, 1));
   float lse2[2], delta[2];
   if (form_delta) {
-    FormDelta<T, D>(delta, da, p.forward_out, p.dlse, u);
+    FormDelta<T, D>(delta, da, forward_out, p.dlse, u);
     if (threadIdx.x % 4 == 0) {
       for (int h = 0; h < 2; ++h) {
         if (u.row_exists[h]) p.delta_out[u.row_point[h]] = delta[h];

@@ -1,5 +1,7 @@
 // Tiled forward: out and lse of a unit of 64 queries, K/V windows staged once per block and
 // multiplied on tensor cores (tiled_attn_device.cuh describes the walk).
+#include <type_traits>
+
 #include "gpu/tiled_fwd_shape.cuh"  // before the device header: this kernel's pipeline shape
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_dispatch.cuh"
@@ -112,13 +114,15 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
     scale[h] = seen[h] ? 1.f / l[h] : 0.f;
     if (t == 0 && u.row_exists[h]) p.lse_out[u.row_point[h]] = seen[h] ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
   }
-  const auto store = [&](auto* out) {
-    StoreRows<D>(ExistingRow(out, D, u, 0), ExistingRow(out, D, u, 1), acc, scale[0], scale[1], seen[0], seen[1]);
+  const auto store = [&](auto* out, auto remainder) {
+    StoreRows<D, decltype(remainder)::value>(ExistingRow(out, D, u, 0), ExistingRow(out, D, u, 1), acc, scale[0],
+                                             scale[1], seen[0], seen[1]);
   };
   if (p.out != nullptr) {
-    store(p.out);
-  } else {  // out in T: the same float32 values, rounded to nearest
-    store(static_cast<T*>(p.out_narrow));
+    store(p.out, std::false_type{});
+  } else {  // out in T: the same float32 values, rounded to nearest; and maybe what that left, in T
+    store(static_cast<T*>(p.out_narrow), std::false_type{});
+    if (p.out_remainder != nullptr) store(static_cast<T*>(p.out_remainder), std::true_type{});
   }
 }
 
@@ -130,7 +134,8 @@ bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
   const bool sixteen_bit = p.dtype == ActivationType::kBF16 || p.dtype == ActivationType::kF16;
   const bool dims = p.head_dim_k == p.head_dim_v && (p.head_dim_k == 32 || p.head_dim_k == 64 || p.head_dim_k == 128);
   const bool gradients = p.gradient_dtype == ActivationType::kF32 || p.gradient_dtype == p.dtype;
-  return sixteen_bit && dims && gradients && gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out});
+  return sixteen_bit && dims && gradients &&
+         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out, p.forward_out_narrow, p.forward_out_remainder});
 }
 
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {

@@ -100,7 +100,7 @@ TARGETS = (FORWARD_TARGET, BACKWARD_DQ_TARGET, BACKWARD_DKV_TARGET)
 TILED_FORWARD_TARGET = "jax_s2attn_tiled_fwd"
 TILED_BACKWARD_DQ_TARGET = "jax_s2attn_tiled_bwd_dq"
 TILED_BACKWARD_DKV_TARGET = "jax_s2attn_tiled_bwd_dkv"
-# The tiled dq that forms delta from the forward's float32 out itself and returns it (the op's
+# The tiled dq that forms delta from the forward's out itself and returns it (the op's
 # backward on whole grids then runs no delta target).
 TILED_BACKWARD_DQ_DELTA_TARGET = "jax_s2attn_tiled_bwd_dq_delta"
 TILED_TARGETS = (
@@ -319,7 +319,7 @@ def _grid_dims(name, x) -> tuple:
 
 def ffi_forward(
     query, key, value, plan, window, row_order, *, scale, kernel="arc", poison_results=False, out_dtype=jnp.float32,
-    stencil=False,
+    stencil=False, remainder=False,
 ):  # fmt: skip
     """Forward target: ``(out, lse)`` over the keys inside ``window``, ``lse`` in float32.
 
@@ -337,23 +337,34 @@ def ffi_forward(
 
     ``out_dtype``: float32, or with ``kernel="tiled"`` also the activations' dtype, each element the
     float32 result rounded to nearest (the bits of ``.astype``), written at half the bytes: what the
-    op returns when it is not differentiated (its backward forms delta from the float32 out).
+    op returns (differentiated, with ``remainder``: its backward forms delta from the two).
 
     ``stencil`` (``kernel="tiled"`` only): leave the query rows of ``plan.forward_stencil_pairs`` to the
     stencil kernel (CUDA cores; rows of short arcs), which needs the whole grids: ``window`` must be
     :func:`~jax_s2attn.ops.neighborhood.full_window` and ``row_order`` the plan's forward row order,
     whose last ranks are those rows. Without it the tiled kernel walks every row. The backward targets
     take it likewise (dk/dv: the key rows of ``plan.backward_stencil_pairs``, the backward row order).
+
+    ``remainder`` (``kernel="tiled"`` with ``out_dtype`` the activations' dtype): also return what rounding
+    out to that dtype left, rounded to it again, as a third result ``(out, lse, out_remainder)``: out plus
+    it carries about twice the dtype's significant bits, enough to form delta from
+    (:func:`ffi_backward_dq_delta`) where a rounded out alone is not.
     """
     ensure_registered()
     target, walk, attributes = _step(plan, kernel, "forward", scale)
     dtype = _result_dtype(out_dtype, kernel, query, "out_dtype")
+    if remainder and (kernel != "tiled" or dtype == jnp.float32):
+        raise ValueError("remainder=True needs kernel='tiled' and out_dtype the dtype of query (a 16-bit out).")
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     operands = (query, key, value, _index(window), _index(row_order), *walk, plan.tables.quad_weights)
     operands += _stencil_operand(plan, kernel, stencil, query, key)
-    shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
-    out, lse = _call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32)))
-    return out, lse
+    out_shape = (*lead, nq_lat, nq_lon, heads, value.shape[-1])
+    shapes, dtypes = [out_shape, (*lead, nq_lat, nq_lon, heads)], (dtype, jnp.dtype(jnp.float32))
+    if kernel == "tiled":  # the tiled target's third result: out's remainder, or empty for none
+        shapes.append(out_shape if remainder else (0,))
+        dtypes += (dtype,)
+    out, lse, *rest = _call(target, operands, shapes, attributes, poison_results, dtypes)
+    return (out, lse, rest[0]) if remainder else (out, lse)
 
 
 def _stencil_operand(plan, kernel: str, stencil: bool, query, key, walk: str = "forward") -> tuple:
@@ -394,12 +405,13 @@ def ffi_backward_dq(
 
 def ffi_backward_dq_delta(
     query, key, value, dout, lse, out, dlse, plan, window, row_order, *, scale, poison_results=False,
-    gradient_dtype=jnp.float32, stencil=False,
+    gradient_dtype=jnp.float32, stencil=False, out_remainder=None,
 ):  # fmt: skip
     """The tiled dq that forms delta itself: ``(dq, delta)``.
 
-    As :func:`ffi_backward_dq` with ``kernel="tiled"``, but given the forward's float32 ``out``
-    and ``dlse`` (as :func:`ffi_delta` takes them) in place of delta: it forms
+    As :func:`ffi_backward_dq` with ``kernel="tiled"``, but given the forward's ``out`` and ``dlse``
+    (as :func:`ffi_delta` takes them) in place of delta. ``out`` is float32, or in the activations'
+    dtype with ``out_remainder`` (:func:`ffi_forward` with ``remainder=True``), the two summed. It forms
     ``delta = sum(dout * out, -1) - dlse`` of every local row, padding included, in a fixed order
     (not the delta target's: the last bits may differ), uses it, and returns it for
     :func:`ffi_backward_dkv`. Meant for whole query grids per call; where dq is summed over several
@@ -408,8 +420,18 @@ def ffi_backward_dq_delta(
     ensure_registered()
     target, walk, attributes = _step(plan, "tiled", "dq_delta", scale)
     dtype = _result_dtype(gradient_dtype, "tiled", query, "gradient_dtype")
-    dout, out, dlse = _delta_operands(dout, out, dlse)
-    operands = (query, key, value, dout, lse, out, dlse, _index(window), _index(row_order), *walk,
+    if out_remainder is None:
+        dout, out, dlse = _delta_operands(dout, out, dlse)
+        out_remainder = jnp.zeros((0,), jnp.float32)
+    else:
+        dout, out, dlse = _delta_operands(dout, out, dlse, query.dtype)
+        out_remainder = jnp.asarray(out_remainder)
+        if out_remainder.dtype != out.dtype or out_remainder.shape != out.shape:
+            raise ValueError(
+                f"out_remainder must be {out.dtype.name} with the shape of out {tuple(out.shape)}, got "
+                f"{out_remainder.dtype.name} {tuple(out_remainder.shape)}."
+            )
+    operands = (query, key, value, dout, lse, out, out_remainder, dlse, _index(window), _index(row_order), *walk,
                 plan.tables.quad_weights, *_stencil_operand(plan, "tiled", stencil, query, key))
     shapes = [query.shape, dlse.shape]
     return tuple(_call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32))))
@@ -457,17 +479,18 @@ def _result_dtype(dtype, kernel: str, query, name: str) -> jnp.dtype:
 _DELTA_DOUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _delta_operands(dout, out, dlse) -> tuple:
-    """``(dout, out, dlse)`` as arrays after checking their dtypes and shapes; ``dlse`` None becomes
-    zeros."""
+def _delta_operands(dout, out, dlse, out_dtype=jnp.float32) -> tuple:
+    """``(dout, out, dlse)`` as arrays after checking their dtypes and shapes (``out`` of ``out_dtype``);
+    ``dlse`` None becomes zeros."""
     dout, out = jnp.asarray(dout), jnp.asarray(out)
     lead, nlat, nlon, heads = _grid_dims("dout", dout)
     rows_shape = (*lead, nlat, nlon, heads)
     if dout.dtype not in _DELTA_DOUT_DTYPES:
         raise TypeError(f"dout must be float32, bfloat16 or float16, got {dout.dtype.name}.")
-    if out.shape != dout.shape or out.dtype != jnp.float32:
+    if out.shape != dout.shape or out.dtype != out_dtype:
         raise ValueError(
-            f"out must be float32 with the shape of dout {tuple(dout.shape)}, got {out.dtype.name} {tuple(out.shape)}."
+            f"out must be {jnp.dtype(out_dtype).name} with the shape of dout {tuple(dout.shape)}, "
+            f"got {out.dtype.name} {tuple(out.shape)}."
         )
     dlse = jnp.zeros(rows_shape, jnp.float32) if dlse is None else jnp.asarray(dlse)
     if tuple(dlse.shape) != rows_shape or dlse.dtype != jnp.float32:

@@ -18,7 +18,8 @@ from .reference import reference_attention
 __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
 
 #: ``checkpoint_name`` of the tensors the native forward saves for its backward pass
-#: (query, key, value, float32 output, lse). Under ``jax.checkpoint`` use
+#: (query, key, value, output, lse: the output in float32, or on the tiled kernels in the inputs' dtype
+#: followed, after lse, by the remainder of its rounding). Under ``jax.checkpoint`` use
 #: ``policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)`` so the
 #: native forward is not run a second time in the backward pass.
 RESIDUAL_NAME = "s2attn_residual"
@@ -153,18 +154,19 @@ def _per_platform(query, key, value, plan, scale, implementation):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _native_attention(query, key, value, plan, scale, kernel):
     """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc" or
-    "tiled"), whole grids; the backward pass runs the same kernel family. Not differentiated,
-    the tiled forward writes out in the input dtype itself (no float32 out, no cast after it)."""
+    "tiled"), whole grids; the backward pass runs the same kernel family. The tiled forward writes out in
+    the input dtype itself (no float32 out, no cast after it; differentiated, with its rounding remainder)."""
     out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel, _ffi.op_result_dtype(kernel, query.dtype))
     return out.astype(query.dtype), lse
 
 
-def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32):
+def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32, remainder=False):
     window, rows = full_window(plan), plan.tables.forward_row_order
     stencil = uses_stencil_rows(plan, query, kernel)
     return _ffi.ffi_forward(
-        query, key, value, plan, window, rows, scale=scale, kernel=kernel, out_dtype=out_dtype, stencil=stencil
-    )
+        query, key, value, plan, window, rows, scale=scale, kernel=kernel, out_dtype=out_dtype, stencil=stencil,
+        remainder=remainder,
+    )  # fmt: skip
 
 
 def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "forward") -> bool:
@@ -177,29 +179,36 @@ def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "f
 
 
 def _native_forward(query, key, value, plan, scale, kernel):
-    out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel)
+    # The backward forms delta from out, which a rounded out alone is too coarse for: the arc kernels keep
+    # it in float32, the tiled ones write it in the activations' dtype (what the caller gets, no cast after
+    # it) plus the remainder of that rounding (about twice its significant bits together).
+    if kernel == "tiled":
+        out, lse, remainder = _whole_grid_forward(query, key, value, plan, scale, kernel, query.dtype, True)
+    else:
+        (out, lse), remainder = _whole_grid_forward(query, key, value, plan, scale, kernel), None
     # The outputs are computed from the named values so that a checkpoint policy saving
     # the names can rebuild them too (they feed the caller's own backward pass).
-    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
-    out, lse = saved[3:]
+    named = (query, key, value, out, lse) + (() if remainder is None else (remainder,))
+    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in named)
+    out, lse = saved[3:5]
     return (out.astype(query.dtype), lse), (saved, plan)
 
 
 def _native_backward(scale, kernel, residuals, cotangents):
-    (query, key, value, out, lse), plan = residuals
+    (query, key, value, out, lse, *remainder), plan = residuals
     dout, dlse = cotangents
-    # delta from the float32 output, never from a rounded one. A cotangent of lse adds
-    # dlse * p_j to every score gradient, exactly as lowering delta by dlse does. The native
-    # targets sum in a fixed order: the gradients are the same bits in every program. The tiled
-    # dq forms delta at its entry (one pass over dout and out fewer); the arc kernels take it from
-    # the delta target.
+    # delta from the unrounded output (float32, or the tiled forward's two parts), never from a rounded one.
+    # A cotangent of lse adds dlse * p_j to every score gradient, exactly as lowering delta by dlse does.
+    # The native targets sum in a fixed order: the gradients are the same bits in every program. The tiled
+    # dq forms delta at its entry (one pass over dout and out fewer); the arc kernels take it from the
+    # delta target.
     window = full_window(plan)
     tables = plan.tables
     gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
     if kernel == "tiled":
         dq, delta = _ffi.ffi_backward_dq_delta(
             query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order,
-            stencil=uses_stencil_rows(plan, query, kernel), **gradients,
+            stencil=uses_stencil_rows(plan, query, kernel), out_remainder=remainder[0], **gradients,
         )  # fmt: skip
         gradients["stencil"] = uses_stencil_rows(plan, query, kernel, "backward")
     else:

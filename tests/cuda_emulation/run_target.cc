@@ -55,7 +55,8 @@ s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q,
 // (num_arcs = its row count). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
 // nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
 // of the activations and of the gradient results (the forward's lse and result0 out are float32).
-// `result2`: null, or for the tiled forward out in `dtype`, in place of a float32 out (result0 null).
+// `result2`: null, or for the tiled forward out in `dtype`, in place of a float32 out (result0 null);
+// `result3`: null, or with result2 what rounding out to `dtype` left (out_remainder).
 // `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the tiled targets, the walking row pairs left to
 // the stencil kernels (the last 2 * num_pairs ranks of row_order).
 // Returns the launcher's cudaError_t.
@@ -63,9 +64,10 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
                                  const void* v, const void* dout, const float* lse, const float* delta,
                                  const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
                                  const int32_t* arcs, const float* quad_weights, void* result0, void* result1,
-                                 void* result2, const int64_t* sizes, float scale, const int32_t* stencil_pairs,
-                                 int64_t num_pairs) {
+                                 void* result2, void* result3, const int64_t* sizes, float scale,
+                                 const int32_t* stencil_pairs, int64_t num_pairs) {
   if (target < 0 || target > 5 || (result2 != nullptr && target != 3)) return cudaErrorInvalidValue;
+  if (result3 != nullptr && result2 == nullptr) return cudaErrorInvalidValue;
   if (num_pairs != 0 && target < 3) return cudaErrorInvalidValue;
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
                                          arcs, quad_weights, sizes, scale);
@@ -78,6 +80,7 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
       p.out = static_cast<float*>(result0);
       p.lse_out = static_cast<float*>(result1);
       p.out_narrow = result2;
+      p.out_remainder = result3;
       return tiled ? s2attn::LaunchTiledAttnFwd(nullptr, p) : s2attn::LaunchNbhdAttnFwd(nullptr, p);
     case 1:
       p.dq = result0;
@@ -90,9 +93,11 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
 }
 
 // The tiled dq that forms delta (the target jax_s2attn_tiled_bwd_dq_delta): target 4's arguments with
-// the forward's float32 out and dlse in place of delta; results dq and delta.
+// the forward's out and dlse in place of delta; results dq and delta. The out is float32 (`remainder` null),
+// or in `dtype` with its rounding remainder.
 extern "C" int RunTiledDqFormingDelta(int dtype, int gradient_dtype, const void* q, const void* k, const void* v,
-                                      const void* dout, const float* lse, const float* forward_out, const float* dlse,
+                                      const void* dout, const float* lse, const void* forward_out,
+                                      const void* remainder, const float* dlse,
                                       const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
                                       const int32_t* arcs, const float* quad_weights, void* dq, float* delta,
                                       const int64_t* sizes, float scale, const int32_t* stencil_pairs,
@@ -101,7 +106,12 @@ extern "C" int RunTiledDqFormingDelta(int dtype, int gradient_dtype, const void*
                                          arcs, quad_weights, sizes, scale);
   p.stencil_pairs = stencil_pairs;
   p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
-  p.forward_out = forward_out;
+  if (remainder == nullptr) {
+    p.forward_out = static_cast<const float*>(forward_out);
+  } else {
+    p.forward_out_narrow = forward_out;
+    p.forward_out_remainder = remainder;
+  }
   p.dlse = dlse;
   p.dq = dq;
   p.delta_out = delta;
