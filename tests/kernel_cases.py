@@ -55,8 +55,9 @@ TOLERANCE = 2e-5
 # The tiled kernels also round P and dS to the 16-bit storage type before the P.V and dS.K/Q
 # products (as flash-attention kernels do): the bar is that type's round-off.
 TILED_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
-# out (float32) is also the residual the op forms delta = rowsum(dout * out) from: both kernel
-# families must keep it far inside the 16-bit bar (the tiled forward multiplies P in two parts), or
+# out (float32; on the tiled kernels the op keeps it as its rounding to the activations' type plus the
+# remainder, within 2^-17 of it in bfloat16) is also what the op forms delta = rowsum(dout * out) from: both
+# kernel families must keep it far inside the 16-bit bar (the tiled forward multiplies P in two parts), or
 # smooth fields push dq and dk past it (benchmarks/NOTES.md, session 11).
 OUT_TOLERANCE = 1e-4
 

@@ -526,10 +526,14 @@ def test_tiled_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dt
     case = prepare_case(rng, plan, 2, 2, d, d, dtype)
     results = run_case(case, emulator, "tiled", as_op=True, stencil=True)
     verify_case(case, results, tolerance_of("tiled", dtype))
-    verify_narrow_forward(results, run_narrow_forward(case, emulator, stencil=True, remainder=True))
+    narrow = run_narrow_forward(case, emulator, stencil=True, remainder=True)
+    verify_narrow_forward(results, narrow)
     dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
     verify_dq_forming_delta(case, results["out"], dlse,
                             run_dq_forming_delta(case, emulator, results["out"], dlse, stencil=True))  # fmt: skip
+    hi, lo = narrow["out"], narrow["remainder"]
+    split_dq = run_dq_forming_delta(case, emulator, hi, dlse, stencil=True, remainder=lo)
+    verify_dq_forming_delta(case, hi, dlse, split_dq, lo)
     rows = np.zeros(plan.nlat_out, bool)
     rows[pairs[:, 0]] = rows[pairs[:, 0] + 1] = True
     key_rows = np.zeros(plan.nlat_in, bool)

@@ -9,6 +9,7 @@ custom calls of programs exported for CUDA. The kernels' numbers are checked on 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -262,31 +263,36 @@ def _attention(q, k, v, plan):
 
 
 _SAVING_RESIDUALS = jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)
-# Programs running the op, and the element type its tiled forward writes out in: the activations'
-# where nothing differentiates it, float32 (the residual delta is formed from) where something does.
+# Programs running the op, and whether they differentiate it: the tiled forward writes out in the activations'
+# dtype either way (no float32 out, no cast), and where the op is differentiated also the remainder of that
+# rounding, which the backward forms delta from.
 FORWARD_OUT_TYPES = {
-    "alone": (_attention, "bf16"),
-    "vmap": (jax.vmap(_attention, in_axes=(0, 0, 0, None)), "bf16"),
-    "checkpoint": (jax.checkpoint(_attention), "bf16"),
-    "grad": (_gradient(_loss), "f32"),
-    "grad-of-checkpoint-saving-residuals": (_gradient(jax.checkpoint(_loss, policy=_SAVING_RESIDUALS)), "f32"),
-    "vmap-of-grad": (jax.vmap(_gradient(_loss), in_axes=(0, 0, 0, None)), "f32"),
+    "alone": (_attention, False),
+    "vmap": (jax.vmap(_attention, in_axes=(0, 0, 0, None)), False),
+    "checkpoint": (jax.checkpoint(_attention), False),
+    "grad": (_gradient(_loss), True),
+    "grad-of-checkpoint-saving-residuals": (_gradient(jax.checkpoint(_loss, policy=_SAVING_RESIDUALS)), True),
+    "vmap-of-grad": (jax.vmap(_gradient(_loss), in_axes=(0, 0, 0, None)), True),
 }
 
 
 @native
 @pytest.mark.parametrize("name", FORWARD_OUT_TYPES)
-def test_export_for_cuda_writes_out_in_the_input_dtype_unless_differentiated(tiled_build, name):
-    """Not differentiated, the tiled forward writes out in bfloat16 itself (no float32 out, no cast);
-    differentiated, it writes the float32 out the backward forms delta from. One forward either way."""
+def test_export_for_cuda_writes_out_in_the_input_dtype_with_a_remainder_when_differentiated(tiled_build, name):
+    """The tiled forward writes out in bfloat16 itself (no float32 out, no cast); differentiated, its third
+    result is the remainder of that rounding (out's shape and type), else empty. One forward either way."""
     if not _ffi.HAS_CUDA_EXT:
         pytest.skip("the CUDA module is not built")
-    program, out_type = FORWARD_OUT_TYPES[name]
+    program, differentiated = FORWARD_OUT_TYPES[name]
     module = _exported_module("ffi", BF16, 64, 64, ["cuda"], program)
     out_shape = "2x" + "x".join(map(str, PLAN.out_shape)) + "x2x64"
     rows = out_shape.removesuffix("x64")
-    want = f"(tensor<{out_shape}x{out_type}>, tensor<{rows}xf32>)"
-    assert _forward_result_types(module, _ffi.TILED_FORWARD_TARGET) == want
+    out, lse, remainder = _forward_result_types(module, _ffi.TILED_FORWARD_TARGET).strip("()").split(", ")
+    assert (out, lse) == (f"tensor<{out_shape}xbf16>", f"tensor<{rows}xf32>")
+    if differentiated:
+        assert remainder == out
+    else:
+        assert re.fullmatch(r"tensor<(\d+x)*0xbf16>", remainder), remainder
 
 
 STENCIL_PLAN = NeighborhoodPlan((65, 100), (65, 100))  # 27 stencil pairs: 5,400 query points per batch and head

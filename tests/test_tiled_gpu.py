@@ -200,10 +200,10 @@ SMOOTH_CASES = [
 @pytest.mark.parametrize("geometry", SMOOTH_CASES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_smooth_values_keep_gradients_accurate(dtype, geometry, rng, dense_attention, rel_error):
-    """Values smooth in position (+1% noise): dP - D nearly cancels in dS, so dq and dk are
-    small differences; they keep the 1e-2 bar only if D comes from the float32 output
-    (from a bfloat16-rounded output, dq and dk miss it in each of these geometries: 2.1e-2
-    to 3.7e-2 against the float64 reference's backward on the same inputs)."""
+    """Values smooth in position (+1% noise): dP - D nearly cancels in dS, so dq and dk are small differences;
+    they keep the 1e-2 bar only if D comes from an output carrying more than bfloat16's bits (the op's: out in
+    bfloat16 plus its rounding remainder; from a bfloat16-rounded output alone, dq and dk miss it in each of
+    these geometries: 2.1e-2 to 3.7e-2 against the float64 reference's backward on the same inputs)."""
     in_shape, out_shape, grid, cutoff = geometry
     plan = NeighborhoodPlan(in_shape, out_shape, grid_in=grid, grid_out=grid, theta_cutoff=cutoff)
     heads, dim = 1, 64

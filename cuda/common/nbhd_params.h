@@ -18,7 +18,8 @@ inline constexpr char kTargetBackwardDkv[] = "jax_s2attn_nbhd_bwd_dkv";
 inline constexpr char kTargetTiledForward[] = "jax_s2attn_tiled_fwd";
 inline constexpr char kTargetTiledBackwardDq[] = "jax_s2attn_tiled_bwd_dq";
 inline constexpr char kTargetTiledBackwardDkv[] = "jax_s2attn_tiled_bwd_dkv";
-// The tiled dq with the forward's float32 out and dlse in place of delta: it forms delta and returns it.
+// The tiled dq with the forward's out (float32, or in q's type with its remainder) and dlse in place of delta: it
+// forms delta and returns it.
 inline constexpr char kTargetTiledBackwardDqDelta[] = "jax_s2attn_tiled_bwd_dq_delta";
 // The backward's delta = sum(dout * out, -1) - dlse, in a fixed summation order (common/delta_binding.h).
 inline constexpr char kTargetDelta[] = "jax_s2attn_delta";

@@ -54,7 +54,7 @@ struct NbhdAttnGpuParams {
   float* out = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
   float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
   // Tiled forward only, in place of `out`: out in `dtype`, each element the float32 result rounded to
-  // nearest (the bits of a cast), at half the bytes; what the op returns when not differentiated.
+  // nearest (the bits of a cast), at half the bytes; what the op returns.
   void* out_narrow = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
   // With out_narrow (optional): what rounding out to `dtype` left, rounded to `dtype` again; out_narrow plus
   // it carries about twice dtype's significant bits, the residual the tiled dq forms delta from.

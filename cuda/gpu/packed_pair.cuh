@@ -52,7 +52,8 @@ __device__ __forceinline__ uint32_t PackRemainder(float lo, float hi, uint32_t r
 
 // The forward's out as the dq kernels read it to form delta: float32 (`whole`), or in T as its rounded value
 // (`hi`) plus what that rounding left, rounded to T again (`lo`, PackRemainder's bits): hi + lo carries about
-// twice T's significant bits, which delta needs where dP - delta cancels (fields smooth in position).
+// twice T's significant bits, which delta needs where dP - delta cancels (fields smooth in position). In
+// float16, lo turns subnormal where |out| < ~4e-3 and carries fewer bits there (bfloat16 has float32's range).
 template <typename T>
 struct ForwardOut {
   const float* whole;

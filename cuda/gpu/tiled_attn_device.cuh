@@ -725,7 +725,9 @@ __device__ __forceinline__ void AccumulateRows(float (&acc)[D / 8][4], const flo
 }
 
 // Two adjacent result elements, float32 or rounded to nearest in a 16-bit type.
+template <bool kRemainder = false>
 __device__ __forceinline__ void StorePair(float* dst, float a, float b) {
+  static_assert(!kRemainder, "a float32 result has no rounding remainder");
   *reinterpret_cast<float2*>(dst) = make_float2(a, b);
 }
 
@@ -744,17 +746,14 @@ template <int D, bool kRemainder = false, typename O>
 __device__ __forceinline__ void StoreRows(O* row0, O* row1, const float (&acc)[D / 8][4], float scale0,
                                           float scale1, bool keep0, bool keep1) {
   const int t = threadIdx.x % 4;
-  const auto store = [](O* dst, float a, float b) {
-    if constexpr (kRemainder) {
-      StorePair<true>(dst, a, b);
-    } else {
-      StorePair(dst, a, b);
-    }
-  };
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
-    if (row0) store(row0 + 8 * n + 2 * t, keep0 ? acc[n][0] * scale0 : 0.f, keep0 ? acc[n][1] * scale0 : 0.f);
-    if (row1) store(row1 + 8 * n + 2 * t, keep1 ? acc[n][2] * scale1 : 0.f, keep1 ? acc[n][3] * scale1 : 0.f);
+    if (row0) {
+      StorePair<kRemainder>(row0 + 8 * n + 2 * t, keep0 ? acc[n][0] * scale0 : 0.f, keep0 ? acc[n][1] * scale0 : 0.f);
+    }
+    if (row1) {
+      StorePair<kRemainder>(row1 + 8 * n + 2 * t, keep1 ? acc[n][2] * scale1 : 0.f, keep1 ? acc[n][3] * scale1 : 0.f);
+    }
   }
 }
 

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
     scale[h] = seen[h] ? 1.f / l[h] : 0.f;
     if (t == 0 && u.row_exists[h]) p.lse_out[u.row_point[h]] = seen[h] ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
   }
-  const auto store = [&](auto* out, auto remainder) {
+  const auto store = [&](auto* out, auto remainder) {  // remainder: a std::bool_constant, StoreRows' kRemainder
     StoreRows<D, decltype(remainder)::value>(ExistingRow(out, D, u, 0), ExistingRow(out, D, u, 1), acc, scale[0],
                                              scale[1], seen[0], seen[1]);
   };
@@ -135,11 +135,15 @@ bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
   const bool dims = p.head_dim_k == p.head_dim_v && (p.head_dim_k == 32 || p.head_dim_k == 64 || p.head_dim_k == 128);
   const bool gradients = p.gradient_dtype == ActivationType::kF32 || p.gradient_dtype == p.dtype;
   return sixteen_bit && dims && gradients &&
-         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out, p.forward_out_narrow, p.forward_out_remainder});
+         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out, p.forward_out_narrow, p.forward_out_remainder,
+                         p.out_narrow, p.out_remainder});
 }
 
 cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
-  if ((p.out == nullptr) == (p.out_narrow == nullptr)) return cudaErrorInvalidValue;  // one out, of either type
+  // One out, of either type; a remainder only beside an out in T.
+  if ((p.out == nullptr) == (p.out_narrow == nullptr) || (p.out_remainder != nullptr && p.out_narrow == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
     using T = typename V::Element;

@@ -458,7 +458,7 @@ def ffi_backward_dkv(
 
 def op_result_dtype(kernel: str, dtype) -> jnp.dtype:
     """The dtype of the results the op asks of ``kernel`` for activations of ``dtype`` (the gradients,
-    and out when not differentiated): that dtype on the tiled kernels (the bits a cast would give,
+    and out): that dtype on the tiled kernels (the bits a cast would give,
     half the bytes), float32 on the arc kernels."""
     return jnp.dtype(dtype) if kernel == "tiled" else jnp.dtype(jnp.float32)
 

@@ -183,9 +183,12 @@ def _native_forward(query, key, value, plan, scale, kernel):
     # it in float32, the tiled ones write it in the activations' dtype (what the caller gets, no cast after
     # it) plus the remainder of that rounding (about twice its significant bits together).
     if kernel == "tiled":
-        out, lse, remainder = _whole_grid_forward(query, key, value, plan, scale, kernel, query.dtype, True)
+        out, lse, remainder = _whole_grid_forward(
+            query, key, value, plan, scale, kernel, out_dtype=query.dtype, remainder=True
+        )
     else:
-        (out, lse), remainder = _whole_grid_forward(query, key, value, plan, scale, kernel), None
+        out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel)
+        remainder = None
     # The outputs are computed from the named values so that a checkpoint policy saving
     # the names can rebuild them too (they feed the caller's own backward pass).
     named = (query, key, value, out, lse) + (() if remainder is None else (remainder,))
