@@ -50,6 +50,14 @@ __device__ __forceinline__ uint32_t PackRemainder(float lo, float hi, uint32_t r
   return PackPair<T>(lo - kept.x, hi - kept.y);
 }
 
+// PackPair<T>(lo, hi), or with kRemainder what that rounding left (PackRemainder): the two parts of a 16-bit
+// result that also keeps its remainder.
+template <typename T, bool kRemainder>
+__device__ __forceinline__ uint32_t PackPart(float lo, float hi) {
+  const uint32_t rounded = PackPair<T>(lo, hi);
+  return kRemainder ? PackRemainder<T>(lo, hi, rounded) : rounded;
+}
+
 // The forward's out as the dq kernels read it to form delta: float32 (`whole`), or in T as its rounded value
 // (`hi`) plus what that rounding left, rounded to T again (`lo`, PackRemainder's bits): hi + lo carries about
 // twice T's significant bits, which delta needs where dP - delta cancels (fields smooth in position). In

@@ -154,10 +154,7 @@ __device__ __forceinline__ void StoreLane(float* dst, const float (&x)[kLaneChan
 // x rounded to T, or with kRemainder what that rounding left of it, rounded to T again.
 template <bool kRemainder = false, typename T>
 __device__ __forceinline__ void StoreLane(T* dst, const float (&x)[kLaneChannels]) {
-  const auto pack = [&](int c) {
-    const uint32_t rounded = PackPair<T>(x[c], x[c + 1]);
-    return kRemainder ? PackRemainder<T>(x[c], x[c + 1], rounded) : rounded;
-  };
+  const auto pack = [&](int c) { return PackPart<T, kRemainder>(x[c], x[c + 1]); };
 #pragma unroll
   for (int c = 0; c < kLaneChannels; c += 8) {
     *reinterpret_cast<uint4*>(dst + c) = make_uint4(pack(c), pack(c + 2), pack(c + 4), pack(c + 6));

@@ -734,8 +734,7 @@ __device__ __forceinline__ void StorePair(float* dst, float a, float b) {
 // a and b rounded to T, or with kRemainder what that rounding left of them, rounded to T again.
 template <bool kRemainder = false, typename T>
 __device__ __forceinline__ void StorePair(T* dst, float a, float b) {
-  const uint32_t rounded = PackPair<T>(a, b);
-  *reinterpret_cast<uint32_t*>(dst) = kRemainder ? PackRemainder<T>(a, b, rounded) : rounded;
+  *reinterpret_cast<uint32_t*>(dst) = PackPart<T, kRemainder>(a, b);
 }
 
 // Stores the thread's part of a 16 x D float accumulator tile, scaled per row, as elements of

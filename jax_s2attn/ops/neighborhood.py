@@ -182,17 +182,12 @@ def _native_forward(query, key, value, plan, scale, kernel):
     # The backward forms delta from out, which a rounded out alone is too coarse for: the arc kernels keep
     # it in float32, the tiled ones write it in the activations' dtype (what the caller gets, no cast after
     # it) plus the remainder of that rounding (about twice its significant bits together).
-    if kernel == "tiled":
-        out, lse, remainder = _whole_grid_forward(
-            query, key, value, plan, scale, kernel, out_dtype=query.dtype, remainder=True
-        )
-    else:
-        out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel)
-        remainder = None
+    out, lse, *remainder = _whole_grid_forward(
+        query, key, value, plan, scale, kernel, _ffi.op_result_dtype(kernel, query.dtype), remainder=kernel == "tiled"
+    )
     # The outputs are computed from the named values so that a checkpoint policy saving
     # the names can rebuild them too (they feed the caller's own backward pass).
-    named = (query, key, value, out, lse) + (() if remainder is None else (remainder,))
-    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in named)
+    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse, *remainder))
     out, lse = saved[3:5]
     return (out.astype(query.dtype), lse), (saved, plan)
 
