@@ -58,24 +58,5 @@ __device__ __forceinline__ uint32_t PackPart(float lo, float hi) {
   return kRemainder ? PackRemainder<T>(lo, hi, rounded) : rounded;
 }
 
-// The forward's out as the dq kernels read it to form delta: float32 (`whole`), or in T as its rounded value
-// (`hi`) plus what that rounding left, rounded to T again (`lo`, PackRemainder's bits): hi + lo carries about
-// twice T's significant bits, which delta needs where dP - delta cancels (fields smooth in position). In
-// float16, lo turns subnormal where |out| < ~4e-3 and carries fewer bits there (bfloat16 has float32's range).
-template <typename T>
-struct ForwardOut {
-  const float* whole;
-  const T* hi;
-  const T* lo;
-
-  // Elements `at` and `at + 1` (`at` even).
-  __device__ __forceinline__ float2 Pair(int64_t at) const {
-    if (whole != nullptr) return __ldg(reinterpret_cast<const float2*>(whole + at));
-    const float2 h = UnpackPair<T>(__ldg(reinterpret_cast<const uint32_t*>(hi + at)));
-    const float2 l = UnpackPair<T>(__ldg(reinterpret_cast<const uint32_t*>(lo + at)));
-    return make_float2(h.x + l.x, h.y + l.y);
-  }
-};
-
 }  // namespace gpu
 }  // namespace s2attn

@@ -19,16 +19,17 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
   LoadLane<T>(dout, static_cast<const T*>(p.dout) + row_at, 1.f);
   // A query without neighbours (lse = -inf): p = exp2(x - inf) = 0.
   const float lse2 = Log2Lse(__ldg(p.lse + at.point));
+  const ForwardOut<T> out = ForwardOut<T>::Of(p);
   float delta;
-  if (p.forward_out != nullptr || p.forward_out_narrow != nullptr) {
+  if (out.Given()) {
     // delta = sum(dout * out) - dlse: each lane its channels in order, then the lanes
-    const ForwardOut<T> out{p.forward_out, static_cast<const T*>(p.forward_out_narrow),
-                            static_cast<const T*>(p.forward_out_remainder)};
     float sum = 0.f;
 #pragma unroll
-    for (int c = 0; c < kLaneChannels; c += 2) {
-      const float2 o = out.Pair(row_at + c);
-      sum = fmaf(dout[c + 1], o.y, fmaf(dout[c], o.x, sum));
+    for (int c = 0; c < kLaneChannels; c += 8) {
+      float o[8];
+      out.Eight(row_at + c, o);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum = fmaf(dout[c + i], o[i], sum);
     }
     delta = LaneSum<S::kLanes>(sum) - __ldg(p.dlse + at.point);
     if (at.lane == 0 && at.real) p.delta_out[at.point] = delta;

@@ -50,9 +50,8 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
   const T* dout = static_cast<const T*>(p.dout);
   // Forming delta takes every existing row's dout: rows outside the query window then multiply real
   // values too, but their p is 0 (lse below) and their results are written as zeros (StoreGradient).
-  const ForwardOut<T> forward_out{p.forward_out, static_cast<const T*>(p.forward_out_narrow),
-                                  static_cast<const T*>(p.forward_out_remainder)};
-  const bool form_delta = p.forward_out != nullptr || p.forward_out_narrow != nullptr;
+  const ForwardOut<T> forward_out = ForwardOut<T>::Of(p);
+  const bool form_delta = forward_out.Given();
   uint32_t qa[D / 16][4], da[D / 16][4];
   LoadOwnFragments<T, D>(qa, RealRow(q, D, u, 0), RealRow(q, D, u, 1));
   LoadOwnFragments<T, D>(da, form_delta ? ExistingRow(dout, D, u, 0) : RealRow(dout, D, u, 0),
