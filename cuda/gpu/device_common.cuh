@@ -1,5 +1,5 @@
-// Device and launch helpers shared by every kernel family in cuda/gpu (the arc-segment kernels
-// of nbhd_attn_*.cu and the tiled tensor-core kernels of tiled_attn_*.cu).
+// Device and launch helpers shared by the kernel families in cuda/gpu (the arc-segment kernels of nbhd_attn_*.cu,
+// the tiled tensor-core kernels of tiled_attn_*.cu and the stencil kernels of stencil_attn_*.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -134,7 +134,8 @@ struct ForwardOut {
     return make_float2(h.x + l.x, h.y + l.y);
   }
 
-  // Elements `at` .. `at + 7` (`at` a multiple of 8) by 16-byte loads.
+  // Elements `at` .. `at + 7` by 16-byte loads (`at` a multiple of 8; the pointers 16-byte aligned, as
+  // TiledAttnSupported checks).
   __device__ __forceinline__ void Eight(int64_t at, float (&x)[8]) const {
     if (whole != nullptr) {
       const float4* src = reinterpret_cast<const float4*>(whole + at);
