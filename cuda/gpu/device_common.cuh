@@ -126,12 +126,16 @@ struct ForwardOut {
   // Whether there is one (else delta is given).
   __device__ __forceinline__ bool Given() const { return whole != nullptr || hi != nullptr; }
 
+  // hi + lo of two elements, from one register of each.
+  __device__ __forceinline__ static float2 Sum(uint32_t hi_pair, uint32_t lo_pair) {
+    const float2 h = UnpackPair<T>(hi_pair), l = UnpackPair<T>(lo_pair);
+    return make_float2(h.x + l.x, h.y + l.y);
+  }
+
   // Elements `at` and `at + 1` (`at` even).
   __device__ __forceinline__ float2 Pair(int64_t at) const {
     if (whole != nullptr) return __ldg(reinterpret_cast<const float2*>(whole + at));
-    const float2 h = UnpackPair<T>(__ldg(reinterpret_cast<const uint32_t*>(hi + at)));
-    const float2 l = UnpackPair<T>(__ldg(reinterpret_cast<const uint32_t*>(lo + at)));
-    return make_float2(h.x + l.x, h.y + l.y);
+    return Sum(__ldg(reinterpret_cast<const uint32_t*>(hi + at)), __ldg(reinterpret_cast<const uint32_t*>(lo + at)));
   }
 
   // Elements `at` .. `at + 7` by 16-byte loads (`at` a multiple of 8; the pointers 16-byte aligned, as
@@ -150,9 +154,9 @@ struct ForwardOut {
     const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      const float2 a = UnpackPair<T>(hw[w]), b = UnpackPair<T>(lw[w]);
-      x[2 * w] = a.x + b.x;
-      x[2 * w + 1] = a.y + b.y;
+      const float2 pair = Sum(hw[w], lw[w]);
+      x[2 * w] = pair.x;
+      x[2 * w + 1] = pair.y;
     }
   }
 };
