@@ -56,6 +56,7 @@ from kernel_cases import (  # noqa: E402
     verify_case,
     verify_dq_forming_delta,
     verify_narrow_forward,
+    verify_one_part_forward,
 )
 
 NOT_AVAILABLE = 2
@@ -181,11 +182,13 @@ def main(argv=None) -> int:
             try:
                 results = run_case(case, launch, kernel, stencil=stencil)
                 verify_case(case, results, tolerance_of(kernel, case.dtype))
-                # Tiled: its forward writing out in the activations' type with its remainder, and its dq that
-                # forms delta from random out (padding rows too) and from that out and remainder.
+                # Tiled: its forward writing out in the activations' type with its remainder and without (P
+                # multiplied once), and its dq that forms delta from random out (padding rows too) and from that
+                # out and remainder.
                 if kernel == "tiled":
                     narrow = run_narrow_forward(case, launch, stencil, remainder=True)
                     verify_narrow_forward(results, narrow)
+                    verify_one_part_forward(case, results, run_narrow_forward(case, launch, stencil))
                     out = rng.standard_normal(results["out"].shape).astype(np.float32)
                     dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
                     verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, launch, out, dlse,

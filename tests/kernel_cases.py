@@ -359,7 +359,8 @@ def run_narrow_forward(
 ) -> dict[str, np.ndarray]:
     """The tiled forward writing out in the activations' type (what the op returns), into NaN-filled
     results: ``{"out", "lse"}``, with ``remainder`` also ``"remainder"`` (what the rounding left, as the op
-    keeps it for its backward when differentiated). ``stencil`` as in run_case."""
+    keeps it for its backward when differentiated; without it the kernel multiplies P in one part, as for the
+    op undifferentiated). ``stencil`` as in run_case."""
     q, k, v, *_, window = case.inputs
     out = np.full((*q.shape[:4], v.shape[-1]), np.nan, q.dtype)
     lse = np.full(q.shape[:4], np.nan, np.float32)
@@ -371,17 +372,35 @@ def run_narrow_forward(
 
 
 def verify_narrow_forward(float32: dict[str, np.ndarray], narrow: dict[str, np.ndarray]) -> None:
-    """The narrow forward's out is the float32 forward's (``run_case``) rounded to nearest, bit for bit,
-    padding zeros included, its lse the same bits, and its remainder (if any) the rest of the float32 out
-    (exact in float32) rounded to nearest."""
+    """The narrow forward with its remainder (the differentiated op's): out is the float32 forward's
+    (``run_case``) rounded to nearest, bit for bit, padding zeros included, its lse the same bits, and its
+    remainder the rest of the float32 out (exact in float32) rounded to nearest."""
+    assert "remainder" in narrow, "without a remainder the forward multiplies P in one part: verify_one_part_forward"
     for name, result in narrow.items():
         assert not np.isnan(result).any(), f"{name}: some elements were never written"
     rounded = float32["out"].astype(narrow["out"].dtype)
     assert narrow["out"].tobytes() == rounded.tobytes(), "out: not the float32 out rounded to nearest"
     assert narrow["lse"].tobytes() == float32["lse"].tobytes(), "lse: not the float32 forward's"
-    if "remainder" in narrow:
-        rest = (float32["out"] - rounded.astype(np.float32)).astype(narrow["out"].dtype)
-        assert narrow["remainder"].tobytes() == rest.tobytes(), "remainder: not what rounding out left"
+    rest = (float32["out"] - rounded.astype(np.float32)).astype(narrow["out"].dtype)
+    assert narrow["remainder"].tobytes() == rest.tobytes(), "remainder: not what rounding out left"
+
+
+def verify_one_part_forward(case: KernelCase, float32: dict[str, np.ndarray], narrow: dict[str, np.ndarray]) -> None:
+    """The narrow forward without a remainder (the op undifferentiated), which multiplies P rounded once: every
+    element written, lse the float32 forward's bits, out within the 16-bit bar of float64 on the real block and
+    zero on padding, and not the float32 out rounded everywhere (the one-part kernel ran, not the two-part one)."""
+    assert "remainder" not in narrow
+    out, lse = narrow["out"], narrow["lse"]
+    assert not np.isnan(out).any() and not np.isnan(lse).any(), "some elements were never written"
+    assert lse.tobytes() == float32["lse"].tobytes(), "lse: not the float32 forward's"
+    window = case.q_window
+    real = out[:, : window[2], : window[3]].astype(np.float64)
+    error = _relative(real, case.expected["out"])
+    assert error <= TILED_TOLERANCE[case.dtype], f"out: relative error {error:.2e} against float64"
+    padding = np.concatenate([out[:, window[2] :].reshape(-1), out[:, : window[2], window[3] :].reshape(-1)])
+    assert (padding == 0).all(), "out: padding points must be zero"
+    rounded = float32["out"].astype(out.dtype)
+    assert out.tobytes() != rounded.tobytes(), "out: the bits of the two-part forward (P multiplied in two parts)"
 
 
 def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:

@@ -60,6 +60,7 @@ from kernel_cases import (  # noqa: E402
     verify_case,
     verify_dq_forming_delta,
     verify_narrow_forward,
+    verify_one_part_forward,
 )
 
 CUDA_ERROR_INVALID_VALUE = 1
@@ -505,6 +506,23 @@ def test_tiled_forward_in_the_activations_type_is_the_rounded_float32_one(emulat
     verify_narrow_forward(run_case(case, emulator, "tiled"), run_narrow_forward(case, emulator, remainder=True))
 
 
+ONE_PART_CASES = [  # (plan, dtype, head dim, windows of the 8x16 self plan or () for whole grids)
+    ("self", "bfloat16", 64, WINDOWS[0]), ("self", "float16", 128, WINDOWS[2]), ("up", "float16", 32, ()),
+    ("down", "bfloat16", 128, ()), ("self-72", "bfloat16", 32, ()), ("rings-72", "float16", 64, ()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("plan_name", "dtype", "d", "windows"), ONE_PART_CASES,
+                         ids=[f"{p}-{t}-d{d}-{'window' if w else 'whole'}" for p, t, d, w in ONE_PART_CASES])
+def test_tiled_forward_without_remainder_multiplies_p_once(emulator, rng, plan_name, dtype, d, windows):
+    """out in the activations' type without its remainder (the op undifferentiated: P rounded once, one P.V
+    product): every element written, within the 16-bit bar of float64, padding zeros, lse the float32
+    forward's bits, and not the two-part forward's out rounded."""
+    plan = (PLANS | LONG_ROW_PLANS)[plan_name]()
+    case = prepare_case(rng, plan, 2, 2, d, d, dtype, *windows)
+    verify_one_part_forward(case, run_case(case, emulator, "tiled"), run_narrow_forward(case, emulator))
+
+
 STENCIL_CASES = [
     ("self", 64, "bfloat16"), ("legendre-gauss", 32, "float16"), ("self-17x72", 32, "bfloat16"),
     ("self-17x72", 64, "float16"), ("self-17x72", 128, "bfloat16"), ("self-9x4", 128, "float16"),
@@ -513,7 +531,7 @@ STENCIL_CASES = [
 
 
 @pytest.mark.parametrize(("plan_name", "d", "dtype"), STENCIL_CASES, ids=[f"{p}-d{d}-{t}" for p, d, t in STENCIL_CASES])
-def test_tiled_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dtype):
+def test_tiled_with_stencil_rows_matches_float64(emulator, rng, rel_error, plan_name, d, dtype):
     """The tiled kernels leaving the plan's stencil pairs to the stencil kernels (as the op runs them): every
     element written, out, lse and the gradients against float64 (the backward from this forward, as the op
     feeds it: dq forming delta), the out in the activations' type the float32 one rounded, the formed delta
@@ -545,6 +563,12 @@ def test_tiled_with_stencil_rows_matches_float64(emulator, rng, plan_name, d, dt
         assert not np.array_equal(got, alone[name][:, walked]), f"{name}: the stencil rows are the tiled kernel's"
     for name in ("out", "lse"):
         assert np.array_equal(results[name][:, ~rows], alone[name][:, ~rows]), name
+    # Without a remainder (the op undifferentiated) the stencil rows, float32 throughout, stay out rounded once;
+    # the tiled rows multiply P once (test_tiled_forward_without_remainder_multiplies_p_once).
+    one_part = run_narrow_forward(case, emulator, stencil=True)
+    assert np.array_equal(one_part["out"][:, rows].view(np.uint16), narrow["out"][:, rows].view(np.uint16))
+    assert one_part["lse"].tobytes() == results["lse"].tobytes()
+    assert rel_error(one_part["out"], case.expected["out"]) <= tolerance_of("tiled", dtype)
     # dk/dv of the other key rows, from the same inputs with and without the key pairs: the tiled kernel's bits.
     with_pairs, without = (_run_tiled_walk(case, emulator, "backward", plan.backward_segments, p)
                            for p in (plan.backward_stencil_pairs, None))  # fmt: skip

@@ -120,7 +120,8 @@ def test_stencil_rows(case, exact_random, dense_attention, rel_error):
     query points): results poisoned with NaN first are all written; on those rows out, lse and dq (query
     rows), dk and dv (key rows; float32 throughout) are within float32 round-off of float64, every other row's
     out, lse and dq is the tiled kernels' alone, bit for bit, and out in the activations' dtype is the float32
-    out rounded; the op's results and gradients meet the 16-bit bar."""
+    out rounded (with its remainder; without it, P multiplied once on the tiled rows, within the 16-bit bar);
+    the op's results and gradients meet the 16-bit bar."""
     geometry, heads, dim = case
     plan = NeighborhoodPlan(*geometry)
     pairs, key_pairs = plan.forward_stencil_pairs, plan.backward_stencil_pairs
@@ -139,8 +140,10 @@ def test_stencil_rows(case, exact_random, dense_attention, rel_error):
         kwargs = dict(scale=1.0 / np.sqrt(dim), kernel="tiled", poison_results=True)
         out, lse = (np.asarray(x) for x in _ffi.ffi_forward(*args, stencil=True, **kwargs))
         alone_out, alone_lse = (np.asarray(x) for x in _ffi.ffi_forward(*args, **kwargs))
-        narrow_out, narrow_lse = (np.asarray(x) for x in _ffi.ffi_forward(*args, stencil=True, out_dtype=dtype,
-                                                                           **kwargs))  # fmt: skip
+        narrow_out, narrow_lse, _ = (np.asarray(x) for x in _ffi.ffi_forward(*args, stencil=True, out_dtype=dtype,
+                                                                              remainder=True, **kwargs))  # fmt: skip
+        one_part_out, one_part_lse = (np.asarray(x) for x in _ffi.ffi_forward(*args, stencil=True, out_dtype=dtype,
+                                                                               **kwargs))  # fmt: skip
         assert not np.isnan(out).any() and not np.isnan(lse).any() and not np.isnan(narrow_out).any()
         assert rel_error(out[:, rows], want[0][:, rows]) <= 2e-5
         assert rel_error(lse[:, rows], want[1][:, rows]) <= 1e-5
@@ -150,6 +153,9 @@ def test_stencil_rows(case, exact_random, dense_attention, rel_error):
         rounded = np.asarray(jnp.asarray(out).astype(dtype))
         np.testing.assert_array_equal(narrow_out.view(np.uint16), rounded.view(np.uint16))
         assert narrow_lse.tobytes() == lse.tobytes()
+        # Without a remainder the tiled rows multiply P once; the stencil rows (float32 P) stay out rounded.
+        assert rel_error(one_part_out, want[0]) <= 1e-2 and one_part_lse.tobytes() == lse.tobytes()
+        np.testing.assert_array_equal(one_part_out[:, rows].view(np.uint16), rounded[:, rows].view(np.uint16))
         # dq forming delta from that out, with and without the stencil rows (float32 dq).
         backward = (*as_dtype((q, k, v, cotangents[0])), lse, out, np.asarray(cotangents[1], np.float32), *args[3:])
         dq_kwargs = dict(scale=kwargs["scale"], poison_results=True)
@@ -244,8 +250,8 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
     """Query blocks x key blocks with padding: every tiled result (poisoned with NaN first)
     is written, padding holds zeros (-inf for lse), and each partial matches the arc
     kernel's partial of the same window. Gradients written in the activations' dtype (also
-    poisoned first) are the float32 ones rounded, bit for bit, and so is out written in that dtype
-    (with the float32 forward's lse)."""
+    poisoned first) are the float32 ones rounded, bit for bit, and so is out written in that dtype with its
+    remainder (with the float32 forward's lse); without it (P multiplied once) out is within the 16-bit bar."""
     plan, q, k, v, dout, out, lse = _whole_grid_forward(geometry, dtype, rng, exact_random)
     delta = np.sum(dout * out, axis=-1)
     for qb in _tile(*plan.out_shape, 2, 2):
@@ -270,8 +276,14 @@ def test_windowed_targets_write_every_result_and_match_the_arc_kernels(dtype, ge
             tiled = [np.asarray(x) for x in run("tiled")]
             arc = [np.asarray(x) for x in run("arc")]
             narrow = dict(scale=WINDOW_SCALE, kernel="tiled", poison_results=True)
-            narrow_out, narrow_lse = _ffi.ffi_forward(*activations[:3], plan, window, q_rows, out_dtype=dtype, **narrow)
+            narrow_out, narrow_lse, _ = _ffi.ffi_forward(*activations[:3], plan, window, q_rows, out_dtype=dtype,
+                                                         remainder=True, **narrow)  # fmt: skip
             assert np.asarray(narrow_lse).tobytes() == tiled[1].tobytes()
+            # Without a remainder, P multiplied once: within the 16-bit bar of the arc kernels' float32 out.
+            one_part_out, one_part_lse = _ffi.ffi_forward(*activations[:3], plan, window, q_rows, out_dtype=dtype,
+                                                          **narrow)  # fmt: skip
+            assert np.asarray(one_part_lse).tobytes() == tiled[1].tobytes()
+            assert rel_error(np.asarray(one_part_out), arc[0]) <= 1e-2 or np.abs(arc[0]).max() == 0
             gradients = (_ffi.ffi_backward_dq(*backward, q_rows, gradient_dtype=dtype, **narrow),
                          *_ffi.ffi_backward_dkv(*backward, k_rows, gradient_dtype=dtype, **narrow))  # fmt: skip
             for name, got, wide in zip(("out", *NAMES[2:]), (narrow_out, *gradients), (tiled[0], *tiled[2:])):

@@ -19,8 +19,10 @@ constexpr float kRescaleSlack = 8.f;
 // Online softmax per tile row in log2 units with the quadrature weight folded into the column
 // bias: x = log2(e) * scale * q.k + log2(w), p = exp2(x - m), lse = ln(2) * (m + log2(l)), with m a
 // running maximum moved lazily (kRescaleSlack). Each thread keeps partial row sums over its columns;
-// the four lanes of a row add them at the end.
-template <typename T, int D>
+// the four lanes of a row add them at the end. P.V multiplies P in kParts parts (SplitFragments): two where
+// the backward forms delta from out (a float32 out, or one in T with its remainder), one where out in T is
+// all the caller gets (KernelFor).
+template <typename T, int D, int kParts>
 __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(const NbhdAttnGpuParams p) {
   const Windows win = ReadDeviceWindows(p);
   const Unit u = UnitOf(p, win.q, p.nq_lat, p.nq_lon);
@@ -98,10 +100,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
       for (int h = 0; h < 2; ++h) {
         l[h] += (s[kb][0][2 * h] + s[kb][0][2 * h + 1]) + (s[kb][1][2 * h] + s[kb][1][2 * h + 1]);
       }
-      // P in two parts: out carries ~16 bits of P, not T's 8. The op takes delta = rowsum(dout * out)
-      // from this out, and for values smooth in position dP - delta cancels so far that P rounded
-      // once made dq and dk miss the 1e-2 bar (0.7-1.1e-2 against 0.2-0.3e-2: NOTES, session 11).
-      AccumulateRows<T, D, 2>(acc, s[kb], stage.BlockB(kb));
+      AccumulateRows<T, D, kParts>(acc, s[kb], stage.BlockB(kb));
     }
   });
 
@@ -126,6 +125,18 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
   }
 }
 
+// The forward for the results `p` asks for. P in two parts carries ~16 bits of P to out, not T's 8: the op
+// forms delta = rowsum(dout * out) from a float32 out or from out in T plus its remainder, and for values
+// smooth in position dP - delta cancels so far that P rounded once made dq and dk miss the 1e-2 bar
+// (0.7-1.1e-2 against 0.2-0.3e-2: benchmarks/NOTES.md, session 11). An out in T without a remainder (the
+// op undifferentiated) is rounded to T's 8 bits anyway: P rounded once stays inside that rounding's error,
+// and the second P.V product (8-12 % of the forward, session 12) is saved.
+template <typename T, int D>
+auto KernelFor(const NbhdAttnGpuParams& p) {
+  const bool delta_from_out = p.out != nullptr || p.out_remainder != nullptr;
+  return delta_from_out ? TiledFwdKernel<T, D, 2> : TiledFwdKernel<T, D, 1>;
+}
+
 }  // namespace
 }  // namespace tiled
 }  // namespace gpu
@@ -148,7 +159,7 @@ cudaError_t LaunchTiledAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) 
     using V = decltype(variant);
     using T = typename V::Element;
     const auto stencil = [&](cudaStream_t s) { return gpu::stencil::LaunchStencilFwd<T, V::kDim>(s, p); };
-    return gpu::tiled::LaunchUnitsAndStencilRows<V::kDim>(gpu::tiled::TiledFwdKernel<T, V::kDim>, stream, p,
+    return gpu::tiled::LaunchUnitsAndStencilRows<V::kDim>(gpu::tiled::KernelFor<T, V::kDim>(p), stream, p,
                                                            /*walk_keys=*/false, stencil);
   });
 }
