@@ -335,9 +335,11 @@ def ffi_forward(
     ``poison_results`` (all three targets) is a test aid: results start as NaN, so any
     element a kernel leaves unwritten shows.
 
-    ``out_dtype``: float32, or with ``kernel="tiled"`` also the activations' dtype, each element the
-    float32 result rounded to nearest (the bits of ``.astype``), written at half the bytes: what the
-    op returns (differentiated, with ``remainder``: its backward forms delta from the two).
+    ``out_dtype``: float32, or with ``kernel="tiled"`` also the activations' dtype, written at half the
+    bytes: what the op returns. With ``remainder`` (the op differentiated: its backward forms delta from the
+    two) each element is the float32 result rounded to nearest (the bits of ``.astype``); without it the
+    kernel multiplies the probabilities rounded once to that dtype (one P·V product instead of two), so out
+    is within about one unit in the last place of that rounding, not its bits (cuda/README.md).
 
     ``stencil`` (``kernel="tiled"`` only): leave the query rows of ``plan.forward_stencil_pairs`` to the
     stencil kernel (CUDA cores; rows of short arcs), which needs the whole grids: ``window`` must be
