@@ -44,12 +44,13 @@ MAX_WARPS = 64
 _ENTRY = re.compile(r"Compiling entry function '(\S+)'")
 _SPILLS = re.compile(r"(\d+) bytes spill stores")
 _REGISTERS = re.compile(r"Used (\d+) registers")
-_KERNEL = re.compile(r"(Tiled\w+?)KernelI(6__half|13__nv_bfloat16)Li(\d+)E")
+# The forward's third template argument is how many parts it multiplies P in (tiled_attn_fwd.cu's KernelFor).
+_KERNEL = re.compile(r"(Tiled\w+?)KernelI(6__half|13__nv_bfloat16)Li(\d+)E(?:Li(\d)E)?")
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelResources:
-    kernel: str  # "TiledFwd", "TiledDq", "TiledDkv"
+    kernel: str  # "TiledFwd" (P in two parts), "TiledFwd1" (P once: the op undifferentiated), "TiledDq", "TiledDkv"
     dtype: str  # "bfloat16" or "float16"
     head_dim: int
     registers: int
@@ -65,9 +66,10 @@ def parse_ptxas(log: str) -> list[KernelResources]:
         elif (m := _SPILLS.search(line)) and entry:
             spills = int(m.group(1))
         elif (m := _REGISTERS.search(line)) and entry:
-            name, dtype, dim = entry.groups()
-            found.append(KernelResources(name, "float16" if dtype == "6__half" else "bfloat16", int(dim),
-                                         int(m.group(1)), spills))
+            name, dtype, dim, parts = entry.groups()
+            kernel = name + ("1" if parts == "1" else "")
+            dtype = "float16" if dtype == "6__half" else "bfloat16"
+            found.append(KernelResources(kernel, dtype, int(dim), int(m.group(1)), spills))
             entry = None
     return found
 

@@ -57,7 +57,8 @@ TOLERANCE = 2e-5
 TILED_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
 # out (float32; on the tiled kernels the op keeps it as its rounding to the activations' type plus the
 # remainder, within 2^-17 of it in bfloat16) is also what the op forms delta = rowsum(dout * out) from: both
-# kernel families must keep it far inside the 16-bit bar (the tiled forward multiplies P in two parts), or
+# kernel families must keep it far inside the 16-bit bar (the tiled forward multiplies P in two parts where delta
+# is formed from its out: a float32 out, or a remainder asked for), or
 # smooth fields push dq and dk past it (benchmarks/NOTES.md, session 11).
 OUT_TOLERANCE = 1e-4
 
@@ -388,7 +389,8 @@ def verify_narrow_forward(float32: dict[str, np.ndarray], narrow: dict[str, np.n
 def verify_one_part_forward(case: KernelCase, float32: dict[str, np.ndarray], narrow: dict[str, np.ndarray]) -> None:
     """The narrow forward without a remainder (the op undifferentiated), which multiplies P rounded once: every
     element written, lse the float32 forward's bits, out within the 16-bit bar of float64 on the real block and
-    zero on padding, and not the float32 out rounded everywhere (the one-part kernel ran, not the two-part one)."""
+    zero on padding, and not the float32 out rounded everywhere (the one-part kernel ran, not the two-part one:
+    so the case needs tiled rows with neighbours, where the two can differ)."""
     assert "remainder" not in narrow
     out, lse = narrow["out"], narrow["lse"]
     assert not np.isnan(out).any() and not np.isnan(lse).any(), "some elements were never written"

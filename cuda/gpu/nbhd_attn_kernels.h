@@ -53,11 +53,13 @@ struct NbhdAttnGpuParams {
   // Results (device memory). Unused ones are null.
   float* out = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
   float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
-  // Tiled forward only, in place of `out`: out in `dtype`, each element the float32 result rounded to
-  // nearest (the bits of a cast), at half the bytes; what the op returns.
+  // Tiled forward only, in place of `out`: out in `dtype`, at half the bytes; what the op returns. With
+  // out_remainder each element is the float32 result rounded to nearest (the bits of a cast); without it the
+  // forward multiplies P rounded once (within about one unit in the last place of that rounding).
   void* out_narrow = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
-  // With out_narrow (optional): what rounding out to `dtype` left, rounded to `dtype` again; out_narrow plus
-  // it carries about twice dtype's significant bits, the residual the tiled dq forms delta from.
+  // With out_narrow (optional; asking for it makes the forward multiply P in two parts): what rounding out to
+  // `dtype` left, rounded to `dtype` again; out_narrow plus it carries about twice dtype's significant bits,
+  // the residual the tiled dq forms delta from.
   void* out_remainder = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
   void* dq = nullptr;        // like q, of gradient_dtype
   float* delta_out = nullptr;  // [batch, nq_lat, nq_lon, heads] (tiled dq forming delta)

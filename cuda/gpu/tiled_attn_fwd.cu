@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
   };
   if (p.out != nullptr) {
     store(p.out, std::false_type{});
-  } else {  // out in T: the same float32 values, rounded to nearest; and maybe what that left, in T
+  } else {  // out in T: acc rounded to nearest (P once without a remainder: KernelFor); maybe what that left, in T
     store(static_cast<T*>(p.out_narrow), std::false_type{});
     if (p.out_remainder != nullptr) store(static_cast<T*>(p.out_remainder), std::true_type{});
   }

@@ -87,8 +87,11 @@ def neighborhood_attention(
         ``Dk == Dv`` in 32, 64 or 128 (the instantiated tile shapes). Probabilities and
         score gradients are rounded to the input dtype before those products, as in
         flash attention, so results meet the 16-bit bar (1e-2 relative to float64)
-        rather than float32 round-off; ``lse`` stays float32-exact. Much faster where
-        they apply.
+        rather than float32 round-off; ``lse`` stays float32-exact. Differentiated, the
+        forward multiplies the probabilities in two 16-bit parts (the backward forms its
+        delta from that output); undifferentiated, in one, which is faster, so the two
+        outputs of the same inputs may differ by one unit in their last place. Much faster
+        where they apply.
 
       ``implementation="ffi"`` runs the tiled kernels where they apply and the arc
       kernels everywhere else; ``"ffi-arc"`` and ``"ffi-tiled"`` force one kernel
