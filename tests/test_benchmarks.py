@@ -33,7 +33,9 @@ def _rows(directory: pathlib.Path, prefix: str) -> list[dict]:
 
 
 def test_attention_benchmark(tmp_path):
-    _run("attention.py", "--configs", "1deg_tc0017", "--dtypes", "float32", "--reps", "2", "--input-sets", "1",
+    # Three samples: their median stands one outlier on a busy CI machine (with two, one sample whose single call
+    # was held up by ~4 ms once made the delta target, a few microseconds, read negative).
+    _run("attention.py", "--configs", "1deg_tc0017", "--dtypes", "float32", "--reps", "3", "--input-sets", "1",
          "--out", str(tmp_path), cwd=tmp_path)
     (row,) = _rows(tmp_path, "attention")
     assert row["config"] == "1deg_tc0017" and int(row["pairs"]) == 696_240
