@@ -386,6 +386,18 @@ def verify_narrow_forward(float32: dict[str, np.ndarray], narrow: dict[str, np.n
     assert narrow["remainder"].tobytes() == rest.tobytes(), "remainder: not what rounding out left"
 
 
+def _real_block(local: np.ndarray, window) -> np.ndarray:
+    """The real points of a local result ``[batch, rows, cols, ...]`` (the first ``window[2]`` rows and
+    ``window[3]`` columns)."""
+    return local[:, : window[2], : window[3]]
+
+
+def _padding(local: np.ndarray, window) -> np.ndarray:
+    """The padding points of a local result, flattened: every row past the real ones, and the columns past the
+    real ones of the real rows."""
+    return np.concatenate([local[:, window[2] :].reshape(-1), local[:, : window[2], window[3] :].reshape(-1)])
+
+
 def verify_one_part_forward(case: KernelCase, float32: dict[str, np.ndarray], narrow: dict[str, np.ndarray]) -> None:
     """The narrow forward without a remainder (the op undifferentiated), which multiplies P rounded once: every
     element written, lse the float32 forward's bits, out within the 16-bit bar of float64 on the real block and
@@ -395,12 +407,9 @@ def verify_one_part_forward(case: KernelCase, float32: dict[str, np.ndarray], na
     out, lse = narrow["out"], narrow["lse"]
     assert not np.isnan(out).any() and not np.isnan(lse).any(), "some elements were never written"
     assert lse.tobytes() == float32["lse"].tobytes(), "lse: not the float32 forward's"
-    window = case.q_window
-    real = out[:, : window[2], : window[3]].astype(np.float64)
-    error = _relative(real, case.expected["out"])
+    error = _relative(_real_block(out, case.q_window).astype(np.float64), case.expected["out"])
     assert error <= TILED_TOLERANCE[case.dtype], f"out: relative error {error:.2e} against float64"
-    padding = np.concatenate([out[:, window[2] :].reshape(-1), out[:, : window[2], window[3] :].reshape(-1)])
-    assert (padding == 0).all(), "out: padding points must be zero"
+    assert (_padding(out, case.q_window) == 0).all(), "out: padding points must be zero"
     rounded = float32["out"].astype(out.dtype)
     assert out.tobytes() != rounded.tobytes(), "out: the bits of the two-part forward (P multiplied in two parts)"
 
@@ -413,14 +422,8 @@ def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: flo
     lse is held to float32 round-off (relative to max(1, its largest value)) in every case: no
     16-bit rounding enters it in either kernel family."""
     windows = dict.fromkeys(("out", "lse", "dq"), case.q_window) | dict.fromkeys(("dk", "dv"), case.k_window)
-
-    def real(name):  # the real block of a local result
-        window = windows[name]
-        return results[name][:, : window[2], : window[3]]
-
-    def padding_of(name):
-        a, window = results[name], windows[name]
-        return np.concatenate([a[:, window[2] :].reshape(-1), a[:, : window[2], window[3] :].reshape(-1)])
+    real = lambda name: _real_block(results[name], windows[name])  # noqa: E731
+    padding_of = lambda name: _padding(results[name], windows[name])  # noqa: E731
 
     for name, result in results.items():
         assert not np.isnan(result).any(), f"{name}: some elements were never written"

@@ -2,7 +2,8 @@
 // (tiled_narrow_shape.cuh) with q's fragments waiting in shared memory (OwnOperandsShared). Multiplying
 // P in two parts left the forward at D 64 at its cap of 128 registers with 40 bytes of spills; with q
 // parked it has none and ran 4-6 % faster on the H200 (benchmarks/NOTES.md, session 12), where dq and
-// dk/dv measured slower so. The one-part forward (the op undifferentiated, session 21) shares the shape. Each -DS2ATTN_TILED_* build flag overrides that part of every kernel's shape.
+// dk/dv measured slower so. The one-part forward (the op undifferentiated, session 21) shares the shape.
+// Each -DS2ATTN_TILED_* build flag overrides that part of every kernel's shape.
 #pragma once
 
 #ifndef S2ATTN_TILED_OWN_SHARED
