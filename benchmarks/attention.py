@@ -1,7 +1,7 @@
 """Neighbourhood-attention benchmark: native kernels vs the pure-JAX reference (and torch-harmonics).
 
 Op-level timings (the attention op alone, no projections) of the torch-harmonics benchmark
-configurations (spec 7.1) plus quarter-degree ones, in float32 and bfloat16:
+configurations plus quarter-degree ones, in float32 and bfloat16:
 
 * forward and forward+backward time: device time per call, the median over ``--reps`` samples
   after warm-up of (a burst of calls enqueued back to back minus one call alone) per extra call
@@ -57,13 +57,10 @@ from jax_s2attn.ops import _ffi  # which native kernels can run a row, and which
 from jax_s2attn.ops.local import full_window
 from jax_s2attn.ops.neighborhood import uses_stencil_rows
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling timing module, also under -P
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also under -P
 from timing import median_ms  # noqa: E402
 
-try:  # tile statistics of the tiled kernels' walk (utilization, computed pairs)
-    from jax_s2attn.tile_walk import tile_statistics
-except ImportError:
-    tile_statistics = None
+from tile_walk import tile_statistics  # noqa: E402  (the tiled kernels' walk: utilization, computed pairs)
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
 PEAK_FLOPS = {"bfloat16": 790e12, "float16": 790e12, "float32": 67e12}  # matrix bf16 measured; fp32 datasheet
@@ -233,12 +230,11 @@ def _kernel_metrics(cfg: Config, plan, row: dict) -> dict:
     """Tile statistics, achieved TFLOP/s and arc/tiled time ratios of the timed native
     kernels (formulas in the module docstring)."""
     metrics = {}
-    stats = tile_statistics(plan) if tile_statistics is not None else None
-    if stats is not None:
-        metrics.update(
-            computed_pairs_fwd=stats["computed_pairs_forward"], computed_pairs_bwd=stats["computed_pairs_backward"],
-            tile_util_fwd=stats["utilization_forward"], tile_util_bwd=stats["utilization_backward"],
-        )
+    stats = tile_statistics(plan)
+    metrics.update(
+        computed_pairs_fwd=stats["computed_pairs_forward"], computed_pairs_bwd=stats["computed_pairs_backward"],
+        tile_util_fwd=stats["utilization_forward"], tile_util_bwd=stats["utilization_backward"],
+    )
     for step, backward in (("fwd", False), ("fwdbwd", True)):
         for kernel in ("arc", "tiled"):
             if f"ffi_{kernel}_{step}_ms" in row:
@@ -247,8 +243,7 @@ def _kernel_metrics(cfg: Config, plan, row: dict) -> dict:
         if f"ffi_tiled_{step}_ms" in row:
             tiled_ms = row[f"ffi_tiled_{step}_ms"]
             metrics[f"arc_over_tiled_{step}"] = row[f"ffi_arc_{step}_ms"] / tiled_ms
-            if stats is not None:
-                metrics[f"ffi_tiled_computed_tflops_{step}"] = _tflops(_computed_flops(cfg, stats, backward), tiled_ms)
+            metrics[f"ffi_tiled_computed_tflops_{step}"] = _tflops(_computed_flops(cfg, stats, backward), tiled_ms)
     return metrics
 
 
@@ -261,7 +256,7 @@ def _write_csv(path: pathlib.Path, rows: list[dict]) -> None:
 
 
 def _commit() -> str:
-    # JAX_S2ATTN_COMMIT first: a copied work tree (the H200 box) can carry a stale .git.
+    # JAX_S2ATTN_COMMIT first: a work tree copied to a GPU machine without network can carry a stale .git.
     if os.environ.get("JAX_S2ATTN_COMMIT"):
         return os.environ["JAX_S2ATTN_COMMIT"]
     try:

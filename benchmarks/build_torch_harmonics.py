@@ -4,7 +4,7 @@ torch-harmonics column (``benchmarks/attention.py`` times it when ``torch_harmon
 Its wheels are built for one torch release each (0.9.3: torch 2.14); this compiles the attention
 extension from an unpacked torch-harmonics source tree instead. Only what a single device needs: the
 interface, the CPU kernels and the CUDA kernels without the ring (distributed) files, which take
-longest; on the H200 box (16 cores) about 3.5 minutes, the three modules in parallel. The
+longest; on 16 cores about 3.5 minutes, the three modules in parallel. The
 convolution module imports names that exist only when its own extension is built, which the
 attention layer never uses: the copy in DEST binds them to None so that the package imports.
 

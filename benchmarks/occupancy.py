@@ -1,6 +1,6 @@
 """Registers, shared memory and resident warps per SM of the tiled CUDA kernels, without a GPU.
 
-The tiled kernels are bound by latency at the warps an SM keeps resident (``NOTES.md``), so a
+The tiled kernels are bound by latency at the warps an SM keeps resident (``docs/performance.md``), so a
 tiling variant is worth timing only if it changes them. This script answers that on any machine
 with ``nvcc``:
 

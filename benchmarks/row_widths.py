@@ -1,9 +1,9 @@
-"""How a plan's pairs split between walking rows of short arcs and rows of long ones (NOTES, session 13).
+"""How a plan's pairs split between walking rows of short arcs and rows of long ones.
 
 The tiled kernels stage whole chunks of K/V (or Q/dout) columns for 64-point units, so a walking row
 whose arcs are a few columns wide multiplies mostly masked pairs, while rows of long arcs (near the
-poles, or any row at a wide cutoff) keep the tensor cores busy. A stencil path on CUDA cores for the
-short-arc rows would leave the tiled kernels only the others. Per walk (forward: query rows, which the
+poles, or any row at a wide cutoff) keep the tensor cores busy; the stencil kernels
+(``cuda/gpu/stencil_attn_*.cu``) take pairs of short-arc rows on CUDA cores. Per walk (forward: query rows, which the
 forward and dq walk; backward: key rows, which dk/dv walk) and per bound W on a row's longest arc, this
 prints how many rows have all arcs within W, their share of the pairs and their pairs per point, and
 the same for the remaining rows.
@@ -12,8 +12,7 @@ With ``--time KERNEL`` ("tiled" on a GPU, "arc" anywhere a native module runs), 
 forward target of that kernel (bf16, C 64, one head) on every row and, per split of the forward walk, on
 the band of query rows from its first to its last short-arc row (a window of those rows; the short-arc
 rows of a self-attention plan are one band around the equator, and the count of rows in the band says
-whether others lie inside): the baseline a stencil path for those rows must beat
-(``cuda/bench/stencil_attention.cu``), measured in the same run.
+whether others lie inside): what that kernel spends on the rows a stencil kernel could take.
 
 Usage: ``python benchmarks/row_widths.py [--grid NLAT NLON [--theta-cutoff TC]] ... [--time KERNEL]``
 (default: the benchmark's 721x1440 default cutoff, 721x1440 tc 0.03 and 360x720 tc 0.03, self-attention).

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# One call on the H200 box: build against the box's jax, run the GPU tests, the sanitizers
-# and the benchmark. Usage (from the repository root):
-#   bash benchmarks/run_h200.sh [tests|sanitize|bench|profile|stencil|all] ...
-# Logs and CSVs go to $OUT (or ./out) so the device tool brings them back. Not part of "all": "profile"
-# writes ncu's raw metrics of the tiled kernels, stall reasons included; "stencil" runs the stencil
-# prototype and, as its baseline in the same call, the tiled forward on the same rows (NOTES, session 13).
-# TORCH_HARMONICS_SRC (an unpacked torch-harmonics 0.9.3 wheel or sdist) builds it in the background while
-# the tests run, for the benchmark's torch-harmonics column (about 4 minutes).
+# On an H200 (or any sm_90 GPU) with jax, nvcc and the build tools installed and no network: builds the
+# package against the local jax, then runs the GPU tests, the sanitizers and the benchmark.
+# Usage (from the repository root): bash benchmarks/run_h200.sh [tests|sanitize|bench|profile|all] ...
+# Logs and CSVs go to $OUT (default ./out). "profile" (not part of "all") writes ncu's raw metrics of the
+# tiled kernels, stall reasons included. TORCH_HARMONICS_SRC (an unpacked torch-harmonics 0.9.3 wheel or
+# sdist) builds it in the background while the tests run, for the benchmark's torch-harmonics column
+# (about 4 minutes). BENCH_ARGS are passed to benchmarks/attention.py.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -19,7 +18,7 @@ has() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
   nvcc --version | tail -2
 } 2>&1 | tee "$OUT/versions.txt"
 
-# Build outside the source tree's build/ so a carried folder never clobbers it.
+# Build in /tmp, not in the source tree's build/ (which may hold a build copied from another machine).
 start=$(date +%s)
 JAX_S2ATTN_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 python3 -m pip install -q --no-build-isolation --no-deps --no-index \
   -Cbuild-dir=/tmp/s2attn-build . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
@@ -63,8 +62,8 @@ if has sanitize; then
 fi
 if [[ " $steps " == *" profile "* ]]; then
   wait_for_torch_harmonics
-  # ncu reads counters on the Firecracker machines only; leave the clocks alone (METHOD.md). The
-  # report is exported whole, then its raw metrics (stall reasons included) are written as CSV.
+  # --clock-control none: ncu leaves the GPU's clock settings as they are. The report is exported
+  # whole, then its raw metrics (stall reasons included) are written as CSV.
   for name in qdeg_tc003:"--theta-cutoff 0.03" qdeg_default:""; do
     report="$OUT/ncu-${name%%:*}"
     timeout ${PROFILE_TIMEOUT:-300} ncu --clock-control none -k regex:Tiled --launch-skip 1 --launch-count 3 \
@@ -75,13 +74,6 @@ if [[ " $steps " == *" profile "* ]]; then
     rc=$?; echo "ncu ${name%%:*}: exit $rc"
     status=$(( status | rc ))
   done
-fi
-if [[ " $steps " == *" stencil "* ]]; then
-  wait_for_torch_harmonics
-  bash benchmarks/stencil_attention.sh 2>&1 | tee "$OUT/stencil.log" | tail -8
-  status=$(( status | ${PIPESTATUS[0]} ))
-  python3 -P benchmarks/row_widths.py --time tiled 2>&1 | tee "$OUT/row-widths.log" | tail -30
-  status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if has bench; then
   wait_for_torch_harmonics

@@ -1,7 +1,9 @@
 """Segment tables and the numpy emulation of the tiled kernels' walk."""
 
 import math
+import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -9,7 +11,9 @@ import pytest
 
 from jax_s2attn import NeighborhoodPlan
 from jax_s2attn.plan import ArcTable, SegmentTable
-from jax_s2attn.tile_walk import BLOCK, TILE, WARP, computed_pairs, tile_pairs, tile_statistics
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the walk's replay lives with the benchmark
+from tile_walk import BLOCK, TILE, WARP, computed_pairs, tile_pairs, tile_statistics  # noqa: E402
 
 FULL = 2 * math.pi  # a cutoff that takes in the whole sphere
 
@@ -145,7 +149,7 @@ def test_segment_tables_merge_the_arc_tables(config):
     "shape, cutoff", [((13, 24), None), ((31, 64), 0.3), ((20, 100), FULL), ((360, 720), 0.03)]
 )
 def test_self_attention_segments_are_symmetric(shape, cutoff):
-    # Design note 2.2: on equiangular grids the transposed pattern has the same arcs.
+    # On equiangular grids the transposed pattern has the same arcs.
     plan = NeighborhoodPlan(shape, shape, theta_cutoff=cutoff)
     np.testing.assert_array_equal(plan.forward_segments.offsets, plan.backward_segments.offsets)
     np.testing.assert_array_equal(plan.forward_segments.segments, plan.backward_segments.segments)

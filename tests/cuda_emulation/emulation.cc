@@ -25,8 +25,8 @@
 #include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
-#include "gpu/tma_sm90.cuh"
-#include "gpu/wgmma_sm90.cuh"
+#include "tma_sm90.cuh"  // experimental/cuda
+#include "wgmma_sm90.cuh"  // experimental/cuda
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -310,13 +310,13 @@ void ReadMatrices(Meeting& m) {
   }
 }
 
-// A tile of wgmma's shared operands (gpu/wgmma_sm90.cuh): 128-byte rows, 8-row atoms `stride` bytes
+// A tile of wgmma's shared operands (experimental/cuda/wgmma_sm90.cuh): 128-byte rows, 8-row atoms `stride` bytes
 // apart, the 128-byte swizzle applied to the address (bits 4-6 XOR bits 7-9), start 16-byte aligned.
 struct SwizzledTile {
   uint32_t start, stride;
 };
 
-// Only the form the H200 validated (cuda/bench/ws_attention.cu) is emulated: the 128-byte swizzle, no base
+// Only the form validated on the H200 (experimental/cuda/ws_attention.cu) is emulated: the 128-byte swizzle, no base
 // offset, atoms 1024 bytes apart, and a start inside the first row of an atom with the slice read per
 // row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N columns of an MN-major one) in it.
 SwizzledTile DecodeDescriptor(uint64_t descriptor, uint32_t slice_bytes) {
@@ -853,7 +853,7 @@ template <typename T, int kTransB>
 void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(d, 64, a, 0, b, kTransB, accumulate);
 }
-// The forms the prototype uses (m64n32 with A in shared memory, m64n64 with A in registers) and the
+// The forms experimental/cuda/ws_attention.cu uses (m64n32 with A in shared memory, m64n64 with A in registers) and the
 // register-A m64n32 form the self-test checks too.
 template void WgmmaM64N32K16<__nv_bfloat16, 0>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__nv_bfloat16>(float (&)[16], uint64_t, uint64_t, uint32_t);
@@ -997,7 +997,7 @@ cudaError_t CUDARTAPI cudaFuncSetAttribute(const void* func, enum cudaFuncAttrib
 cudaError_t CUDARTAPI cudaLaunchKernel(const void* func, dim3 grid, dim3 block, void** args, size_t shared_bytes,
                                        cudaStream_t /*stream*/) {
   // The attention kernels of cuda/gpu take one NbhdAttnGpuParams by value and launch through here; other
-  // kernels (delta, cuda/bench) launch through the typed overload of emulation.h.
+  // kernels (delta, experimental/cuda) launch through the typed overload of emulation.h.
   const auto kernel = reinterpret_cast<void (*)(s2attn::NbhdAttnGpuParams)>(const_cast<void*>(func));
   const s2attn::NbhdAttnGpuParams params = *static_cast<const s2attn::NbhdAttnGpuParams*>(args[0]);
   return EmulatedLaunch(func, grid, block, shared_bytes, [kernel, params] { kernel(params); });
@@ -1081,7 +1081,7 @@ cudaError_t EmulatedLaunch(const void* func, dim3 grid, dim3 block, size_t share
 
 // ------------------------------------------------------------------ runtime API of standalone programs
 //
-// What the programs of cuda/bench use beyond the kernels' launchers: device memory is host memory,
+// What the programs of experimental/cuda use beyond the kernels' launchers: device memory is host memory,
 // copies are memcpy, events read the host clock (timings mean nothing here), one device.
 
 struct CUevent_st {

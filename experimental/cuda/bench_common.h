@@ -1,4 +1,4 @@
-// What the standalone programs of cuda/bench share: error checks that print and return false, and the
+// What the standalone programs of experimental/cuda share: error checks that print and return false, and the
 // driver's tensor-map encoder, obtained through the runtime (no -lcuda).
 #pragma once
 

@@ -1,4 +1,4 @@
-// The host side of the standalone attention prototypes (ws_attention.cu, stencil_attention.cu): bf16
+// The host side of the standalone attention prototype (ws_attention.cu): bf16
 // self-attention at D 64 on an equiangular grid, neighbourhoods from per-(row, row) longitude
 // half-widths (the plan's geodesic-disk rule without its epsilon; symmetric, so one table serves both
 // walks), positive stand-in quadrature weights, random inputs, and the float64 truth of a query.
@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "bench/bench_common.h"
+#include "bench_common.h"
 
 namespace bench {
 

@@ -1,9 +1,9 @@
-// Warp-specialised forward, dq and dk/dv prototype (benchmarks/ws_attention.sh builds and runs it): stage
-// 2 of the design note on the problem the tiled kernels solve, to measure what it costs before it is built
-// into the module. A block walks 2-D tiles of one grid and a producer warp streams 32-point chunks of one
-// row of the other as tensor-map boxes (no staging code in the warps that multiply), after each
-// warpgroup's own tiles; kConsumers warpgroups multiply each chunk with wgmma (m64 tiles, no ldmatrix)
-// and run the masked softmax:
+// Warp-specialised forward, dq and dk/dv prototype (experimental/ws_attention.sh builds and runs it): a
+// tensor-map and wgmma design for the problem the tiled kernels solve, as a standalone program that times
+// it and checks it against float64. A block walks 2-D tiles of one grid and a producer warp streams
+// 32-point chunks of one row of the other as tensor-map boxes (no staging code in the warps that
+// multiply), after each warpgroup's own tiles; kConsumers warpgroups multiply each chunk with wgmma (m64
+// tiles, no ldmatrix) and run the masked softmax:
 //   forward: walks queries (q), streams k, v: online softmax, O += P V;
 //   dq:      walks queries (q, dout), streams k, v: P from lse, dS = P (dP - delta), dq += dS K;
 //   dk/dv:   walks keys (k, v), streams q and dout (their lse and delta read directly): dv += P^T dO,
@@ -32,12 +32,12 @@
 #include <string>
 #include <vector>
 
-#include "bench/bench_common.h"
-#include "bench/bench_reference.h"
+#include "bench_common.h"
+#include "bench_reference.h"
 #include "gpu/device_common.cuh"
 #include "gpu/mbarrier_sm90.cuh"
-#include "gpu/tma_sm90.cuh"
-#include "gpu/wgmma_sm90.cuh"
+#include "tma_sm90.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace {
 
@@ -56,7 +56,7 @@ using namespace bench;  // T, kD, kScale, kRing and the float64 truth
 // Build parameters: other shapes with -DWS_CONSUMERS=... -DWS_STAGES=... on the nvcc line;
 // WS_MIN_BLOCKS (forward, dq) and WS_DKV_BLOCKS (dk/dv) ask for that many blocks per SM (with
 // -maxrregcount where the schedulers' register files need it).
-// The defaults are the fastest forward measured (NOTES, session 9): one warpgroup per block, its
+// The defaults are the fastest forward measured (docs/performance.md): one warpgroup per block, its
 // queries in shared memory, 4 blocks per SM (95-96 registers).
 #ifndef WS_CONSUMERS
 #define WS_CONSUMERS 1
@@ -102,7 +102,7 @@ struct alignas(1024) Stage {
 
 // Operand tiles of a warpgroup's 64 walked points, staged once per block (TilesOf).
 struct alignas(1024) PointTile {
-  T rows[4 * kGroupLons * kD];  // walked row (warp) x longitude, as the box lays them out
+  T rows[4 * kGroupLons * kD];  // walked row (warp) x longitude, as the tensor-map box lays them out
 };
 
 template <Kind kKind>
@@ -234,7 +234,7 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<kKind>& s) {
 
 // Every staged chunk in order, `multiply(stage, info)` for those that meet the warpgroup's band; every
 // thread releases every stage (the ordering compute-sanitizer's racecheck models; one arrival per warp
-// after __syncwarp measured the same, but racecheck then reports the other lanes' reads of the chunk's
+// after __syncwarp is as fast, but racecheck then reports the other lanes' reads of the chunk's
 // description as racing with its next write).
 template <Kind kKind, typename Multiply>
 __device__ void ForEachChunk(const Problem& p, Shared<kKind>& s, int group_lon, Multiply&& multiply) {
@@ -263,16 +263,16 @@ enum class Cover {
 // two queries: column n is in the arc of the query at lons[h] iff |start + n| <= half, i.e. in
 // [first, first + count), except where an arc comes within a chunk of the whole ring and start + n must
 // be wrapped once more per column (half is the warp's: a uniform branch, kept outside the element loop,
-// where it cost 1.8x: NOTES). Returns the warp's cover; with kNone, scores are left as they are. The
+// where it costs 1.8x). Returns the warp's cover; with kNone, scores are left as they are. The
 // per-element test runs only where the cover is partial (55 % of warp-chunks at 721x1440 tc 0.03,
-// 36 % at the default cutoff: NOTES, session 10).
+// 36 % at the default cutoff).
 __device__ __forceinline__ Cover ArcLogits(float (&scores)[kChunk / 2], const ChunkInfo& info, int half,
                                            const int (&lons)[2], int t, int nlon, float scale_log2,
                                            const float (&offset)[2]) {
   const bool near_ring = half >= 0 && half > nlon / 2 - kChunk;
   // The chunk's first column relative to the query at lons[h], and [first, first + count): its columns
   // in that arc unless near_ring. (Recomputed for the per-element test rather than held across the
-  // votes: dq had 60 bytes of spills with all six values held.)
+  // votes: with all six values held, dq spills 60 bytes.)
   struct Arc {
     int start, first, count;
   };
@@ -318,7 +318,7 @@ __device__ __forceinline__ Cover ArcLogits(float (&scores)[kChunk / 2], const Ch
 
 // The A fragments of a score tile (columns 16 kk .. 16 kk + 15 of the accumulator) as kParts parts:
 // rounded to T, then, when kParts is 2, what that rounding left, rounded to T again (about twice T's
-// bits: the forward's P, as in the module's forward, whose out is delta's residual: NOTES, session 11).
+// bits: the forward's P, as in the module's forward, whose out is delta's residual).
 template <int kParts>
 __device__ __forceinline__ void PackTile(uint32_t (&a)[kParts][kChunk / 16][4], const float (&x)[kChunk / 2]) {
   static_assert(kParts == 1 || kParts == 2, "one or two parts");
@@ -528,7 +528,7 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
   float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   ForEachChunk(p, s, at.group_lon, [&](const Stage& stage, const ChunkInfo& info) {
     // The lse and delta of the thread's 8 query columns, read before the products to hide their latency
-    // (a tensor-map box of them faults on the H200 as an illegal instruction; not understood: NOTES).
+    // (a tensor-map box of them faults on the H200 as an illegal instruction, cause unknown).
     float lse_log2[kChunk / 4], delta[kChunk / 4];
 #pragma unroll
     for (int i = 0; i < kChunk / 4; ++i) {
@@ -552,7 +552,7 @@ __device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int group) {
         dp[e] = scores[e] * (dp[e] - delta[i]);
       }
     }
-    // Both products in flight together, one wait (1.5 % faster than a wait each: NOTES, session 10).
+    // Both products in flight together, one wait (faster than a wait each: docs/performance.md).
     uint32_t probabilities[1][kChunk / 16][4], score_gradients[1][kChunk / 16][4];
     PackTile(probabilities, scores);
     IssueAccumulate(dv, probabilities, stage.b);
@@ -574,8 +574,8 @@ template <Kind kKind>
 __global__ void __launch_bounds__(kThreads, kKind == Kind::kDkv ? WS_DKV_BLOCKS : WS_MIN_BLOCKS)
     WarpSpecialised(Problem p, const __grid_constant__ Maps maps) {
   // Rounded up to the swizzled tiles' 1024-byte alignment by pointer arithmetic on the shared array, so
-  // that the compiler knows every read of s is a shared one (an integer round trip made them generic
-  // loads with 64-bit addresses: NOTES, session 11).
+  // that the compiler knows every read of s is a shared one (an integer round trip makes them generic
+  // loads with 64-bit addresses).
   auto* base = reinterpret_cast<unsigned char*>(s2attn::gpu::DynamicShared());
   base += (1024 - reinterpret_cast<uintptr_t>(base) % 1024) % 1024;
   auto& s = *reinterpret_cast<Shared<kKind>*>(base);
@@ -778,7 +778,7 @@ bool Run(const Config& config, EncodeTiled encode, int reps) {
 
 // Without arguments: every config, timed. `--once`: the smallest config, the checked launches and one
 // timed each (for compute-sanitizer). `--tiny`: small grids that cross longitude 0, touch the poles and
-// see whole rings, one launch each (for the host emulation, tests/test_bench_prototypes_emulated.py).
+// see whole rings, one launch each (for the host emulation, tests/test_experimental.py).
 bool Main(const std::string& mode) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));

@@ -1,4 +1,4 @@
-// Staging bandwidth of the H200 (benchmarks/staging_bandwidth.sh builds and runs it): blocks stream
+// Staging bandwidth of the H200 (experimental/staging_bandwidth.sh builds and runs it): blocks stream
 // contiguous chunks of a buffer into shared memory, the way the tiled kernels stage K/V windows,
 // either with cp.async.cg (16 bytes per thread and copy, `kDepth` chunks in flight) or with
 // tensor-map boxes of kRows x 128 bytes (a chunk of K rows at D = 64 in bf16) issued by one thread,
@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "bench/bench_common.h"
+#include "bench_common.h"
 
 namespace {
 

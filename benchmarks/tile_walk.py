@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .plan import NeighborhoodPlan, SegmentTable
+from jax_s2attn.plan import NeighborhoodPlan, SegmentTable
 
 __all__ = ["BLOCK", "CHUNK", "TILE", "WARP", "TileWalk", "computed_pairs", "tile_pairs", "tile_statistics"]
 

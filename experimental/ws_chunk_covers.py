@@ -1,13 +1,13 @@
 """How the warp-specialised prototype's chunks meet its warps' arcs, and what other tile shapes would
-multiply (NOTES, session 10).
+multiply.
 
-Replays the walk of ``cuda/bench/ws_attention.cu`` on the host: blocks of 4 query rows x 16 longitudes,
+Replays the walk of ``experimental/cuda/ws_attention.cu`` on the host: blocks of 4 query rows x 16 longitudes,
 per key row a window of the rows' arcs staged in 32-column chunks, one warp per query row. Each
 (warp, chunk) is *full* (every column valid and inside all 16 queries' arcs: no per-element test),
 *none* (no column in any arc: no softmax) or *partial*. Then, for m64 tiles of other shapes (rows x
 longitudes) and chunk widths, the chunks staged and the useful fraction of the pairs multiplied. The
 half-widths follow the prototype's own rule (``HalfWidths``), not the plan's.
-Usage: ``python benchmarks/ws_chunk_covers.py``.
+Usage: ``python experimental/ws_chunk_covers.py``.
 """
 
 from __future__ import annotations
