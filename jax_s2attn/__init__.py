@@ -11,7 +11,7 @@ import importlib
 
 from .grids import GRIDS, latitude_spacing, precompute_latitudes, precompute_longitudes
 from .ops import RESIDUAL_NAME, attention_s2, neighborhood_attention
-from .ops._ffi import native_backends, native_status
+from ._native import native_backends, native_status
 from .parallel import sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
 

@@ -6,8 +6,8 @@ torch-harmonics. Modules are channels-last: query ``[B..., nlat_out, nlon_out,
 in_features]``, key/value ``[B..., nlat_in, nlon_in, in_features]``, output
 ``[B..., nlat_out, nlon_out, out_features]``.
 
-The math is torch-harmonics' ``NeighborhoodAttentionS2`` / ``AttentionS2``
-(attention-spec section 3.1), with Flax argument names: ``in_features``
+The math is torch-harmonics' ``NeighborhoodAttentionS2`` / ``AttentionS2``,
+with Flax argument names: ``in_features``
 (``in_channels``), ``qk_features`` (``k_channels``), ``out_features``
 (``out_channels``), ``use_bias`` (``bias``), ``normalize_qk`` (``use_qknorm``).
 Parameters are described in :mod:`jax_s2attn._layers`; a torch-harmonics

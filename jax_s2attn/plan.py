@@ -31,21 +31,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._native import kernel_limits
 from .grids import latitude_spacing, precompute_latitudes, precompute_longitudes, validate_grid, validate_shape
 
-__all__ = [
-    "ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "STENCIL_MAX_HALF", "STENCIL_OTHER_ROWS",
-    "THETA_CUTOFF_EPS", "stencil_pairs",
-]  # fmt: skip
+__all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "THETA_CUTOFF_EPS", "stencil_pairs"]
 
 #: Relative widening of the cutoff used by the membership test (torch-harmonics).
 THETA_CUTOFF_EPS = 1e-3
-
-#: The shape of the CUDA stencil kernels (cuda/gpu/stencil_attn_kernels.h): a block walks two consecutive
-#: rows, stages at most ``STENCIL_OTHER_ROWS`` consecutive rows of the other grid, and every arc of its
-#: points starts and ends within ``STENCIL_MAX_HALF`` longitudes of the point.
-STENCIL_OTHER_ROWS = 4
-STENCIL_MAX_HALF = 3
 
 # Bounds the float64 temporaries of the membership test to ~16 MB each.
 _MEMBERSHIP_CHUNK = 1 << 21
@@ -157,24 +149,27 @@ class SegmentTable(NamedTuple):
 
 def stencil_pairs(table: SegmentTable) -> np.ndarray:
     """The walking row pairs ``(2i, 2i + 1)`` of ``table`` the stencil kernels take, int32 ``[pairs, 2]``
-    rows of (first walking row, first other-grid row they see).
+    rows of (first walking row, first other-grid row they see); none where no native module is built
+    (no kernel would take them).
 
-    A pair qualifies when the walk has one residue and shift 1 (arcs relative to their point), each arc
-    ``(lo, len)`` of both rows starts at ``lo`` (or ``lo - nlon`` when ``lo > STENCIL_MAX_HALF``)
-    longitudes from its point, at least ``-STENCIL_MAX_HALF``, and ends at most ``STENCIL_MAX_HALF``
-    past it, and the rows both rows see span at most ``STENCIL_OTHER_ROWS``. The kernel applies the same
-    rule to every arc it reads. Rows of short arcs cost the tensor-core kernels whole 16-column blocks
-    for a few neighbours (benchmarks/NOTES.md, sessions 13-15).
+    With ``H = stencil_max_half`` and ``O = stencil_max_other_rows`` of :func:`~jax_s2attn._native.kernel_limits`
+    (the stencil kernels' shape), a pair qualifies when the walk has one residue and shift 1 (arcs
+    relative to their point), each arc ``(lo, len)`` of both rows starts at ``lo`` (or ``lo - nlon`` when
+    ``lo > H``) longitudes from its point, at least ``-H``, and ends at most ``H`` past it, and the rows
+    both rows see span at most ``O``. The kernel applies the same rule to every arc it reads. Rows of short arcs cost the tensor-core kernels whole 16-column blocks
+    for a few neighbours (docs/performance.md).
     """
     none = np.zeros((0, 2), np.int32)
-    if table.residues != 1 or table.shift != 1:
+    limits = kernel_limits()
+    if limits is None or table.residues != 1 or table.shift != 1:
         return none
+    max_half, max_other_rows = limits.stencil_max_half, limits.stencil_max_other_rows
     rows = table.offsets.size - 1
     segments = table.segments.astype(np.int64)
     row_of = np.repeat(np.arange(rows), np.diff(table.offsets))
     other, lo, length = segments[:, 0], segments[:, 1], segments[:, 2]
-    start = np.where(lo > STENCIL_MAX_HALF, lo - table.nlon, lo)
-    short = (start >= -STENCIL_MAX_HALF) & (start + length - 1 <= STENCIL_MAX_HALF)
+    start = np.where(lo > max_half, lo - table.nlon, lo)
+    short = (start >= -max_half) & (start + length - 1 <= max_half)
     row_short = np.ones(rows, bool)
     np.logical_and.at(row_short, row_of, short)
     first, last = np.full(rows, np.iinfo(np.int64).max), np.full(rows, -1)
@@ -183,7 +178,7 @@ def stencil_pairs(table: SegmentTable) -> np.ndarray:
     pairs = np.arange(rows // 2)
     even, odd = 2 * pairs, 2 * pairs + 1
     pair_first = np.minimum(first[even], first[odd])
-    keep = row_short[even] & row_short[odd] & (np.maximum(last[even], last[odd]) - pair_first < STENCIL_OTHER_ROWS)
+    keep = row_short[even] & row_short[odd] & (np.maximum(last[even], last[odd]) - pair_first < max_other_rows)
     # A pair of rows without arcs (never in a plan: every query has a neighbour) stages from row 0.
     pair_first = np.where(pair_first > last.max(initial=0), 0, pair_first)
     return np.stack([even[keep], pair_first[keep]], axis=1).astype(np.int32).reshape(-1, 2)

@@ -81,7 +81,7 @@ def test_a_cuda_module_without_the_tiled_targets_is_named(monkeypatch):
         def registrations():
             return dict.fromkeys(_ffi.TARGETS)
 
-    monkeypatch.setitem(_ffi._MODULES, "cuda", (ArcOnly, "available"))
+    monkeypatch.setitem(_ffi.MODULES, "cuda", (ArcOnly, "available"))
     reason = _ffi.tiled_unavailable_reason("cuda", BF16, 64, 64)
     assert "built without the tiled kernels" in reason and _ffi.TILED_FORWARD_TARGET in reason
 

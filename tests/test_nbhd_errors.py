@@ -41,7 +41,7 @@ def test_forcing_ffi_with_float64_is_a_value_error(plan):
 
 
 def test_forcing_ffi_without_a_native_module_names_the_reason(plan, monkeypatch):
-    monkeypatch.setitem(_ffi._MODULES, "cpu", (None, "_s2attn_cpu is not built (test)"))
+    monkeypatch.setitem(_ffi.MODULES, "cpu", (None, "_s2attn_cpu is not built (test)"))
     q, k, v = _arrays(plan)
     with pytest.raises(ValueError, match=r"cannot run on cpu: _s2attn_cpu is not built \(test\)"):
         neighborhood_attention(jax.device_put(q, jax.devices("cpu")[0]), k, v, plan, implementation="ffi")
@@ -113,8 +113,8 @@ CONTENT_ERRORS = {
 
 
 def _skip_on_cuda(platform):
-    # Seen on the H200 (jax 0.11.2, 2026-11-29): when a CUDA handler returns an FFI error,
-    # the process dies with SIGSEGV instead of raising. Public entry points validate in
+    # Under jax 0.11.2 on CUDA, when a handler returns an FFI error the process dies with
+    # SIGSEGV instead of raising. Public entry points validate in
     # Python first, so only direct misuse of the raw ffi_* functions reaches this path.
     if platform == "cuda":
         pytest.skip("a CUDA handler's INVALID_ARGUMENT crashes jax 0.11.2's GPU runtime (open issue)")

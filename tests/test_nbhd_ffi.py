@@ -26,7 +26,7 @@ CASES = [
     ((12, 24), (6, 8), LG, LG, 0.6),  # downsample, pscale 3
     ((12, 12), (6, 12), EQ, EQ, None),  # latitude-only downsample
     ((7, 12), (5, 6), EQ, LOB, 0.7),  # odd latitudes, mixed grids
-    ((6, 24), (12, 12), EQ, EQ, None),  # more latitudes, fewer longitudes (spec 9.2)
+    ((6, 24), (12, 12), EQ, EQ, None),  # more latitudes, fewer longitudes
     ((6, 12), (12, 24), EQ, EQ, None),  # upsample, pscale 2
     ((6, 8), (12, 24), LG, LG, 0.6),  # upsample, pscale 3
     ((5, 6), (7, 12), LOB, EQ, 0.8),  # odd upsample, mixed grids
@@ -294,3 +294,21 @@ def test_large_configs_match_reference(case, dtype, exact_random, rel_error, tol
     want = jax.jit(lambda *a: run("reference", *a))(*(x.astype(jnp.float64) for x in (q, k, v)))
     for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         assert rel_error(g, w) <= (1e-5 if name == "lse" else tolerance(dtype)), name
+
+
+def test_modules_report_the_kernels_limits():
+    """Every built module reports the limits of cuda/common/kernel_limits.h (and the CUDA one its arc kernels'
+    head-dim bound), which Python's checks and messages read."""
+    from jax_s2attn import _native
+
+    reports = [m.build_info()["limits"] for m, _ in _native.MODULES.values() if m is not None]
+    for limits in reports:
+        assert tuple(limits["arc_dtypes"]) == ("float32", "bfloat16", "float16")
+        assert tuple(limits["tiled_dtypes"]) == ("bfloat16", "float16")
+        assert tuple(limits["tiled_head_dims"]) == (32, 64, 128)
+        assert (limits["stencil_max_other_rows"], limits["stencil_max_half"]) == (4, 3)
+    limits = _native.kernel_limits()
+    assert [d.name for d in limits.tiled_dtypes] == ["bfloat16", "float16"]
+    assert limits.tiled_head_dims == (32, 64, 128) and limits.stencil_max_half == 3
+    # 48 KiB of shared memory hold two vectors of Dk + Dv floats per warp.
+    assert limits.cuda_arc_max_head_dims == (6144 if _native.HAS_CUDA_EXT else None)

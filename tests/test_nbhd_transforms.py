@@ -157,7 +157,7 @@ def test_registrations_match_target_names():
     for platform, available in _ffi.native_backends().items():
         if not available:
             continue
-        registered = sorted(_ffi._MODULES[platform][0].registrations())
+        registered = sorted(_ffi.MODULES[platform][0].registrations())
         assert registered == sorted(expected[platform]), platform
 
 

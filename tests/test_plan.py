@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from jax_s2attn import GRIDS, NeighborhoodPlan
-from jax_s2attn.plan import STENCIL_MAX_HALF, STENCIL_OTHER_ROWS, _build_plan
+from jax_s2attn._native import kernel_limits
+from jax_s2attn.plan import _build_plan
 
-# Spec 8, equiangular self-attention: (nlat, nlon, cutoff) -> (min, max neighbours per
+# Reference sizes of equiangular self-attention: (nlat, nlon, cutoff) -> (min, max neighbours per
 # point, total arcs, psi nnz, total pairs). cutoff None = default.
 SPEC_SIZES = {
     (180, 360, 0.017): (1, 360, 180, 1_934, 696_240),
@@ -35,7 +36,7 @@ CONFIGS = [
     ((12, 24), (6, 8), "legendre-gauss", "legendre-gauss", 0.6),  # pscale 3
     ((7, 12), (5, 6), "equiangular", "lobatto", 0.7),  # odd latitudes, mixed grids
     ((12, 12), (6, 12), "equiangular", "equiangular", None),  # latitude-only
-    ((6, 24), (12, 12), "equiangular", "equiangular", None),  # spec 9.2 quirk shape
+    ((6, 24), (12, 12), "equiangular", "equiangular", None),  # more latitudes, fewer longitudes
     ((6, 12), (12, 24), "equiangular", "equiangular", None),  # upsample pscale 2
     ((6, 8), (12, 24), "legendre-gauss", "legendre-gauss", 0.6),  # upsample pscale 3
     ((5, 6), (7, 12), "lobatto", "equiangular", 0.8),  # odd, mixed
@@ -91,13 +92,13 @@ def test_spec_sizes(nlat, nlon, cutoff):
     ],
 )
 def test_spec_sizes_downsampling(in_shape, out_shape, cutoff, nnz, pairs):
-    # Spec 8 "cross-resolution" (library numbers; pairs given there to 3 digits).
+    # Reference sizes of cross-resolution plans (library numbers).
     plan = NeighborhoodPlan(in_shape, out_shape, theta_cutoff=cutoff)
     assert plan.direction == "gather" and plan.nnz == nnz and plan.num_pairs == pairs
 
 
 def test_upsampling_psi_is_the_downsampling_psi():
-    # Spec 2.4: the 180x360 -> 360x720 psi equals the 360x720 -> 180x360 psi entry for entry.
+    # The 180x360 -> 360x720 psi equals the 360x720 -> 180x360 psi entry for entry.
     down = NeighborhoodPlan((360, 720), (180, 360), theta_cutoff=0.03)
     up = NeighborhoodPlan((180, 360), (360, 720), theta_cutoff=0.03)
     assert up.direction == "scatter"
@@ -162,7 +163,7 @@ def test_wrapping_arcs_and_polar_rings():
     row, lo, length = plan.forward_arcs.arcs.T
     full = length == 64
     assert full.any(), "polar rows must read full rings"
-    # Spec 2.6: in the canonical frame every partial arc is odd and centred on longitude 0.
+    # In the canonical frame every partial arc is odd and centred on longitude 0.
     partial = ~full & (length > 1)
     assert partial.any()
     assert np.all(length[partial] % 2 == 1)
@@ -190,12 +191,17 @@ STENCIL_CONFIGS = [
 ]
 
 
+needs_native = pytest.mark.skipif(kernel_limits() is None, reason="stencil pairs need a native module (pip install .)")
+
+
+@needs_native
 @pytest.mark.parametrize("walk", ["forward", "backward"])
 @pytest.mark.parametrize("config", CONFIGS + STENCIL_CONFIGS, ids=_config_id)
 def test_stencil_pairs_fit_the_stencil_kernels(config, walk):
-    """Every pair's points see only the 4 other rows from its first and longitudes within 3 of their own;
-    pairs exist only for walks of one residue and shift; their rows end the walk's row order, the other
-    rows keep theirs, longest first."""
+    """Every pair's points see only the stencil_max_other_rows (4) other rows from its first and longitudes
+    within stencil_max_half (3) of their own; pairs exist only for walks of one residue and shift; their rows
+    end the walk's row order, the other rows keep theirs, longest first."""
+    max_half, max_other_rows = kernel_limits().stencil_max_half, kernel_limits().stencil_max_other_rows
     plan = NeighborhoodPlan(*config)
     pairs, table = getattr(plan, f"{walk}_stencil_pairs"), getattr(plan, f"{walk}_arcs")
     walking_rows, nlon = (plan.nlat_out, plan.nlon_in) if walk == "forward" else (plan.nlat_in, plan.nlon_out)
@@ -203,12 +209,12 @@ def test_stencil_pairs_fit_the_stencil_kernels(config, walk):
     if table.residues != 1 or table.shift != 1:
         assert pairs.size == 0
     assert np.all(pairs[:, 0] % 2 == 0) and np.all(pairs[:, 0] + 1 < walking_rows)
-    reach = {d % nlon for d in range(-STENCIL_MAX_HALF, STENCIL_MAX_HALF + 1)}
+    reach = {d % nlon for d in range(-max_half, max_half + 1)}
     for row0, first in pairs:
         for h in (row0, row0 + 1):
             neighbours = table.expand(h)  # the point at longitude 0; every other one is the same shifted
             rows, lons = np.divmod(neighbours, nlon)
-            assert np.all((first <= rows) & (rows < first + STENCIL_OTHER_ROWS)), (h, rows)
+            assert np.all((first <= rows) & (rows < first + max_other_rows)), (h, rows)
             assert set(lons.tolist()) <= reach, (h, lons)
     stencil_rows = np.sort(np.concatenate([pairs[:, 0], pairs[:, 0] + 1]))
     tail = table.row_order[table.row_order.size - stencil_rows.size :]
@@ -219,9 +225,10 @@ def test_stencil_pairs_fit_the_stencil_kernels(config, walk):
     np.testing.assert_array_equal(getattr(plan.tables, f"{walk}_stencil_pairs"), pairs)
 
 
+@needs_native
 def test_stencil_pairs_at_the_default_cutoff():
-    # 721x1440: the stencil prototype's own rule (cuda/bench/stencil_attention.cu, from its half-width table)
-    # took 604 rows: the plan's 302 pairs are the same rows.
+    # 721x1440: 604 rows (302 pairs) whose arcs are all within 3 longitudes, one band around the
+    # equator (an independent count from the rows' half-widths gives the same 604).
     plan = NeighborhoodPlan((721, 1440), (721, 1440))
     pairs = plan.forward_stencil_pairs
     assert len(pairs) == 302

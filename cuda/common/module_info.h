@@ -4,6 +4,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common/kernel_limits.h"
 #include "common/nbhd_params.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
@@ -11,10 +12,30 @@
 
 namespace s2attn {
 
-inline nanobind::dict BuildInfo() {
+template <typename T, size_t N>
+nanobind::tuple TupleOf(const T (&values)[N]) {
+  nanobind::list items;
+  for (const T& value : values) items.append(value);
+  return nanobind::tuple(items);
+}
+
+// The limits of common/kernel_limits.h (a module adds those of its own kernels).
+inline nanobind::dict KernelLimits() {
+  nanobind::dict limits;
+  limits["arc_dtypes"] = TupleOf(kArcDtypes);
+  limits["tiled_dtypes"] = TupleOf(kTiledDtypes);
+  limits["tiled_head_dims"] = TupleOf(kTiledHeadDims);
+  limits["stencil_max_other_rows"] = kStencilMaxOtherRows;
+  limits["stencil_max_half"] = kStencilMaxHalf;
+  return limits;
+}
+
+// The build (the jaxlib whose FFI headers it was compiled against) and the kernels' limits.
+inline nanobind::dict BuildInfo(nanobind::dict limits = KernelLimits()) {
   nanobind::dict info;
   info["jaxlib_version"] = std::string(JAXLIB_BUILD_VERSION);
   info["ffi_api_version"] = nanobind::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+  info["limits"] = limits;
   return info;
 }
 

@@ -11,7 +11,7 @@ namespace {
 
 constexpr int kDeltaWarps = 8;
 // Rows a warp sums at once: their loads are independent, so a warp keeps that many times more
-// bytes in flight (one row at a time left the kernel at ~45 % of the HBM bandwidth).
+// bytes in flight (one row at a time leaves the kernel at ~45 % of the HBM bandwidth).
 constexpr int kRowsPerWarp = 4;
 // Enough blocks to fill any GPU; a grid-stride loop covers the remaining rows. A macro only so
 // that the CPU emulation tests (tests/cuda_emulation) can exercise the loop with a small one.
@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(32 * kDeltaWarps) DeltaKernel(const DeltaGpuPa
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) offset[r] = min(first + r, p.rows - 1) * p.dv;
     float sum[kRowsPerWarp] = {};
-    // The rows, not the channels, give the independent loads; unrolled, this loop took 80-128 registers.
+    // The rows, not the channels, give the independent loads; unrolled, this loop takes 80-128 registers.
 #pragma unroll 1
     for (int64_t c = lane; c < p.dv; c += 32) {
 #pragma unroll

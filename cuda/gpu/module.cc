@@ -2,6 +2,7 @@
 #include "common/module_info.h"
 #include "gpu/device_info.h"
 #include "gpu/nbhd_attn_ffi.h"
+#include "gpu/nbhd_attn_kernels.h"
 
 NB_MODULE(_s2attn_cuda, m) {
   m.def("registrations", []() {
@@ -13,7 +14,9 @@ NB_MODULE(_s2attn_cuda, m) {
     return targets;
   });
   m.def("build_info", []() {
-    nanobind::dict info = s2attn::BuildInfo();
+    nanobind::dict limits = s2attn::KernelLimits();
+    limits["cuda_arc_max_head_dims"] = s2attn::NbhdAttnMaxHeadDims();
+    nanobind::dict info = s2attn::BuildInfo(limits);
     info["cuda_runtime_version"] = s2attn::CudaRuntimeVersion();
     return info;
   });

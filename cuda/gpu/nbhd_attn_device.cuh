@@ -34,7 +34,7 @@ constexpr int kVectorBlockThreads = 256;
 // the forward vector kernels (24 warps per SM) and 128 for the rest (16 warps; the backward
 // holds four head vectors and two tiles per lane). ptxas -v (sm_90, CUDA 13.0): no spills but
 // 16 bytes in the float32 Dk = 128 forward. Left to itself ptxas picks counts that spill or
-// waste occupancy. Worth re-measuring 2 vs 3 for the forward on the H200.
+// waste occupancy.
 constexpr int kFwdVectorBlocksPerSm = 3;
 constexpr int kBlocksPerSm = 2;
 constexpr int kGeneralMaxWarps = 4;

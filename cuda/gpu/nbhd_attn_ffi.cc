@@ -56,7 +56,8 @@ ffi::Error CheckGpuLimits(const NbhdParams& p, bool walk_keys) {
                "batch x heads = " << p.batch * p.heads << " exceeds the CUDA kernels' limit of 2^31 - 1");
   S2ATTN_CHECK(NbhdAttnHeadDimsSupported(p.dk, p.dv),
                "head dims Dk = " << p.dk << ", Dv = " << p.dv
-                                 << " are too large for the CUDA kernels (Dk + Dv must be at most 6144)");
+                                 << " are too large for the CUDA kernels (Dk + Dv must be at most "
+                                 << NbhdAttnMaxHeadDims() << ")");
   return ffi::Error::Success();
 }
 

@@ -85,10 +85,10 @@ __global__ void __launch_bounds__(kVectorBlockThreads, Ch::kUsesShared ? kBlocks
 }  // namespace
 }  // namespace gpu
 
+int64_t NbhdAttnMaxHeadDims() { return gpu::kGeneralSharedBytes / (2 * static_cast<int64_t>(sizeof(float))); }
+
 bool NbhdAttnHeadDimsSupported(int64_t head_dim_k, int64_t head_dim_v) {
-  // The general kernels keep at most 2 * (Dk + Dv) floats per warp in shared memory.
-  return head_dim_k >= 0 && head_dim_v >= 0 &&
-         2 * (head_dim_k + head_dim_v) * static_cast<int64_t>(sizeof(float)) <= gpu::kGeneralSharedBytes;
+  return head_dim_k >= 0 && head_dim_v >= 0 && head_dim_k + head_dim_v <= NbhdAttnMaxHeadDims();
 }
 
 cudaError_t LaunchNbhdAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {

@@ -88,8 +88,9 @@ struct NbhdAttnGpuParams {
   int32_t first_batch_head = 0;
 };
 
-// Whether the kernels support these head dims (the general path keeps a few vectors per warp
-// in shared memory, which bounds Dk + Dv). The handlers turn `false` into INVALID_ARGUMENT.
+// The largest Dk + Dv of the arc kernels (the general path keeps two vectors of Dk + Dv floats per warp in
+// shared memory), and whether they support these head dims. The handlers turn `false` into INVALID_ARGUMENT.
+int64_t NbhdAttnMaxHeadDims();
 bool NbhdAttnHeadDimsSupported(int64_t head_dim_k, int64_t head_dim_v);
 
 // Each launcher enqueues its kernel on `stream` and returns cudaGetLastError() of the launch.

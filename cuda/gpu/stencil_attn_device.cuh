@@ -1,7 +1,7 @@
 // Building blocks of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu, stencil_attn_dkv.cu): the
 // rows whose arcs are all short (within kMaxHalf longitudes of the point), on CUDA cores. At the default
 // cutoff most rows are such rows (84 % of 721x1440), where the tiled kernels' 64-point units multiply whole
-// 16-column blocks for ~5 neighbours (benchmarks/NOTES.md, sessions 13-16); jax_s2attn.plan picks the row
+// 16-column blocks for ~5 neighbours (docs/performance.md); jax_s2attn.plan picks the row
 // pairs, and the tiled launchers run these kernels on them and the tiled ones on every other row.
 //
 // A block owns kRows walking rows (one stencil pair: query rows, or key rows for dk/dv) x kLons longitudes of
@@ -176,8 +176,8 @@ struct WalkPoint {
 };
 
 // Arc i of the warp's row, from the lane that read it. The lanes of a warp read the row's arcs side by side
-// (each arc costs bounds tests and a log2, ~60 instructions; every lane reading every arc, kept on the stack,
-// cost the stencil forward 18 % of its time: NOTES, session 18). Every lane of the warp must call it.
+// (each arc costs bounds tests and a log2, ~60 instructions, too many for every lane to read every arc and
+// keep it on the stack: docs/performance.md). Every lane of the warp must call it.
 __device__ __forceinline__ StagedArc ArcOfRow(const WalkPoint& at, int i) {
   constexpr unsigned kWarp = 0xffffffffu;
   return StagedArc{__shfl_sync(kWarp, at.lane_arc.row, i), __shfl_sync(kWarp, at.lane_arc.column, i),

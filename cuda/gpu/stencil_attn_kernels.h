@@ -5,18 +5,19 @@
 
 #include <cuda_runtime_api.h>
 
+#include "common/kernel_limits.h"
 #include "gpu/nbhd_attn_kernels.h"
 
 namespace s2attn {
 namespace gpu {
 namespace stencil {
 
-// The shape a row pair must fit, mirrored by jax_s2attn.plan (STENCIL_*), which picks the pairs: a
-// block walks kRows consecutive rows, stages at most kMaxOtherRows consecutive rows of the other grid, and
-// every arc of its points lies within kMaxHalf longitudes of the point.
+// The shape a row pair must fit (common/kernel_limits.h; jax_s2attn.plan picks the pairs by it): a block walks
+// kRows consecutive rows, stages at most kMaxOtherRows consecutive rows of the other grid, and every arc of its
+// points lies within kMaxHalf longitudes of the point.
 constexpr int kRows = 2;
-constexpr int kMaxOtherRows = 4;
-constexpr int kMaxHalf = 3;
+constexpr int kMaxOtherRows = kStencilMaxOtherRows;
+constexpr int kMaxHalf = kStencilMaxHalf;
 
 // out (or out_narrow) and lse_out of the query rows of p.stencil_pairs, for T = __nv_bfloat16 or __half
 // and Dk == Dv == D in {32, 64, 128}; needs R == S == 1 and whole windows (rows of a call with any other

@@ -19,7 +19,7 @@
 // multiplies only the 16-column blocks its band touches, and evaluates the band mask only on blocks
 // that are not entirely inside every one of its points' arcs. Quadrature weights (query walk) or
 // the staged queries' lse (key walk, see KeyWalkBias) enter as a per-column bias, which also masks
-// the columns outside the other grid's window (-inf). jax_s2attn/tile_walk.py emulates this walk
+// the columns outside the other grid's window (-inf). benchmarks/tile_walk.py emulates this walk
 // on the host (coverage and tile statistics).
 //
 // Everything a block computes is owned by that block and summed in a fixed order: results are

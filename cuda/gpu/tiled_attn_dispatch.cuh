@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/kernel_limits.h"
 #include "gpu/device_common.cuh"
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_kernels.h"
@@ -20,7 +21,11 @@ struct Variant {
   static constexpr int kDim = D;
 };
 
-// Calls launch(Variant<T, D>{}) for 16-bit T and Dk == Dv == D in {32, 64, 128}; anything
+static_assert(sizeof(kTiledHeadDims) == 3 * sizeof(int) && kTiledHeadDims[0] == 32 && kTiledHeadDims[1] == 64 &&
+                  kTiledHeadDims[2] == 128,
+              "DispatchTiled instantiates exactly the head dims of common/kernel_limits.h");
+
+// Calls launch(Variant<T, D>{}) for 16-bit T and Dk == Dv == D in kTiledHeadDims; anything
 // else is cudaErrorInvalidValue (the handlers check TiledAttnSupported first).
 template <typename Launch>
 cudaError_t DispatchTiled(const NbhdAttnGpuParams& p, Launch&& launch) {
@@ -53,7 +58,7 @@ cudaError_t LaunchUnits(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, 
 // LaunchUnits over the first ranks of the walking grid's row order, then `stencil(stream)` for the rows of
 // the stencil pairs (its last 2 * p.num_stencil_pairs ranks): the tiled launchers. One after the other: the
 // tiled blocks take the whole register file, so a stencil block on a second stream could only fill the
-// tiled kernel's tail, and measured no faster (benchmarks/NOTES.md, session 16).
+// tiled kernel's tail, and is no faster (measured: docs/performance.md).
 template <int D, typename Stencil>
 cudaError_t LaunchUnitsAndStencilRows(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream,
                                       const NbhdAttnGpuParams& p, bool walk_keys, Stencil&& stencil) {

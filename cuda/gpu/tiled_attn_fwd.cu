@@ -13,7 +13,7 @@ namespace tiled {
 namespace {
 
 // How far (log2 units) a score may exceed its row's running maximum before the maximum is moved:
-// p is at most 2^8 (so values within a factor 2^8 of float32's largest could now overflow the sums).
+// p is at most 2^8 (so values within a factor 2^8 of float32's largest could then overflow the sums).
 constexpr float kRescaleSlack = 8.f;
 
 // Online softmax per tile row in log2 units with the quadrature weight folded into the column
@@ -127,10 +127,10 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledFwdKernel(
 
 // The forward for the results `p` asks for. P in two parts carries ~16 bits of P to out, not T's 8: the op
 // forms delta = rowsum(dout * out) from a float32 out or from out in T plus its remainder, and for values
-// smooth in position dP - delta cancels so far that P rounded once made dq and dk miss the 1e-2 bar
-// (0.7-1.1e-2 against 0.2-0.3e-2: benchmarks/NOTES.md, session 11). An out in T without a remainder (the
-// op undifferentiated) is rounded to T's 8 bits anyway: P rounded once stays inside that rounding's error,
-// and the second P.V product (8-12 % of the forward, session 12) is saved.
+// smooth in position dP - delta cancels so far that P rounded once makes dq and dk miss the 1e-2 bar
+// (measured: docs/performance.md). An out in T without a remainder (the op undifferentiated) is rounded to
+// T's 8 bits anyway: P rounded once stays inside that rounding's error, and the second P.V product (8-12 %
+// of the forward) is saved.
 template <typename T, int D>
 auto KernelFor(const NbhdAttnGpuParams& p) {
   const bool delta_from_out = p.out != nullptr || p.out_remainder != nullptr;
@@ -143,7 +143,8 @@ auto KernelFor(const NbhdAttnGpuParams& p) {
 
 bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
   const bool sixteen_bit = p.dtype == ActivationType::kBF16 || p.dtype == ActivationType::kF16;
-  const bool dims = p.head_dim_k == p.head_dim_v && (p.head_dim_k == 32 || p.head_dim_k == 64 || p.head_dim_k == 128);
+  bool dims = false;
+  for (const int d : kTiledHeadDims) dims = dims || (p.head_dim_k == d && p.head_dim_v == d);
   const bool gradients = p.gradient_dtype == ActivationType::kF32 || p.gradient_dtype == p.dtype;
   return sixteen_bit && dims && gradients &&
          gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out, p.forward_out_narrow, p.forward_out_remainder,

@@ -1,10 +1,9 @@
 // Pipeline shape of the tiled dk/dv kernel, included before tiled_attn_device.cuh: chunks of 32
 // columns, 3 stages, 4 blocks per SM, and its own k and v fragments waiting in shared memory
-// (OwnOperandsShared). Holding two accumulators and two own operands, it took 168 registers and
-// 62 KB per block in the header's default shape (12 warps per SM) and spilled 348-428 bytes at 128;
+// (OwnOperandsShared). Holding two accumulators and two own operands, it takes 168 registers and
+// 62 KB per block in the header's default shape (12 warps per SM) and spills 348-428 bytes at 128;
 // with k and v in shared memory it fits 128 registers (8 bytes of spills) and 51 KB: 16 warps per
-// SM. Measured on the H200 as a build variant (benchmarks/NOTES.md, session 8): dk/dv -11 % at
-// 721x1440 with the default cutoff, unchanged at tc 0.03. Each -DS2ATTN_TILED_* build flag
+// SM, the faster shape on the H200 (measured: docs/performance.md). Each -DS2ATTN_TILED_* build flag
 // overrides that part of every kernel's shape.
 #pragma once
 

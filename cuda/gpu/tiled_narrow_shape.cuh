@@ -2,8 +2,8 @@
 // included before tiled_attn_device.cuh: chunks
 // of 32 columns, 4 stages, 4 blocks per SM. Chunks half as wide keep a warp's scores of one chunk in
 // half the registers, so 128 per thread (16 warps per SM instead of 12) cost 24-32 bytes of spills;
-// measured on the H200 against the header's default, forward and dq 5-15 % faster at 721x1440
-// (benchmarks/NOTES.md, session 6). The dk/dv kernel has a shape of its own (tiled_dkv_shape.cuh).
+// forward and dq are faster so than in the header's default shape on the H200 (measured:
+// docs/performance.md). The dk/dv kernel has a shape of its own (tiled_dkv_shape.cuh).
 // Each -DS2ATTN_TILED_* build flag overrides that part of every kernel's shape.
 #pragma once
 

@@ -1,20 +1,20 @@
-"""Native extension modules: import, version guard, FFI target registration, FFI calls.
+"""The native kernels' FFI targets: which family can run a call, registration, FFI calls.
 
-The CPU module (``_s2attn_cpu``) and the CUDA module (``_s2attn_cuda``) are both
-optional at import time: without them every op runs on the pure-JAX reference
-path and :func:`native_status` says why.
+The modules themselves are loaded by :mod:`jax_s2attn._native` (optional at import time:
+without them every op runs on the pure-JAX reference path and :func:`native_status` says why),
+which also reports their limits.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
+
+from .._native import HAS_CPU_EXT, HAS_CUDA_EXT, MODULES, kernel_limits, native_backends, native_status
 
 __all__ = [
     "BACKWARD_DKV_TARGET",
@@ -29,8 +29,6 @@ __all__ = [
     "TILED_BACKWARD_DQ_DELTA_TARGET",
     "TILED_BACKWARD_DQ_TARGET",
     "TILED_FORWARD_TARGET",
-    "TILED_DTYPES",
-    "TILED_HEAD_DIMS",
     "TILED_TARGETS",
     "choose_kernel",
     "ensure_registered",
@@ -39,6 +37,7 @@ __all__ = [
     "ffi_backward_dq_delta",
     "ffi_delta",
     "ffi_forward",
+    "kernel_limits",
     "native_backends",
     "native_status",
     "tiled_unavailable_reason",
@@ -48,45 +47,11 @@ __all__ = [
 # XLA keys handlers by (target name, platform); these are jax's platform spellings.
 _PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
 
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
-
-
-def _load(name: str):
-    """Import ``jax_s2attn.<name>``; return ``(module or None, reason)``."""
-    try:
-        module = importlib.import_module(f"jax_s2attn.{name}")
-    except ImportError as e:
-        return None, f"{name} is not built ({e})"
-    built = module.build_info()["jaxlib_version"]
-    if _version_tuple(built) > _version_tuple(jaxlib.__version__):
-        # Newer FFI headers than the runtime would break backend initialisation.
-        return None, (
-            f"{name} was built against jaxlib {built} but jaxlib {jaxlib.__version__} is running; "
-            "rebuild jax_s2attn with the running jax (pip install --no-build-isolation .)"
-        )
-    return module, "available"
-
-
-_MODULES = {"cpu": _load("_s2attn_cpu"), "cuda": _load("_s2attn_cuda")}
 #: Platforms jax_s2attn has native kernels for (built or not: see :func:`native_backends`), named
 #: as the FFI names them.
-NATIVE_PLATFORMS = tuple(_MODULES)
-HAS_CPU_EXT = _MODULES["cpu"][0] is not None
-HAS_CUDA_EXT = _MODULES["cuda"][0] is not None
+NATIVE_PLATFORMS = tuple(MODULES)
 _registered = False
 _lock = threading.Lock()
-
-
-def native_backends() -> dict[str, bool]:
-    """Which native kernel modules are importable: ``{"cpu": bool, "cuda": bool}``."""
-    return {platform: module is not None for platform, (module, _) in _MODULES.items()}
-
-
-def native_status() -> str:
-    """One line per native module saying whether it is available, and if not why."""
-    return "\n".join(f"{platform}: {reason}" for platform, (_, reason) in _MODULES.items())
 
 
 # ----------------------------------------------------------------------------- targets
@@ -112,17 +77,10 @@ TILED_TARGETS = (
 # last bit, and so the gradients'); the kernels sum in an order fixed by Dv alone.
 DELTA_TARGET = "jax_s2attn_delta"
 
-#: The native kernel families: ``"arc"`` (arc-segment walk on CUDA cores or the CPU, any
-#: float dtype but float64 and any head dims) and ``"tiled"`` (tensor cores, see
-#: :func:`tiled_unavailable_reason`).
+#: The native kernel families: ``"arc"`` (arc-segment walk on CUDA cores or the CPU, the
+#: dtypes of :attr:`~jax_s2attn._native.KernelLimits.arc_dtypes` and any head dims) and
+#: ``"tiled"`` (tensor cores, see :func:`tiled_unavailable_reason`).
 KERNELS = ("arc", "tiled")
-#: Input dtypes and head dims (``Dk == Dv``) the tiled kernels are instantiated for.
-TILED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-TILED_HEAD_DIMS = (32, 64, 128)
-
-#: The CUDA kernels' general path keeps both head vectors in shared memory (Dk + Dv floats
-#: per point); the handler rejects larger head dims, so callers check before lowering.
-CUDA_MAX_HEAD_DIMS = 6144
 
 
 def ffi_platform(platform: str) -> str:
@@ -133,13 +91,14 @@ def ffi_platform(platform: str) -> str:
 def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
     """Why the native (arc) kernels of ``platform`` ("cpu" or "cuda") cannot run heads of
     ``dk``/``dv`` channels; None if they can."""
-    if platform not in _MODULES:
+    if platform not in MODULES:
         return f"jax_s2attn has no native kernels for platform {platform!r} (only for cpu and cuda)"
-    module, reason = _MODULES[platform]
+    module, reason = MODULES[platform]
     if module is None:
         return reason
-    if platform == "cuda" and dk + dv > CUDA_MAX_HEAD_DIMS:
-        return f"the CUDA kernels support Dk + Dv <= {CUDA_MAX_HEAD_DIMS}, got Dk={dk}, Dv={dv}"
+    limit = kernel_limits().cuda_arc_max_head_dims if platform == "cuda" else None
+    if limit is not None and dk + dv > limit:
+        return f"the CUDA kernels support Dk + Dv <= {limit}, got Dk={dk}, Dv={dv}"
     return None
 
 
@@ -151,7 +110,7 @@ def _missing_tiled_targets(module) -> tuple[str, ...]:
 
 def _tiled_build_reason() -> str | None:
     """Why the CUDA module in use has no tiled kernels; None if it has them."""
-    module, reason = _MODULES["cuda"]
+    module, reason = MODULES["cuda"]
     if module is None:
         return reason
     missing = _missing_tiled_targets(module)
@@ -167,8 +126,8 @@ def tiled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str | No
     """Why the tiled tensor-core kernels cannot run inputs of ``dtype`` with heads of
     ``dk``/``dv`` channels on ``platform``; None if they can.
 
-    They need a CUDA device, a CUDA module built with them, bfloat16 or float16 inputs
-    and ``Dk == Dv`` in :data:`TILED_HEAD_DIMS`. Every unmet condition is named.
+    They need a CUDA device, a CUDA module built with them, and the dtypes and head dims
+    (``Dk == Dv``) of :func:`kernel_limits`. Every unmet condition is named.
     """
     reasons = []
     if platform != "cuda":
@@ -177,11 +136,14 @@ def tiled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str | No
         build = _tiled_build_reason()
         if build is not None:
             reasons.append(build)
-    if jnp.dtype(dtype) not in TILED_DTYPES:
-        reasons.append(f"they take bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}")
-    if dk != dv or dk not in TILED_HEAD_DIMS:
-        dims = ", ".join(map(str, TILED_HEAD_DIMS))
-        reasons.append(f"they need Dk == Dv in ({dims}), got Dk={dk}, Dv={dv}")
+    limits = kernel_limits()
+    if limits is not None:  # without any native module the build reason above says it all
+        if jnp.dtype(dtype) not in limits.tiled_dtypes:
+            names = " or ".join(d.name for d in limits.tiled_dtypes)
+            reasons.append(f"they take {names} inputs, got {jnp.dtype(dtype).name}")
+        if dk != dv or dk not in limits.tiled_head_dims:
+            dims = ", ".join(map(str, limits.tiled_head_dims))
+            reasons.append(f"they need Dk == Dv in ({dims}), got Dk={dk}, Dv={dv}")
     return f"the tiled kernels cannot run: {'; '.join(reasons)}" if reasons else None
 
 
@@ -200,7 +162,7 @@ def ensure_registered() -> None:
     with _lock:
         if _registered:
             return
-        for platform, (module, _) in _MODULES.items():
+        for platform, (module, _) in MODULES.items():
             if module is None:
                 continue
             for name, capsule in module.registrations().items():

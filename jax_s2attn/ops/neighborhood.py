@@ -27,10 +27,9 @@ RESIDUAL_NAME = "s2attn_residual"
 #: Points per batch entry (rows x longitudes x heads) of a walk's stencil pairs from which the op's tiled
 #: kernels of that walk leave the pairs to the stencil kernels. A tiled kernel and its stencil
 #: kernel run one after the other, so the stencil rows pay only when their work outweighs the tiled
-#: kernel's tail on the other (polar) rows: on the H200, since the stencil kernels' cuts of sessions 17-18,
-#: 360x720 with one head (216k points) runs its forward+backward 2-8 % faster with them, 721x1440 (870k)
-#: 11-18 %; 180x360 (53k) ran 28 % slower before those cuts (benchmarks/NOTES.md, sessions 16 and 18). Batch
-#: dims do not count, so that vmap and batch dims pick the same kernels (and give the same bits).
+#: kernel's tail on the other (polar) rows; on the H200 that holds from about 2^17 points (360x720 with one
+#: head, 216k points, and larger grids gain; measured: docs/performance.md). Batch dims do not count, so
+#: that vmap and batch dims pick the same kernels (and give the same bits).
 STENCIL_MIN_POINTS = 1 << 17
 
 

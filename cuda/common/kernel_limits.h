@@ -1,0 +1,23 @@
+// What the native kernels accept, in one place. The kernels follow these constants, every module's
+// build_info() reports them, and Python (jax_s2attn/_native.py) reads them for its checks and messages.
+// Plain C++ (compiled by the host compiler and by nvcc).
+#pragma once
+
+namespace s2attn {
+
+// Activation dtypes (jax names) of the arc-segment kernels (CPU and CUDA; float32 accumulation) and of the
+// tiled tensor-core kernels (CUDA).
+inline constexpr const char* kArcDtypes[] = {"float32", "bfloat16", "float16"};
+inline constexpr const char* kTiledDtypes[] = {"bfloat16", "float16"};
+
+// Head dims (Dk == Dv) the tiled kernels are instantiated for (gpu/tiled_attn_dispatch.cuh).
+inline constexpr int kTiledHeadDims[] = {32, 64, 128};
+
+// The shape a row pair of the CUDA stencil kernels must fit (gpu/stencil_attn_kernels.h), which the plan's
+// stencil pairs follow: the pair stages at most kStencilMaxOtherRows consecutive rows of the other grid, and
+// every arc of its points lies within kStencilMaxHalf longitudes of the point (a 7-column window, sized for
+// the default cutoff's few neighbours per point).
+inline constexpr int kStencilMaxOtherRows = 4;
+inline constexpr int kStencilMaxHalf = 3;
+
+}  // namespace s2attn

@@ -1,0 +1,116 @@
+"""The native extension modules: import, version guard, and what they report about their kernels.
+
+The CPU module (``_s2attn_cpu``) and the CUDA module (``_s2attn_cuda``) are both optional at
+import time: without them every op runs on the pure-JAX reference path and
+:func:`native_status` says why. Their limits (dtypes, head dims, the stencil kernels' shape)
+come from the modules' ``build_info()`` (``cuda/common/kernel_limits.h``), never from copies
+here. This module sits below the plan: it imports no other part of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import jaxlib
+import ml_dtypes  # jax's dependency: numpy itself has no bfloat16
+import numpy as np
+
+__all__ = [
+    "HAS_CPU_EXT",
+    "HAS_CUDA_EXT",
+    "MODULES",
+    "KernelLimits",
+    "kernel_limits",
+    "native_backends",
+    "native_status",
+]
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+
+
+def _load(name: str):
+    """Import ``jax_s2attn.<name>``; return ``(module or None, reason)``."""
+    try:
+        module = importlib.import_module(f"jax_s2attn.{name}")
+    except ImportError as e:
+        return None, f"{name} is not built ({e})"
+    info = module.build_info()
+    if "limits" not in info:
+        return None, f"{name} was built from other sources than this package's (rebuild jax_s2attn)"
+    built = info["jaxlib_version"]
+    if _version_tuple(built) > _version_tuple(jaxlib.__version__):
+        # Newer FFI headers than the runtime would break backend initialisation.
+        return None, (
+            f"{name} was built against jaxlib {built} but jaxlib {jaxlib.__version__} is running; "
+            "rebuild jax_s2attn with the running jax (pip install --no-build-isolation .)"
+        )
+    return module, "available"
+
+
+#: Platform (as the FFI names it) -> ``(module or None, reason)``.
+MODULES = {"cpu": _load("_s2attn_cpu"), "cuda": _load("_s2attn_cuda")}
+HAS_CPU_EXT = MODULES["cpu"][0] is not None
+HAS_CUDA_EXT = MODULES["cuda"][0] is not None
+
+
+def native_backends() -> dict[str, bool]:
+    """Which native kernel modules are importable: ``{"cpu": bool, "cuda": bool}``."""
+    return {platform: module is not None for platform, (module, _) in MODULES.items()}
+
+
+def native_status() -> str:
+    """One line per native module saying whether it is available, and if not why."""
+    return "\n".join(f"{platform}: {reason}" for platform, (_, reason) in MODULES.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelLimits:
+    """What the native kernels of this build accept (``cuda/common/kernel_limits.h``).
+
+    Attributes:
+      arc_dtypes: activation dtypes of the arc-segment kernels (CPU and CUDA).
+      tiled_dtypes: activation dtypes of the tiled tensor-core kernels (CUDA).
+      tiled_head_dims: head dims (``Dk == Dv``) the tiled kernels are built for.
+      stencil_max_other_rows: rows of the other grid a stencil row pair may see.
+      stencil_max_half: longitudes each side of a point that a stencil row's arcs stay within.
+      cuda_arc_max_head_dims: the largest ``Dk + Dv`` of the CUDA arc kernels; None without the
+        CUDA module.
+    """
+
+    arc_dtypes: tuple[np.dtype, ...]
+    tiled_dtypes: tuple[np.dtype, ...]
+    tiled_head_dims: tuple[int, ...]
+    stencil_max_other_rows: int
+    stencil_max_half: int
+    cuda_arc_max_head_dims: int | None
+
+
+def _dtypes(names) -> tuple[np.dtype, ...]:
+    return tuple(np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name) for name in names)
+
+
+def _kernel_limits() -> KernelLimits | None:
+    modules = [MODULES[p][0] for p in ("cuda", "cpu") if MODULES[p][0] is not None]
+    if not modules:
+        return None
+    # Both modules compile the same header; the CUDA one adds the limits of its own kernels.
+    limits = modules[0].build_info()["limits"]
+    return KernelLimits(
+        arc_dtypes=_dtypes(limits["arc_dtypes"]),
+        tiled_dtypes=_dtypes(limits["tiled_dtypes"]),
+        tiled_head_dims=tuple(int(d) for d in limits["tiled_head_dims"]),
+        stencil_max_other_rows=int(limits["stencil_max_other_rows"]),
+        stencil_max_half=int(limits["stencil_max_half"]),
+        cuda_arc_max_head_dims=int(limits["cuda_arc_max_head_dims"]) if "cuda_arc_max_head_dims" in limits else None,
+    )
+
+
+_LIMITS = _kernel_limits()
+
+
+def kernel_limits() -> KernelLimits | None:
+    """The native kernels' limits as their modules report them; None where no native module is built."""
+    return _LIMITS
