@@ -59,7 +59,7 @@ TILED_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
 # remainder, within 2^-17 of it in bfloat16) is also what the op forms delta = rowsum(dout * out) from: both
 # kernel families must keep it far inside the 16-bit bar (the tiled forward multiplies P in two parts where delta
 # is formed from its out: a float32 out, or a remainder asked for), or
-# smooth fields push dq and dk past it (benchmarks/NOTES.md, session 11).
+# smooth fields push dq and dk past it.
 OUT_TOLERANCE = 1e-4
 
 PLANS = {

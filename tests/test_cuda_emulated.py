@@ -66,7 +66,7 @@ from kernel_cases import (  # noqa: E402
 CUDA_ERROR_INVALID_VALUE = 1
 
 
-# A prebuilt emulated library for the session instead of a fresh build (the sanitized run of
+# A prebuilt emulated library for the whole test run instead of a fresh build (the sanitized run of
 # test_kernels_under_address_sanitizer).
 PREBUILT_LIBRARY = "S2ATTN_EMULATED_LIBRARY"
 
@@ -320,8 +320,8 @@ def test_tiled_dq_forms_delta(emulator, rng, plan_name, d, dtype, windows):
 def test_smooth_values_keep_gradients_accurate(emulator, rng, kernel, dtype, shapes):
     """Values smooth in position: dP - delta nearly cancels in the score gradients, so dq and dk
     keep the bar only if out, from which the op takes delta, is accurate well beyond it (the
-    backward targets get the kernels' own lse and delta here, as in the op). The upsampling case
-    failed bf16 dq on the H200 while the tiled forward rounded P once (NOTES, session 11)."""
+    backward targets get the kernels' own lse and delta here, as in the op). With P rounded once in the
+    tiled forward, the upsampling case misses the bar for bf16 dq."""
     plan = NeighborhoodPlan(*shapes, theta_cutoff=0.15)
     case = prepare_case(rng, plan, 2, 1, 64, 64, dtype, smooth_values=True)
     verify_case(case, run_case(case, emulator, kernel, as_op=True), tolerance_of(kernel, dtype))
@@ -450,7 +450,7 @@ def test_stencil_rows_with_corrupted_tables_stay_in_bounds(emulator, rng, walk):
     segment of the pairs' rows at the largest start and length, whose sum overflows int32), garbage
     offsets, garbage pairs (first rows and first rows of the other grid anywhere) and a window that is not
     whole must never index outside the arrays (the sanitized run checks), and but for garbage pairs (whose
-    rows are no longer the row order's last) every result is still written: the forward's, and dk/dv's
+    rows are not the row order's last) every result is still written: the forward's, and dk/dv's
     (whose stencil kernel also stages the queries' lse and delta)."""
     plan = STENCIL_PLANS["self-17x72"]()
     case = prepare_case(rng, plan, 1, 2, 32, 32, "bfloat16")
@@ -486,7 +486,7 @@ def test_tiled_runs_are_bitwise_reproducible(emulator, rng):
 @pytest.mark.parametrize("windows", WINDOWS[::2], ids=lambda w: f"q{w[0]}-k{w[1]}")
 def test_tiled_gradients_in_the_activations_type_are_the_rounded_float32_ones(emulator, rng, windows, dtype, d):
     """16-bit dq, dk, dv: every element written, with the bits of the float32 result rounded to
-    nearest (what the op's cast gave before), padding zeros included."""
+    nearest (the bits a cast gives), padding zeros included."""
     storage = DTYPES[dtype][1]
     case = prepare_case(rng, PLANS["self"](), 2, 2, d, d, dtype, *windows)
     wide, narrow = (run_case(case, emulator, "tiled", gradient_type=t) for t in (np.float32, storage))

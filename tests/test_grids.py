@@ -52,7 +52,7 @@ def test_nodes_and_weights(grid, n):
 
 
 def test_known_values_n7():
-    # Spec 1.2 (torch-harmonics values).
+    # torch-harmonics' values.
     theta, w = precompute_latitudes(7, "legendre-gauss")
     np.testing.assert_allclose(theta[:4], [0.3204, 0.7355, 1.1529, np.pi / 2], atol=1e-4)
     np.testing.assert_allclose(w[:4], [0.1295, 0.2797, 0.3818, 0.4180], atol=1e-4)
@@ -71,7 +71,7 @@ def test_equiangular_is_equispaced_and_trapezoidal_is_not():
 
 def test_latitude_spacing():
     assert abs(latitude_spacing(180, "equiangular") - np.pi / 179) < 1e-14
-    # Spec 1.4 values at nlat = 180.
+    # torch-harmonics' values at nlat = 180.
     assert abs(latitude_spacing(180, "legendre-gauss") - 0.017405) < 1e-6
     assert abs(latitude_spacing(180, "lobatto") - 0.021347) < 1e-6
     assert abs(latitude_spacing(180, "equiangular-trapezoidal") - 0.14963) < 1e-5

@@ -1,7 +1,7 @@
 """Sharded attention (latitude halo + longitude ring) on 8 virtual CPU devices.
 
 The oracle is the serial op in float64 (itself checked against a dense float64
-softmax in test_ops); the sharded op runs in float32, so agreement to 1e-5 relative
+softmax in test_reference.py); the sharded op runs in float32, so agreement to 1e-5 relative
 means the sharding adds nothing but float32 round-off.
 """
 

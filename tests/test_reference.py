@@ -18,7 +18,7 @@ CASES = [
     ((12, 24), (6, 12), "equiangular", "equiangular", None, 3, 4, 5),  # down pscale 2
     ((12, 24), (7, 8), "legendre-gauss", "lobatto", 0.6, 1, 3, 3),  # down pscale 3, odd
     ((12, 12), (6, 12), "equiangular", "equiangular", None, 1, 2, 3),  # latitude-only
-    ((6, 24), (12, 12), "equiangular", "equiangular", None, 3, 3, 4),  # spec 9.2 shape
+    ((6, 24), (12, 12), "equiangular", "equiangular", None, 3, 3, 4),  # more latitudes, fewer longitudes
     ((6, 12), (12, 24), "equiangular", "equiangular", None, 1, 4, 4),  # up pscale 2
     ((5, 8), (11, 24), "lobatto", "legendre-gauss", 0.7, 3, 3, 5),  # up pscale 3, odd
     ((9, 16), (9, 16), "equiangular", "equiangular", 4.0, 1, 3, 3),  # global neighbourhood

@@ -27,7 +27,7 @@ try:
 except ImportError as error:
     pytest.skip(
         f"torch-harmonics cannot be imported ({error}); install torch and torch-harmonics==0.9.3 "
-        "to run the parity tests (see README, 'Test').",
+        "to run the parity tests.",
         allow_module_level=True,
     )
 
