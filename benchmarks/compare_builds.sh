@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A/B comparison of two source trees of jax_s2attn on one GPU machine, in one call: builds each against the
+# local jax into its own site directory, then runs this tree's benchmarks/attention.py (the same measuring code
+# for both) on each build alternately, ROUNDS times (A B A B ...), and prints per config and column the
+# median of each build's rounds and their ratio B / A. A difference smaller than the spread of one build's
+# rounds is noise.
+#
+# Usage (from the repository root):
+#   bash benchmarks/compare_builds.sh --export REV DIR   # on a machine with the git history: REV's tree into DIR
+#   bash benchmarks/compare_builds.sh DIR_A DIR_B [attention.py arguments]
+# e.g. DIR_A the tree before an optimisation, DIR_B after it (export both into an ignored folder and carry it to
+# a GPU machine without git history). ROUNDS (default 2) sets the alternation; CSVs and logs go to $OUT/ab
+# (default ./out/ab); JAX_S2ATTN_CUDA=OFF builds the CPU module only.
+set -euo pipefail
+
+if [[ "${1:-}" == "--export" ]]; then
+  [[ $# -eq 3 ]] || { echo "usage: $0 --export REV DIR" >&2; exit 2; }
+  mkdir -p "$3" && git archive "$2" | tar -x -C "$3"
+  echo "$2 -> $3"
+  exit 0
+fi
+[[ $# -ge 2 && -d "$1" && -d "$2" ]] || { echo "usage: $0 DIR_A DIR_B [attention.py arguments]" >&2; exit 2; }
+a="$(cd "$1" && pwd)" b="$(cd "$2" && pwd)"
+shift 2
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${OUT:-$PWD/out}/ab"
+work="${TMPDIR:-/tmp}/s2attn-ab"
+mkdir -p "$out" "$work"
+
+for name in A B; do
+  src=$([[ $name == A ]] && echo "$a" || echo "$b")
+  start=$(date +%s)
+  JAX_S2ATTN_CUDA="${JAX_S2ATTN_CUDA:-ON}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install -q --no-build-isolation --no-deps \
+    --no-index --upgrade --target "$work/site-$name" -Cbuild-dir="$work/build-$name" "$src" > "$out/build-$name.log" 2>&1 \
+    || { tail -30 "$out/build-$name.log"; exit 1; }
+  echo "build $name ($src): $(( $(date +%s) - start )) s"
+done
+
+for round in $(seq "${ROUNDS:-2}"); do
+  for name in A B; do
+    mkdir -p "$out/$name-$round"
+    PYTHONPATH="$work/site-$name" python3 -P "$here/attention.py" "$@" --out "$out/$name-$round" \
+      > "$out/$name-$round.log" 2>&1 || { tail -30 "$out/$name-$round.log"; exit 1; }
+    echo "round $round, build $name: done"
+  done
+done
+
+python3 - "$out" <<'PY'
+import csv, pathlib, statistics, sys
+
+out = pathlib.Path(sys.argv[1])
+runs = {name: [row for path in sorted(out.glob(f"{name}-*/attention-*.csv")) for row in csv.DictReader(open(path))]
+        for name in "AB"}
+columns = [c for c in runs["A"][0] if c.endswith("_ms") and not c.startswith(("floor", "reference"))]
+print(f"{'config':24} {'dtype':9} {'column':36} {'A ms':>9} {'B ms':>9} {'B/A':>6}")
+for config, dtype in dict.fromkeys((r["config"], r["dtype"]) for r in runs["A"]):
+    for column in columns:
+        values = {name: [float(r[column]) for r in rows if (r["config"], r["dtype"]) == (config, dtype) and r.get(column)]
+                  for name, rows in runs.items()}
+        if all(values.values()):
+            ma, mb = (statistics.median(values[n]) for n in "AB")
+            print(f"{config:24} {dtype:9} {column:36} {ma:9.4f} {mb:9.4f} {mb / ma:6.3f}")
+PY
