@@ -86,6 +86,8 @@ CONFIGS = [
     Config("h1deg_down_tc003", (360, 720), (180, 360), 0.03),
     Config("1hdeg_up_tc0017", (180, 360), (360, 720), 0.017),
     Config("1hdeg_up_tc003", (180, 360), (360, 720), 0.03),
+    Config("1deg_default", (180, 360), (180, 360), None),
+    Config("hdeg_default", (360, 720), (360, 720), None),
     Config("qdeg_default", (721, 1440), (721, 1440), None),
     Config("qdeg_tc0017", (721, 1440), (721, 1440), 0.017),
     Config("qdeg_tc003", (721, 1440), (721, 1440), 0.03),
