@@ -10,7 +10,7 @@
 #   bash benchmarks/compare_builds.sh DIR_A DIR_B [attention.py arguments]
 # e.g. DIR_A the tree before an optimisation, DIR_B after it (export both into an ignored folder and carry it to
 # a GPU machine without git history). ROUNDS (default 2) sets the alternation; CSVs and logs go to $OUT/ab
-# (default ./out/ab); JAX_S2ATTN_CUDA=OFF builds the CPU module only.
+# (default ./out/ab); JAX_S2ATTN_CUDA=OFF builds the CPU module only; PYTHON names the interpreter (default python3).
 set -euo pipefail
 
 if [[ "${1:-}" == "--export" ]]; then
@@ -25,12 +25,13 @@ shift 2
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$PWD/out}/ab"
 work="${TMPDIR:-/tmp}/s2attn-ab"
+python="${PYTHON:-python3}"
 mkdir -p "$out" "$work"
 
 for name in A B; do
   src=$([[ $name == A ]] && echo "$a" || echo "$b")
   start=$(date +%s)
-  JAX_S2ATTN_CUDA="${JAX_S2ATTN_CUDA:-ON}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install -q --no-build-isolation --no-deps \
+  JAX_S2ATTN_CUDA="${JAX_S2ATTN_CUDA:-ON}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$python" -m pip install -q --no-build-isolation --no-deps \
     --no-index --upgrade --target "$work/site-$name" -Cbuild-dir="$work/build-$name" "$src" > "$out/build-$name.log" 2>&1 \
     || { tail -30 "$out/build-$name.log"; exit 1; }
   echo "build $name ($src): $(( $(date +%s) - start )) s"
@@ -39,13 +40,13 @@ done
 for round in $(seq "${ROUNDS:-2}"); do
   for name in A B; do
     mkdir -p "$out/$name-$round"
-    PYTHONPATH="$work/site-$name" python3 -P "$here/attention.py" "$@" --out "$out/$name-$round" \
+    PYTHONPATH="$work/site-$name" "$python" -P "$here/attention.py" "$@" --out "$out/$name-$round" \
       > "$out/$name-$round.log" 2>&1 || { tail -30 "$out/$name-$round.log"; exit 1; }
     echo "round $round, build $name: done"
   done
 done
 
-python3 - "$out" <<'PY'
+"$python" - "$out" <<'PY'
 import csv, pathlib, statistics, sys
 
 out = pathlib.Path(sys.argv[1])

@@ -260,7 +260,8 @@ def test_compare_builds_times_two_trees_alternately(tmp_path):
     script = ROOT / "benchmarks" / "compare_builds.sh"
     for name in ("a", "b"):
         shutil.copytree(ROOT, tmp_path / name, ignore=shutil.ignore_patterns(".git", ".venv", "build", "out", "*.so"))
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), "JAX_S2ATTN_CUDA": "OFF"}
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), "JAX_S2ATTN_CUDA": "OFF",
+           "PYTHON": sys.executable}
     result = subprocess.run(
         ["bash", str(script), str(tmp_path / "a"), str(tmp_path / "b"), "--configs", "1deg_tc0017", "--dtypes",
          "float32", "--reps", "3", "--input-sets", "1", "--reference-max-pairs", "0"],

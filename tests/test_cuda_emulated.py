@@ -660,7 +660,8 @@ def test_kernels_under_address_sanitizer(tmp_path):
     library = build_emulated_library(tmp_path, KERNEL_SOURCES, [RUN_TARGET_SHIM], address_sanitizer=True)
     environment = os.environ | {PREBUILT_LIBRARY: str(library), "LD_PRELOAD": preload, "ASAN_OPTIONS": "detect_leaks=0"}
     # -s: an ASan report is written as the process aborts, past any capture of pytest.
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k", SANITIZED_TESTS]
+    # -P: the installed package (with its native modules), not the checkout that is the working directory.
+    command = [sys.executable, "-P", "-m", "pytest", __file__, "-q", "-s", "-p", "no:cacheprovider", "-k", SANITIZED_TESTS]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
 
