@@ -12,12 +12,12 @@ BIN := $(VENV)/bin
 SOURCES := pyproject.toml requirements-build.txt $(shell find cuda jax_s2attn -type f \( -name '*.py' -o -name '*.h' \
              -o -name '*.cc' -o -name '*.cu' -o -name '*.cuh' -o -name CMakeLists.txt \) 2>/dev/null)
 
-# The CUDA kernels: `make test` compiles them wherever nvcc exists (CI's compile check); `make demo`, `make
-# test-fast` and `make bench` only where a GPU can run them. JAX_S2ATTN_CUDA=ON|OFF overrides both.
+# The CUDA kernels: `make test` compiles them wherever nvcc exists (CI's compile check). `make demo`, `make
+# test-fast` and `make bench` skip them unless asked (JAX_S2ATTN_CUDA=ON): the jax that requirements-build.txt
+# installs runs on the CPU. JAX_S2ATTN_CUDA=ON|OFF overrides both.
 HAS_NVCC := $(shell command -v nvcc >/dev/null 2>&1 && echo yes)
-HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 CUDA_TEST := $(or $(JAX_S2ATTN_CUDA),$(if $(HAS_NVCC),ON,OFF))
-CUDA_RUN := $(or $(JAX_S2ATTN_CUDA),$(if $(and $(HAS_NVCC),$(HAS_GPU)),ON,OFF))
+CUDA_RUN := $(or $(JAX_S2ATTN_CUDA),OFF)
 # The torch-harmonics parity tests: its 0.9.3 CPU kernels load with torch 2.13; its metadata asks for
 # torch >= 2.14, hence --no-deps.
 TORCH := torch==2.13.0
@@ -26,14 +26,14 @@ TORCH_HARMONICS := torch-harmonics==0.9.3
 PIP := $(BIN)/python -m pip
 PIP_QUIET := --quiet --disable-pip-version-check
 
-.PHONY: help demo test test-fast bench gpu-suite clean distclean
+.PHONY: help demo test test-setup test-fast bench gpu-suite clean distclean
 
 help:
 	@echo "make demo       set up $(VENV) and train the example model (examples/train_sphere.py, ~2 min on a CPU)"
 	@echo "make test       set up $(VENV) with the test extras and run the whole suite (pytest -q)"
 	@echo "make test-fast  the fast tier: pytest -m 'not slow' (under 5 min on 2 cores)"
-	@echo "make bench      benchmarks/attention.py (BENCH_ARGS='--quick' by default)"
-	@echo "make gpu-suite  on a GPU machine whose python has jax[cuda]: build, GPU tests, sanitizers (benchmarks/run_h200.sh)"
+	@echo "make bench      benchmarks/attention.py, CSV in out/bench (BENCH_ARGS='--quick' by default)"
+	@echo "make gpu-suite  on an sm_90 GPU machine, with the python3 on PATH (its jax[cuda]): build, GPU tests, sanitizers"
 	@echo "make clean      remove build outputs; make distclean also removes $(VENV)"
 	@echo "Variables: VENV=$(VENV), PYTHON=/path/to/python3.12, JAX_S2ATTN_CUDA=ON|OFF (now: test $(CUDA_TEST), run $(CUDA_RUN))"
 
@@ -41,7 +41,7 @@ help:
 $(BIN)/python:
 	@python="$$(tools/python312.sh)"; \
 	echo "jax_s2attn: creating $(VENV) with $$python"; \
-	"$$python" -m venv "$(VENV)"
+	"$$python" -m venv "$(VENV)" || { rm -rf "$(VENV)"; exit 1; }
 
 $(VENV)/.build-tools: requirements-build.txt | $(BIN)/python
 	@echo "jax_s2attn: installing jax and the build tools (requirements-build.txt)"
@@ -49,50 +49,56 @@ $(VENV)/.build-tools: requirements-build.txt | $(BIN)/python
 	$(PIP) install $(PIP_QUIET) -r requirements-build.txt
 	@touch $@
 
-# $(call install,EXTRAS,CUDA): builds and installs the package with those extras; a stamp per flavour (demo,
-# fast, test) records what is installed, and a flavour with more extras stamps those it covers.
+# $(call install,EXTRAS,CUDA): builds and installs the package with those extras and JAX_S2ATTN_CUDA=CUDA, and
+# fails if a module it was asked for does not import. A stamp per flavour and CUDA setting (demo, fast, test)
+# records what is installed; an install stamps what it covers: the flavours with fewer extras, and with the
+# CUDA kernels built, the same flavours without them.
 define install
 	@if [ "$(2)" = ON ]; then \
 	  echo "jax_s2attn: building the native modules: C++ for the CPU and the CUDA kernels for sm_90 (several minutes on 2 cores)"; \
-	elif [ -n "$(HAS_NVCC)" ]; then \
-	  echo "jax_s2attn: building the native CPU module (C++, under a minute); the CUDA kernels are skipped: no GPU here to run them (JAX_S2ATTN_CUDA=ON builds them)"; \
 	else \
-	  echo "jax_s2attn: building the native CPU module (C++, under a minute); the CUDA kernels are skipped: no nvcc (install the CUDA toolkit to build them)"; \
+	  echo "jax_s2attn: building the native CPU module (C++, under a minute); the CUDA kernels are skipped (JAX_S2ATTN_CUDA=ON builds them, for a jax with CUDA)"; \
 	fi
 	@rm -f $(VENV)/.installed-*
 	JAX_S2ATTN_CUDA=$(2) CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} \
 	  $(PIP) install $(PIP_QUIET) --no-build-isolation ".[$(1)]"
-	@cd / && $(abspath $(BIN))/python -c "import jax_s2attn; print('jax_s2attn native modules:', jax_s2attn.native_status().replace(chr(10), '; '))"
+	@cd / && $(abspath $(BIN))/python -c "import jax_s2attn as s; print('jax_s2attn native modules:', s.native_status().replace(chr(10), '; ')); \
+	  missing = [p for p in ('cpu',) + (('cuda',) if '$(2)' == 'ON' else ()) if not s.native_backends()[p]]; \
+	  assert not missing, f'the build did not produce the {missing} module(s)'"
 endef
 
-$(VENV)/.installed-demo: $(SOURCES) | $(VENV)/.build-tools
+covered = $(foreach f,$(1),$(foreach c,$(sort OFF $(2)),$(VENV)/.installed-$(f)-$(c)))
+
+$(VENV)/.installed-demo-$(CUDA_RUN): $(SOURCES) | $(VENV)/.build-tools
 	$(call install,examples,$(CUDA_RUN))
-	@touch $@
+	@touch $(call covered,demo,$(CUDA_RUN))
 
-$(VENV)/.installed-fast: $(SOURCES) | $(VENV)/.build-tools
+$(VENV)/.installed-fast-$(CUDA_RUN): $(SOURCES) | $(VENV)/.build-tools
 	$(call install,test,$(CUDA_RUN))
-	@touch $@ $(VENV)/.installed-demo
+	@touch $(call covered,fast demo,$(CUDA_RUN))
 
-$(VENV)/.installed-test: $(SOURCES) | $(VENV)/.build-tools
+$(VENV)/.installed-test-$(CUDA_TEST): $(SOURCES) | $(VENV)/.build-tools
 	$(call install,test,$(CUDA_TEST))
 	@echo "jax_s2attn: installing $(TORCH) and $(TORCH_HARMONICS) for the parity tests"
 	$(PIP) install $(PIP_QUIET) "$(TORCH)"
 	$(PIP) install $(PIP_QUIET) --no-deps "$(TORCH_HARMONICS)"
-	@touch $@ $(VENV)/.installed-fast $(VENV)/.installed-demo
+	@touch $(call covered,test fast demo,$(CUDA_TEST))
 
 # --- what runs ------------------------------------------------------------------------------------------
-demo: $(VENV)/.installed-demo
+demo: $(VENV)/.installed-demo-$(CUDA_RUN)
 	$(BIN)/python examples/train_sphere.py
 
-test: $(VENV)/.installed-test
+test-setup: $(VENV)/.installed-test-$(CUDA_TEST)
+
+test: test-setup
 	$(BIN)/pytest -q
 
-test-fast: $(VENV)/.installed-fast
+test-fast: $(VENV)/.installed-fast-$(CUDA_RUN)
 	$(BIN)/pytest -q -m "not slow"
 
 BENCH_ARGS ?= --quick
-bench: $(VENV)/.installed-fast
-	$(BIN)/python benchmarks/attention.py $(BENCH_ARGS)
+bench: $(VENV)/.installed-fast-$(CUDA_RUN)
+	$(BIN)/python benchmarks/attention.py $(BENCH_ARGS) --out out/bench
 
 gpu-suite:
 	bash benchmarks/run_h200.sh tests sanitize

@@ -33,7 +33,7 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
 * torch-harmonics' CUDA module (module level: projections included) when importable.
 
 Run: ``python benchmarks/attention.py [--quick] [--configs NAME ...]``; writes
-``benchmarks/results/attention-<gpu>-<date>.csv`` and prints a table.
+``benchmarks/results/attention-<gpu>-<date>-<time>.csv`` (or under ``--out``) and prints a table.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 #   bash benchmarks/compare_builds.sh DIR_A DIR_B [attention.py arguments]
 # e.g. DIR_A the tree before an optimisation, DIR_B after it (export both into an ignored folder and carry it to
 # a GPU machine without git history). ROUNDS (default 2) sets the alternation; CSVs and logs go to $OUT/ab
-# (default ./out/ab); JAX_S2ATTN_CUDA=OFF builds the CPU module only; PYTHON names the interpreter (default python3).
+# (default ./out/ab, emptied first); JAX_S2ATTN_CUDA=OFF builds the CPU module only; PYTHON names the interpreter (default python3).
 set -euo pipefail
 
 if [[ "${1:-}" == "--export" ]]; then
@@ -26,6 +26,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-$PWD/out}/ab"
 work="${TMPDIR:-/tmp}/s2attn-ab"
 python="${PYTHON:-python3}"
+rm -rf "$out"  # the medians must be this call's rounds alone
 mkdir -p "$out" "$work"
 
 for name in A B; do
@@ -40,7 +41,7 @@ done
 for round in $(seq "${ROUNDS:-2}"); do
   for name in A B; do
     mkdir -p "$out/$name-$round"
-    PYTHONPATH="$work/site-$name" "$python" -P "$here/attention.py" "$@" --out "$out/$name-$round" \
+    PYTHONPATH="$work/site-$name${PYTHONPATH:+:$PYTHONPATH}" "$python" -P "$here/attention.py" "$@" --out "$out/$name-$round" \
       > "$out/$name-$round.log" 2>&1 || { tail -30 "$out/$name-$round.log"; exit 1; }
     echo "round $round, build $name: done"
   done
@@ -52,6 +53,8 @@ import csv, pathlib, statistics, sys
 out = pathlib.Path(sys.argv[1])
 runs = {name: [row for path in sorted(out.glob(f"{name}-*/attention-*.csv")) for row in csv.DictReader(open(path))]
         for name in "AB"}
+if not all(runs.values()):
+    sys.exit(f"no results in {out}: see the round logs there")
 columns = [c for c in runs["A"][0] if c.endswith("_ms") and not c.startswith(("floor", "reference"))]
 print(f"{'config':24} {'dtype':9} {'column':36} {'A ms':>9} {'B ms':>9} {'B/A':>6}")
 for config, dtype in dict.fromkeys((r["config"], r["dtype"]) for r in runs["A"]):
