@@ -14,9 +14,11 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 
 #include "common/delta_binding.h"
 #include "common/ffi_check.h"
+#include "common/kernel_limits.h"
 #include "common/nbhd_binding.h"
 #include "common/nbhd_params.h"
 #include "gpu/delta_kernel.h"
@@ -25,6 +27,21 @@
 
 namespace s2attn {
 namespace {
+
+// "a, b or c" of a list of kernel_limits.h, for messages.
+template <typename T, size_t N>
+std::string Alternatives(const T (&values)[N]) {
+  std::string text;
+  for (size_t i = 0; i < N; ++i) {
+    text += (i == 0 ? "" : i + 1 == N ? " or " : ", ");
+    if constexpr (std::is_arithmetic_v<T>) {
+      text += std::to_string(values[i]);
+    } else {
+      text += values[i];
+    }
+  }
+  return text;
+}
 
 using F32Result = ffi::ResultBuffer<ffi::F32>;
 using AnyResult = ffi::Result<ffi::AnyBuffer>;
@@ -120,10 +137,13 @@ struct TiledKernels {
   static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDq(s, g); }
   static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDkv(s, g); }
   static ffi::Error Check(const NbhdAttnGpuParams& g) {
-    S2ATTN_CHECK(TiledAttnSupported(g), "the tiled kernels take bfloat16 or float16 activations with Dk == Dv in "
-                                        "{32, 64, 128} and 16-byte aligned buffers (got Dk = "
-                                            << g.head_dim_k << ", Dv = " << g.head_dim_v
-                                            << "); use the arc-segment targets (implementation='ffi-arc')");
+    S2ATTN_CHECK(TiledAttnSupported(g), "the tiled kernels take " << Alternatives(kTiledDtypes)
+                                                                  << " activations with Dk == Dv of "
+                                                                  << Alternatives(kTiledHeadDims)
+                                                                  << " and 16-byte aligned buffers (got Dk = "
+                                                                  << g.head_dim_k << ", Dv = " << g.head_dim_v
+                                                                  << "); use the arc-segment targets "
+                                                                     "(implementation='ffi-arc')");
     return ffi::Error::Success();
   }
 };

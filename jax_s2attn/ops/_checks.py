@@ -29,8 +29,10 @@ def _native_reason(implementation: str, platform: str | None, dtype, dk: int, dv
     """Why the native kernels ``implementation`` (one of the "ffi" values) needs cannot run."""
     if implementation == "ffi-tiled":
         return _ffi.tiled_unavailable_reason(platform, dtype, dk, dv)
-    if jnp.dtype(dtype) == jnp.float64:
-        return "the native kernels accumulate in float32 and do not take float64 inputs"
+    arc_dtypes = () if _ffi.kernel_limits() is None else _ffi.kernel_limits().arc_dtypes
+    if arc_dtypes and jnp.dtype(dtype) not in arc_dtypes:
+        names = _ffi.dtype_names(arc_dtypes)
+        return f"the native kernels accumulate in float32 and take {names} inputs, got {jnp.dtype(dtype).name}"
     return _ffi.unavailable_reason(platform, dk, dv)
 
 

@@ -83,6 +83,12 @@ DELTA_TARGET = "jax_s2attn_delta"
 KERNELS = ("arc", "tiled")
 
 
+def dtype_names(dtypes) -> str:
+    """``"float32, bfloat16 or float16"``."""
+    names = [np.dtype(d).name for d in dtypes]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
 def ffi_platform(platform: str) -> str:
     """The FFI's name of a jax platform name (jax says "gpu" for CUDA devices)."""
     return "cuda" if platform == "gpu" else platform
@@ -139,8 +145,7 @@ def tiled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str | No
     limits = kernel_limits()
     if limits is not None:  # without any native module the build reason above says it all
         if jnp.dtype(dtype) not in limits.tiled_dtypes:
-            names = " or ".join(d.name for d in limits.tiled_dtypes)
-            reasons.append(f"they take {names} inputs, got {jnp.dtype(dtype).name}")
+            reasons.append(f"they take {dtype_names(limits.tiled_dtypes)} inputs, got {jnp.dtype(dtype).name}")
         if dk != dv or dk not in limits.tiled_head_dims:
             dims = ", ".join(map(str, limits.tiled_head_dims))
             reasons.append(f"they need Dk == Dv in ({dims}), got Dk={dk}, Dv={dv}")
@@ -439,18 +444,15 @@ def _result_dtype(dtype, kernel: str, query, name: str) -> jnp.dtype:
     raise ValueError(f"{name} must be {allowed} for the {kernel} kernels, got {dtype.name}.")
 
 
-#: Element types of ``dout`` the delta target accepts.
-_DELTA_DOUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
 def _delta_operands(dout, out, dlse, out_dtype=jnp.float32) -> tuple:
     """``(dout, out, dlse)`` as arrays after checking their dtypes and shapes (``out`` of ``out_dtype``);
     ``dlse`` None becomes zeros."""
     dout, out = jnp.asarray(dout), jnp.asarray(out)
     lead, nlat, nlon, heads = _grid_dims("dout", dout)
     rows_shape = (*lead, nlat, nlon, heads)
-    if dout.dtype not in _DELTA_DOUT_DTYPES:
-        raise TypeError(f"dout must be float32, bfloat16 or float16, got {dout.dtype.name}.")
+    arc_dtypes = kernel_limits().arc_dtypes  # the delta target takes what the arc kernels take
+    if dout.dtype not in arc_dtypes:
+        raise TypeError(f"dout must be {dtype_names(arc_dtypes)}, got {dout.dtype.name}.")
     if out.shape != dout.shape or out.dtype != out_dtype:
         raise ValueError(
             f"out must be {jnp.dtype(out_dtype).name} with the shape of dout {tuple(dout.shape)}, "
