@@ -27,6 +27,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from jax_s2attn import native_status
 from jax_s2attn.grids import precompute_latitudes, precompute_longitudes
 from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
 
@@ -86,12 +87,30 @@ LONG_ROW_PLANS = {
 # Plans whose walks leave row pairs to the stencil kernels (jax_s2attn.plan.stencil_pairs: one residue,
 # arcs within 3 longitudes): rings longer than a block's longitudes at every head dim (64, 32, 16) with a tail,
 # rings shorter than the staged window (wrapped many times), more key rows than query rows, Legendre-Gauss.
+def _with_stencil_rows(build):
+    """``build`` checked to leave rows to the stencil kernels: the plan takes their shape from the installed
+    native module, so a run that imports the checkout (no compiled module) would test no stencil rows."""
+
+    def checked():
+        plan = build()
+        assert plan.forward_stencil_pairs.size and plan.backward_stencil_pairs.size, (
+            "the plan leaves no rows to the stencil kernels: import jax_s2attn from its install "
+            f"(jax_s2attn.native_status(): {native_status()!r})"
+        )
+        return plan
+
+    return checked
+
+
 STENCIL_PLANS = {
-    "self": PLANS["self"],
-    "legendre-gauss": PLANS["legendre-gauss"],
-    "self-17x72": lambda: NeighborhoodPlan((17, 72), (17, 72)),
-    "self-9x4": lambda: NeighborhoodPlan((9, 4), (9, 4)),
-    "lat-10x40-9x40": lambda: NeighborhoodPlan((10, 40), (9, 40), theta_cutoff=0.2),
+    name: _with_stencil_rows(build)
+    for name, build in {
+        "self": PLANS["self"],
+        "legendre-gauss": PLANS["legendre-gauss"],
+        "self-17x72": lambda: NeighborhoodPlan((17, 72), (17, 72)),
+        "self-9x4": lambda: NeighborhoodPlan((9, 4), (9, 4)),
+        "lat-10x40-9x40": lambda: NeighborhoodPlan((10, 40), (9, 40), theta_cutoff=0.2),
+    }.items()
 }
 
 # Walking rows with more segments than a tiled block lays out at once (kSlots = 64 segment slots in

@@ -33,7 +33,8 @@ def test_gradcheck_notebook_runs_headless():
     nbclient = pytest.importorskip("nbclient", reason="executing the notebook needs nbformat, nbclient and ipykernel")
     pytest.importorskip("ipykernel", reason="executing the notebook needs nbformat, nbclient and ipykernel")
     notebook = nbformat.read(EXAMPLES / "gradcheck.ipynb", as_version=4)
-    # Every check in the notebook asserts, so a clean run is the test.
+    # Every check in the notebook asserts, so a clean run is the test. Its kernel starts in examples/, so that it
+    # imports the installed package (with its native modules), not the checkout.
     nbclient.NotebookClient(
-        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES.parent)}}
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}
     ).execute()

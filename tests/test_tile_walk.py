@@ -1,7 +1,7 @@
 """Segment tables and the numpy emulation of the tiled kernels' walk."""
 
+import importlib.util
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -12,8 +12,12 @@ import pytest
 from jax_s2attn import NeighborhoodPlan
 from jax_s2attn.plan import ArcTable, SegmentTable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the walk's replay lives with the benchmark
-from tile_walk import BLOCK, TILE, WARP, computed_pairs, tile_pairs, tile_statistics  # noqa: E402
+# The walk's replay lives with the benchmark that reports its statistics.
+_SPEC = importlib.util.spec_from_file_location("tile_walk", Path(__file__).parents[1] / "benchmarks" / "tile_walk.py")
+tile_walk = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(tile_walk)
+BLOCK, TILE, WARP = tile_walk.BLOCK, tile_walk.TILE, tile_walk.WARP
+computed_pairs, tile_pairs, tile_statistics = tile_walk.computed_pairs, tile_walk.tile_pairs, tile_walk.tile_statistics
 
 FULL = 2 * math.pi  # a cutoff that takes in the whole sphere
 
