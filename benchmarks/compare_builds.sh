@@ -50,6 +50,13 @@ done
 "$python" - "$out" <<'PY'
 import csv, pathlib, statistics, sys
 
+def number(text):
+    try:
+        return float(text)
+    except (TypeError, ValueError):  # empty, or "absent" (torch-harmonics not importable)
+        return None
+
+
 out = pathlib.Path(sys.argv[1])
 runs = {name: [row for path in sorted(out.glob(f"{name}-*/attention-*.csv")) for row in csv.DictReader(open(path))]
         for name in "AB"}
@@ -59,8 +66,9 @@ columns = [c for c in runs["A"][0] if c.endswith("_ms") and not c.startswith(("f
 print(f"{'config':24} {'dtype':9} {'column':36} {'A ms':>9} {'B ms':>9} {'B/A':>6}")
 for config, dtype in dict.fromkeys((r["config"], r["dtype"]) for r in runs["A"]):
     for column in columns:
-        values = {name: [float(r[column]) for r in rows if (r["config"], r["dtype"]) == (config, dtype) and r.get(column)]
+        values = {name: [number(r.get(column)) for r in rows if (r["config"], r["dtype"]) == (config, dtype)]
                   for name, rows in runs.items()}
+        values = {name: [v for v in vs if v is not None] for name, vs in values.items()}
         if all(values.values()):
             ma, mb = (statistics.median(values[n]) for n in "AB")
             print(f"{config:24} {dtype:9} {column:36} {ma:9.4f} {mb:9.4f} {mb / ma:6.3f}")
