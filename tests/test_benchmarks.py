@@ -33,6 +33,7 @@ def _rows(directory: pathlib.Path, prefix: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_attention_benchmark(tmp_path):
     # Three samples: their median stands one outlier on a busy CI machine (with two, one sample whose single call
     # is held up by a few ms can make the delta target, a few microseconds, read negative).
@@ -102,6 +103,7 @@ def test_median_ms_times_bursts_of_calls(monkeypatch):
         assert len(calls) == 1 + 1 + 3 * (1 + burst)  # warm-up, sizing, per sample one alone and a burst
 
 
+@pytest.mark.slow
 def test_distributed_benchmark_smoke(tmp_path):
     # --smoke: tiny grids on virtual CPU devices, table only (no CSV).
     table = _run("distributed.py", "--smoke", cwd=tmp_path).splitlines()
@@ -195,6 +197,7 @@ def test_row_widths_split_the_plans_pairs(shapes):
 
 
 @pytest.mark.skipif(not jax_s2attn.native_backends().get("cpu"), reason="needs the native CPU module (CI has it)")
+@pytest.mark.slow
 def test_row_widths_times_a_kernel_on_each_band(tmp_path):
     lines = _run("row_widths.py", "--grid", "17", "36", "--theta-cutoff", "0.3", "--time", "arc", cwd=tmp_path)
     timed = [line for line in lines.splitlines() if "arc forward" in line]
@@ -217,6 +220,7 @@ def test_torch_harmonics_build_leaves_a_wheels_prebuilt_extensions_behind(tmp_pa
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+@pytest.mark.slow
 def test_occupancy_report(tmp_path):
     lines = _run("occupancy.py", cwd=tmp_path).splitlines()
     rows = [line.split() for line in lines if line.startswith("Tiled")]
@@ -244,6 +248,7 @@ def test_occupancy_takes_each_kernels_shape_from_its_includes():
         occupancy.shape_includes('#include "gpu/tiled_attn_dispatch.cuh"\n', "k.cu")
 
 
+@pytest.mark.slow
 def test_profile_driver_runs_each_configuration(tmp_path):
     # The ncu driver of run_h200.sh, on the CPU with the reference: one line per configuration.
     out = _run("profile_tiled.py", "--grid", "9", "18", "--theta-cutoff", "0.8", "--grid", "12", "24",

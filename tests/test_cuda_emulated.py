@@ -63,6 +63,9 @@ from kernel_cases import (  # noqa: E402
     verify_one_part_forward,
 )
 
+# Host builds of the kernels, their emulated runs and the AddressSanitizer run: the slow tier.
+pytestmark = pytest.mark.slow
+
 CUDA_ERROR_INVALID_VALUE = 1
 
 

@@ -20,6 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from emulation_build import EMULATION, build_emulated_library  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a host build of the emulation and its runs
+
 # ActivationType of nbhd_attn_kernels.h and numpy storage type of the 16-bit inputs.
 DTYPES = {"bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
 CUDA_ERROR_INVALID_VALUE = 1

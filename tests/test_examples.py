@@ -10,6 +10,8 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 pytest.importorskip("matplotlib")

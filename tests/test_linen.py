@@ -42,7 +42,7 @@ def test_linen_equals_nnx_with_the_same_parameters(kind, in_shape, out_shape, ex
     kv = jnp.asarray(rng.standard_normal((2, *in_shape, 3)), jnp.float32)
     variables = linen_layer.init(jax.random.key(0), query, kv)
     # Same structure and initialisation bounds: Linen's parameters drop into the NNX layer.
-    nnx_params = {path[-1]: p.get_value() for path, p in nnx.state(nnx_layer, nnx.Param).flat_state()}
+    nnx_params = {path[-1]: p.get_value() for path, p in nnx.to_flat_state(nnx.state(nnx_layer, nnx.Param))}
     assert jax.tree.map(jnp.shape, variables["params"]) == jax.tree.map(jnp.shape, nnx_params)
     params = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), p.dtype), variables["params"])
     for name, value in params.items():

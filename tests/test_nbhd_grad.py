@@ -26,6 +26,8 @@ CASES = [
     (((6, 12), (12, 24), EQ, EQ, None), ((3,), 4, 32, 32)),  # upsample, pscale 2
     (((6, 12), (12, 12), EQ, EQ, None), ((2, 1), 1, 5, 5)),  # latitude-only upsample
 ]
+# The fast tier: every grid, self, down and up, Dk = 130 without batch dims; the slow tier also the odd geometries.
+TIERED_CASES = [pytest.param(c, marks=pytest.mark.slow) if i in (1, 5, 6, 8) else c for i, c in enumerate(CASES)]
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
@@ -58,7 +60,7 @@ def _setup(case, exact_random):
     return plan, primals, cotangents
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@pytest.mark.parametrize("case", TIERED_CASES, ids=_case_id)
 def test_gradients_match_float64_oracle(platform, case, exact_random, dense_attention, rel_error, tolerance):
     plan, primals, cotangents = _setup(case, exact_random)
     scale = 1.0 / np.sqrt(primals[0].shape[-1])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jax_s2attn
 from jax_s2attn import NeighborhoodPlan, neighborhood_attention
 from jax_s2attn.ops import _ffi
 from jax_s2attn.ops.neighborhood import RESIDUAL_NAME
@@ -159,6 +160,16 @@ def test_registrations_match_target_names():
             continue
         registered = sorted(_ffi.MODULES[platform][0].registrations())
         assert registered == sorted(expected[platform]), platform
+
+
+def test_native_status_has_a_line_per_module_saying_why_where_it_is_missing():
+    backends = jax_s2attn.native_backends()
+    lines = jax_s2attn.native_status().splitlines()
+    assert [line.split(": ", 1)[0] for line in lines] == list(backends) == ["cpu", "cuda"]
+    for line, available in zip(lines, backends.values()):
+        reason = line.split(": ", 1)[1]
+        assert (reason == "available") == available and reason, line
+    assert backends["cpu"] == _ffi.HAS_CPU_EXT and backends["cuda"] == _ffi.HAS_CUDA_EXT
 
 
 @pytest.mark.skipif(not os.environ.get("CI"), reason="only CI guarantees a native build")

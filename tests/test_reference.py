@@ -9,18 +9,24 @@ from jax.test_util import check_grads
 from jax_s2attn import NeighborhoodPlan, neighborhood_attention
 from jax_s2attn.ops.reference import reference_attention
 
+
+def slow(*case):
+    """A case of the slow tier only; the fast tier keeps self, down, up and global."""
+    return pytest.param(case, marks=pytest.mark.slow)
+
+
 CASES = [
     # in_shape, out_shape, grid_in, grid_out, cutoff, heads, dk, dv
     ((9, 16), (9, 16), "equiangular", "equiangular", 0.5, 1, 4, 4),
-    ((8, 16), (8, 16), "legendre-gauss", "legendre-gauss", None, 3, 5, 3),
-    ((10, 12), (10, 12), "lobatto", "lobatto", 0.6, 1, 3, 6),
-    ((9, 12), (9, 12), "equiangular-trapezoidal", "equiangular-trapezoidal", None, 3, 4, 2),
+    slow((8, 16), (8, 16), "legendre-gauss", "legendre-gauss", None, 3, 5, 3),
+    slow((10, 12), (10, 12), "lobatto", "lobatto", 0.6, 1, 3, 6),
+    slow((9, 12), (9, 12), "equiangular-trapezoidal", "equiangular-trapezoidal", None, 3, 4, 2),
     ((12, 24), (6, 12), "equiangular", "equiangular", None, 3, 4, 5),  # down pscale 2
-    ((12, 24), (7, 8), "legendre-gauss", "lobatto", 0.6, 1, 3, 3),  # down pscale 3, odd
-    ((12, 12), (6, 12), "equiangular", "equiangular", None, 1, 2, 3),  # latitude-only
-    ((6, 24), (12, 12), "equiangular", "equiangular", None, 3, 3, 4),  # more latitudes, fewer longitudes
+    slow((12, 24), (7, 8), "legendre-gauss", "lobatto", 0.6, 1, 3, 3),  # down pscale 3, odd
+    slow((12, 12), (6, 12), "equiangular", "equiangular", None, 1, 2, 3),  # latitude-only
+    slow((6, 24), (12, 12), "equiangular", "equiangular", None, 3, 3, 4),  # more latitudes, fewer longitudes
     ((6, 12), (12, 24), "equiangular", "equiangular", None, 1, 4, 4),  # up pscale 2
-    ((5, 8), (11, 24), "lobatto", "legendre-gauss", 0.7, 3, 3, 5),  # up pscale 3, odd
+    slow((5, 8), (11, 24), "lobatto", "legendre-gauss", 0.7, 3, 3, 5),  # up pscale 3, odd
     ((9, 16), (9, 16), "equiangular", "equiangular", 4.0, 1, 3, 3),  # global neighbourhood
 ]
 
@@ -75,7 +81,11 @@ def test_low_precision(dtype, tol, rng, dense_attention, rel_error):
     assert rel_error(out, expected) < tol
 
 
-@pytest.mark.parametrize("shapes", [((8, 12), (8, 12)), ((8, 24), (6, 12)), ((5, 6), (7, 12))])
+@pytest.mark.parametrize(
+    "shapes",
+    [((8, 12), (8, 12)), pytest.param(((8, 24), (6, 12)), marks=pytest.mark.slow),
+     pytest.param(((5, 6), (7, 12)), marks=pytest.mark.slow)],
+)
 def test_gradients_float64(shapes, rng):
     plan = NeighborhoodPlan(*shapes, theta_cutoff=0.7)
     q, k, v = _inputs(rng, plan, (1,), 2, 3, 2)
@@ -114,6 +124,7 @@ def test_jit_grad_vmap(rng):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_memory_is_bounded_at_quarter_degree():
     # 721x1440 with the default cutoff: 24 M pairs, ~12 GB if all gathered keys/values
     # existed at once. The compiled program's temporaries must stay near the chunk budget.
