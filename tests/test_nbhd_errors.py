@@ -112,14 +112,6 @@ CONTENT_ERRORS = {
 }
 
 
-def _skip_on_cuda(platform):
-    # Under jax 0.11.2 on CUDA, when a handler returns an FFI error the process dies with
-    # SIGSEGV instead of raising. Public entry points validate in
-    # Python first, so only direct misuse of the raw ffi_* functions reaches this path.
-    if platform == "cuda":
-        pytest.skip("a CUDA handler's INVALID_ARGUMENT crashes jax 0.11.2's GPU runtime (open issue)")
-
-
 def _expect_invalid_argument(call, message):
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"(?s)INVALID_ARGUMENT: .*{message}"):
         jax.block_until_ready(call())
@@ -128,7 +120,6 @@ def _expect_invalid_argument(call, message):
 @native
 @pytest.mark.parametrize("name", sorted(SHAPE_ERRORS))
 def test_forward_handler_rejects_bad_shapes(platform, plan, name):
-    _skip_on_cuda(platform)
     args = _forward_args(plan)
     change, message = SHAPE_ERRORS[name]
     args.update(change(args))
@@ -165,7 +156,6 @@ BACKWARD_ERRORS = {
 @pytest.mark.parametrize("name", sorted(BACKWARD_ERRORS))
 @pytest.mark.parametrize("target", ["dq", "dkv"])
 def test_backward_handlers_reject_bad_operands(platform, plan, name, target):
-    _skip_on_cuda(platform)
     args = _backward_args(plan)
     change, message = BACKWARD_ERRORS[name]
     args.update(change(args))
@@ -246,7 +236,6 @@ def test_dq_that_forms_delta_checks_its_operands_before_lowering(plan, name):
 @pytest.mark.parametrize("target", ["forward", "dq", "dkv"])
 def test_arc_handlers_refuse_16_bit_results(platform, plan, target, monkeypatch):
     """The handlers' own check, behind the Python one (bypassed here)."""
-    _skip_on_cuda(platform)
     monkeypatch.setattr(_ffi, "_result_dtype", lambda dtype, kernel, query, name: jnp.dtype(dtype))
     args = _backward_args(plan)
     if target == "forward":
@@ -265,7 +254,6 @@ def test_arc_handlers_refuse_16_bit_results(platform, plan, target, monkeypatch)
 @native
 def test_handlers_refuse_mixed_gradient_types(platform, plan, monkeypatch):
     """dk float32 with dv float16: the handler names both (the Python wrappers never ask for it)."""
-    _skip_on_cuda(platform)
     args = _backward_args(plan)
     value_shape, result_type = tuple(args["value"].shape), _ffi._result_type
     monkeypatch.setattr(_ffi, "_result_type", lambda like, shape, dtype: result_type(

@@ -415,3 +415,26 @@ def test_ffi_runs_tiled_kernels_where_they_apply_serial_and_sharded(exact_random
     want = jax.jit(value_and_grads(serial("ffi-tiled")))(primals)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert rel_error(g, w) <= 2**-8, name  # at most one bfloat16 rounding apart
+
+
+@pytest.mark.parametrize("implementation", ["ffi-tiled", "ffi-arc"])
+def test_every_gpu_gives_the_same_bits(implementation, exact_random):
+    """Each visible GPU runs the kernels with its own stream's device current (gpu/stream_device.h): the
+    results and gradients on every device are the bits of the first, also when the calling thread's current
+    device is another one (every device but the first). One GPU checks the first device alone."""
+    plan = NeighborhoodPlan((23, 46), (23, 46), theta_cutoff=0.3)
+    shape = (1, 23, 46, 2, 64)
+    dtype = jnp.bfloat16 if implementation == "ffi-tiled" else jnp.float32
+    q, k, v = (jnp.asarray(exact_random(*shape), dtype) for _ in range(3))
+
+    def run(device):
+        args = [jax.device_put(x, device) for x in (q, k, v)]
+        out, vjp = jax.vjp(lambda *a: neighborhood_attention(*a, plan, implementation=implementation), *args)
+        assert next(iter(out.devices())) == device
+        return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(jnp.ones_like(out)))]
+
+    devices = jax.devices("gpu")
+    first = run(devices[0])
+    for device in devices[1:]:
+        for a, b in zip(run(device), first):
+            np.testing.assert_array_equal(a, b)

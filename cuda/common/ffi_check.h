@@ -2,8 +2,10 @@
 // message naming the operand and the values seen. Nothing throws across the XLA boundary.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -11,14 +13,40 @@ namespace s2attn {
 
 namespace ffi = xla::ffi;
 
+// An error message built from text and numbers with std::string alone. No iostreams: inside jax's
+// CUDA process, formatting a number through a std::ostringstream in this module dereferences a null
+// locale facet and kills the process (cuda/README.md, "Handler errors").
+class Message {
+ public:
+  Message& operator<<(std::string_view text) {
+    text_.append(text);
+    return *this;
+  }
+  template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, char>, int> = 0>
+  Message& operator<<(T value) {
+    text_ += std::is_same_v<T, bool> ? (value ? "true" : "false") : std::to_string(value);
+    return *this;
+  }
+  Message& operator<<(double value) {
+    char digits[32];
+    std::snprintf(digits, sizeof digits, "%g", value);
+    text_ += digits;
+    return *this;
+  }
+  const std::string& str() const { return text_; }
+
+ private:
+  std::string text_;
+};
+
 // Builds the message lazily: S2ATTN_CHECK(cond, "q has rank " << rank).
-#define S2ATTN_CHECK(cond, message)                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::ostringstream s2attn_message_;                             \
-      s2attn_message_ << message;                                     \
-      return ::xla::ffi::Error::InvalidArgument(s2attn_message_.str()); \
-    }                                                                 \
+#define S2ATTN_CHECK(cond, message)                                      \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
+      ::s2attn::Message s2attn_message_;                                 \
+      s2attn_message_ << message;                                        \
+      return ::xla::ffi::Error::InvalidArgument(s2attn_message_.str());  \
+    }                                                                    \
   } while (0)
 
 // Propagates an ffi::Error returned by a helper.

@@ -3,7 +3,8 @@
 // tiled dq that forms delta itself, and the backward's delta.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
-// table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream. Table *contents*
+// table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream with its device current
+// (gpu/stream_device.h). Table *contents*
 // (window, row order, arcs) are device memory: the kernels read them and clamp every index
 // they derive from them. Handlers never synchronise and allocate nothing.
 #include "gpu/nbhd_attn_ffi.h"
@@ -23,6 +24,7 @@
 #include "common/nbhd_params.h"
 #include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
+#include "gpu/stream_device.h"
 #include "gpu/tiled_attn_kernels.h"
 
 namespace s2attn {
@@ -148,7 +150,11 @@ struct TiledKernels {
   }
 };
 
-ffi::Error LaunchStatus(cudaError_t status, const char* target) {
+// Runs `launch()` (the kernel launches of one call of `target`) with the stream's device current.
+template <typename Launch>
+ffi::Error LaunchOnStreamDevice(cudaStream_t stream, const char* target, Launch&& launch) {
+  const ScopedStreamDevice device(stream);
+  const cudaError_t status = device.status() == cudaSuccess ? launch() : device.status();
   if (status == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(target) + ": CUDA kernel launch failed: " + cudaGetErrorName(status) +
                               " (" + cudaGetErrorString(status) + ")");
@@ -226,7 +232,7 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
   g.lse_out = lse->typed_data();
   if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
-  return LaunchStatus(Kernels::Forward(stream, g), Kernels::kForward);
+  return LaunchOnStreamDevice(stream, Kernels::kForward, [&] { return Kernels::Forward(stream, g); });
 }
 
 // jax_s2attn_nbhd_fwd.
@@ -302,7 +308,7 @@ ffi::Error BackwardDqOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi:
   if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, /*walk_keys=*/false, &g));
   if (dq->element_count() == 0) return ffi::Error::Success();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
-  return LaunchStatus(Kernels::BackwardDq(stream, g), Kernels::kBackwardDq);
+  return LaunchOnStreamDevice(stream, Kernels::kBackwardDq, [&] { return Kernels::BackwardDq(stream, g); });
 }
 
 // jax_s2attn_nbhd_bwd_dq.
@@ -350,7 +356,7 @@ ffi::Error BackwardDkvOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi
   g.dk = dk->untyped_data();
   g.dv = dv->untyped_data();
   S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
-  return LaunchStatus(Kernels::BackwardDkv(stream, g), Kernels::kBackwardDkv);
+  return LaunchOnStreamDevice(stream, Kernels::kBackwardDkv, [&] { return Kernels::BackwardDkv(stream, g); });
 }
 
 // jax_s2attn_nbhd_bwd_dkv.
@@ -418,7 +424,8 @@ ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
   g.dlse = dlse.typed_data();
   g.delta_out = delta->typed_data();
   S2ATTN_RETURN_IF_ERROR(TiledKernels::Check(g));
-  return LaunchStatus(TiledKernels::BackwardDq(stream, g), kTargetTiledBackwardDqDelta);
+  return LaunchOnStreamDevice(stream, kTargetTiledBackwardDqDelta,
+                              [&] { return TiledKernels::BackwardDq(stream, g); });
 }
 
 ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buffer dlse,
@@ -434,7 +441,7 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
   g.delta = delta->typed_data();
   g.rows = p.rows;
   g.dv = p.dv;
-  return LaunchStatus(LaunchDelta(stream, g), kTargetDelta);
+  return LaunchOnStreamDevice(stream, kTargetDelta, [&] { return LaunchDelta(stream, g); });
 }
 
 }  // namespace
