@@ -10,7 +10,7 @@ Data flows one way: :mod:`~jax_s2attn.grids` (latitudes, quadrature) ->
 import importlib
 
 from .grids import GRIDS, latitude_spacing, precompute_latitudes, precompute_longitudes
-from .ops import RESIDUAL_NAME, attention_s2, neighborhood_attention
+from .ops import CUSTOM_CALL_TARGETS, RESIDUAL_NAME, attention_s2, export_disabled_checks, neighborhood_attention
 from ._native import native_backends, native_status
 from .parallel import sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
@@ -18,10 +18,12 @@ from .plan import NeighborhoodPlan
 __version__ = "0.1.0"
 
 __all__ = [
+    "CUSTOM_CALL_TARGETS",
     "GRIDS",
     "NeighborhoodPlan",
     "RESIDUAL_NAME",
     "attention_s2",
+    "export_disabled_checks",
     "latitude_spacing",
     "native_backends",
     "native_status",

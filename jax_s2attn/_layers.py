@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from . import _validate
 from .grids import validate_shape
 from .ops.neighborhood import neighborhood_attention
 from .parallel.sharded import _check_mesh, padded_grid_shapes, sharded_neighborhood_attention
@@ -49,6 +50,7 @@ __all__ = [
     "MeshSplit",
     "ParamSpec",
     "attention_layer",
+    "check_dtypes",
     "layer_spec",
     "mesh_split",
     "neighborhood_attention_fn",
@@ -142,12 +144,6 @@ def neighborhood_attention_fn(plan: NeighborhoodPlan, implementation, split: Mes
     )
 
 
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    return int(value)
-
-
 def layer_spec(
     in_features,
     in_shape,
@@ -165,22 +161,26 @@ def layer_spec(
     ``qk_features`` and ``out_features`` default to ``in_features``; ``scale``
     defaults to ``1/sqrt(qk_features // num_heads)``.
     """
-    in_features = _positive_int(in_features, "in_features")
-    num_heads = _positive_int(num_heads, "num_heads")
-    qk_features = in_features if qk_features is None else _positive_int(qk_features, "qk_features")
-    out_features = in_features if out_features is None else _positive_int(out_features, "out_features")
-    for name, features in (("qk_features", qk_features), ("out_features", out_features)):
-        if features % num_heads:
+    in_features = _validate.integer(in_features, "in_features", 1)
+    num_heads = _validate.integer(num_heads, "num_heads", 1)
+    features = {
+        name: in_features if value is None else _validate.integer(value, name, 1)
+        for name, value in (("qk_features", qk_features), ("out_features", out_features))
+    }
+    for name, given in (("qk_features", qk_features), ("out_features", out_features)):
+        if features[name] % num_heads:
+            # Name what the user passed: a defaulted qk_features/out_features is in_features.
+            what = f"{name}={given}" if given is not None else f"in_features={in_features} (the default {name})"
             raise ValueError(
-                f"num_heads={num_heads} must divide {name}={features}; choose {name} as a multiple of num_heads."
+                f"num_heads={num_heads} must divide {what}; choose a multiple of num_heads"
+                + ("" if given is not None else f", or pass {name} explicitly")
+                + "."
             )
+    qk_features, out_features = features["qk_features"], features["out_features"]
     if scale is None:
         scale = 1.0 / math.sqrt(qk_features // num_heads)
     else:
-        try:
-            scale = float(scale)
-        except TypeError:
-            raise TypeError(f"scale must be a Python or numpy scalar, got {type(scale).__name__}.") from None
+        scale = _validate.positive_finite(scale, "scale", hint="; pass e.g. 1/sqrt(head_dim), or None for that default")
     return LayerSpec(
         in_features=in_features,
         qk_features=qk_features,
@@ -189,9 +189,23 @@ def layer_spec(
         in_shape=validate_shape(in_shape, "in_shape"),
         out_shape=validate_shape(out_shape, "out_shape"),
         scale=scale,
-        normalize_qk=bool(normalize_qk),
-        use_bias=bool(use_bias),
+        normalize_qk=_validate.boolean(normalize_qk, "normalize_qk"),
+        use_bias=_validate.boolean(use_bias, "use_bias"),
     )
+
+
+def check_dtypes(dtype, param_dtype) -> None:
+    """A layer's ``dtype`` (None or a float dtype) and ``param_dtype`` (a float dtype)."""
+    for name, value, optional in (("dtype", dtype, True), ("param_dtype", param_dtype, False)):
+        if value is None and optional:
+            continue
+        try:  # jnp.dtype(None) is the default float type: None is refused by hand
+            floating = value is not None and jnp.issubdtype(jnp.dtype(value), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            allowed = "None or a float dtype" if optional else "a float dtype"
+            raise TypeError(f"{name} must be {allowed} (e.g. jnp.bfloat16 or jnp.float32), got {value!r}.")
 
 
 def param_specs(spec: LayerSpec) -> tuple[ParamSpec, ...]:
@@ -327,12 +341,30 @@ def attention_layer(
     return _project(out, params, "out", precision)
 
 
+def _host_array(x, name: str) -> np.ndarray:
+    """A host numpy copy of a state-dict entry: numpy, or a torch tensor on any device, requiring grad or
+    not, in any float dtype (bfloat16, which numpy lacks, is widened exactly to float32)."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor; torch itself stays unimported
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        x = x.numpy()
+    try:
+        array = np.asarray(x)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(f"state_dict[{name!r}] cannot be read as an array ({type(x).__name__}): {e}") from None
+    if not np.issubdtype(array.dtype, np.floating):
+        raise TypeError(f"state_dict[{name!r}] must hold floats, got dtype {array.dtype}.")
+    return array
+
+
 def params_from_torch_harmonics(state_dict: Mapping, spec: LayerSpec) -> dict[str, np.ndarray]:
     """Convert a torch-harmonics attention state dict to our parameters (numpy).
 
     Accepts the parameters of ``NeighborhoodAttentionS2`` / ``AttentionS2``
     (projection weights ``[out, in, 1, 1]``, biases, qk-norm weights) as numpy
-    arrays or anything ``np.asarray`` takes (e.g. CPU torch tensors). Names and
+    arrays, torch tensors (any device or float dtype, requiring grad or not) or
+    anything ``np.asarray`` takes. Names and
     shapes are checked against ``spec``; any mismatch raises ``ValueError``.
     """
     if not isinstance(state_dict, Mapping):
@@ -349,7 +381,7 @@ def params_from_torch_harmonics(state_dict: Mapping, spec: LayerSpec) -> dict[st
         )
     params = {}
     for torch_name, name in expected.items():
-        array = np.asarray(state_dict[torch_name])
+        array = _host_array(state_dict[torch_name], torch_name)
         shape = specs[name].shape
         torch_shape = (shape[1], shape[0], 1, 1) if name.endswith("_kernel") else shape
         if array.shape != torch_shape:

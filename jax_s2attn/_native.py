@@ -47,7 +47,7 @@ def _load(name: str):
             f"{name} was built against jaxlib {built} but jaxlib {jaxlib.__version__} is running; "
             "rebuild jax_s2attn with the running jax (pip install --no-build-isolation .)"
         )
-    return module, "available"
+    return module, "built"
 
 
 #: Platform (as the FFI names it) -> ``(module or None, reason)``.
@@ -57,13 +57,36 @@ HAS_CUDA_EXT = MODULES["cuda"][0] is not None
 
 
 def native_backends() -> dict[str, bool]:
-    """Which native kernel modules are importable: ``{"cpu": bool, "cuda": bool}``."""
+    """Which native kernel modules are built and importable: ``{"cpu": bool, "cuda": bool}`` (whether this
+    process also has a device to run them on is :func:`native_status`'s second half)."""
     return {platform: module is not None for platform, (module, _) in MODULES.items()}
 
 
+def _devices_here(platform: str) -> str | None:
+    """Why this process has no ``platform`` device for the kernels; None if it has one (starts jax's backends)."""
+    import jax  # deferred: importing the package must not start a backend
+
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        devices = []
+    if devices:
+        return None
+    backends = ", ".join(sorted({d.platform for d in jax.devices()}))
+    return f"no {platform} device in this process (jax's devices: {backends})"
+
+
 def native_status() -> str:
-    """One line per native module saying whether it is available, and if not why."""
-    return "\n".join(f"{platform}: {reason}" for platform, (_, reason) in MODULES.items())
+    """One line per native module: whether it is built, and whether it is usable here (a device of its
+    platform is visible to jax), and if not why. Asking starts jax's backends."""
+    lines = []
+    for platform, (module, reason) in MODULES.items():
+        if module is None:
+            lines.append(f"{platform}: {reason}")
+            continue
+        missing = _devices_here(platform)
+        lines.append(f"{platform}: built; " + ("usable here" if missing is None else f"not usable here: {missing}"))
+    return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import _validate
+
 __all__ = [
     "GRIDS",
     "precompute_latitudes",
@@ -26,21 +28,29 @@ GRIDS = ("equiangular", "legendre-gauss", "lobatto", "equiangular-trapezoidal")
 
 
 def validate_grid(grid: str, argname: str = "grid") -> str:
+    """``grid`` if it is one of :data:`GRIDS`, else a ``TypeError``/``ValueError`` naming ``argname``."""
+    if not isinstance(grid, str):
+        raise TypeError(f"{argname} must be a grid name (a str), got {grid!r}; valid grids are: {_grid_names()}.")
     if grid not in GRIDS:
-        raise ValueError(
-            f"Unknown {argname}={grid!r}; valid grids are: {', '.join(repr(g) for g in GRIDS)}."
-        )
+        raise ValueError(f"Unknown {argname}={grid!r}; valid grids are: {_grid_names()}.")
     return grid
 
 
+def _grid_names() -> str:
+    return ", ".join(repr(g) for g in GRIDS)
+
+
 def validate_shape(shape, argname: str = "shape") -> tuple[int, int]:
-    """``(nlat, nlon)`` of a grid shape, both at least 2, or a ``ValueError`` naming ``argname``."""
+    """``(nlat, nlon)`` of a grid shape: two integers (``numbers.Integral``), each at least 2; else a
+    ``TypeError``/``ValueError`` naming ``argname``."""
     try:
-        nlat, nlon = (int(s) for s in shape)
-    except (TypeError, ValueError):
-        raise ValueError(f"{argname} must be a pair (nlat, nlon) of integers, got {shape!r}.") from None
-    if nlat < 2 or nlon < 2:
-        raise ValueError(f"{argname}={shape!r} is too small: nlat and nlon must both be at least 2.")
+        items = None if isinstance(shape, (str, bytes)) else tuple(shape)
+    except TypeError:
+        items = None
+    if items is None or len(items) != 2:
+        raise TypeError(f"{argname} must be a pair (nlat, nlon) of integers, e.g. (181, 360), got {shape!r}.")
+    hint = f" in {argname}={items!r}; pass whole numbers of latitudes and longitudes, each at least 2"
+    nlat, nlon = (_validate.integer(n, axis, 2, hint) for n, axis in zip(items, ("nlat", "nlon")))
     return nlat, nlon
 
 
@@ -112,17 +122,16 @@ def precompute_latitudes(nlat: int, grid: str = "equiangular") -> tuple[np.ndarr
       ascend from the north pole, weights are positive and sum to 2.
     """
     validate_grid(grid)
-    nlat = int(nlat)
     min_nlat = 1 if grid == "legendre-gauss" else 2
-    if nlat < min_nlat:
-        raise ValueError(f"nlat={nlat} is too small for grid {grid!r}; it needs at least {min_nlat} rings.")
+    nlat = _validate.integer(nlat, "nlat", min_nlat, f" (the number of latitude rings of grid {grid!r})")
     theta, weights = _BUILDERS[grid](nlat)
     return np.ascontiguousarray(theta, dtype=np.float64), np.ascontiguousarray(weights, dtype=np.float64)
 
 
 def precompute_longitudes(nlon: int) -> np.ndarray:
-    """Longitudes ``2*pi*j/nlon`` for ``j = 0..nlon-1`` (float64)."""
-    return np.linspace(0.0, 2.0 * np.pi, int(nlon) + 1, dtype=np.float64)[:-1]
+    """Longitudes ``2*pi*j/nlon`` for ``j = 0..nlon-1`` (float64); ``nlon`` an integer of at least 1."""
+    nlon = _validate.integer(nlon, "nlon", 1, " (the number of longitudes)")
+    return np.linspace(0.0, 2.0 * np.pi, nlon + 1, dtype=np.float64)[:-1]
 
 
 def latitude_spacing(nlat: int, grid: str = "equiangular") -> float:

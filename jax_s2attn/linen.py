@@ -5,10 +5,12 @@ Same arguments, parameters and math as :mod:`jax_s2attn.nnx` (both call
 mapping. Shape legend: ``B...`` batch axes; query ``[B..., nlat_out, nlon_out,
 in_features]``, key/value ``[B..., nlat_in, nlon_in, in_features]``.
 
-The plan (or quadrature weights) lives in the ``"s2_tables"`` collection that
+The neighbourhood layer's plan lives in the ``"s2_tables"`` collection that
 ``init`` returns next to ``"params"``. Pass both collections to ``apply`` and
 the tables are arguments of a jitted program; with ``"params"`` alone the layer
-still works but embeds the tables as constants.
+still works but embeds the tables as constants. The plan's leaves are int32, so a
+cast of every floating leaf leaves them alone. The global layer has no tables
+(its quadrature weights are constants of the program).
 
 Example:
 
@@ -36,12 +38,13 @@ from jax.sharding import Mesh
 
 from . import _layers
 from .grids import validate_grid
+from .ops import _checks, global_attention
 from .ops.global_attention import attention_s2, quadrature_weights
 from .plan import NeighborhoodPlan
 
 __all__ = ["AttentionS2", "NeighborhoodAttentionS2", "TABLES_COLLECTION", "load_torch_harmonics_state_dict"]
 
-#: Variable collection holding each layer's plan or quadrature weights.
+#: Variable collection holding each neighbourhood layer's plan.
 TABLES_COLLECTION = "s2_tables"
 
 
@@ -66,7 +69,11 @@ class _SphericalAttention(nn.Module):
     implementation: str | None = None
 
     def __post_init__(self):
-        self._mesh_split(self._host_tables())  # Validates every argument at construction, as NNX does.
+        # Validates every argument at construction, as NNX does.
+        _layers.check_dtypes(self.dtype, self.param_dtype)
+        self._check_implementation()
+        self.spec  # noqa: B018 (validates the structural arguments)
+        self._mesh_split(self._host_tables())
         super().__post_init__()
 
     @property
@@ -84,7 +91,10 @@ class _SphericalAttention(nn.Module):
         )
 
     def _host_tables(self):
-        """The layer's plan or quadrature weights, built outside any trace."""
+        """The layer's plan, built outside any trace; None for a layer without tables."""
+        raise NotImplementedError
+
+    def _check_implementation(self) -> None:
         raise NotImplementedError
 
     def _mesh_split(self, host_tables) -> _layers.MeshSplit | None:
@@ -115,7 +125,7 @@ class _SphericalAttention(nn.Module):
         params = {p.name: self.param(p.name, p.init, p.shape, self.param_dtype) for p in _layers.param_specs(spec)}
         tables = self._host_tables()
         split = self._mesh_split(tables)
-        if self.is_initializing() or self.has_variable(TABLES_COLLECTION, "tables"):
+        if tables is not None and (self.is_initializing() or self.has_variable(TABLES_COLLECTION, "tables")):
             tables = self.variable(TABLES_COLLECTION, "tables", lambda: tables).value
         return _layers.attention_layer(
             params,
@@ -151,6 +161,9 @@ class NeighborhoodAttentionS2(_SphericalAttention):
         spec = self.spec
         return NeighborhoodPlan(spec.in_shape, spec.out_shape, self.grid_in, self.grid_out, self.theta_cutoff)
 
+    def _check_implementation(self) -> None:
+        _checks.check_implementation(self.implementation)
+
     def _mesh_split(self, plan: NeighborhoodPlan) -> _layers.MeshSplit | None:
         return _layers.mesh_split(plan, self.mesh, self.lat_axis, self.lon_axis, self.batch_axis)
 
@@ -164,10 +177,14 @@ class AttentionS2(_SphericalAttention):
     def _host_tables(self):
         validate_grid(self.grid_in, "grid_in")
         validate_grid(self.grid_out, "grid_out")
-        return jnp.asarray(quadrature_weights(self.spec.in_shape, self.grid_in))
+        return None
 
-    def _attention_fn(self, quad_weights, split):
-        return functools.partial(attention_s2, quad_weights=quad_weights, implementation=self.implementation)
+    def _check_implementation(self) -> None:
+        global_attention.check_implementation(self.implementation)
+
+    def _attention_fn(self, tables, split):
+        weights = quadrature_weights(self.spec.in_shape, self.grid_in)  # numpy: a constant of the program
+        return functools.partial(attention_s2, quad_weights=weights, implementation=self.implementation)
 
 
 def load_torch_harmonics_state_dict(module: _SphericalAttention, state_dict: Mapping) -> dict:

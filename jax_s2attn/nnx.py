@@ -13,12 +13,15 @@ with Flax argument names: ``in_features``
 Parameters are described in :mod:`jax_s2attn._layers`; a torch-harmonics
 checkpoint is imported with :meth:`NeighborhoodAttentionS2.load_torch_harmonics_state_dict`.
 
-The neighbourhood plan (or, for the global layer, the quadrature weights) is
-held in an :class:`S2Tables` variable: it is part of the module's state, so
-under ``nnx.jit`` its device tables are arguments of the compiled program, not
-constants folded into it, and an optimizer built with ``wrt=nnx.Param`` never
-touches it. To checkpoint a layer save ``nnx.state(layer, nnx.Param)``; the
-tables are rebuilt by the constructor.
+The neighbourhood layer's plan is held in an :class:`S2Tables` variable: it is
+part of the module's state, so under ``nnx.jit`` its device tables are arguments
+of the compiled program, not constants folded into it, and an optimizer built
+with ``wrt=nnx.Param`` never touches it. Its leaves are all int32 index tables,
+so a mixed-precision cast of the floating leaves of a whole state leaves them
+alone (a cast of every leaf is caught when the layer is called). The global
+layer holds no tables: its quadrature weights (one per input latitude) are
+constants of the program. To checkpoint a layer save ``nnx.state(layer,
+nnx.Param)``; the tables are rebuilt by the constructor.
 
 Example:
 
@@ -41,6 +44,7 @@ from jax.sharding import Mesh
 
 from . import _layers
 from .grids import validate_grid
+from .ops import _checks, global_attention
 from .ops.global_attention import attention_s2, quadrature_weights
 from .plan import NeighborhoodPlan
 
@@ -48,15 +52,14 @@ __all__ = ["AttentionS2", "NeighborhoodAttentionS2", "S2Tables"]
 
 
 class S2Tables(nnx.Variable):
-    """Non-trainable constants of a spherical layer: its plan or quadrature weights."""
+    """Non-trainable constants of a neighbourhood layer: its plan (int32 device tables)."""
 
 
 class _SphericalAttention(nnx.Module):
     """Parameters, dtype policy and the call shared by both layers."""
 
-    def __init__(
-        self, spec: _layers.LayerSpec, tables, *, dtype, param_dtype, precision, implementation, rngs, split=None
-    ):
+    def __init__(self, spec: _layers.LayerSpec, *, dtype, param_dtype, precision, implementation, rngs, split=None):
+        _layers.check_dtypes(dtype, param_dtype)
         self.spec = spec
         self.split = split  # _layers.MeshSplit of a layer on a device mesh, else None
         self.dtype = dtype
@@ -65,10 +68,9 @@ class _SphericalAttention(nnx.Module):
         self.implementation = implementation
         for p in _layers.param_specs(spec):
             setattr(self, p.name, nnx.Param(p.init(rngs.params(), p.shape, param_dtype)))
-        self.tables = S2Tables(tables)
 
-    def _attention_fn(self, tables):
-        """``attention(q, k, v, scale=...)`` on heads-last arrays, bound to ``tables``."""
+    def _attention_fn(self):
+        """``attention(q, k, v, scale=...)`` on heads-last arrays."""
         raise NotImplementedError
 
     def __call__(self, query, key=None, value=None):
@@ -93,7 +95,7 @@ class _SphericalAttention(nnx.Module):
             key,
             value,
             spec=self.spec,
-            attention=self._attention_fn(self.tables.get_value()),
+            attention=self._attention_fn(),
             dtype=self.dtype,
             precision=self.precision,
             padded_shapes=None if self.split is None else self.split.padded_shapes,
@@ -192,10 +194,10 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             normalize_qk=normalize_qk,
             use_bias=use_bias,
         )
+        _checks.check_implementation(implementation)
         plan = NeighborhoodPlan(spec.in_shape, spec.out_shape, grid_in, grid_out, theta_cutoff)
         super().__init__(
             spec,
-            plan,
             dtype=dtype,
             param_dtype=param_dtype,
             precision=precision,
@@ -203,14 +205,15 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             rngs=rngs,
             split=_layers.mesh_split(plan, mesh, lat_axis, lon_axis, batch_axis),
         )
+        self.tables = S2Tables(plan)
 
     @property
     def plan(self) -> NeighborhoodPlan:
         """The layer's :class:`~jax_s2attn.NeighborhoodPlan`."""
         return self.tables.get_value()
 
-    def _attention_fn(self, plan):
-        return _layers.neighborhood_attention_fn(plan, self.implementation, self.split)
+    def _attention_fn(self):
+        return _layers.neighborhood_attention_fn(self.plan, self.implementation, self.split)
 
 
 class AttentionS2(_SphericalAttention):
@@ -258,15 +261,17 @@ class AttentionS2(_SphericalAttention):
         )
         validate_grid(grid_in, "grid_in")
         validate_grid(grid_out, "grid_out")
+        global_attention.check_implementation(implementation)
         super().__init__(
             spec,
-            jnp.asarray(quadrature_weights(spec.in_shape, grid_in)),
             dtype=dtype,
             param_dtype=param_dtype,
             precision=precision,
             implementation=implementation,
             rngs=rngs,
         )
+        self.grid_in = grid_in
 
-    def _attention_fn(self, quad_weights):
-        return functools.partial(attention_s2, quad_weights=quad_weights, implementation=self.implementation)
+    def _attention_fn(self):
+        weights = quadrature_weights(self.spec.in_shape, self.grid_in)  # numpy: a constant of the program
+        return functools.partial(attention_s2, quad_weights=weights, implementation=self.implementation)

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import json
 from typing import NamedTuple
 
 import numpy as np
 
+from . import _validate
 from ._native import kernel_limits
 from .grids import latitude_spacing, precompute_latitudes, precompute_longitudes, validate_grid, validate_shape
 
@@ -194,9 +195,11 @@ def _stencil_rows_last(row_order: np.ndarray, pairs: np.ndarray) -> np.ndarray:
 class PlanTables(NamedTuple):
     """Device-side tables the kernels read; the pytree leaves of a plan.
 
-    All int32 except ``quad_weights`` (float32 ``[nlat_in]``, ``2*pi*w/nlon_in``).
-    The segment tables are those of :class:`SegmentTable`; where ``R == 1`` they
-    are the arc tables' arrays themselves.
+    All int32 index tables: a dtype cast of every floating leaf of a model's state (mixed
+    precision) leaves them alone. The quadrature weights are not among them: each call
+    takes them from the host (:meth:`NeighborhoodPlan.quadrature_weights`) in the precision
+    it computes in. The segment tables are those of :class:`SegmentTable`; where ``R == 1``
+    they are the arc tables' arrays themselves.
     """
 
     forward_offsets: object
@@ -205,7 +208,6 @@ class PlanTables(NamedTuple):
     backward_offsets: object
     backward_arcs: object
     backward_row_order: object
-    quad_weights: object
     forward_segment_offsets: object
     forward_segments: object
     backward_segment_offsets: object
@@ -328,9 +330,9 @@ class NeighborhoodPlan:
         validate_grid(grid_in, "grid_in")
         validate_grid(grid_out, "grid_out")
         if theta_cutoff is not None:
-            theta_cutoff = float(theta_cutoff)
-            if not theta_cutoff > 0 or not math.isfinite(theta_cutoff):
-                raise ValueError(f"theta_cutoff must be a positive finite angle in radians, got {theta_cutoff!r}.")
+            theta_cutoff = _validate.positive_finite(
+                theta_cutoff, "theta_cutoff", " in radians", "; pass e.g. 0.05, or None for one latitude spacing"
+            )
         return _build_plan(_PlanKey(in_shape, out_shape, grid_in, grid_out, theta_cutoff))
 
     def __init__(self, *args, **kwargs):  # All work happens in the cached builder.
@@ -385,25 +387,90 @@ class NeighborhoodPlan:
         if tables is None:
             import jax  # Deferred: building a plan must not start a backend.
 
-            f, b = self.forward_arcs, self.backward_arcs
-            host = (f.offsets, f.arcs, f.row_order, b.offsets, b.arcs, b.row_order, self.quad_weights)
             # First use may happen while tracing: upload eagerly, never cache a tracer.
             with jax.ensure_compile_time_eval():
-                arc_tables = [jax.device_put(t) for t in host]
-                segment_tables = []
-                walks = [(self.forward_segments, arc_tables[0:2]), (self.backward_segments, arc_tables[3:5])]
-                for table, arcs in walks:
-                    # With R == 1 the segment table is the arc table (checked when the plan is built).
-                    segment_tables += arcs if table.residues == 1 else map(jax.device_put, table[:2])
-                stencil = map(jax.device_put, (self.forward_stencil_pairs, self.backward_stencil_pairs))
-                tables = PlanTables(*arc_tables, *segment_tables, *stencil)
+                uploaded = {}  # one device array per host array (R == 1 segment tables are the arc tables)
+                tables = PlanTables(
+                    *(uploaded.setdefault(id(t), jax.device_put(t)) for t in _host_tables(self._host))
+                )
             object.__setattr__(self, "_tables", tables)
         return tables
+
+    def quadrature_weights(self, dtype) -> np.ndarray:
+        """Per input latitude, the weight ``2*pi*w/nlon_in`` inside the softmax, ``[nlat_in]`` host numpy.
+
+        float64 (exact) for a float64 computation; for any other ``dtype`` the float32 table the
+        native kernels read, :attr:`quad_weights` (torch-harmonics' bits).
+        """
+        return self._quad_weights_float64 if np.dtype(dtype) == np.float64 else self.quad_weights
+
+    def check_tables(self) -> None:
+        """Raise ``TypeError`` unless the device tables are what this plan built (int32, its shapes), e.g.
+        after a dtype cast of every leaf of a pytree holding the plan."""
+        for name, leaf, host in zip(PlanTables._fields, self.tables, _host_tables(self._host)):
+            if getattr(leaf, "dtype", None) != np.int32 or tuple(getattr(leaf, "shape", ())) != host.shape:
+                raise TypeError(
+                    f"the plan's table {name} is {getattr(leaf, 'dtype', type(leaf).__name__)} of shape "
+                    f"{tuple(getattr(leaf, 'shape', ()))}, but the plan built it int32 of shape {host.shape}: a "
+                    "transformation of the whole pytree holding the plan changed it. Its tables are all int32 index "
+                    "tables; cast only floating leaves (e.g. jax.tree.map(lambda x: x.astype(jnp.bfloat16) if "
+                    "jnp.issubdtype(x.dtype, jnp.floating) else x, state)) or leave the plan out of the cast."
+                )
 
     @property
     def max_neighbors(self) -> int:
         """Largest neighbourhood of any output point."""
         return int(self.forward_arcs.pattern_lengths.max())
+
+
+def _nearest_input_distance(theta: float, lon: float, theta_in: np.ndarray, nlon_in: int) -> float:
+    """Geodesic distance from the point ``(theta, lon)`` to the nearest point of the input grid: on each
+    input ring the nearest longitude is the one nearest ``lon``."""
+    step = 2.0 * np.pi / nlon_in
+    nearest = np.round(lon / step) * step - lon
+    cos_d = np.cos(theta) * np.cos(theta_in) + np.sin(theta) * np.sin(theta_in) * np.cos(nearest)
+    return float(np.arccos(np.clip(cos_d, -1.0, 1.0)).min())
+
+
+def _empty_neighbourhood_error(lengths, residues: int, theta_cutoff: float, theta_out, theta_in, key) -> ValueError:
+    """The error for output points without any input point within the cutoff: which points, whether the
+    gap is between latitudes or between the longitudes of a ring, and the smallest cutoff that closes it."""
+    empty = np.flatnonzero(lengths == 0)
+    rows, residue = np.divmod(empty, residues)
+    nlon_in, nlon_out = key.in_shape[1], key.out_shape[1]
+    needed = max(
+        _nearest_input_distance(theta_out[r], 2.0 * np.pi * m / nlon_out, theta_in, nlon_in)
+        for r, m in zip(rows, residue)
+    )
+    # The rule admits distances up to (1 + THETA_CUTOFF_EPS) * theta_cutoff; rounded up to the digits shown.
+    digits = 5 - int(np.floor(np.log10(needed)))
+    suggestion = np.ceil(needed / (1.0 + THETA_CUTOFF_EPS) * 10.0**digits) / 10.0**digits
+    row_has_neighbours = lengths.reshape(-1, residues).sum(axis=1) > 0
+    if row_has_neighbours[rows].all():
+        where = (
+            f"{len(rows)} output point classes (the first at latitude {int(rows[0])}, longitude {int(residue[0])}) "
+            f"fall between the input grid's longitudes, {2.0 * np.pi / nlon_in:.6g} rad apart on the equator"
+        )
+    else:
+        row = int(rows[~row_has_neighbours[rows]][0])
+        where = f"output latitude {row} (colatitude {theta_out[row]:.6g} rad) is farther than theta_cutoff from every input ring"
+    return ValueError(
+        f"theta_cutoff={theta_cutoff!r} leaves output points with no input neighbour: {where}. "
+        f"Use theta_cutoff >= {suggestion:.6g} rad (the smallest cutoff that gives every output point a neighbour)."
+    )
+
+
+def _host_tables(plan: NeighborhoodPlan) -> tuple[np.ndarray, ...]:
+    """The host arrays of :class:`PlanTables`, in its order (the same array twice where a segment table is
+    its arc table)."""
+    f, b = plan.forward_arcs, plan.backward_arcs
+    fs, bs = plan.forward_segments, plan.backward_segments
+    forward_segments = (f.offsets, f.arcs) if fs.residues == 1 else (fs.offsets, fs.segments)
+    backward_segments = (b.offsets, b.arcs) if bs.residues == 1 else (bs.offsets, bs.segments)
+    return (
+        f.offsets, f.arcs, f.row_order, b.offsets, b.arcs, b.row_order,
+        *forward_segments, *backward_segments, plan.forward_stencil_pairs, plan.backward_stencil_pairs,
+    )  # fmt: skip
 
 
 def _set(obj, **values):
@@ -458,12 +525,7 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
 
     lengths = forward.pattern_lengths
     if (lengths == 0).any():
-        p = int(np.flatnonzero(lengths == 0)[0])
-        raise ValueError(
-            f"theta_cutoff={theta_cutoff!r} leaves output latitude {p // forward.residues} with no input "
-            f"neighbour; use a cutoff of at least the input grid's latitude spacing "
-            f"({latitude_spacing(nlat_in, key.grid_in):.6g} rad)."
-        )
+        raise _empty_neighbourhood_error(lengths, forward.residues, theta_cutoff, theta_out, theta_in, key)
 
     forward_segments, backward_segments = SegmentTable.from_arcs(forward), SegmentTable.from_arcs(backward)
     forward_stencil_pairs, backward_stencil_pairs = stencil_pairs(forward_segments), stencil_pairs(backward_segments)
@@ -477,7 +539,9 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         ):
             raise RuntimeError("a one-residue segment table differs from its arc table")
 
+    # torch-harmonics' float32 weights (what the native kernels read) and the exact ones (float64 computations).
     quad_weights = (np.float32(2.0 * np.pi) * w_in.astype(np.float32) / np.float32(nlon_in)).astype(np.float32)
+    quad_weights_float64 = 2.0 * np.pi * w_in / nlon_in
     plan = object.__new__(NeighborhoodPlan)
     _set(
         plan,
@@ -493,6 +557,7 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         theta_in=theta_in,
         theta_out=theta_out,
         quad_weights=quad_weights,
+        _quad_weights_float64=quad_weights_float64,
         csr_offsets=csr_offsets,
         csr_columns=csr_columns,
         nnz=int(csr_columns.size),
@@ -505,7 +570,7 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         backward_stencil_pairs=backward_stencil_pairs,
     )
     _set(plan, _host=plan)
-    host_tables = (csr_offsets, csr_columns, quad_weights, theta_in, theta_out, *forward[:3], *backward[:3])
+    host_tables = (csr_offsets, csr_columns, quad_weights, quad_weights_float64, theta_in, theta_out, *forward[:3], *backward[:3])
     stencil = (forward_stencil_pairs, backward_stencil_pairs)
     for table in (*host_tables, *forward_segments[:2], *backward_segments[:2], *stencil):
         table.setflags(write=False)
@@ -523,10 +588,37 @@ def _unflatten_plan(host: NeighborhoodPlan, leaves) -> NeighborhoodPlan:
     return plan
 
 
+#: Name of the plan's pytree node in programs serialized by ``jax.export``.
+SERIALIZED_NAME = "jax_s2attn.NeighborhoodPlan"
+
+
+def _serialize_plan(host: NeighborhoodPlan) -> bytes:
+    """The plan's constructor arguments (its tables are rebuilt from them): what ``jax.export`` stores."""
+    k = host._key
+    arguments = dict(in_shape=k.in_shape, out_shape=k.out_shape, grid_in=k.grid_in, grid_out=k.grid_out,
+                     theta_cutoff=k.theta_cutoff)  # fmt: skip
+    return json.dumps(arguments).encode()
+
+
+def _deserialize_plan(data: bytes) -> NeighborhoodPlan:
+    arguments = json.loads(data.decode())
+    return NeighborhoodPlan(
+        tuple(arguments["in_shape"]), tuple(arguments["out_shape"]), arguments["grid_in"], arguments["grid_out"],
+        arguments["theta_cutoff"],
+    )._host  # fmt: skip
+
+
 def _register_pytree():
     import jax
 
     jax.tree_util.register_pytree_node(NeighborhoodPlan, _flatten_plan, _unflatten_plan)
+    # Exported programs that take a plan as an argument serialize it by its constructor arguments.
+    jax.export.register_pytree_node_serialization(
+        NeighborhoodPlan,
+        serialized_name=SERIALIZED_NAME,
+        serialize_auxdata=_serialize_plan,
+        deserialize_auxdata=_deserialize_plan,
+    )
 
 
 _register_pytree()

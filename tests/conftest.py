@@ -81,9 +81,9 @@ def _dense_attention(query, key, value, plan, scale):
     kf = k.reshape(b, -1, h, k.shape[-1])
     vf = v.reshape(b, -1, h, v.shape[-1])
     _, w = precompute_latitudes(plan.nlat_in, plan.grid_in)
-    # float32 weights by definition (torch-harmonics parity): 2*pi*float32(w)/nlon_in in float32.
-    weights = np.float32(2 * np.pi) * w.astype(np.float32) / np.float32(plan.nlon_in)
-    logw = np.repeat(np.log(weights.astype(np.float64)), plan.nlon_in)
+    # The exact weights 2*pi*w/nlon_in: the float64 path computes with them (the native kernels and lower
+    # precisions with their float32 rounding, within every tolerance below).
+    logw = np.repeat(np.log(2 * np.pi * w / plan.nlon_in), plan.nlon_in)
     logits = jnp.einsum("bohd,bihd->bhoi", qf, kf) * scale + logw
     logits = jnp.where(_dense_membership(plan), logits, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)

@@ -89,5 +89,5 @@ def test_unknown_grid_lists_valid_names():
 
 @pytest.mark.parametrize("grid", ["equiangular", "lobatto"])
 def test_too_few_latitudes(grid):
-    with pytest.raises(ValueError, match="nlat=1"):
+    with pytest.raises(ValueError, match=f"nlat must be at least 2, got 1 .*grid '{grid}'"):
         precompute_latitudes(1, grid)

@@ -99,7 +99,7 @@ def test_load_torch_harmonics_state_dict(rng):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_heads=2), "num_heads=2 must divide qk_features=3"),
+        (dict(num_heads=2), "num_heads=2 must divide in_features=3 (the default qk_features)"),
         (dict(grid_out="healpix"), "grid_out='healpix'"),
         (dict(out_shape=(6, 7)), "integer multiple"),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +64,8 @@ def test_plan_as_jit_argument_keeps_tables_out_of_the_program(plan, qkv):
     as_argument = jax.jit(_grad).lower(q, k, v, plan).as_text()
     closed_over = jax.jit(lambda q, k, v: _grad(q, k, v, plan)).lower(q, k, v).as_text()
     assert "jax_s2attn_nbhd_fwd" in as_argument and "jax_s2attn_nbhd_bwd_dkv" in as_argument
-    assert _largest_literal_constant(as_argument) <= 8  # the window operand
+    # The window operand and the quadrature weights (one per input latitude) are constants, no table is.
+    assert _largest_literal_constant(as_argument) <= max(8, plan.nlat_in)
     assert _largest_literal_constant(closed_over) > 8  # the check can fail: closures embed tables
 
 
@@ -143,12 +145,70 @@ def test_export_for_cuda_lowers_custom_calls(plan, implementation):
     exported = jax.export.export(
         jax.jit(lambda q, k, v, plan: _grad(q, k, v, plan, implementation)),
         platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(t) for t in (*_ffi.TARGETS, _ffi.DELTA_TARGET)],
+        disabled_checks=jax_s2attn.export_disabled_checks(),
     )(*sds, plan_sds)
     module = exported.mlir_module()
     expect_native = implementation == "ffi" or _ffi.HAS_CUDA_EXT
     for target in (*_ffi.TARGETS, _ffi.DELTA_TARGET):
         assert (f"stablehlo.custom_call @{target}(" in module) == expect_native, target
+
+
+@native
+def test_export_round_trips_with_the_plan_as_an_argument(plan, qkv):
+    """Serialized and deserialized, for both platforms: the same results and gradients as the op, the plan
+    rebuilt from its serialized arguments (not a closure constant)."""
+    q, k, v = qkv(2)
+    exported = jax.export.export(
+        jax.jit(lambda q, k, v, plan: (_loss(q, k, v, plan, None), _grad(q, k, v, plan, None))),
+        platforms=["cpu", "cuda"],
+        disabled_checks=jax_s2attn.export_disabled_checks(),
+    )(q, k, v, plan)
+    restored = jax.export.deserialize(exported.serialize())
+    assert restored.in_tree == jax.tree.structure(((q, k, v, plan), {}))
+    loss, grads = restored.call(q, k, v, plan)
+    want_loss, want_grads = _loss(q, k, v, plan, None), _grad(q, k, v, plan, None)
+    np.testing.assert_array_equal(loss, want_loss)
+    for a, b in zip(grads, want_grads):
+        np.testing.assert_array_equal(a, b)
+    assert set(jax_s2attn.CUSTOM_CALL_TARGETS) >= {*_ffi.TARGETS, *_ffi.TILED_TARGETS, _ffi.DELTA_TARGET}
+
+
+def test_eager_float64_check_grads_compiles_once(rng):
+    """Un-jitted, as a notebook calls it: order-2 checks in both modes in bounded time (the op compiles
+    once per shape and transformation instead of dispatching every operation)."""
+    import time
+
+    from jax.test_util import check_grads
+
+    plan = NeighborhoodPlan((8, 16), (8, 16), theta_cutoff=0.5)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 16, 1, 2))) for _ in range(3))
+    start = time.perf_counter()
+    check_grads(lambda q, k, v: neighborhood_attention(q, k, v, plan), (q, k, v), order=2, modes=("fwd", "rev"))
+    assert time.perf_counter() - start < 120
+
+
+@native
+def test_forward_mode_of_the_native_kernels_names_the_reference(plan, qkv):
+    q, k, v = qkv(1)
+    with pytest.raises(TypeError, match="reverse mode only.*implementation='reference'"):
+        jax.jvp(lambda q: neighborhood_attention(q, k, v, plan, implementation="ffi"), (q,), (q,))
+    out, tangent = jax.jvp(lambda q: neighborhood_attention(q, k, v, plan, implementation="reference"), (q,), (q,))
+    assert tangent.shape == out.shape and bool(jnp.isfinite(tangent).all())
+
+
+def test_fallback_to_the_reference_warns_once(plan, qkv, monkeypatch):
+    from jax_s2attn.ops import _checks
+
+    monkeypatch.setitem(_ffi.MODULES, "cpu", (None, "_s2attn_cpu is not built (test)"))
+    monkeypatch.setattr(_checks, "_warned_fallbacks", set())
+    q, k, v = (jax.device_put(x, jax.devices("cpu")[0]) for x in qkv(1))
+    with pytest.warns(_checks.NativeFallbackWarning, match=r"pure-JAX reference on cpu.*_s2attn_cpu is not built \(test\)"):
+        neighborhood_attention(q, k, v, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        neighborhood_attention(q, k, v, plan)  # once per platform and process
+        neighborhood_attention(q, k, v, plan, implementation="reference")  # chosen: no warning
+        neighborhood_attention(q.astype(jnp.float64), k.astype(jnp.float64), v.astype(jnp.float64), plan)
 
 
 def test_registrations_match_target_names():
@@ -162,13 +222,19 @@ def test_registrations_match_target_names():
         assert registered == sorted(expected[platform]), platform
 
 
-def test_native_status_has_a_line_per_module_saying_why_where_it_is_missing():
+def test_native_status_tells_built_from_usable_here():
     backends = jax_s2attn.native_backends()
     lines = jax_s2attn.native_status().splitlines()
     assert [line.split(": ", 1)[0] for line in lines] == list(backends) == ["cpu", "cuda"]
-    for line, available in zip(lines, backends.values()):
-        reason = line.split(": ", 1)[1]
-        assert (reason == "available") == available and reason, line
+    platforms = {d.platform for d in jax.devices()}
+    for (platform, built), line in zip(backends.items(), lines):
+        status = line.split(": ", 1)[1]
+        if not built:
+            assert "not built" in status or "rebuild" in status, line
+            continue
+        device_here = (platform == "cpu") or ("gpu" in platforms or "cuda" in platforms)
+        expected = "built; usable here" if device_here else "built; not usable here: no cuda device in this process"
+        assert status.startswith(expected), line
     assert backends["cpu"] == _ffi.HAS_CPU_EXT and backends["cuda"] == _ffi.HAS_CUDA_EXT
 
 

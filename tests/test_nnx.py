@@ -197,13 +197,13 @@ def test_defaults():
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(num_heads=3), ValueError, "num_heads=3 must divide qk_features=4"),
+        (dict(num_heads=3), ValueError, "num_heads=3 must divide in_features=4 (the default qk_features)"),
         (dict(num_heads=2, out_features=3), ValueError, "must divide out_features=3"),
-        (dict(in_features=0), ValueError, "in_features must be a positive integer"),
+        (dict(in_features=0), ValueError, "in_features must be at least 1, got 0"),
         (dict(out_shape=(6, 10)), ValueError, "integer multiple"),
         (dict(grid_in="gauss"), ValueError, "grid_in='gauss'"),
         (dict(theta_cutoff=-1.0), ValueError, "theta_cutoff"),
-        (dict(in_shape=(6,)), ValueError, "in_shape must be a pair"),
+        (dict(in_shape=(6,)), TypeError, "in_shape must be a pair"),
     ],
 )
 def test_invalid_construction_raises(kwargs, error, match):

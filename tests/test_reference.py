@@ -7,6 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 from jax_s2attn import NeighborhoodPlan, neighborhood_attention
+from jax_s2attn.ops import _ffi
 from jax_s2attn.ops.reference import reference_attention
 
 
@@ -133,3 +134,83 @@ def test_memory_is_bounded_at_quarter_degree():
     fn = jax.jit(lambda q, k, v: neighborhood_attention(q, k, v, plan, implementation="reference"))
     memory = fn.lower(shape, shape, shape).compile().memory_analysis()
     assert memory.temp_size_in_bytes < 2 * 1024**3, memory.temp_size_in_bytes
+
+
+# ----------------------------------------------------------------------------- NaN, empty inputs
+
+NAN_PLANS = {
+    "self": lambda: NeighborhoodPlan((12, 24), (12, 24), theta_cutoff=0.4),
+    "down": lambda: NeighborhoodPlan((12, 24), (6, 12)),
+    "up": lambda: NeighborhoodPlan((6, 12), (12, 24)),
+}
+
+
+def _with_nan(x, index):
+    return x.at[index].set(jnp.nan)
+
+
+@pytest.mark.parametrize("plan_name", sorted(NAN_PLANS))
+@pytest.mark.parametrize("operand", ["key", "value"])
+def test_nan_in_one_key_reaches_exactly_the_outputs_that_have_it_as_a_neighbour(plan_name, operand, rng,
+                                                                                 dense_membership):  # fmt: skip
+    plan = NAN_PLANS[plan_name]()
+    q, k, v = _inputs(rng, plan, (2,), 2, 4, 3, np.float32)
+    point = (1, plan.nlat_in // 2, 3)  # batch 1, a mid latitude, longitude 3
+    k, v = (_with_nan(x, point) if name == operand else x for name, x in (("key", k), ("value", v)))
+    out = neighborhood_attention(q, k, v, plan, implementation="reference")
+    has_it = dense_membership(plan)[:, point[1] * plan.nlon_in + point[2]].reshape(plan.out_shape)
+    nan = np.isnan(np.asarray(out))
+    assert nan[1].any() and not nan[0].any()
+    np.testing.assert_array_equal(nan[1], np.broadcast_to(has_it[:, :, None, None], nan[1].shape))
+
+
+@pytest.mark.skipif(not _ffi.HAS_CPU_EXT, reason="needs the native CPU module (CI has it)")
+@pytest.mark.parametrize("plan_name", sorted(NAN_PLANS))
+def test_nan_and_inf_in_inputs_land_where_the_native_kernels_put_them(plan_name, rng):
+    """Outputs and all three gradients: the reference and the native kernels agree on every non-finite element."""
+    plan = NAN_PLANS[plan_name]()
+    q, k, v = _inputs(rng, plan, (2,), 2, 4, 3, np.float32)
+    q = q.at[0, 2, 5, 1, 0].set(jnp.inf)
+    k = k.at[0, plan.nlat_in - 2, 1, 0, 2].set(jnp.nan)
+    v = v.at[1, 1, 7, 1, 1].set(jnp.nan)
+
+    def grads(implementation):
+        def loss(q, k, v):
+            out = neighborhood_attention(q, k, v, plan, implementation=implementation)
+            return jnp.sum(out * jnp.arange(out.shape[-1], dtype=out.dtype)), out
+
+        (_, out), g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+        return [np.asarray(x) for x in (out, *g)]
+
+    for name, ours, native in zip(("out", "dq", "dk", "dv"), grads("reference"), grads("ffi-arc")):
+        assert (~np.isfinite(native)).any() and np.isfinite(native).any(), name  # both kinds present
+        np.testing.assert_array_equal(np.isnan(ours), np.isnan(native), err_msg=name)
+        np.testing.assert_array_equal(np.isinf(ours), np.isinf(native), err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", [None, "reference"])
+@pytest.mark.parametrize("shape", [(0, 2), (2, 0)], ids=["empty-batch", "no-heads"])
+def test_empty_batches_and_heads(implementation, shape, rng):
+    plan = NeighborhoodPlan((8, 16), (4, 8), theta_cutoff=0.8)
+    batch, heads = shape
+    q, k, v = _inputs(rng, plan, (batch,), heads, 3, 5, np.float32)
+    out, lse = neighborhood_attention(q, k, v, plan, implementation=implementation, return_residual=True)
+    assert out.shape == (batch, 4, 8, heads, 5) and out.dtype == jnp.float32
+    assert lse.shape == (batch, 4, 8, heads)
+    grads = jax.grad(lambda *a: jnp.sum(neighborhood_attention(*a, plan, implementation=implementation)), (0, 1, 2))(
+        q, k, v
+    )
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("plan_name", sorted(NAN_PLANS))
+def test_float64_is_float64_end_to_end(plan_name, rng, dense_attention, rel_error):
+    """The host's exact weights, not their float32 rounding (which is 3e-8 off), outputs and gradients."""
+    plan = NAN_PLANS[plan_name]()
+    q, k, v = _inputs(rng, plan, (1,), 2, 3, 4)
+    g = jnp.asarray(rng.standard_normal((1, *plan.out_shape, 2, 4)))
+    ours = jax.value_and_grad(lambda *a: jnp.sum(neighborhood_attention(*a, plan, scale=0.7) * g), (0, 1, 2))(q, k, v)
+    dense = jax.value_and_grad(lambda *a: jnp.sum(dense_attention(*a, plan, 0.7)[0] * g), (0, 1, 2))(q, k, v)
+    assert rel_error(ours[0], dense[0]) < 1e-12
+    for a, b in zip(ours[1], dense[1]):
+        assert a.dtype == jnp.float64 and rel_error(a, b) < 1e-12

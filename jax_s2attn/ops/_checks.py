@@ -3,9 +3,14 @@ meaning of ``implementation``: which kernel runs where."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _validate
 from ..plan import NeighborhoodPlan
 from . import _ffi
 
@@ -91,34 +96,98 @@ def check_arrays(query, key, value) -> None:
         )
 
 
+def check_plan(plan) -> None:
+    """``plan`` is a :class:`NeighborhoodPlan` whose device tables are intact."""
+    if not isinstance(plan, NeighborhoodPlan):
+        raise TypeError(
+            f"plan must be a jax_s2attn.NeighborhoodPlan (e.g. NeighborhoodPlan(in_shape, out_shape)), "
+            f"got {type(plan).__name__}."
+        )
+    plan.check_tables()
+
+
 def check_inputs(query, key, value, plan) -> tuple[tuple[int, ...], int, int, int]:
     """Validate shapes and dtypes against ``plan``; return ``(batch_shape, heads, Dk, Dv)``."""
-    if not isinstance(plan, NeighborhoodPlan):
-        raise TypeError(f"plan must be a jax_s2attn.NeighborhoodPlan, got {type(plan).__name__}.")
+    check_plan(plan)
     check_arrays(query, key, value)
-    arrays = {"query": query, "key": key, "value": value}
-    batch = tuple(query.shape[:-4])
-    heads, dk = query.shape[-2], query.shape[-1]
-    dv = value.shape[-1]
+    layout = "[batch..., nlat, nlon, heads, head_dim]"
+    if tuple(query.shape[-4:-2]) != plan.out_shape:
+        raise ValueError(
+            f"query has shape {tuple(query.shape)}: its grid axes (-4, -3) must be the plan's output grid "
+            f"{plan.out_shape} ({layout}; this plan: in_shape={plan.in_shape}, out_shape={plan.out_shape})."
+        )
+    batch, (heads, dk), dv = tuple(query.shape[:-4]), query.shape[-2:], value.shape[-1]
+    for name, size in (("query", dk), ("value", dv)):
+        if size < 1:
+            raise ValueError(f"{name} has head_dim 0 (shape {tuple((query if name == 'query' else value).shape)}); "
+                             "heads need at least one channel.")  # fmt: skip
+    arrays = {"key": key, "value": value}
     expected = {
-        "query": (*batch, plan.nlat_out, plan.nlon_out, heads, dk),
         "key": (*batch, plan.nlat_in, plan.nlon_in, heads, dk),
         "value": (*batch, plan.nlat_in, plan.nlon_in, heads, dv),
     }
     for name, shape in expected.items():
         if tuple(arrays[name].shape) != shape:
             raise ValueError(
-                f"{name} has shape {tuple(arrays[name].shape)} but this plan (in_shape={plan.in_shape}, "
-                f"out_shape={plan.out_shape}) and query {tuple(query.shape)} need {name} of shape {shape} "
-                "([batch..., nlat, nlon, heads, head_dim]; key/value on the input grid, query on the output grid)."
+                f"{name} has shape {tuple(arrays[name].shape)}, expected {shape}: {name} lies on the plan's input "
+                f"grid {plan.in_shape} with query's batch axes {batch} and heads ({heads})"
+                + (f" and head_dim ({dk})" if name == "key" else "")
+                + f" ({layout})."
             )
     return batch, heads, dk, dv
 
 
 def check_scale(scale, dk: int) -> float:
+    """The logit scale: ``1/sqrt(dk)`` for None, else a finite positive number."""
     if scale is None:
         return 1.0 / float(np.sqrt(dk))
+    return _validate.positive_finite(scale, "scale", hint="; pass e.g. 1/sqrt(head_dim), or None for that default")
+
+
+_warned_fallbacks: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+class NativeFallbackWarning(UserWarning):
+    """``implementation=None`` runs the pure-JAX reference because no native kernels are usable."""
+
+
+def warn_if_falling_back(implementation, platform: str, dtype) -> None:
+    """Warn once per platform when ``implementation=None`` takes the reference for lack of native kernels
+    (not for float64, which only the reference computes)."""
+    if implementation is not None or jnp.dtype(dtype) == jnp.float64:
+        return
+    reason = _ffi.unavailable_reason(platform)
+    if reason is None:
+        return
+    with _warn_lock:
+        if platform in _warned_fallbacks:
+            return
+        _warned_fallbacks.add(platform)
+    warnings.warn(
+        f"jax_s2attn runs the pure-JAX reference on {platform} (several times slower than the native kernels): "
+        f"{reason}. jax_s2attn.native_status() tells what is built; pass implementation='reference' to choose "
+        "it explicitly (and silence this warning).",
+        NativeFallbackWarning,
+        stacklevel=3,
+    )
+
+
+#: The start of jax's message for forward-mode AD of a custom_vjp function (the native path).
+_JAX_FORWARD_MODE_MESSAGE = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+
+
+@contextlib.contextmanager
+def forward_mode_message():
+    """Turn jax's error for forward-mode AD (``jvp``, ``jacfwd``, ``linearize``) of the native kernels,
+    which are reverse-mode only, into one that names the way out."""
     try:
-        return float(scale)
-    except TypeError:
-        raise TypeError(f"scale must be a Python or numpy scalar, got {type(scale).__name__}.") from None
+        yield
+    except TypeError as e:
+        if _JAX_FORWARD_MODE_MESSAGE not in str(e):
+            raise
+        raise TypeError(
+            "the native kernels of jax_s2attn are differentiable in reverse mode only (jax.grad, jax.vjp); "
+            "for forward-mode AD (jax.jvp, jax.jacfwd, jax.hessian) pass implementation='reference' (pure JAX, "
+            "any order)."
+        ) from e

@@ -18,6 +18,7 @@ from .._native import HAS_CPU_EXT, HAS_CUDA_EXT, MODULES, kernel_limits, native_
 
 __all__ = [
     "BACKWARD_DKV_TARGET",
+    "CUSTOM_CALL_TARGETS",
     "BACKWARD_DQ_TARGET",
     "DELTA_TARGET",
     "FORWARD_TARGET",
@@ -32,6 +33,7 @@ __all__ = [
     "TILED_TARGETS",
     "choose_kernel",
     "ensure_registered",
+    "export_disabled_checks",
     "ffi_backward_dkv",
     "ffi_backward_dq",
     "ffi_backward_dq_delta",
@@ -76,6 +78,20 @@ TILED_TARGETS = (
 # of its own because XLA fuses that reduction differently in different programs (changing its
 # last bit, and so the gradients'); the kernels sum in an order fixed by Dv alone.
 DELTA_TARGET = "jax_s2attn_delta"
+
+#: Every custom-call target a jax_s2attn program may contain (``jax.export`` needs them named).
+CUSTOM_CALL_TARGETS = (*TARGETS, *TILED_TARGETS, DELTA_TARGET)
+
+
+def export_disabled_checks() -> list:
+    """The ``disabled_checks`` argument of ``jax.export.export`` for programs that call jax_s2attn's
+    native kernels: jax refuses to serialize custom calls it does not know unless told which.
+
+    The deserializing process needs ``import jax_s2attn`` (which registers the targets and the plan's
+    serialization) and the same native modules.
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(target) for target in CUSTOM_CALL_TARGETS]
+
 
 #: The native kernel families: ``"arc"`` (arc-segment walk on CUDA cores or the CPU, the
 #: dtypes of :attr:`~jax_s2attn._native.KernelLimits.arc_dtypes` and any head dims) and
@@ -159,7 +175,8 @@ def choose_kernel(platform: str, dtype, dk: int, dv: int) -> str:
 
 
 def ensure_registered() -> None:
-    """Register every FFI target of the available modules (idempotent, thread-safe).
+    """Register every FFI target of the built modules (idempotent, thread-safe); done on import, so that
+    a deserialized ``jax.export`` program finds them.
 
     Registration does not start a backend: jaxlib queues targets per platform.
     """
@@ -325,7 +342,7 @@ def ffi_forward(
     if remainder and (kernel != "tiled" or dtype == jnp.float32):
         raise ValueError("remainder=True needs kernel='tiled' and out_dtype the dtype of query (a 16-bit out).")
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
-    operands = (query, key, value, _index(window), _index(row_order), *walk, plan.tables.quad_weights)
+    operands = (query, key, value, _index(window), _index(row_order), *walk, plan.quad_weights)
     operands += _stencil_operand(plan, kernel, stencil, query, key)
     out_shape = (*lead, nq_lat, nq_lon, heads, value.shape[-1])
     shapes, dtypes = [out_shape, (*lead, nq_lat, nq_lon, heads)], (dtype, jnp.dtype(jnp.float32))
@@ -367,7 +384,7 @@ def ffi_backward_dq(
     target, walk, attributes = _step(plan, kernel, "dq", scale)
     dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
-                plan.tables.quad_weights, *_stencil_operand(plan, kernel, stencil, query, key))
+                plan.quad_weights, *_stencil_operand(plan, kernel, stencil, query, key))
     (dq,) = _call(target, operands, [query.shape], attributes, poison_results, dtype)
     return dq
 
@@ -401,7 +418,7 @@ def ffi_backward_dq_delta(
                 f"{out_remainder.dtype.name} {tuple(out_remainder.shape)}."
             )
     operands = (query, key, value, dout, lse, out, out_remainder, dlse, _index(window), _index(row_order), *walk,
-                plan.tables.quad_weights, *_stencil_operand(plan, "tiled", stencil, query, key))
+                plan.quad_weights, *_stencil_operand(plan, "tiled", stencil, query, key))
     shapes = [query.shape, dlse.shape]
     return tuple(_call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32))))
 
@@ -420,7 +437,7 @@ def ffi_backward_dkv(
     target, walk, attributes = _step(plan, kernel, "dkv", scale)
     dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
-                plan.tables.quad_weights, *_stencil_operand(plan, kernel, stencil, query, key, "backward"))
+                plan.quad_weights, *_stencil_operand(plan, kernel, stencil, query, key, "backward"))
     dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results, dtype)
     return dk, dv
 
@@ -479,3 +496,6 @@ def ffi_delta(dout, out, dlse=None, *, poison_results=False):
     dout, out, dlse = _delta_operands(dout, out, dlse)
     (delta,) = _call(DELTA_TARGET, (dout, out, dlse), [dlse.shape], {}, poison_results)
     return delta
+
+
+ensure_registered()

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..grids import precompute_latitudes, validate_grid
+from ..grids import precompute_latitudes, validate_grid, validate_shape
 from ..plan import NeighborhoodPlan
-from ._checks import check_arrays
+from ._checks import check_arrays, check_plan, check_scale
 
 __all__ = ["attention_s2", "quadrature_weights"]
 
@@ -56,7 +56,7 @@ def quadrature_weights(shape: tuple[int, int], grid: str = "equiangular") -> np.
     Bit-identical to :attr:`NeighborhoodPlan.quad_weights` of a plan whose input
     grid is ``(shape, grid)``, and to torch-harmonics' ``quad_weights`` buffer.
     """
-    nlat, nlon = (int(s) for s in shape)
+    nlat, nlon = validate_shape(shape, "shape")
     validate_grid(grid, "grid")
     _, w = precompute_latitudes(nlat, grid)
     return np.float32(2.0 * np.pi) * w.astype(np.float32) / np.float32(nlon)
@@ -89,20 +89,23 @@ def attention_s2(
         :func:`quadrature_weights`), or a :class:`~jax_s2attn.NeighborhoodPlan`
         whose input grid is the key grid (its weights are used). Only the
         latitude profile matters: a common factor cancels. A weight of 0 removes
-        the key.
+        the key. Weights known when traced (numpy, or concrete arrays) must be
+        finite and non-negative with one positive (a ``ValueError`` otherwise);
+        traced ones that are NaN or negative make every output NaN.
       scale: logit scale, default ``1/sqrt(Dk)``.
       implementation: ``"xla"``, ``"cudnn"`` or ``None`` (pick, see the module docstring).
 
     Returns:
       ``[B..., nlat_out, nlon_out, H, Dv]`` in the input dtype.
     """
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r} is not supported by attention_s2; use None, 'xla' or 'cudnn'."
-        )
-    weights = quad_weights.tables.quad_weights if isinstance(quad_weights, NeighborhoodPlan) else quad_weights
+    check_implementation(implementation)
+    if isinstance(quad_weights, NeighborhoodPlan):
+        check_plan(quad_weights)
+        weights = quad_weights.quadrature_weights(query.dtype if hasattr(query, "dtype") else np.float32)
+    else:
+        weights = quad_weights
     batch, heads, dk, dv = _check_inputs(query, key, value, weights)
-    scale = 1.0 / math.sqrt(dk) if scale is None else float(scale)
+    scale = check_scale(scale, dk)
     dtype = query.dtype
     folded_dim = _round_up(max(dk + _FOLD_CHANNELS, dv), _CUDNN_HEAD_DIM_MULTIPLE)
     if implementation is None:
@@ -120,6 +123,8 @@ def attention_s2(
 
     flat = math.prod(batch)
     nlat_out, nlon_out = query.shape[-4:-2]
+    if flat * heads == 0:  # an empty batch axis or no heads: nothing to compute
+        return jnp.zeros((*batch, nlat_out, nlon_out, heads, dv), dtype)
     nlon_in = key.shape[-3]
     q = query.reshape(flat, -1, heads, dk)
     k = key.reshape(flat, -1, heads, dk)
@@ -130,6 +135,14 @@ def attention_s2(
     else:
         out = _attention_xla(q, k, v, log_w, scale)
     return out.reshape(*batch, nlat_out, nlon_out, heads, dv)
+
+
+def check_implementation(implementation) -> None:
+    """``implementation`` is None or one of :data:`IMPLEMENTATIONS`."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r} is not supported by attention_s2; use None (pick), 'xla' or 'cudnn'."
+        )
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -147,7 +160,8 @@ def _log_weights(weights, nlon_in: int):
     low-precision copy of them is most accurate.
     """
     w = jnp.asarray(weights, jnp.float32)
-    log_w = jnp.where(w > 0, jnp.log(jnp.where(w > 0, w, 1.0)), LOG_ZERO_WEIGHT)
+    # 0 removes a key; a NaN or negative weight (only possible when traced) is NaN, as the formula makes it.
+    log_w = jnp.where(w > 0, jnp.log(jnp.where(w > 0, w, 1.0)), jnp.where(w == 0, LOG_ZERO_WEIGHT, jnp.nan))
     log_w = log_w - jnp.max(log_w)
     return jnp.repeat(log_w, nlon_in)
 
@@ -210,9 +224,31 @@ def _check_inputs(query, key, value, weights) -> tuple[tuple[int, ...], int, int
                 f"{name} has shape {tuple(arrays[name].shape)}, expected {shape} given query {tuple(query.shape)} "
                 "and key: key and value share the input grid, and batch axes and heads match the query."
             )
-    if tuple(jnp.shape(weights)) != (nlat_in,):
-        raise ValueError(
-            f"quad_weights has shape {tuple(jnp.shape(weights))}, expected ({nlat_in},): one weight per input "
-            "latitude (e.g. jax_s2attn.ops.global_attention.quadrature_weights(in_shape, grid_in))."
-        )
+    for name, size in (("query", dk), ("value", dv)):
+        if size < 1:
+            raise ValueError(f"{name} has head_dim 0; heads need at least one channel.")
+    _check_weights(weights, nlat_in)
     return batch, heads, dk, dv
+
+
+def _check_weights(weights, nlat_in: int) -> None:
+    """One real weight per input latitude; where the values are known now, finite, >= 0, one > 0."""
+    fix = "pass one weight per input latitude, e.g. jax_s2attn.ops.global_attention.quadrature_weights(in_shape, grid_in)"
+    dtype = getattr(weights, "dtype", None)
+    if dtype is None:
+        try:
+            weights = np.asarray(weights, np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"quad_weights must be an array of real numbers, got {type(weights).__name__}; {fix}.") from None
+    elif not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"quad_weights must be real (float or integer), got dtype {dtype}; {fix}.")
+    if tuple(jnp.shape(weights)) != (nlat_in,):
+        raise ValueError(f"quad_weights has shape {tuple(jnp.shape(weights))}, expected ({nlat_in},); {fix}.")
+    try:
+        values = np.asarray(weights, np.float64)
+    except Exception:  # traced (jax.errors.ConcretizationTypeError and kin): checked by the formula instead
+        return
+    if not np.isfinite(values).all() or (values < 0).any() or not (values > 0).any():
+        bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
+        what = f"latitude {int(bad[0])} has weight {values[bad[0]]!r}" if bad.size else "every weight is 0"
+        raise ValueError(f"quad_weights must be finite and non-negative with at least one positive: {what}; {fix}.")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from .. import _validate
 from ..plan import NeighborhoodPlan
 from . import _checks, _ffi
 from .local import full_window
@@ -106,11 +107,24 @@ def neighborhood_attention(
     _checks.check_implementation(implementation)
     _, _, dk, dv = _checks.check_inputs(query, key, value, plan)
     scale = _checks.check_scale(scale, dk)
+    return_residual = _validate.boolean(return_residual, "return_residual")
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     platform = _platform_of(query)
     _checks.check_runnable(implementation, platform, query.dtype, dk, dv, where=f"on {platform}")
-    out, lse = _per_platform(query, key, value, plan, scale, implementation)
+    _checks.warn_if_falling_back(implementation, platform, query.dtype)
+    if query.size == 0:  # a batch axis or the heads are empty (grids and head dims never are)
+        out, lse = _empty_results(query, value)
+    else:
+        with _checks.forward_mode_message():
+            out, lse = _attention(query, key, value, plan, scale=scale, implementation=implementation)
     return (out, lse) if return_residual else out
+
+
+def _empty_results(query, value):
+    """``(out, lse)`` of a call with an empty batch axis or no heads: empty arrays of the op's result types."""
+    lse_dtype = jnp.promote_types(query.dtype, jnp.float32)
+    out = jnp.zeros((*query.shape[:-1], value.shape[-1]), query.dtype)
+    return out, jnp.zeros(query.shape[:-1], lse_dtype)
 
 
 def _platform_of(x) -> str:
@@ -132,8 +146,14 @@ def _reference(query, key, value, plan, scale):
     return out.reshape(*batch, *out.shape[1:]), lse.reshape(*batch, *lse.shape[1:])
 
 
-def _per_platform(query, key, value, plan, scale, implementation):
-    """Run what ``implementation`` means on each platform (chosen when lowered)."""
+@functools.partial(jax.jit, static_argnames=("scale", "implementation"))
+def _attention(query, key, value, plan, *, scale, implementation):
+    """Run what ``implementation`` means on each platform (chosen when lowered).
+
+    Jitted, so that an eager call (a notebook, ``check_grads`` without ``jit``) compiles once per
+    shape instead of dispatching every operation of the reference path one by one; inside a
+    caller's ``jit`` it is inlined.
+    """
     dtype, dk, dv = query.dtype, query.shape[-1], value.shape[-1]
     kernels = {p: _checks.kernel_for(implementation, p, dtype, dk, dv) for p in _ffi.NATIVE_PLATFORMS}
     default = _checks.kernel_for(implementation, None, dtype, dk, dv)  # platforms without native kernels

@@ -95,22 +95,42 @@ def _neighbours(plan, pattern, position, max_arcs: int, width: int, key_window=N
     return key_index, row, valid
 
 
-def _logits(qc, k, key_index, row, valid, logw, scale):
-    """``scale*q.k + log w`` of each query's neighbour slots, ``-inf`` off the neighbourhood."""
-    kc = k[:, key_index]  # [B, c, L, H, Dk]
+def _log_weights(plan: NeighborhoodPlan, compute):
+    """``log w`` per input latitude in the ``compute`` dtype: float64 weights for float64, exactly."""
+    return jnp.log(jnp.asarray(plan.quadrature_weights(compute), compute))
+
+
+def _gather(x, key_index, valid):
+    """``x[:, key_index]`` ``[B, c, L, H, D]`` with zeros in the slots that are not neighbours.
+
+    A padding slot points at some real key; zeroing it (not only its weight) keeps a NaN or inf
+    there out of the products of queries that do not have that key as a neighbour, forward and
+    backward (0 * NaN is NaN).
+    """
+    return jnp.where(valid[None, :, :, None, None], x[:, key_index], jnp.zeros((), x.dtype))
+
+
+def _logits(qc, kc, row, valid, logw, scale):
+    """``scale*q.k + log w`` of each query's neighbour slots (gathered keys ``kc``), ``-inf`` off the
+    neighbourhood."""
     logits = jnp.einsum("bchd,bclhd->bchl", qc, kc) * scale + logw[row][None, :, None, :]
     return jnp.where(valid[None, :, None, :], logits, -jnp.inf)
 
 
 def _softmax_attend(logits, vc):
-    """``(out, lse)`` of masked logits ``[B, c, H, L]``; ``(0, -inf)`` for an empty row."""
+    """``(out, lse)`` of masked logits ``[B, c, H, L]``; ``(0, -inf)`` for an empty row.
+
+    Only an empty row is special-cased (exactly): a NaN or inf logit makes its row's total, lse and
+    output NaN, and so the gradients of every key of the row, as the formula does.
+    """
     peak = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    peak = jnp.where(jnp.isneginf(peak), 0.0, peak)
     weights = jnp.exp(logits - peak)
     total = jnp.sum(weights, axis=-1)
-    safe_total = jnp.where(total > 0, total, 1.0)
+    empty = total == 0
+    safe_total = jnp.where(empty, 1.0, total)
     out = jnp.einsum("bchl,bclhd->bchd", weights, vc) / safe_total[..., None]
-    lse = jnp.where(total > 0, peak[..., 0] + jnp.log(safe_total), -jnp.inf)
+    lse = jnp.where(empty, -jnp.inf, peak[..., 0] + jnp.log(safe_total))
     return out, lse
 
 
@@ -137,7 +157,7 @@ def reference_attention(
     batch, nlat_q, nlon_q, heads, dk = query.shape
     dv = value.shape[-1]
     q, k, v = (_flatten(x, compute) for x in (query, key, value))
-    logw = jnp.log(plan.tables.quad_weights.astype(compute))
+    logw = _log_weights(plan, compute)
     table = plan.forward_arcs
     positions = nlon_q // table.residues  # outputs sharing one pattern
     out = jnp.zeros((batch, nlat_q * nlon_q, heads, dv), compute)
@@ -154,8 +174,8 @@ def reference_attention(
             residue = pattern % table.residues
             query_index = (pattern // table.residues) * nlon_q + position * table.residues + residue
             key_index, row, valid = _neighbours(plan, pattern, position, bucket.max_arcs, bucket.width)
-            logits = _logits(q[:, query_index], k, key_index, row, valid, logw, scale)
-            return query_index, *_softmax_attend(logits, v[:, key_index])
+            logits = _logits(q[:, query_index], _gather(k, key_index, valid), row, valid, logw, scale)
+            return query_index, *_softmax_attend(logits, _gather(v, key_index, valid))
 
         index, o, l = jax.lax.map(one_chunk, jnp.arange(-(-count // chunk)) * chunk)
         # [chunks, (B,) chunk, ...] -> [(B,) chunks*chunk, ...]; the clamped tail repeats a query.
@@ -220,11 +240,11 @@ def reference_local_forward(query, key, value, plan, window, row_order=None, *, 
     batch, nq_lat, nq_lon, heads, dk = query.shape
     dv = value.shape[-1]
     q, k, v = (_flatten(x, compute) for x in (query, key, value))
-    logw = jnp.log(plan.tables.quad_weights.astype(compute))
+    logw = _log_weights(plan, compute)
 
     def attend(query_index, key_index, row, valid):
-        logits = _logits(q[:, query_index], k, key_index, row, valid, logw, scale)
-        return _softmax_attend(logits, v[:, key_index])
+        logits = _logits(q[:, query_index], _gather(k, key_index, valid), row, valid, logw, scale)
+        return _softmax_attend(logits, _gather(v, key_index, valid))
 
     (out, lse), count = _windowed_map(attend, plan, query, key, window, heads * (dk + dv), chunk_elements)
     out = _unchunk(out, batch, count).reshape(batch, nq_lat, nq_lon, heads, dv)
@@ -243,14 +263,16 @@ def _backward_functional(query, key, value, dout, lse, delta, plan, window, scal
     q, k, v, g = (_flatten(x, compute) for x in (query, key, value, dout))
     lse = lse.astype(compute).reshape(batch, -1, heads)
     delta = delta.astype(compute).reshape(batch, -1, heads)
-    logw = jnp.log(plan.tables.quad_weights.astype(compute))
+    logw = _log_weights(plan, compute)
 
     def term(query_index, key_index, row, valid):
-        logits = _logits(q[:, query_index], k, key_index, row, valid, logw, scale)
+        vc = _gather(v, key_index, valid)
+        logits = _logits(q[:, query_index], _gather(k, key_index, valid), row, valid, logw, scale)
         norm = lse[:, query_index]
-        finite = jnp.isfinite(norm)[..., None]
-        p = jnp.where(finite, jnp.exp(logits - jnp.where(finite, norm[..., None], 0.0)), 0.0)
-        gv = jnp.einsum("bchd,bclhd->bchl", g[:, query_index], v[:, key_index])
+        # A query without neighbours (lse = -inf) has no terms; a NaN lse stays NaN, as the formula makes it.
+        real = ~jnp.isneginf(norm)[..., None]
+        p = jnp.where(real, jnp.exp(logits - jnp.where(real, norm[..., None], 0.0)), 0.0)
+        gv = jnp.einsum("bchd,bclhd->bchl", g[:, query_index], vc)
         return jnp.sum(p * (gv - delta[:, query_index][..., None]))
 
     per_slot = heads * (2 * dk + 2 * dv)

@@ -45,13 +45,14 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
 
     ``out_*`` ``[..., Dv]`` are normalised partial outputs and ``lse_*`` ``[...]`` their
     log-sum-exps (``-inf`` where a partial saw no key). Exact, float32, and free of
-    NaNs when both sides are empty (the result is then ``0`` and ``-inf``).
+    NaNs when both sides are empty (the result is then ``0`` and ``-inf``); a NaN side
+    makes the result NaN.
     """
     peak = jnp.maximum(lse_a, lse_b)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    peak = jnp.where(jnp.isneginf(peak), 0.0, peak)
     weight_a, weight_b = jnp.exp(lse_a - peak), jnp.exp(lse_b - peak)
     total = weight_a + weight_b
-    out = (out_a * weight_a[..., None] + out_b * weight_b[..., None]) / jnp.where(total > 0, total, 1.0)[..., None]
+    out = (out_a * weight_a[..., None] + out_b * weight_b[..., None]) / jnp.where(total == 0, 1.0, total)[..., None]
     return out, peak + jnp.log(total)
 
 

@@ -26,6 +26,13 @@ def _check_mesh(mesh, lat_axis, lon_axis, batch_axis) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got {type(mesh).__name__}.")
     names = {"lat_axis": lat_axis, "lon_axis": lon_axis, "batch_axis": batch_axis}
+    for arg in ("lat_axis", "lon_axis"):
+        if names[arg] is None:
+            raise ValueError(
+                f"{arg}=None: the sharded op splits latitudes and longitudes over two mesh axes; pass the name of a "
+                f"mesh axis (one of size 1 splits nothing, e.g. jax.make_mesh((4, 1), ('lat', 'lon'))), or call "
+                "jax_s2attn.neighborhood_attention for no split."
+            )
     for arg, name in names.items():
         if name is not None and name not in mesh.axis_names:
             raise ValueError(f"{arg}={name!r} is not an axis of the mesh; its axes are {mesh.axis_names}.")
@@ -72,6 +79,7 @@ def _mesh_kernel(implementation, mesh: Mesh, dtype, dk: int, dv: int) -> str:
     or "tiled"), chosen exactly as the serial op chooses it for that platform."""
     platform = _ffi.ffi_platform(mesh.devices.flat[0].platform)
     _checks.check_runnable(implementation, platform, dtype, dk, dv, where=f"on this {platform} mesh")
+    _checks.warn_if_falling_back(implementation, platform, dtype)
     return _checks.kernel_for(implementation, platform, dtype, dk, dv)
 
 
@@ -82,6 +90,7 @@ def padded_grid_shapes(plan: NeighborhoodPlan, mesh: Mesh, lat_axis: str = "lat"
     :func:`sharded_neighborhood_attention`; equal to ``plan.out_shape`` / ``plan.in_shape``
     when the mesh divides them. Pad arrays at the end (south, east) to these sizes.
     """
+    _checks.check_plan(plan)
     _check_mesh(mesh, lat_axis, lon_axis, None)
     layout = shard_layout(plan, mesh.shape[lat_axis], mesh.shape[lon_axis], lat_axis, lon_axis)
     return (
@@ -178,8 +187,7 @@ def sharded_neighborhood_attention(
         adjacent shard).
     """
     _checks.check_implementation(implementation)
-    if not isinstance(plan, NeighborhoodPlan):
-        raise TypeError(f"plan must be a jax_s2attn.NeighborhoodPlan, got {type(plan).__name__}.")
+    _checks.check_plan(plan)
     _check_mesh(mesh, lat_axis, lon_axis, batch_axis)
     layout = shard_layout(plan, mesh.shape[lat_axis], mesh.shape[lon_axis], lat_axis, lon_axis)
     grids = [(layout.q_lat, layout.q_lon), (layout.k_lat, layout.k_lon), (layout.k_lat, layout.k_lon)]
@@ -188,6 +196,8 @@ def sharded_neighborhood_attention(
     batch, _, dk, dv = _checks.check_inputs(*views, plan)
     scale = _checks.check_scale(scale, dk)
     _check_batch(mesh, batch_axis, batch)
+    if math.prod(batch) * views[0].shape[-2] == 0:  # an empty batch axis or no heads: nothing to compute
+        return jnp.zeros((*query.shape[:-1], dv), views[0].dtype)
     config = RingConfig(layout, scale, _mesh_kernel(implementation, mesh, views[0].dtype, dk, dv))
 
     def spec(lat_part, lon_part):
