@@ -174,16 +174,32 @@ def test_export_round_trips_with_the_plan_as_an_argument(plan, qkv):
 
 
 def test_eager_float64_check_grads_compiles_once(rng):
-    """Un-jitted, as a notebook calls it: order-2 checks in both modes in bounded time (the op compiles
-    once per shape and transformation instead of dispatching every operation)."""
+    """Un-jitted, as a notebook calls it: order-2 checks in both modes compile the op once per shape and
+    transformation (a few programs in all), instead of dispatching, and compiling, each operation of the
+    reference path on every evaluation (about 200 programs for this check, several times the time)."""
+    import logging
     import time
 
     from jax.test_util import check_grads
 
     plan = NeighborhoodPlan((8, 16), (8, 16), theta_cutoff=0.5)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 16, 1, 2))) for _ in range(3))
+    compiled = []
+
+    class Compilations(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Compiling"):
+                compiled.append(record.getMessage())
+
+    handler, logger = Compilations(), logging.getLogger("jax")
+    logger.addHandler(handler)
     start = time.perf_counter()
-    check_grads(lambda q, k, v: neighborhood_attention(q, k, v, plan), (q, k, v), order=2, modes=("fwd", "rev"))
+    try:
+        with jax.log_compiles(True):
+            check_grads(lambda q, k, v: neighborhood_attention(q, k, v, plan), (q, k, v), order=2, modes=("fwd", "rev"))
+    finally:
+        logger.removeHandler(handler)
+    assert len(compiled) < 50, compiled
     assert time.perf_counter() - start < 120
 
 
