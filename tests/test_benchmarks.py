@@ -2,6 +2,7 @@
 
 import csv
 import importlib.util
+import json
 import os
 import pathlib
 import shutil
@@ -257,6 +258,20 @@ def test_profile_driver_runs_each_configuration(tmp_path):
         "(9, 18) theta_cutoff=0.8", "(12, 24) theta_cutoff=0.5"
     ]
 
+
+@pytest.mark.slow
+def test_soak_repeats_its_losses_bit_for_bit(tmp_path, monkeypatch):
+    # Two CPU runs of a tiny configuration, the second compared with the first: the same losses, bit for bit.
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    tiny = ("--grid", "16", "32", "--channels", "16", "--heads", "2", "--theta-cutoff", "0.3", "--steps", "4")
+    _run("soak.py", *tiny, "--out", str(tmp_path / "first.json"), cwd=tmp_path)
+    lines = _run("soak.py", *tiny, "--out", str(tmp_path / "second.json"), "--compare", str(tmp_path / "first.json"),
+                 cwd=tmp_path)  # exit status 0: identical losses, all finite
+    first, second = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("first", "second"))
+    assert first["losses_sha256"] == second["losses_sha256"] and second["compare"]["identical"], lines
+    assert not first["any_nan"] and not second["any_nan"]
+    assert len(first["losses"]) == first["steps"] == 4 and len(second["losses"]) == 4
+    assert first["memory"]["step_100"] is None  # a run of fewer than 100 steps has no reading there
 
 
 @pytest.mark.slow
