@@ -17,7 +17,10 @@ measures:
   step, and to compile it (ahead of the first step).
 
 ``--compare OTHER.json`` also says whether this run's losses are bitwise those of another run
-(same sha256) and, where not, the first step that differs. The exit status is 1 when the losses
+(same sha256) and, where not, the first step that differs. On a GPU two processes give the same bits
+only with XLA's choice of GEMM algorithms for the projections pinned,
+``XLA_FLAGS=--xla_gpu_deterministic_ops=true``: by default XLA autotunes them by timing in each
+process (the attention kernels themselves are deterministic; ``docs/reliability.md``). The exit status is 1 when the losses
 differ or any loss or parameter is non-finite, 0 otherwise.
 
 Run: ``python benchmarks/soak.py [--steps 2000] [--grid 181 360] [--channels 128] [--heads 4]
@@ -118,6 +121,7 @@ def train(args: argparse.Namespace) -> dict:
         seconds.append(time.perf_counter() - begin)
         if i == MEMORY_STEP:
             memory_at_step = memory(device)
+    memory_at_end = memory(device)  # before the checks below allocate anything
     losses = np.asarray(jax.device_get(losses), np.float32)
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     finite = bool(np.isfinite(losses).all()) and all(bool(jnp.isfinite(p).all()) for p in params)
@@ -131,7 +135,7 @@ def train(args: argparse.Namespace) -> dict:
         losses=losses.tolist(),
         losses_sha256=hashlib.sha256(losses.astype("<f4").tobytes()).hexdigest(),
         any_nan=not finite,
-        memory={f"step_{MEMORY_STEP}": memory_at_step, "end": memory(device)},
+        memory={f"step_{MEMORY_STEP}": memory_at_step, "end": memory_at_end},
         timing=dict(lower_s=lowered_at - start, compile_s=compiled_at - lowered_at,
                     first_step_s=seconds[0], median_step_s=float(np.median(timed)), timed_steps=len(timed),
                     total_steps_s=float(np.sum(seconds))),  # fmt: skip
