@@ -20,8 +20,8 @@ measures:
 (same sha256) and, where not, the first step that differs. On a GPU two processes give the same bits
 only with XLA's choice of GEMM algorithms for the projections pinned,
 ``XLA_FLAGS=--xla_gpu_deterministic_ops=true``: by default XLA autotunes them by timing in each
-process (the attention kernels themselves are deterministic; ``docs/reliability.md``). The exit status is 1 when the losses
-differ or any loss or parameter is non-finite, 0 otherwise.
+process (the attention kernels themselves are deterministic; ``docs/reliability.md``). The exit
+status is 1 when the losses differ or any loss or parameter is non-finite, 0 otherwise.
 
 Run: ``python benchmarks/soak.py [--steps 2000] [--grid 181 360] [--channels 128] [--heads 4]
 [--theta-cutoff 0.05] [--batch 1] [--seed 0] [--out out/soak.json] [--compare OTHER.json]``;

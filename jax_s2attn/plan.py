@@ -453,7 +453,10 @@ def _empty_neighbourhood_error(lengths, residues: int, theta_cutoff: float, thet
         )
     else:
         row = int(rows[~row_has_neighbours[rows]][0])
-        where = f"output latitude {row} (colatitude {theta_out[row]:.6g} rad) is farther than theta_cutoff from every input ring"
+        where = (
+            f"output latitude {row} (colatitude {theta_out[row]:.6g} rad) is farther than theta_cutoff from every "
+            "input ring"
+        )
     return ValueError(
         f"theta_cutoff={theta_cutoff!r} leaves output points with no input neighbour: {where}. "
         f"Use theta_cutoff >= {suggestion:.6g} rad (the smallest cutoff that gives every output point a neighbour)."
@@ -570,7 +573,9 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
         backward_stencil_pairs=backward_stencil_pairs,
     )
     _set(plan, _host=plan)
-    host_tables = (csr_offsets, csr_columns, quad_weights, quad_weights_float64, theta_in, theta_out, *forward[:3], *backward[:3])
+    host_tables = (
+        csr_offsets, csr_columns, quad_weights, quad_weights_float64, theta_in, theta_out, *forward[:3], *backward[:3]
+    )  # fmt: skip
     stencil = (forward_stencil_pairs, backward_stencil_pairs)
     for table in (*host_tables, *forward_segments[:2], *backward_segments[:2], *stencil):
         table.setflags(write=False)

@@ -48,4 +48,5 @@ def test_a_failing_handler_raises_and_the_process_lives(handler_library, platfor
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-2000:]}"
-    assert "raised" in result.stdout and "INVALID_ARGUMENT: ffi_error_handler: this handler always fails" in result.stdout
+    assert "raised" in result.stdout
+    assert "INVALID_ARGUMENT: ffi_error_handler: this handler always fails" in result.stdout

@@ -218,7 +218,8 @@ def test_fallback_to_the_reference_warns_once(plan, qkv, monkeypatch):
     monkeypatch.setitem(_ffi.MODULES, "cpu", (None, "_s2attn_cpu is not built (test)"))
     monkeypatch.setattr(_checks, "_warned_fallbacks", set())
     q, k, v = (jax.device_put(x, jax.devices("cpu")[0]) for x in qkv(1))
-    with pytest.warns(_checks.NativeFallbackWarning, match=r"pure-JAX reference on cpu.*_s2attn_cpu is not built \(test\)"):
+    message = r"pure-JAX reference on cpu.*_s2attn_cpu is not built \(test\)"
+    with pytest.warns(_checks.NativeFallbackWarning, match=message):
         neighborhood_attention(q, k, v, plan)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -5,4 +5,11 @@ from .global_attention import attention_s2
 from .neighborhood import RESIDUAL_NAME, neighborhood_attention
 from .reference import reference_attention
 
-__all__ = ["CUSTOM_CALL_TARGETS", "RESIDUAL_NAME", "export_disabled_checks", "attention_s2", "neighborhood_attention", "reference_attention"]
+__all__ = [
+    "CUSTOM_CALL_TARGETS",
+    "RESIDUAL_NAME",
+    "attention_s2",
+    "export_disabled_checks",
+    "neighborhood_attention",
+    "reference_attention",
+]

@@ -233,13 +233,14 @@ def _check_inputs(query, key, value, weights) -> tuple[tuple[int, ...], int, int
 
 def _check_weights(weights, nlat_in: int) -> None:
     """One real weight per input latitude; where the values are known now, finite, >= 0, one > 0."""
-    fix = "pass one weight per input latitude, e.g. jax_s2attn.ops.global_attention.quadrature_weights(in_shape, grid_in)"
+    fix = "pass one weight per input latitude, e.g. jax_s2attn.ops.global_attention.quadrature_weights(shape, grid)"
     dtype = getattr(weights, "dtype", None)
     if dtype is None:
         try:
             weights = np.asarray(weights, np.float64)
         except (TypeError, ValueError):
-            raise TypeError(f"quad_weights must be an array of real numbers, got {type(weights).__name__}; {fix}.") from None
+            kind = type(weights).__name__
+            raise TypeError(f"quad_weights must be an array of real numbers, got {kind}; {fix}.") from None
     elif not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
         raise TypeError(f"quad_weights must be real (float or integer), got dtype {dtype}; {fix}.")
     if tuple(jnp.shape(weights)) != (nlat_in,):

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 library, platform = sys.argv[1], sys.argv[2]
 handlers = ctypes.cdll.LoadLibrary(library)
 handler = {"cpu": handlers.AlwaysInvalidCpu, "cuda": handlers.AlwaysInvalidCuda}[platform]
-jax.ffi.register_ffi_target("ffi_error_always_invalid", jax.ffi.pycapsule(handler), platform={"cpu": "cpu", "cuda": "CUDA"}[platform])
+jax_platform = {"cpu": "cpu", "cuda": "CUDA"}[platform]
+jax.ffi.register_ffi_target("ffi_error_always_invalid", jax.ffi.pycapsule(handler), platform=jax_platform)
 device = jax.devices("gpu" if platform == "cuda" else "cpu")[0]
 x = jax.device_put(jnp.arange(8, dtype=jnp.float32), device)
 call = jax.ffi.ffi_call("ffi_error_always_invalid", jax.ShapeDtypeStruct(x.shape, x.dtype))
