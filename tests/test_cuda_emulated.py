@@ -95,7 +95,7 @@ def _asserting_success(status_of):
     return launch
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def emulated_library(tmp_path_factory):
     """The kernels built as a host shared library (or the prebuilt one of a sanitized run), or a
     skip where that cannot be done."""
@@ -103,13 +103,13 @@ def emulated_library(tmp_path_factory):
     return ctypes.CDLL(prebuilt) if prebuilt else _build(tmp_path_factory.mktemp("cuda_emulation"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def launch_status(emulated_library):
     """Status callable of the emulated kernels."""
     return _status_callable(emulated_library)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def emulator(launch_status):
     """Launch callable of the emulated kernels (a launcher's error fails the test)."""
     return _asserting_success(launch_status)
