@@ -79,9 +79,8 @@ def oracle(params, query, key, value, case, eps):
     ] * np.cos(lon_o[:, None] - lon_i[None, :])
     inside = np.arccos(np.clip(cos_d, -1, 1)) <= 1.001 * cutoff
     _, w = precompute_latitudes(in_shape[0], grid_in)
-    # torch-harmonics keeps the weights in float32, so exact float64 agreement needs them too.
-    quad = np.float32(2 * np.pi) * w.astype(np.float32) / np.float32(in_shape[1])
-    log_w = np.repeat(np.log(quad.astype(np.float64)), in_shape[1])
+    # The exact weights: the float64 layer computes with them (float32 with their float32 rounding).
+    log_w = np.repeat(np.log(2 * np.pi * w / in_shape[1]), in_shape[1])
     bias = np.where(inside, log_w[None, :], -np.inf)
 
     def project(x, name):
