@@ -14,8 +14,8 @@ namespace s2attn {
 namespace ffi = xla::ffi;
 
 // An error message built from text and numbers with std::string alone. No iostreams: inside jax's
-// CUDA process, formatting a number through a std::ostringstream in this module dereferences a null
-// locale facet and kills the process (cuda/README.md, "Handler errors").
+// CUDA process, formatting a number through a std::ostringstream in this module read a null pointer
+// inside the stream's number formatting and killed the process (cuda/README.md, "Handler errors").
 class Message {
  public:
   Message& operator<<(std::string_view text) {

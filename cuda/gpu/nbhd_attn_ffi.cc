@@ -4,9 +4,9 @@
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
 // table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream with its device current
-// (gpu/stream_device.h). Table *contents*
-// (window, row order, arcs) are device memory: the kernels read them and clamp every index
-// they derive from them. Handlers never synchronise and allocate nothing.
+// (gpu/stream_device.h). Table *contents* (window, row order, arcs) are device memory: the kernels
+// read them and clamp every index they derive from them. Handlers never synchronise and allocate
+// nothing.
 #include "gpu/nbhd_attn_ffi.h"
 
 #include <cuda_runtime_api.h>
