@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -41,6 +40,7 @@ from jax.sharding import Mesh
 
 from . import _validate
 from .grids import validate_shape
+from .ops._checks import check_scale
 from .ops.neighborhood import neighborhood_attention
 from .parallel.sharded import _check_mesh, padded_grid_shapes, sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
@@ -177,10 +177,7 @@ def layer_spec(
                 + "."
             )
     qk_features, out_features = features["qk_features"], features["out_features"]
-    if scale is None:
-        scale = 1.0 / math.sqrt(qk_features // num_heads)
-    else:
-        scale = _validate.positive_finite(scale, "scale", hint="; pass e.g. 1/sqrt(head_dim), or None for that default")
+    scale = check_scale(scale, qk_features // num_heads)
     return LayerSpec(
         in_features=in_features,
         qk_features=qk_features,

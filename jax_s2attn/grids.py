@@ -8,6 +8,8 @@ it); longitudes are ``2*pi*j/nlon``. Quadrature weights integrate over
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import _validate
@@ -16,6 +18,7 @@ __all__ = [
     "GRIDS",
     "precompute_latitudes",
     "precompute_longitudes",
+    "quadrature_weights",
     "latitude_spacing",
     "validate_grid",
     "validate_shape",
@@ -132,6 +135,26 @@ def precompute_longitudes(nlon: int) -> np.ndarray:
     """Longitudes ``2*pi*j/nlon`` for ``j = 0..nlon-1`` (float64); ``nlon`` an integer of at least 1."""
     nlon = _validate.integer(nlon, "nlon", 1, " (the number of longitudes)")
     return np.linspace(0.0, 2.0 * np.pi, nlon + 1, dtype=np.float64)[:-1]
+
+
+def quadrature_weights(shape: tuple[int, int], grid: str = "equiangular") -> np.ndarray:
+    """Per-latitude quadrature weights ``2*pi*w/nlon`` (float32 ``[nlat]``) of a grid.
+
+    The weights inside the softmax: torch-harmonics' ``quad_weights`` buffer, bit for bit, and
+    :attr:`NeighborhoodPlan.quad_weights` of a plan whose input grid is ``(shape, grid)``.
+    """
+    nlat, nlon = validate_shape(shape, "shape")
+    validate_grid(grid, "grid")
+    return _quadrature_weights(nlat, nlon, grid).copy()
+
+
+@functools.lru_cache(maxsize=64)
+def _quadrature_weights(nlat: int, nlon: int, grid: str) -> np.ndarray:
+    # float32 arithmetic, as torch-harmonics computes them. Cached: layers ask for them at every call.
+    _, w = precompute_latitudes(nlat, grid)
+    weights = np.float32(2.0 * np.pi) * w.astype(np.float32) / np.float32(nlon)
+    weights.setflags(write=False)
+    return weights
 
 
 def latitude_spacing(nlat: int, grid: str = "equiangular") -> float:

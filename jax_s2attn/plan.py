@@ -33,7 +33,14 @@ import numpy as np
 
 from . import _validate
 from ._native import kernel_limits
-from .grids import latitude_spacing, precompute_latitudes, precompute_longitudes, validate_grid, validate_shape
+from .grids import (
+    latitude_spacing,
+    precompute_latitudes,
+    precompute_longitudes,
+    quadrature_weights,
+    validate_grid,
+    validate_shape,
+)
 
 __all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "THETA_CUTOFF_EPS", "stencil_pairs"]
 
@@ -543,7 +550,7 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
             raise RuntimeError("a one-residue segment table differs from its arc table")
 
     # torch-harmonics' float32 weights (what the native kernels read) and the exact ones (float64 computations).
-    quad_weights = (np.float32(2.0 * np.pi) * w_in.astype(np.float32) / np.float32(nlon_in)).astype(np.float32)
+    quad_weights = quadrature_weights(key.in_shape, key.grid_in)
     quad_weights_float64 = 2.0 * np.pi * w_in / nlon_in
     plan = object.__new__(NeighborhoodPlan)
     _set(

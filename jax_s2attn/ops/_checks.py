@@ -76,7 +76,7 @@ def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int) ->
 
 
 def check_arrays(query, key, value) -> None:
-    """query, key and value are float arrays of rank >= 4 sharing one dtype."""
+    """query, key and value are float arrays of rank >= 4 with head dims >= 1, sharing one dtype."""
     arrays = {"query": query, "key": key, "value": value}
     for name, x in arrays.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -87,6 +87,8 @@ def check_arrays(query, key, value) -> None:
             )
         if not any(x.dtype == d for d in _FLOAT_DTYPES):
             raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are float16, bfloat16, float32, float64.")
+        if x.shape[-1] < 1:
+            raise ValueError(f"{name} has head_dim 0 (shape {tuple(x.shape)}); heads need at least one channel.")
     dtypes = {name: x.dtype for name, x in arrays.items()}
     if len(set(dtypes.values())) > 1:
         raise TypeError(
@@ -117,10 +119,6 @@ def check_inputs(query, key, value, plan) -> tuple[tuple[int, ...], int, int, in
             f"{plan.out_shape} ({layout}; this plan: in_shape={plan.in_shape}, out_shape={plan.out_shape})."
         )
     batch, (heads, dk), dv = tuple(query.shape[:-4]), query.shape[-2:], value.shape[-1]
-    for name, size in (("query", dk), ("value", dv)):
-        if size < 1:
-            raise ValueError(f"{name} has head_dim 0 (shape {tuple((query if name == 'query' else value).shape)}); "
-                             "heads need at least one channel.")  # fmt: skip
     arrays = {"key": key, "value": value}
     expected = {
         "key": (*batch, plan.nlat_in, plan.nlon_in, heads, dk),

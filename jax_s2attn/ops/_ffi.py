@@ -336,7 +336,6 @@ def ffi_forward(
     it carries about twice the dtype's significant bits, enough to form delta from
     (:func:`ffi_backward_dq_delta`) where a rounded out alone is not.
     """
-    ensure_registered()
     target, walk, attributes = _step(plan, kernel, "forward", scale)
     dtype = _result_dtype(out_dtype, kernel, query, "out_dtype")
     if remainder and (kernel != "tiled" or dtype == jnp.float32):
@@ -380,7 +379,6 @@ def ffi_backward_dq(
     activations' dtype, each element the float32 result rounded to nearest (the same bits as
     ``.astype``), written at half the bytes. ``stencil`` (both dq targets) as in :func:`ffi_forward`.
     """
-    ensure_registered()
     target, walk, attributes = _step(plan, kernel, "dq", scale)
     dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
@@ -403,7 +401,6 @@ def ffi_backward_dq_delta(
     :func:`ffi_backward_dkv`. Meant for whole query grids per call; where dq is summed over several
     key windows (the ring of :mod:`jax_s2attn.parallel`), :func:`ffi_delta` once is cheaper.
     """
-    ensure_registered()
     target, walk, attributes = _step(plan, "tiled", "dq_delta", scale)
     dtype = _result_dtype(gradient_dtype, "tiled", query, "gradient_dtype")
     if out_remainder is None:
@@ -433,7 +430,6 @@ def ffi_backward_dkv(
     holds local key rows. ``lse``/``delta``/``gradient_dtype`` as in :func:`ffi_backward_dq`;
     ``stencil`` as in :func:`ffi_forward`, for the key rows of ``plan.backward_stencil_pairs``.
     """
-    ensure_registered()
     target, walk, attributes = _step(plan, kernel, "dkv", scale)
     dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
     operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
@@ -492,7 +488,6 @@ def ffi_delta(dout, out, dlse=None, *, poison_results=False):
     of ``lse``; None means zero). Returns float32 ``[..., nlat, nlon, H]``, bitwise identical in
     every compiled program (a jnp reduction is not: XLA fuses it per program).
     """
-    ensure_registered()
     dout, out, dlse = _delta_operands(dout, out, dlse)
     (delta,) = _call(DELTA_TARGET, (dout, out, dlse), [dlse.shape], {}, poison_results)
     return delta

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..grids import precompute_latitudes, validate_grid, validate_shape
+from ..grids import quadrature_weights
 from ..plan import NeighborhoodPlan
 from ._checks import check_arrays, check_plan, check_scale
 
@@ -48,18 +48,6 @@ _CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 _CUDNN_MAX_HEAD_DIM = 128
 _CUDNN_HEAD_DIM_MULTIPLE = 8
 _FOLD_CHANNELS = 2  # high and low part of log w
-
-
-def quadrature_weights(shape: tuple[int, int], grid: str = "equiangular") -> np.ndarray:
-    """Per-latitude quadrature weights ``2*pi*w/nlon`` (float32 ``[nlat]``) of a grid.
-
-    Bit-identical to :attr:`NeighborhoodPlan.quad_weights` of a plan whose input
-    grid is ``(shape, grid)``, and to torch-harmonics' ``quad_weights`` buffer.
-    """
-    nlat, nlon = validate_shape(shape, "shape")
-    validate_grid(grid, "grid")
-    _, w = precompute_latitudes(nlat, grid)
-    return np.float32(2.0 * np.pi) * w.astype(np.float32) / np.float32(nlon)
 
 
 def attention_s2(
@@ -101,7 +89,7 @@ def attention_s2(
     check_implementation(implementation)
     if isinstance(quad_weights, NeighborhoodPlan):
         check_plan(quad_weights)
-        weights = quad_weights.quadrature_weights(query.dtype if hasattr(query, "dtype") else np.float32)
+        weights = quad_weights.quad_weights
     else:
         weights = quad_weights
     batch, heads, dk, dv = _check_inputs(query, key, value, weights)
@@ -224,9 +212,6 @@ def _check_inputs(query, key, value, weights) -> tuple[tuple[int, ...], int, int
                 f"{name} has shape {tuple(arrays[name].shape)}, expected {shape} given query {tuple(query.shape)} "
                 "and key: key and value share the input grid, and batch axes and heads match the query."
             )
-    for name, size in (("query", dk), ("value", dv)):
-        if size < 1:
-            raise ValueError(f"{name} has head_dim 0; heads need at least one channel.")
     _check_weights(weights, nlat_in)
     return batch, heads, dk, dv
 

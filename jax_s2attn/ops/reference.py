@@ -110,9 +110,9 @@ def _gather(x, key_index, valid):
     return jnp.where(valid[None, :, :, None, None], x[:, key_index], jnp.zeros((), x.dtype))
 
 
-def _logits(qc, kc, row, valid, logw, scale):
-    """``scale*q.k + log w`` of each query's neighbour slots (gathered keys ``kc``), ``-inf`` off the
-    neighbourhood."""
+def _logits(qc, k, key_index, row, valid, logw, scale):
+    """``scale*q.k + log w`` of each query's neighbour slots, ``-inf`` off the neighbourhood."""
+    kc = _gather(k, key_index, valid)  # [B, c, L, H, Dk]
     logits = jnp.einsum("bchd,bclhd->bchl", qc, kc) * scale + logw[row][None, :, None, :]
     return jnp.where(valid[None, :, None, :], logits, -jnp.inf)
 
@@ -174,7 +174,7 @@ def reference_attention(
             residue = pattern % table.residues
             query_index = (pattern // table.residues) * nlon_q + position * table.residues + residue
             key_index, row, valid = _neighbours(plan, pattern, position, bucket.max_arcs, bucket.width)
-            logits = _logits(q[:, query_index], _gather(k, key_index, valid), row, valid, logw, scale)
+            logits = _logits(q[:, query_index], k, key_index, row, valid, logw, scale)
             return query_index, *_softmax_attend(logits, _gather(v, key_index, valid))
 
         index, o, l = jax.lax.map(one_chunk, jnp.arange(-(-count // chunk)) * chunk)
@@ -243,7 +243,7 @@ def reference_local_forward(query, key, value, plan, window, row_order=None, *, 
     logw = _log_weights(plan, compute)
 
     def attend(query_index, key_index, row, valid):
-        logits = _logits(q[:, query_index], _gather(k, key_index, valid), row, valid, logw, scale)
+        logits = _logits(q[:, query_index], k, key_index, row, valid, logw, scale)
         return _softmax_attend(logits, _gather(v, key_index, valid))
 
     (out, lse), count = _windowed_map(attend, plan, query, key, window, heads * (dk + dv), chunk_elements)
@@ -267,7 +267,7 @@ def _backward_functional(query, key, value, dout, lse, delta, plan, window, scal
 
     def term(query_index, key_index, row, valid):
         vc = _gather(v, key_index, valid)
-        logits = _logits(q[:, query_index], _gather(k, key_index, valid), row, valid, logw, scale)
+        logits = _logits(q[:, query_index], k, key_index, row, valid, logw, scale)
         norm = lse[:, query_index]
         # A query without neighbours (lse = -inf) has no terms; a NaN lse stays NaN, as the formula makes it.
         real = ~jnp.isneginf(norm)[..., None]
