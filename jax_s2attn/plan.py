@@ -41,6 +41,7 @@ from .grids import (
     validate_grid,
     validate_shape,
 )
+from .schedule import BlockSchedule, build_schedule
 
 __all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "THETA_CUTOFF_EPS", "stencil_pairs"]
 
@@ -424,6 +425,20 @@ class NeighborhoodPlan:
                     "jnp.issubdtype(x.dtype, jnp.floating) else x, state)) or leave the plan out of the cast."
                 )
 
+    def block_schedule(
+        self, walk: str, *, tile_rows: int = 4, tile_cols: int = 16, chunk_cols: int = 32
+    ) -> BlockSchedule:
+        """The block-sparse schedule of one walk (:mod:`jax_s2attn.schedule`), built once per plan and shape.
+
+        Args:
+          walk: ``"forward"`` (query tiles over key chunks: the forward pass and dQ) or ``"backward"``
+            (key tiles over query chunks: dK/dV).
+          tile_rows, tile_cols, chunk_cols: the shape of a tile and of a chunk.
+        """
+        if walk not in ("forward", "backward"):
+            raise ValueError(f"walk={walk!r} must be 'forward' (queries over keys) or 'backward' (keys over queries).")
+        return _block_schedule(self._key, walk, tile_rows, tile_cols, chunk_cols)
+
     @property
     def max_neighbors(self) -> int:
         """Largest neighbourhood of any output point."""
@@ -587,6 +602,18 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
     for table in (*host_tables, *forward_segments[:2], *backward_segments[:2], *stencil):
         table.setflags(write=False)
     return plan
+
+
+@functools.lru_cache(maxsize=16)
+def _block_schedule(key: _PlanKey, walk: str, tile_rows: int, tile_cols: int, chunk_cols: int) -> BlockSchedule:
+    plan = _build_plan(key)
+    segments, shape = (
+        (plan.forward_segments, plan.out_shape) if walk == "forward" else (plan.backward_segments, plan.in_shape)
+    )
+    schedule = build_schedule(segments, *shape, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    for table in schedule[:4]:
+        table.setflags(write=False)
+    return schedule
 
 
 def _flatten_plan(plan: NeighborhoodPlan):

@@ -1,0 +1,242 @@
+"""Block-sparse schedules: the work list of the tensor-core kernels, built once on the host.
+
+A walk (queries over keys for the forward pass and dQ, keys over queries for dK/dV) is cut into *tiles*
+of ``tile_rows`` consecutive walking rows by ``tile_cols`` consecutive walking longitudes: the M = 64
+rows of one wgmma. For every tile the schedule lists the *chunks* it multiplies: ``chunk_cols``
+consecutive longitudes of one row of the other grid, staged as one box. The kernels do no geometry
+beyond turning a (point, chunk) pair into an interval of chunk columns.
+
+**Stagings.** For a tile and one other-grid row it sees, the union of its points' arcs is the
+*window*. It is either shorter than the ring (*window mode*: columns are unwrapped longitudes from the
+window's ``base``, which may cross longitude ``nlon``) or it covers the ring (*ring mode*: ``base`` 0,
+every column once). Each staging holds, for each tile row ``a`` and *class* ``u < classes``, the
+record ``(start, length)``: point ``j = u + classes * t`` of row ``a`` sees the unwrapped columns
+``start + shift * t + i`` for ``i < length`` (in ring mode modulo ``nlon``). ``classes`` is
+``min(R, tile_cols)`` for a segment table of ``R`` residues, so one record serves every point of a
+residue class; a grid whose rings have their own point counts would store one record per point
+(``classes == tile_cols``) without changing the format.
+
+**Chunks** ``(other row, longitude, offset, valid, flags, staging)``: the producer stages ``valid``
+columns from ``longitude`` (a chunk never crosses longitude ``nlon``: a window crossing it is cut
+there, and the part after it starts a new chunk), ``offset`` is the chunk's first column in the
+staging's unwrapped coordinates. A point's columns in the chunk are then ``[start + shift*t - offset,
+... + length)`` clipped to ``[0, valid)`` (window mode), or the same modulo ``nlon`` (``RING``).
+``FULL`` chunks have ``valid == chunk_cols`` and lie inside the arc of every point of the tile that
+is on the grid: no mask at all. Chunks no point sees are not listed.
+
+**Order.** Tiles come most chunks first (longest-processing-time order for the hardware's dynamic
+block dispatch); a tile's chunks come by other row, then longitude order within the window.
+
+Points of a tile past the walking grid (the last rows, or longitudes past ``nlon_walk``) take part in
+no window and no ``FULL`` test; the kernels compute them and do not write them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["FULL", "RING", "BlockSchedule", "build_schedule"]
+
+#: Chunk flag: every on-grid point of the tile sees every column: no mask.
+FULL = 1
+#: Chunk flag: the staging is in ring mode: a point's interval is taken modulo ``nlon``.
+RING = 2
+
+# Candidate (tile, other row) stagings expanded at once: ~2M point entries per batch.
+_BATCH_POINTS = 1 << 21
+
+
+class BlockSchedule(NamedTuple):
+    """The block-sparse schedule of one walk (host numpy, int32 tables).
+
+    Attributes:
+      tiles: ``[num_tiles, 2]`` ``(first walking row, first walking longitude)``, in work order.
+      tile_offsets: ``[num_tiles + 1]`` CSR offsets of each tile's chunks into ``chunks``.
+      chunks: ``[num_chunks, 6]`` rows of ``(other row, longitude, offset, valid, flags, staging)``.
+      records: ``[num_stagings, tile_rows, classes, 2]`` ``(start, length)`` per tile row and class.
+      tile_rows, tile_cols, chunk_cols: the shape of a tile and of a chunk.
+      classes, shift: point ``j`` of a tile row uses record ``j % classes``, shifted by ``shift * (j // classes)``.
+      nlat_walk, nlon_walk: the walking grid; nlon: longitudes of the other grid.
+    """
+
+    tiles: np.ndarray
+    tile_offsets: np.ndarray
+    chunks: np.ndarray
+    records: np.ndarray
+    tile_rows: int
+    tile_cols: int
+    chunk_cols: int
+    classes: int
+    shift: int
+    nlat_walk: int
+    nlon_walk: int
+    nlon: int
+
+    @property
+    def computed_pairs(self) -> int:
+        """Rows times columns of every multiplied chunk: what the kernels' products cost."""
+        return int(self.chunks.shape[0]) * self.tile_rows * self.tile_cols * self.chunk_cols
+
+    @property
+    def full_fraction(self) -> float:
+        """Fraction of the chunks that need no mask."""
+        return float((self.chunks[:, 4] & FULL).astype(bool).mean()) if self.chunks.size else 0.0
+
+
+def _check_shape(name: str, value: int, multiple: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 or value % multiple:
+        raise ValueError(f"{name}={value!r} must be a positive integer multiple of {multiple}.")
+    return int(value)
+
+
+def build_schedule(
+    segments, nlat_walk: int, nlon_walk: int, *, tile_rows: int = 4, tile_cols: int = 16, chunk_cols: int = 32
+) -> BlockSchedule:
+    """The schedule of the walk described by a :class:`~jax_s2attn.plan.SegmentTable`.
+
+    Args:
+      segments: the walk's segment table (``plan.forward_segments`` over the query grid, or
+        ``plan.backward_segments`` over the key grid).
+      nlat_walk, nlon_walk: shape of the walking grid.
+      tile_rows, tile_cols: walking rows and longitudes of a tile (their product is the kernels' M).
+      chunk_cols: other-grid columns of a chunk, a multiple of 16 (the k-step of P·V).
+    """
+    tile_rows = _check_shape("tile_rows", tile_rows, 1)
+    tile_cols = _check_shape("tile_cols", tile_cols, 1)
+    chunk_cols = _check_shape("chunk_cols", chunk_cols, 16)
+    residues, shift, nlon = segments.residues, segments.shift, segments.nlon
+    if segments.offsets.size != nlat_walk + 1 or shift * nlon_walk != residues * nlon:
+        raise ValueError(
+            f"the segment table (walking rows {segments.offsets.size - 1}, R={residues}, S={shift}, nlon={nlon}) "
+            f"does not describe a walk over a {nlat_walk}x{nlon_walk} grid."
+        )
+    classes = min(residues, tile_cols)
+
+    # One entry per (band of tile_rows walking rows, other row): each tile row's segment there.
+    walk_row = np.repeat(np.arange(nlat_walk), np.diff(segments.offsets))
+    table = segments.segments.astype(np.int64)
+    nrows = int(table[:, 0].max()) + 1 if table.size else 1
+    band_keys, band_entry = np.unique((walk_row // tile_rows) * nrows + table[:, 0], return_inverse=True)
+    band_lo = np.zeros((band_keys.size, tile_rows, residues), np.int64)
+    band_len = np.zeros((band_keys.size, tile_rows, residues), np.int64)
+    band_lo[band_entry, walk_row % tile_rows] = table[:, 1 : 1 + residues]
+    band_len[band_entry, walk_row % tile_rows] = table[:, 1 + residues :]
+    # Each arc's centre nearest its point's own longitude r*S/R on the other grid (scaled by 2R to stay
+    # integer), for every walking row alike: a tile's window is then the union of nearby arcs.
+    centre = 2 * residues * band_lo + residues * (band_len - 1) - 2 * shift * np.arange(residues)
+    band_lo -= nlon * np.floor_divide(centre + residues * nlon, 2 * residues * nlon)
+    band, band_other = np.divmod(band_keys, nrows)
+
+    tiles_per_row = -(-nlon_walk // tile_cols)
+    column = np.arange(tile_cols)
+    parts = []
+    per_batch = max(1, _BATCH_POINTS // (tile_rows * tile_cols))
+    candidates = band_keys.size * tiles_per_row
+    stagings_before = 0
+    for first in range(0, candidates, per_batch):
+        entry = np.arange(first, min(first + per_batch, candidates))
+        part = _stagings(entry // tiles_per_row, entry % tiles_per_row * tile_cols, band, band_lo, band_len, column,
+                         (nlat_walk, nlon_walk), residues, shift, nlon, classes, chunk_cols)  # fmt: skip
+        part[5] += stagings_before  # chunk -> staging, numbered across batches
+        stagings_before += part[0].size
+        parts.append(part)
+    keep = [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))] if parts else None
+    g_band, g_lon0, g_base, g_ring, g_records, c_staging, c_offset, c_valid, c_full = keep
+
+    # Tiles (band, first longitude) in work order; chunks grouped by tile, then other row, then offset.
+    g_other = band_other[g_band]
+    tile_key = band[g_band] * tiles_per_row + g_lon0 // tile_cols
+    tile_ids, g_tile = np.unique(tile_key, return_inverse=True)
+    chunk_tile = g_tile[c_staging]
+    chunk_count = np.bincount(chunk_tile, minlength=tile_ids.size)
+    rank = np.empty(tile_ids.size, np.int64)
+    rank[np.argsort(-chunk_count, kind="stable")] = np.arange(tile_ids.size)
+    order = np.lexsort((c_offset, g_other[c_staging], rank[chunk_tile]))
+    c_staging, c_offset, c_valid, c_full = c_staging[order], c_offset[order], c_valid[order], c_full[order]
+    # Stagings renumbered in order of first use.
+    first_use = np.unique(c_staging, return_index=True)[1]
+    staging_order = c_staging[np.sort(first_use)]
+    renumber = np.empty(g_band.size, np.int64)
+    renumber[staging_order] = np.arange(staging_order.size)
+
+    ring = g_ring[c_staging]
+    longitude = np.where(ring, c_offset, (g_base[c_staging] + c_offset) % nlon)
+    flags = np.where(c_full, FULL, 0) | np.where(ring, RING, 0)
+    chunks = np.stack(
+        [g_other[c_staging], longitude, c_offset, c_valid, flags, renumber[c_staging]], axis=1
+    ).astype(np.int32)
+    tile_order = np.argsort(rank)
+    tiles = np.stack([tile_ids[tile_order] // tiles_per_row * tile_rows, tile_ids[tile_order] % tiles_per_row
+                      * tile_cols], axis=1).astype(np.int32)  # fmt: skip
+    tile_offsets = np.zeros(tile_ids.size + 1, np.int32)
+    np.cumsum(chunk_count[tile_order], out=tile_offsets[1:])
+    return BlockSchedule(
+        tiles=tiles,
+        tile_offsets=tile_offsets,
+        chunks=np.ascontiguousarray(chunks),
+        records=np.ascontiguousarray(g_records[staging_order].astype(np.int32)),
+        tile_rows=tile_rows,
+        tile_cols=tile_cols,
+        chunk_cols=chunk_cols,
+        classes=classes,
+        shift=shift,
+        nlat_walk=nlat_walk,
+        nlon_walk=nlon_walk,
+        nlon=nlon,
+    )
+
+
+def _stagings(band_index, lon0, band, band_lo, band_len, column, walk_shape, residues, shift, nlon, classes,
+              chunk_cols):  # fmt: skip
+    """The stagings and chunks of a batch of candidate (band entry, first tile longitude) pairs."""
+    tile_rows = band_lo.shape[1]
+    nlat_walk, nlon_walk = walk_shape
+    lon = lon0[:, None] + column[None, :]  # [n, tile_cols] walking longitudes
+    row = band[band_index][:, None] * tile_rows + np.arange(tile_rows)[None, :]
+    on_grid = (row < nlat_walk)[:, :, None] & (lon < nlon_walk)[:, None, :]  # [n, tile_rows, tile_cols]
+    residue = np.broadcast_to((lon % residues)[:, None, :], (lon.shape[0], tile_rows, lon.shape[1]))
+    start = np.take_along_axis(band_lo[band_index], residue, axis=2) + shift * (lon // residues)[:, None, :]
+    length = np.take_along_axis(band_len[band_index], residue, axis=2)
+    length = np.where((lon < nlon_walk)[:, None, :], length, 0)  # [n, tile_rows, tile_cols]
+
+    seen = length > 0
+    lo = np.where(seen, start, np.iinfo(np.int64).max).min(axis=(1, 2))
+    hi = np.where(seen, start + length, np.iinfo(np.int64).min).max(axis=(1, 2))
+    keep = seen.any(axis=(1, 2))
+    band_index, lon0, start, length, on_grid, lo, hi = (
+        x[keep] for x in (band_index, lon0, start, length, on_grid, lo, hi)
+    )
+    ring = hi - lo >= nlon
+    base = np.where(ring, 0, lo)
+    # Records: window mode relative to the base; ring mode the arc's start modulo nlon.
+    relative = np.where(ring[:, None, None], start % nlon, start - base[:, None, None])
+    records = np.stack([relative[:, :, :classes], length[:, :, :classes]], axis=-1)
+
+    # Chunks: window mode cuts the window [0, hi - lo) at the seam (unwrapped column of longitude nlon).
+    width = np.where(ring, nlon, hi - lo)
+    seam = np.where(ring, nlon, np.minimum(width, nlon - base % nlon))
+    first_part = -(-seam // chunk_cols)
+    count = first_part + -(-(width - seam) // chunk_cols)
+    staging = np.repeat(np.arange(width.size), count)
+    k = np.arange(staging.size) - np.repeat(np.cumsum(count) - count, count)
+    in_first = k < first_part[staging]
+    offset = np.where(in_first, k * chunk_cols, seam[staging] + (k - first_part[staging]) * chunk_cols)
+    part_end = np.where(in_first, seam[staging], width[staging])
+    valid = np.minimum(chunk_cols, part_end - offset)
+
+    # Per chunk and point: whether it sees any column, and every column, of the chunk.
+    begin = relative[staging] - offset[:, None, None]
+    length = length[staging]
+    valid_ = valid[:, None, None]
+    # Ring mode: d is the chunk's first column after the arc's start, modulo nlon.
+    d = (offset[:, None, None] - relative[staging]) % nlon
+    ring_ = ring[staging][:, None, None]
+    sees_any = np.where(ring_, (d < length) | (d + valid_ > nlon), (begin < valid_) & (begin + length > 0))
+    sees_all = np.where(ring_, (length == nlon) | (d + valid_ <= length), (begin <= 0) & (begin + length >= valid_))
+    sees_any &= length > 0
+    touched = sees_any.any(axis=(1, 2))
+    full = (valid == chunk_cols) & np.where(on_grid[staging], sees_all, True).all(axis=(1, 2))
+    staging, offset, valid, full = staging[touched], offset[touched], valid[touched], full[touched]
+    return [band_index, lon0, base, ring, records, staging, offset, valid, full]

@@ -1,0 +1,174 @@
+"""The block-sparse schedule covers exactly the plan's pairs, once each, for every walk, grid and shape.
+
+The expansion here is the kernels' contract written out independently of the builder: per chunk and
+tile point, the interval of chunk columns from the staging record (``jax_s2attn/schedule.py``); the
+expected pairs come from the plan's ``psi`` (``csr_offsets`` / ``csr_columns``, built from the dense
+membership test).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jax_s2attn.plan import NeighborhoodPlan
+from jax_s2attn.schedule import FULL, RING, BlockSchedule, build_schedule
+
+# (in_shape, out_shape, grid, theta_cutoff): self-attention at small, medium and whole-ring cutoffs,
+# other grids, downsampling by 2 and 3, upsampling by 2 and 4, odd sizes, nlon not a multiple of the tile.
+PLANS = [
+    ((9, 16), (9, 16), "equiangular", 0.7),
+    ((17, 32), (17, 32), "equiangular", 0.3),
+    ((17, 32), (17, 32), "equiangular", None),
+    ((11, 40), (11, 40), "equiangular", 2.0),
+    ((13, 24), (13, 24), "legendre-gauss", 0.5),
+    ((12, 36), (12, 36), "lobatto", 0.4),
+    ((15, 20), (15, 20), "equiangular-trapezoidal", 0.45),
+    ((16, 32), (8, 16), "equiangular", 0.4),
+    ((12, 48), (6, 16), "equiangular", 0.5),
+    ((8, 16), (16, 32), "equiangular", 0.4),
+    ((5, 12), (10, 48), "legendre-gauss", 0.9),
+]
+# (tile_rows, tile_cols, chunk_cols): the m64 shapes, odd tiles, and tiles narrower than a walk's residues.
+SHAPES = [(4, 16, 32), (2, 32, 16), (8, 8, 64), (1, 64, 32), (3, 5, 16), (4, 2, 16)]
+
+
+def _plan(args) -> NeighborhoodPlan:
+    in_shape, out_shape, grid, cutoff = args
+    return NeighborhoodPlan(in_shape, out_shape, grid, grid, theta_cutoff=cutoff)
+
+
+def _plan_pairs(plan: NeighborhoodPlan) -> np.ndarray:
+    """``(query, key)`` flat index pairs of the plan from its ``psi``, sorted."""
+    nlon_in, nlon_out = plan.nlon_in, plan.nlon_out
+    rows = np.repeat(np.arange(plan.csr_offsets.size - 1), np.diff(plan.csr_offsets))
+    other_row, other_lon = np.divmod(plan.csr_columns, nlon_in if plan.direction == "gather" else nlon_out)
+    if plan.direction == "gather":  # rows: output latitudes; columns: inputs seen by output longitude 0
+        wo = np.arange(nlon_out)
+        query = rows[:, None] * nlon_out + wo[None, :]
+        key = other_row[:, None] * nlon_in + (other_lon[:, None] + plan.pscale * wo[None, :]) % nlon_in
+    else:  # rows: input latitudes; columns: outputs that input longitude 0 reaches
+        wi = np.arange(nlon_in)
+        key = rows[:, None] * nlon_in + wi[None, :]
+        query = other_row[:, None] * nlon_out + (other_lon[:, None] + plan.pscale * wi[None, :]) % nlon_out
+    pairs = np.stack([query.ravel(), key.ravel()], axis=1)
+    return pairs[np.lexsort(pairs.T[::-1])]
+
+
+def _expand(s: BlockSchedule) -> np.ndarray:
+    """``(walking point, other point)`` of every column a kernel keeps, in schedule order; asserts the
+    contract's invariants on the way (FULL chunks need no mask, chunks stay inside the ring)."""
+    tile_of_chunk = np.repeat(np.arange(s.tiles.shape[0]), np.diff(s.tile_offsets))
+    other, lon, offset, valid, flags, staging = s.chunks.T
+    assert ((valid >= 1) & (valid <= s.chunk_cols)).all()
+    assert ((lon >= 0) & (lon + valid <= s.nlon)).all(), "a chunk crosses longitude nlon"
+    a, j = np.divmod(np.arange(s.tile_rows * s.tile_cols), s.tile_cols)  # tile point -> (row, column)
+    record = s.records[staging][:, a, j % s.classes]  # [chunks, points, 2]
+    start = record[..., 0] + s.shift * (j // s.classes) - offset[:, None]
+    column = np.arange(s.chunk_cols)
+    x = column[None, None, :] - start[..., None]
+    ring = (flags & RING).astype(bool)[:, None, None]
+    x = np.where(ring, x % s.nlon, x)
+    keeps = (x >= 0) & (x < record[..., 1:2]) & (column < valid[:, None, None])
+    walk_row = s.tiles[tile_of_chunk, 0][:, None] + a[None, :]
+    walk_lon = s.tiles[tile_of_chunk, 1][:, None] + j[None, :]
+    on_grid = (walk_row < s.nlat_walk) & (walk_lon < s.nlon_walk)
+    full = (flags & FULL).astype(bool)
+    assert (keeps | ~on_grid[..., None])[full].all(), "a FULL chunk has columns some point does not see"
+    assert (valid[full] == s.chunk_cols).all()
+    keeps &= on_grid[..., None]
+    c, p, n = np.nonzero(keeps)
+    walk = walk_row[c, p] * s.nlon_walk + walk_lon[c, p]
+    return np.stack([walk, other[c] * s.nlon + lon[c] + n], axis=1)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("args", PLANS, ids=lambda a: f"{a[0][0]}x{a[0][1]}-{a[1][0]}x{a[1][1]}-{a[2]}-{a[3]}")
+def test_schedule_covers_the_plans_pairs_once(args, shape):
+    plan = _plan(args)
+    tile_rows, tile_cols, chunk_cols = shape
+    expected = _plan_pairs(plan)
+    for walk, segments, walk_shape in [("forward", plan.forward_segments, plan.out_shape),
+                                       ("backward", plan.backward_segments, plan.in_shape)]:  # fmt: skip
+        s = build_schedule(segments, *walk_shape, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+        got = _expand(s)
+        if walk == "backward":
+            got = got[:, ::-1]
+        got = got[np.lexsort(got.T[::-1])]
+        duplicates = int((np.diff(got, axis=0) == 0).all(axis=1).sum())
+        assert duplicates == 0, f"{walk}: {duplicates} pairs computed twice"
+        np.testing.assert_array_equal(got, expected, err_msg=f"{walk} walk")
+
+
+@pytest.mark.parametrize("args", PLANS[:4] + PLANS[7:9], ids=lambda a: f"{a[0]}-{a[1]}-{a[3]}")
+def test_tiles_cover_the_walking_grid_in_work_order(args):
+    plan = _plan(args)
+    for segments, (nlat, nlon) in [(plan.forward_segments, plan.out_shape), (plan.backward_segments, plan.in_shape)]:
+        s = build_schedule(segments, nlat, nlon)
+        expected = {(r, c) for r in range(0, nlat, s.tile_rows) for c in range(0, nlon, s.tile_cols)}
+        assert sorted(map(tuple, s.tiles.tolist())) == sorted(expected)  # every tile once (none is empty)
+        counts = np.diff(s.tile_offsets)
+        assert (counts > 0).all() and (np.diff(counts) <= 0).all(), "tiles are not in longest-first order"
+        for t in range(s.tiles.shape[0]):  # a tile's chunks by other row
+            rows = s.chunks[s.tile_offsets[t] : s.tile_offsets[t + 1], 0]
+            assert (np.diff(rows) >= 0).all()
+        used = np.unique(s.chunks[:, 5])
+        np.testing.assert_array_equal(used, np.arange(s.records.shape[0]))  # every staging used
+        for table in s[:4]:
+            assert table.dtype == np.int32
+
+
+def test_flags_are_set_where_they_apply():
+    # At a whole-ring cutoff polar stagings are rings and interior chunks are full; a small cutoff
+    # on a large ring has neither rings nor (at 4 x 16 tiles) full chunks at the equator.
+    s = build_schedule(_plan(PLANS[3]).forward_segments, 11, 40)
+    assert (s.chunks[:, 4] & RING).any() and (s.chunks[:, 4] & FULL).any()
+    assert 0 < s.full_fraction < 1
+    plan = NeighborhoodPlan((33, 256), (33, 256), theta_cutoff=0.05)
+    s = build_schedule(plan.forward_segments, 33, 256)
+    equator = s.tiles[np.repeat(np.arange(s.tiles.shape[0]), np.diff(s.tile_offsets)), 0] // 4 == 4
+    assert not (s.chunks[equator, 4] & (RING | FULL)).any()
+    assert s.computed_pairs == s.chunks.shape[0] * 64 * 32
+
+
+def test_computed_pairs_bound_the_useful_ones():
+    plan = NeighborhoodPlan((61, 120), (61, 120), theta_cutoff=0.15)
+    narrow = build_schedule(plan.forward_segments, 61, 120, chunk_cols=16)
+    wide = build_schedule(plan.forward_segments, 61, 120, chunk_cols=64)
+    assert plan.num_pairs <= narrow.computed_pairs < wide.computed_pairs
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tile_rows=0), "tile_rows=0 must be a positive integer"),
+        (dict(tile_cols=2.0), "tile_cols=2.0 must be a positive integer"),
+        (dict(chunk_cols=24), "chunk_cols=24 must be a positive integer multiple of 16"),
+        (dict(tile_rows=True), "tile_rows=True"),
+    ],
+)
+def test_bad_shapes_are_refused(kwargs, match):
+    plan = NeighborhoodPlan((9, 16), (9, 16), theta_cutoff=0.7)
+    with pytest.raises(ValueError, match=match):
+        build_schedule(plan.forward_segments, 9, 16, **kwargs)
+
+
+def test_a_segment_table_of_another_grid_is_refused():
+    plan = NeighborhoodPlan((16, 32), (8, 16), theta_cutoff=0.4)
+    with pytest.raises(ValueError, match="does not describe a walk over a 16x32 grid"):
+        build_schedule(plan.forward_segments, 16, 32)
+
+
+def test_the_plan_builds_each_schedule_once():
+    plan = NeighborhoodPlan((16, 32), (8, 16), theta_cutoff=0.4)
+    forward = plan.block_schedule("forward")
+    assert plan.block_schedule("forward") is forward
+    assert NeighborhoodPlan((16, 32), (8, 16), theta_cutoff=0.4).block_schedule("forward") is forward
+    expected = build_schedule(plan.forward_segments, 8, 16)
+    for got, want in zip(forward[:4], expected[:4]):
+        np.testing.assert_array_equal(got, want)
+        assert not got.flags.writeable
+    backward = plan.block_schedule("backward", tile_rows=2, tile_cols=32, chunk_cols=16)
+    assert (backward.nlat_walk, backward.nlon_walk, backward.classes, backward.shift) == (16, 32, 2, 1)
+    with pytest.raises(ValueError, match="walk='dkv' must be 'forward'"):
+        plan.block_schedule("dkv")
