@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
-
 from jax_s2attn.plan import NeighborhoodPlan
 from jax_s2attn.schedule import RING, build_schedule
 

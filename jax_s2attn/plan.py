@@ -41,7 +41,7 @@ from .grids import (
     validate_grid,
     validate_shape,
 )
-from .schedule import BlockSchedule, build_schedule
+from .schedule import BlockSchedule, build_schedule, check_shape
 
 __all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "THETA_CUTOFF_EPS", "stencil_pairs"]
 
@@ -437,7 +437,9 @@ class NeighborhoodPlan:
         """
         if walk not in ("forward", "backward"):
             raise ValueError(f"walk={walk!r} must be 'forward' (queries over keys) or 'backward' (keys over queries).")
-        return _block_schedule(self._key, walk, tile_rows, tile_cols, chunk_cols)
+        # Checked before the cache, whose keys would take True for 1 and 16.0 for 16.
+        shape = check_shape("tile_rows", tile_rows, 1), check_shape("tile_cols", tile_cols, 1)
+        return _block_schedule(self._key, walk, *shape, check_shape("chunk_cols", chunk_cols, 16))
 
     @property
     def max_neighbors(self) -> int:
@@ -604,7 +606,8 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
     return plan
 
 
-@functools.lru_cache(maxsize=16)
+# A schedule is ~40 bytes a chunk (23 MB per walk at 721x1440, tc 0.03): a few plans' worth are kept.
+@functools.lru_cache(maxsize=8)
 def _block_schedule(key: _PlanKey, walk: str, tile_rows: int, tile_cols: int, chunk_cols: int) -> BlockSchedule:
     plan = _build_plan(key)
     segments, shape = (

@@ -25,7 +25,7 @@ staging's unwrapped coordinates. A point's columns in the chunk are then ``[star
 is on the grid: no mask at all. Chunks no point sees are not listed.
 
 **Order.** Tiles come most chunks first (longest-processing-time order for the hardware's dynamic
-block dispatch); a tile's chunks come by other row, then longitude order within the window.
+block dispatch); a tile's chunks come by other row, then in window (``offset``) order.
 
 Points of a tile past the walking grid (the last rows, or longitudes past ``nlon_walk``) take part in
 no window and no ``FULL`` test; the kernels compute them and do not write them.
@@ -37,14 +37,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["FULL", "RING", "BlockSchedule", "build_schedule"]
+from . import _validate
+
+__all__ = ["FULL", "RING", "BlockSchedule", "build_schedule", "check_shape"]
 
 #: Chunk flag: every on-grid point of the tile sees every column: no mask.
 FULL = 1
 #: Chunk flag: the staging is in ring mode: a point's interval is taken modulo ``nlon``.
 RING = 2
 
-# Candidate (tile, other row) stagings expanded at once: ~2M point entries per batch.
+# Bounds the temporaries: candidate (tile, other row) stagings, and then their chunks, are expanded per
+# point ~2M entries at a time.
 _BATCH_POINTS = 1 << 21
 
 
@@ -85,10 +88,13 @@ class BlockSchedule(NamedTuple):
         return float((self.chunks[:, 4] & FULL).astype(bool).mean()) if self.chunks.size else 0.0
 
 
-def _check_shape(name: str, value: int, multiple: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1 or value % multiple:
-        raise ValueError(f"{name}={value!r} must be a positive integer multiple of {multiple}.")
-    return int(value)
+def check_shape(name: str, value, multiple: int) -> int:
+    """``value`` as an ``int`` if it is a positive integer multiple of ``multiple``; a ``TypeError`` or
+    ``ValueError`` naming ``name`` otherwise."""
+    value = _validate.integer(value, name, 1)
+    if value % multiple:
+        raise ValueError(f"{name}={value} must be a multiple of {multiple}.")
+    return value
 
 
 def build_schedule(
@@ -103,15 +109,17 @@ def build_schedule(
       tile_rows, tile_cols: walking rows and longitudes of a tile (their product is the kernels' M).
       chunk_cols: other-grid columns of a chunk, a multiple of 16 (the k-step of P·V).
     """
-    tile_rows = _check_shape("tile_rows", tile_rows, 1)
-    tile_cols = _check_shape("tile_cols", tile_cols, 1)
-    chunk_cols = _check_shape("chunk_cols", chunk_cols, 16)
+    tile_rows = check_shape("tile_rows", tile_rows, 1)
+    tile_cols = check_shape("tile_cols", tile_cols, 1)
+    chunk_cols = check_shape("chunk_cols", chunk_cols, 16)
     residues, shift, nlon = segments.residues, segments.shift, segments.nlon
     if segments.offsets.size != nlat_walk + 1 or shift * nlon_walk != residues * nlon:
         raise ValueError(
             f"the segment table (walking rows {segments.offsets.size - 1}, R={residues}, S={shift}, nlon={nlon}) "
             f"does not describe a walk over a {nlat_walk}x{nlon_walk} grid."
         )
+    if segments.segments.shape[0] == 0:
+        raise ValueError("the segment table is empty: a plan's walk has at least one neighbour per point.")
     classes = min(residues, tile_cols)
 
     # One entry per (band of tile_rows walking rows, other row): each tile row's segment there.
@@ -142,7 +150,7 @@ def build_schedule(
         part[5] += stagings_before  # chunk -> staging, numbered across batches
         stagings_before += part[0].size
         parts.append(part)
-    keep = [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))] if parts else None
+    keep = [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
     g_band, g_lon0, g_base, g_ring, g_records, c_staging, c_offset, c_valid, c_full = keep
 
     # Tiles (band, first longitude) in work order; chunks grouped by tile, then other row, then offset.
@@ -226,17 +234,29 @@ def _stagings(band_index, lon0, band, band_lo, band_len, column, walk_shape, res
     part_end = np.where(in_first, seam[staging], width[staging])
     valid = np.minimum(chunk_cols, part_end - offset)
 
-    # Per chunk and point: whether it sees any column, and every column, of the chunk.
-    begin = relative[staging] - offset[:, None, None]
-    length = length[staging]
-    valid_ = valid[:, None, None]
-    # Ring mode: d is the chunk's first column after the arc's start, modulo nlon.
-    d = (offset[:, None, None] - relative[staging]) % nlon
-    ring_ = ring[staging][:, None, None]
-    sees_any = np.where(ring_, (d < length) | (d + valid_ > nlon), (begin < valid_) & (begin + length > 0))
-    sees_all = np.where(ring_, (length == nlon) | (d + valid_ <= length), (begin <= 0) & (begin + length >= valid_))
-    sees_any &= length > 0
-    touched = sees_any.any(axis=(1, 2))
-    full = (valid == chunk_cols) & np.where(on_grid[staging], sees_all, True).all(axis=(1, 2))
+    # Per chunk: whether any point sees a column of it (chunks none sees are dropped) and whether every
+    # on-grid point sees all of them (FULL), a batch of chunks at a time.
+    touched, full = np.empty(staging.size, bool), np.empty(staging.size, bool)
+    step = max(1, _BATCH_POINTS // (tile_rows * lon.shape[1]))
+    for first in range(0, staging.size, step):
+        part = slice(first, first + step)
+        touched[part], full[part] = _covers(relative, length, on_grid, ring, staging[part], offset[part], valid[part],
+                                            nlon, chunk_cols)  # fmt: skip
     staging, offset, valid, full = staging[touched], offset[touched], valid[touched], full[touched]
     return [band_index, lon0, base, ring, records, staging, offset, valid, full]
+
+
+def _covers(relative, length, on_grid, ring, staging, offset, valid, nlon, chunk_cols):
+    """Per chunk: whether any point sees one of its columns, and whether every on-grid point sees all."""
+    begin = relative[staging] - offset[:, None, None]  # window mode: the point's first column in the chunk
+    length = length[staging]
+    valid_columns = valid[:, None, None]
+    # Ring mode: d is the chunk's first column after the arc's start, modulo nlon.
+    d = (offset[:, None, None] - relative[staging]) % nlon
+    ring = ring[staging][:, None, None]
+    sees_any = np.where(ring, (d < length) | (d + valid_columns > nlon), (begin < valid_columns) & (begin + length > 0))
+    sees_all = np.where(ring, (length == nlon) | (d + valid_columns <= length),
+                        (begin <= 0) & (begin + length >= valid_columns))  # fmt: skip
+    touched = (sees_any & (length > 0)).any(axis=(1, 2))
+    full = (valid == chunk_cols) & np.where(on_grid[staging], sees_all, True).all(axis=(1, 2))
+    return touched, full

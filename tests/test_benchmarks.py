@@ -292,3 +292,15 @@ def test_compare_builds_times_two_trees_alternately(tmp_path):
     table = [line.split() for line in result.stdout.splitlines() if line.startswith("1deg_tc0017")]
     assert {row[2] for row in table} >= {"ffi_fwd_ms", "ffi_fwdbwd_ms"}
     assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in table)
+
+
+def test_schedule_shapes_reports_every_shape(tmp_path):
+    lines = _run("schedule_shapes.py", "--configs", "hdeg_tc003", cwd=tmp_path).splitlines()
+    rows = [line.split() for line in lines[1:]]
+    schedule_shapes = _benchmark_module("schedule_shapes")
+    assert [row[1:3] for row in rows] == [[f"{r}x{c}", f"W{w}"] for r, c, w in schedule_shapes.SHAPES]
+    plan = NeighborhoodPlan((360, 720), (360, 720), theta_cutoff=0.03)
+    for row, (r, c, w) in zip(rows, schedule_shapes.SHAPES):
+        chunks, useful = int(row[3]), float(row[5])
+        assert useful == pytest.approx(plan.num_pairs / (chunks * r * c * w), abs=5e-4)
+        assert 0 < useful <= 1

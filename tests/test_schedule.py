@@ -15,7 +15,7 @@ from jax_s2attn.plan import NeighborhoodPlan
 from jax_s2attn.schedule import FULL, RING, BlockSchedule, build_schedule
 
 # (in_shape, out_shape, grid, theta_cutoff): self-attention at small, medium and whole-ring cutoffs,
-# other grids, downsampling by 2 and 3, upsampling by 2 and 4, odd sizes, nlon not a multiple of the tile.
+# other grids, downsampling by 2, 3 and 128, upsampling by 2 and 4, odd sizes, nlon not a multiple of the tile.
 PLANS = [
     ((9, 16), (9, 16), "equiangular", 0.7),
     ((17, 32), (17, 32), "equiangular", 0.3),
@@ -28,6 +28,7 @@ PLANS = [
     ((12, 48), (6, 16), "equiangular", 0.5),
     ((8, 16), (16, 32), "equiangular", 0.4),
     ((5, 12), (10, 48), "legendre-gauss", 0.9),
+    ((9, 512), (9, 4), "equiangular", 0.05),  # arcs 128 columns apart: windows with empty chunks between
 ]
 # (tile_rows, tile_cols, chunk_cols): the m64 shapes, odd tiles, and tiles narrower than a walk's residues.
 SHAPES = [(4, 16, 32), (2, 32, 16), (8, 8, 64), (1, 64, 32), (3, 5, 16), (4, 2, 16)]
@@ -73,10 +74,16 @@ def _expand(s: BlockSchedule) -> np.ndarray:
     walk_row = s.tiles[tile_of_chunk, 0][:, None] + a[None, :]
     walk_lon = s.tiles[tile_of_chunk, 1][:, None] + j[None, :]
     on_grid = (walk_row < s.nlat_walk) & (walk_lon < s.nlon_walk)
+    # The kernels reduce a ring start modulo nlon by one conditional add or subtract.
+    ring_chunk = ring[:, 0, 0]
+    assert ((record[ring_chunk, :, 0] >= 0) & (record[ring_chunk, :, 0] < s.nlon)).all()
+    reach = start[ring_chunk][on_grid[ring_chunk]]
+    assert ((reach > -s.nlon) & (reach < 2 * s.nlon)).all(), "a ring start the kernels cannot reduce"
     full = (flags & FULL).astype(bool)
     assert (keeps | ~on_grid[..., None])[full].all(), "a FULL chunk has columns some point does not see"
     assert (valid[full] == s.chunk_cols).all()
     keeps &= on_grid[..., None]
+    assert keeps.any(axis=(1, 2)).all(), "a chunk no point sees is listed"
     c, p, n = np.nonzero(keeps)
     walk = walk_row[c, p] * s.nlon_walk + walk_lon[c, p]
     return np.stack([walk, other[c] * s.nlon + lon[c] + n], axis=1)
@@ -128,7 +135,6 @@ def test_flags_are_set_where_they_apply():
     s = build_schedule(plan.forward_segments, 33, 256)
     equator = s.tiles[np.repeat(np.arange(s.tiles.shape[0]), np.diff(s.tile_offsets)), 0] // 4 == 4
     assert not (s.chunks[equator, 4] & (RING | FULL)).any()
-    assert s.computed_pairs == s.chunks.shape[0] * 64 * 32
 
 
 def test_computed_pairs_bound_the_useful_ones():
@@ -139,18 +145,21 @@ def test_computed_pairs_bound_the_useful_ones():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        (dict(tile_rows=0), "tile_rows=0 must be a positive integer"),
-        (dict(tile_cols=2.0), "tile_cols=2.0 must be a positive integer"),
-        (dict(chunk_cols=24), "chunk_cols=24 must be a positive integer multiple of 16"),
-        (dict(tile_rows=True), "tile_rows=True"),
+        (dict(tile_rows=0), ValueError, "tile_rows must be at least 1, got 0"),
+        (dict(tile_cols=2.0), TypeError, "tile_cols must be an integer, got 2.0"),
+        (dict(chunk_cols=24), ValueError, "chunk_cols=24 must be a multiple of 16"),
+        (dict(tile_rows=True), TypeError, "tile_rows must be an integer, got True"),
     ],
 )
-def test_bad_shapes_are_refused(kwargs, match):
+def test_bad_shapes_are_refused(kwargs, error, match):
     plan = NeighborhoodPlan((9, 16), (9, 16), theta_cutoff=0.7)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         build_schedule(plan.forward_segments, 9, 16, **kwargs)
+    plan.block_schedule("forward", tile_rows=1, tile_cols=2, chunk_cols=16)  # cached: the same keys hash alike
+    with pytest.raises(error, match=match):
+        plan.block_schedule("forward", **{"tile_rows": 1, "tile_cols": 2, "chunk_cols": 16, **kwargs})
 
 
 def test_a_segment_table_of_another_grid_is_refused():
