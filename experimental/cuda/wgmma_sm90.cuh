@@ -60,12 +60,16 @@ void WgmmaWait() {
 }
 template <int N>
 void FenceRegisters(float (&)[N]) {}
+template <int N>
+void FenceRegisters(uint32_t (&)[N]) {}
 template <typename T, int kTransB>
 void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
 template <typename T>
 void WgmmaM64N32K16SharedA(float (&d)[16], uint64_t a, uint64_t b, uint32_t accumulate);
 template <typename T, int kTransB>
 void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
+template <typename T>
+void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate);
 
 #else
 
@@ -88,6 +92,12 @@ template <int N>
 __device__ __forceinline__ void FenceRegisters(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for A fragments in registers: they are complete before the wgmma group that reads them starts.
+template <int N>
+__device__ __forceinline__ void FenceRegisters(uint32_t (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
 // The instruction for operands of PTX type TYPE ("bf16" or "f16"); d has N / 2 registers.
@@ -115,6 +125,14 @@ __device__ __forceinline__ void FenceRegisters(float (&d)[N]) {
                "{%32,%33,%34,%35}, %36, p, 1, 1, %37;\n}\n"                                                            \
                : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16)                                                             \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
+#define S2ATTN_WGMMA_M64N64K16_SHARED_A(TYPE)                                                                          \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                               \
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "                                    \
+               "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                         \
+               : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16)                                                             \
+               : "l"(a), "l"(b), "r"(accumulate))
 
 // d (+)= A B for an m64n32k16 slice; `accumulate` 0 overwrites d.
 template <typename T, int kTransB>
@@ -139,7 +157,15 @@ __device__ __forceinline__ void WgmmaM64N64K16(float (&d)[32], const uint32_t (&
   S2ATTN_WGMMA_M64N64K16("bf16");
 }
 
+// d (+)= A B for an m64n64k16 slice with A in shared memory too (K-major, descriptor `a`).
+template <typename T>
+__device__ __forceinline__ void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
+  S2ATTN_WGMMA_M64N64K16_SHARED_A("bf16");
+}
+
 #undef S2ATTN_WGMMA_M64N32K16
+#undef S2ATTN_WGMMA_M64N64K16_SHARED_A
 #undef S2ATTN_WGMMA_M64N64K16
 #undef S2ATTN_WGMMA_M64N32K16_SHARED_A
 #undef S2ATTN_WGMMA_D16

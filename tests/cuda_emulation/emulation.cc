@@ -853,11 +853,16 @@ template <typename T, int kTransB>
 void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(d, 64, a, 0, b, kTransB, accumulate);
 }
-// The forms experimental/cuda/ws_attention.cu uses (m64n32 with A in shared memory, m64n64 with A in registers) and the
-// register-A m64n32 form the self-test checks too.
+template <typename T>
+void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate) {
+  EmulatedWgmma(d, 64, nullptr, a, b, false, accumulate);
+}
+// The forms the prototypes of experimental/cuda use (m64n32 and m64n64 with A in shared memory, m64n64 with A in
+// registers) and the register-A m64n32 form the self-test checks too.
 template void WgmmaM64N32K16<__nv_bfloat16, 0>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__nv_bfloat16>(float (&)[16], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N64K16<__nv_bfloat16, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N64K16SharedA<__nv_bfloat16>(float (&)[32], uint64_t, uint64_t, uint32_t);
 
 }  // namespace sm90
 

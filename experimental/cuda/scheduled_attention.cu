@@ -1,0 +1,693 @@
+// Forward attention and dq driven by the plan's block-sparse schedule (jax_s2attn/schedule.py), on Hopper:
+// experimental/scheduled_attention.py builds the plan, writes the schedule and random inputs into a
+// directory, runs this program on it and checks its results against float64.
+//
+// A block takes one tile of the schedule (blocks in the schedule's work order, longest first). Its
+// producer warp asks for a tensor-map box of the tile's 4 x 16 queries, then, per chunk of the tile's
+// list, copies the chunk's description into shared memory (read 32 chunks at a time, a lane per chunk)
+// and asks for one box of K and one of V, into a kStages-deep mbarrier ring. Its consumer warpgroup
+// multiplies: S = Q K^T (wgmma, Q and K in shared memory), the chunk's mask, the online softmax in log2
+// units with the key row's log2 weight folded into the exponent, O += P V (m64n64k16, P from registers,
+// rounded once to bf16). Per chunk it issues the next S, rescales O and issues this chunk's P V, then
+// runs the next chunk's mask and softmax while P V runs (FlashAttention-3's intra-warpgroup order: no
+// instruction touches the registers of a wgmma in flight, so ptxas keeps them asynchronous).
+//
+// The geometry is all on the host. Per chunk the kernel reads (other row, longitude, offset, valid,
+// flags, staging) and, per point, the staging record (start, length) of its row and class; FULL chunks
+// take no mask, partial chunks one interval test per element (an add, an unsigned compare, a select),
+// RING chunks (the window is the whole ring) two; the flags branch once per chunk, never per element.
+//
+// dq walks the same schedule with q and dout staged once per tile: per chunk S = Q K^T and dP = dO V^T
+// (one group), then dS = P (dP - delta) with P from the forward's lse, and dq += dS K while the next
+// chunk's products run.
+//
+// bf16, one head of 64 channels, any two grids the plan supports (the schedule carries the direction's
+// classes and shift). Results: out (bf16) and lse (float32, natural log); dq (float32). Standalone: not part
+// of the package.
+//
+// Usage: scheduled_attention forward|dq <directory> [reps]  (the directory as scheduled_attention.py writes it)
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "gpu/device_common.cuh"
+#include "gpu/mbarrier_sm90.cuh"
+#include "tma_sm90.cuh"
+#include "wgmma_sm90.cuh"
+
+namespace {
+
+using s2attn::gpu::Exp2;
+using s2attn::gpu::kLn2;
+using s2attn::gpu::MbarrierArrive;
+using s2attn::gpu::MbarrierInit;
+using s2attn::gpu::MbarrierInitFence;
+using s2attn::gpu::MbarrierWait;
+using s2attn::gpu::PackPair;
+namespace sm90 = s2attn::gpu::sm90;
+using T = __nv_bfloat16;
+
+#ifndef SF_STAGES
+#define SF_STAGES 4
+#endif
+// Blocks per SM the forward and dq ask for (dq holds S, dP and dq: at 4 blocks ptxas serialises its wgmmas).
+#ifndef SF_MIN_BLOCKS
+#define SF_MIN_BLOCKS 4
+#endif
+#ifndef SF_DQ_BLOCKS
+#define SF_DQ_BLOCKS 3
+#endif
+// Diagnostic builds of the forward, wrong on purpose (docs/performance.md, "Fast path v2"): 1 no mask,
+// 2 no softmax (P = the masked scores), 3 no products, 4 the consumers only wait for and release each chunk.
+#ifndef SF_DIAGNOSTIC
+#define SF_DIAGNOSTIC 0
+#endif
+constexpr int kD = 64;
+constexpr int kTileRows = 4, kTileCols = 16;  // the schedule's tile: one wgmma M of 64 queries
+#ifndef SF_CHUNK
+#define SF_CHUNK 32
+#endif
+constexpr int kChunk = SF_CHUNK;  // the schedule's chunk_cols: 32 or 64 (the N of S = Q K^T)
+constexpr int kStages = SF_STAGES;
+static_assert(kStages >= 2, "a consumer holds one stage while it waits for the next");
+constexpr int kThreads = 128 + 32;  // one consumer warpgroup, one producer warp
+constexpr int kChunkBytes = kChunk * kD * 2;
+constexpr int kChunkFields = 6;  // (other row, longitude, offset, valid, flags, staging)
+constexpr int kFull = 1, kRing = 2;  // jax_s2attn.schedule.FULL, RING
+
+struct alignas(1024) Stage {
+  T k[kChunk * kD];
+  T v[kChunk * kD];
+};
+
+struct alignas(1024) QueryTile {
+  T rows[kTileRows * kTileCols * kD];  // tile row x longitude, as the box lays them out
+};
+
+// What the producer warp copies from the schedule for a staged chunk (before the stage's barrier).
+struct ChunkInfo {
+  int offset, valid, flags;
+  float bias;                           // log2 of the key row's quadrature weight
+  int2 records[kTileRows * kTileCols];  // the staging's (start, length) per tile row and class
+};
+
+// The two kernels: both walk the forward schedule (query tiles over key chunks).
+enum class Kind { kForward, kDq };
+// Query-grid tiles a kernel stages once: q; q and dout.
+__host__ __device__ constexpr int TilesOf(Kind kind) { return kind == Kind::kForward ? 1 : 2; }
+
+template <Kind kKind>
+struct Shared {
+  Stage stages[kStages];
+  QueryTile q[TilesOf(kKind)];
+  ChunkInfo info[kStages];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  uint64_t q_full;
+};
+
+struct Maps {
+  CUtensorMap q[2], k, v;  // q[1]: dout (dq)
+};
+
+struct Problem {
+  int nlat_q, nlon_q, nlon_k;
+  const int* tiles;         // [tiles, 2]: first query row, first query longitude
+  const int* tile_offsets;  // [tiles + 1]
+  const int* chunks;        // [chunks, kChunkFields]
+  const int2* records;      // [stagings, kTileRows, classes]: (start, length)
+  int classes, shift;
+  const float* bias;  // [nlat_k]: log2 of the key rows' quadrature weights
+  float scale, scale_log2;  // softmax scale, and times log2(e)
+  T* out;                   // [nlat_q, nlon_q, kD]: the forward's result
+  float* lse;               // [nlat_q, nlon_q], natural log: the forward's result, dq's operand
+  const float* delta;       // [nlat_q, nlon_q]: sum(dout * out), dq's operand
+  float* dq;                // [nlat_q, nlon_q, kD]: dq's result
+};
+
+// The producer warp: the tile's queries, then per chunk of its list the chunk's description and K and V
+// (lane 0 asks for the boxes). The descriptions are read 32 chunks at a time, lane x the chunk x of the
+// batch (with its records when a tile row has one class), so that the loop waits on global memory once
+// per batch, not once per chunk. Every lane arrives on the stage's barrier after its writes.
+template <Kind kKind>
+__device__ void Produce(const Problem& p, const Maps& maps, Shared<kKind>& s, int first, int count) {
+  const int tile = blockIdx.x, lane = threadIdx.x % 32, per_staging = kTileRows * p.classes;
+  if (lane == 0) {
+    sm90::MbarrierArriveExpectBytes(&s.q_full, TilesOf(kKind) * sizeof(QueryTile));
+    for (int i = 0; i < TilesOf(kKind); ++i) {
+      sm90::LoadBox3d(s.q[i].rows, &maps.q[i], 0, p.tiles[2 * tile + 1], p.tiles[2 * tile], &s.q_full);
+    }
+  }
+  for (int batch = 0; batch < count; batch += 32) {
+    int field[kChunkFields] = {};
+    float bias = 0.f;
+    int2 records[kTileRows] = {};
+    if (batch + lane < count) {
+      const int* chunk = p.chunks + size_t(first + batch + lane) * kChunkFields;
+#pragma unroll
+      for (int f = 0; f < kChunkFields; ++f) field[f] = __ldg(chunk + f);
+      bias = __ldg(p.bias + field[0]);
+      if (p.classes == 1) {
+#pragma unroll
+        for (int a = 0; a < kTileRows; ++a) records[a] = __ldg(p.records + size_t(field[5]) * kTileRows + a);
+      }
+    }
+    for (int k = 0; k < 32 && batch + k < count; ++k) {
+      const int i = batch + k, stage = i % kStages;
+      MbarrierWait(&s.empty[stage], ((i / kStages) & 1) ^ 1);
+      ChunkInfo& info = s.info[stage];
+      if (lane == k) {
+        info.offset = field[2], info.valid = field[3], info.flags = field[4], info.bias = bias;
+        if (p.classes == 1) {
+#pragma unroll
+          for (int a = 0; a < kTileRows; ++a) info.records[a] = records[a];
+        }
+      }
+      if (p.classes != 1) {  // several classes a row: the lanes copy the staging's records together
+        const int2* from = p.records + size_t(__shfl_sync(0xffffffffu, field[5], k)) * per_staging;
+        for (int x = lane; x < per_staging; x += 32) info.records[x] = __ldg(from + x);
+      }
+      const int row = __shfl_sync(0xffffffffu, field[0], k), lon = __shfl_sync(0xffffffffu, field[1], k);
+      if (lane == 0) {
+        sm90::MbarrierArriveExpectBytes(&s.full[stage], 2 * kChunkBytes);
+        sm90::LoadBox3d(s.stages[stage].k, &maps.k, 0, lon, row, &s.full[stage]);
+        sm90::LoadBox3d(s.stages[stage].v, &maps.v, 0, lon, row, &s.full[stage]);
+      } else {
+        MbarrierArrive(&s.full[stage]);
+      }
+    }
+  }
+}
+
+// Column n of the thread's accumulator element e (m64nN layout of wgmma_sm90.cuh), less 2 t.
+__host__ __device__ constexpr int ColumnOf(int e) { return 8 * (e / 4) + (e % 2); }
+
+// A chunk as one thread needs it: the key row's log2 weight and, per accumulator row h, the columns it
+// keeps: n with unsigned(n - lo) < count, or (RING) that or n < count2 (the arc's part past longitude
+// nlon, from the chunk's first column).
+struct ChunkMask {
+  int flags;
+  float bias;
+  int lo[2], count[2], count2[2];
+};
+
+__device__ __forceinline__ ChunkMask MaskOf(const Problem& p, const ChunkInfo& info, int warp, const int (&u)[2],
+                                            const int (&step)[2]) {
+  ChunkMask m;
+  const int offset = info.offset, valid = info.valid;
+  m.flags = info.flags;
+  m.bias = info.bias;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int2 record = info.records[warp * p.classes + u[h]];
+    int start = record.x + p.shift * step[h] - offset;
+    const int length = record.y;
+    m.count2[h] = 0;
+    if (m.flags & kRing) {
+      // start modulo nlon: |start| < 2 nlon for the points that are written (offset and record.x in
+      // [0, nlon), shift * step < nlon; tests/test_schedule.py checks it). Points past the grid may get
+      // wrong masks: their rows are computed, not written.
+      start += start < 0 ? p.nlon_k : 0;
+      start -= start >= p.nlon_k ? p.nlon_k : 0;
+      if (length >= p.nlon_k) {
+        m.lo[h] = 0, m.count[h] = valid;
+      } else {
+        m.lo[h] = start, m.count[h] = max(0, min(start + length, valid) - start);
+        m.count2[h] = max(0, min(start + length - p.nlon_k, valid));  // the part past longitude nlon, from 0
+      }
+    } else {
+      m.lo[h] = start, m.count[h] = max(0, min(start + length, valid) - start);
+    }
+  }
+  return m;
+}
+
+// Drops the columns the chunk's mask does not keep (score -inf).
+__device__ __forceinline__ void ApplyMask(float (&s)[kChunk / 2], const ChunkMask& m, int t) {
+  if (SF_DIAGNOSTIC == 1 || (m.flags & kFull)) return;
+  // The flags are the warpgroup's: one branch per chunk, none per element (bitwise or, no short circuit).
+  const bool ring = m.flags & kRing;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int base = 2 * t - m.lo[h];
+    const unsigned count = m.count[h], count2 = m.count2[h];
+    if (ring) {
+#pragma unroll
+      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+        const bool keep = (unsigned(base + ColumnOf(e)) < count) | (unsigned(2 * t + ColumnOf(e)) < count2);
+        s[e] = keep ? s[e] : -INFINITY;
+      }
+    } else {
+#pragma unroll
+      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+        s[e] = unsigned(base + ColumnOf(e)) < count ? s[e] : -INFINITY;
+      }
+    }
+  }
+}
+
+// The online softmax of a chunk's scores in place (s becomes P, not yet rounded), logits in log2 units
+// scale_log2 * s + bias: the maxima and sums move on; `correction` is what O must be multiplied by.
+__device__ __forceinline__ void Exponentiate(float (&s)[kChunk / 2], float bias, float scale_log2, float (&m)[2],
+                                             float (&l)[2], float (&correction)[2]) {
+  if (SF_DIAGNOSTIC == 2) {
+    correction[0] = correction[1] = 1.f;
+    return;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float row_max = -INFINITY;
+#pragma unroll
+    for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) row_max = fmaxf(row_max, s[e]);
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+    const float m_new = fmaxf(m[h], fmaf(row_max, scale_log2, bias));
+    const float base = m_new == -INFINITY ? 0.f : m_new;  // no -inf - -inf
+    correction[h] = Exp2(m[h] - base);
+    m[h] = m_new;
+    l[h] *= correction[h];
+    const float offset_log2 = bias - base;
+#pragma unroll
+    for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+      s[e] = Exp2(fmaf(s[e], scale_log2, offset_log2));
+      l[h] += s[e];
+    }
+  }
+}
+
+// O times the corrections, skipped when no maximum of the warp moved (every correction exactly 1).
+__device__ __forceinline__ void Rescale(float (&o)[kD / 2], const float (&correction)[2]) {
+  if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
+#pragma unroll
+    for (int e = 0; e < kD / 2; ++e) o[e] *= correction[(e >> 1) & 1];
+  }
+}
+
+// Issues S = A B^T of a query tile and a staged chunk's rows (4 k16 steps), to be committed by the caller.
+__device__ __forceinline__ void IssueTransposed(float (&s)[kChunk / 2], const QueryTile& q, const T* rows) {
+  if (SF_DIAGNOSTIC == 3) return;
+  const uint64_t a = sm90::SwizzledTileDescriptor(q.rows), b = sm90::SwizzledTileDescriptor(rows);
+  sm90::FenceRegisters(s);
+  sm90::WgmmaFence();
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+#if SF_CHUNK == 32
+    sm90::WgmmaM64N32K16SharedA<T>(s, sm90::DescriptorPlus(a, 2 * ks), sm90::DescriptorPlus(b, 2 * ks), ks > 0);
+#elif SF_CHUNK == 64
+    sm90::WgmmaM64N64K16SharedA<T>(s, sm90::DescriptorPlus(a, 2 * ks), sm90::DescriptorPlus(b, 2 * ks), ks > 0);
+#else
+#error "SF_CHUNK: chunks of 32 or 64 columns"
+#endif
+  }
+}
+
+// P rounded to bf16 as the A fragments of P V (columns 16 kk .. 16 kk + 15 of the score tile).
+__device__ __forceinline__ void Pack(uint32_t (&a)[kChunk / 16][4], const float (&prob)[kChunk / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kk][i] = PackPair<T>(prob[8 * kk + 2 * i], prob[8 * kk + 2 * i + 1]);
+  }
+}
+
+// Issues d += A B as one group: A the rounded scores of a chunk (P or dS), B a staged chunk's rows (V or K).
+__device__ __forceinline__ void IssueAccumulate(float (&o)[kD / 2], uint32_t (&a)[kChunk / 16][4], const T* b) {
+  if (SF_DIAGNOSTIC == 3) return;
+  const uint64_t rows = sm90::SwizzledTileDescriptor(b);
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(a[kk]);
+  sm90::FenceRegisters(o);
+  sm90::WgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+    sm90::WgmmaM64N64K16<T, 1>(o, a[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+  }
+  sm90::WgmmaCommit();
+}
+
+// The consumer warpgroup. Per chunk j + 1 (FlashAttention-3's order, so that no instruction touches the
+// registers of a wgmma in flight): issue S(j+1); rescale O; issue P(j) V(j); wait for S(j+1); its mask
+// and softmax while P(j) V(j) runs; wait for that; round P(j+1).
+__device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int count) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+  const int tile = blockIdx.x;
+  const int query_row = p.tiles[2 * tile] + warp;
+  int column[2] = {lane / 4, lane / 4 + 8}, u[2], step[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) u[h] = column[h] % p.classes, step[h] = column[h] / p.classes;
+  float o[kD / 2] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, scores[kChunk / 2], correction[2];
+  uint32_t prob[kChunk / 16][4];
+  const auto softmax = [&](int i) {  // S(i) complete in scores: P(i) into prob
+    const ChunkMask mask = MaskOf(p, s.info[i % kStages], warp, u, step);
+    ApplyMask(scores, mask, t);
+    Exponentiate(scores, mask.bias, p.scale_log2, m, l, correction);
+  };
+  MbarrierWait(&s.q_full, 0);
+  if (SF_DIAGNOSTIC == 4) {
+    for (int j = 0; j < count; ++j) {
+      MbarrierWait(&s.full[j % kStages], (j / kStages) & 1);
+      MbarrierArrive(&s.empty[j % kStages]);
+    }
+    return;
+  }
+  MbarrierWait(&s.full[0], 0);
+  IssueTransposed(scores, s.q[0], s.stages[0].k);
+  sm90::WgmmaCommit();
+  sm90::WgmmaWait<0>();
+  sm90::FenceRegisters(scores);
+  softmax(0);
+  Pack(prob, scores);
+  for (int j = 0; j + 1 < count; ++j) {
+    const int next = (j + 1) % kStages;
+    MbarrierWait(&s.full[next], ((j + 1) / kStages) & 1);
+    IssueTransposed(scores, s.q[0], s.stages[next].k);
+    sm90::WgmmaCommit();
+    Rescale(o, correction);
+    IssueAccumulate(o, prob, s.stages[j % kStages].v);
+    sm90::WgmmaWait<1>();
+    sm90::FenceRegisters(scores);
+    softmax(j + 1);
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(o);
+    MbarrierArrive(&s.empty[j % kStages]);
+    Pack(prob, scores);
+  }
+  Rescale(o, correction);
+  IssueAccumulate(o, prob, s.stages[(count - 1) % kStages].v);
+  sm90::WgmmaWait<0>();
+  sm90::FenceRegisters(o);
+
+  const int first_lon = p.tiles[2 * tile + 1];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    const int lon = first_lon + column[h];
+    if (query_row >= p.nlat_q || lon >= p.nlon_q) continue;
+    const size_t point = size_t(query_row) * p.nlon_q + lon;
+    const float inverse = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    if (t == 0) p.lse[point] = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      *reinterpret_cast<uint32_t*>(p.out + point * kD + 8 * j + 2 * t) =
+          PackPair<T>(o[4 * j + 2 * h] * inverse, o[4 * j + 2 * h + 1] * inverse);
+    }
+  }
+}
+
+// dq of the consumer warpgroup, in the forward's order: per chunk j + 1 issue S(j+1) = Q K^T and
+// dP(j+1) = dO V^T as one group, issue dq += dS(j) K(j), wait for the first group, then form
+// dS(j+1) = P (dP - delta) with P = exp2(S scale log2(e) + bias - lse log2(e)) on the chunk's mask while
+// dq's product runs. dq times the scale at the end.
+__device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int count) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+  const int tile = blockIdx.x;
+  const int query_row = p.tiles[2 * tile] + warp, first_lon = p.tiles[2 * tile + 1];
+  int column[2] = {lane / 4, lane / 4 + 8}, u[2], step[2];
+  float lse_log2[2] = {0.f, 0.f}, delta[2] = {0.f, 0.f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    u[h] = column[h] % p.classes, step[h] = column[h] / p.classes;
+    const int lon = first_lon + column[h];
+    if (query_row < p.nlat_q && lon < p.nlon_q) {
+      const size_t point = size_t(query_row) * p.nlon_q + lon;
+      lse_log2[h] = s2attn::gpu::Log2Lse(p.lse[point]);
+      delta[h] = p.delta[point];
+    }
+  }
+  float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
+  uint32_t ds[kChunk / 16][4];
+  const auto issue_scores = [&](const Stage& stage) {
+    IssueTransposed(scores, s.q[0], stage.k);
+    IssueTransposed(dp, s.q[1], stage.v);
+    sm90::WgmmaCommit();
+  };
+  const auto score_gradients = [&](int i) {  // S(i), dP(i) complete: dS(i) into scores
+    const ChunkMask mask = MaskOf(p, s.info[i % kStages], warp, u, step);
+    ApplyMask(scores, mask, t);
+#pragma unroll
+    for (int e = 0; e < kChunk / 2; ++e) {
+      const int h = (e >> 1) & 1;
+      scores[e] = Exp2(fmaf(scores[e], p.scale_log2, mask.bias - lse_log2[h])) * (dp[e] - delta[h]);
+    }
+  };
+  MbarrierWait(&s.q_full, 0);
+  MbarrierWait(&s.full[0], 0);
+  issue_scores(s.stages[0]);
+  sm90::WgmmaWait<0>();
+  sm90::FenceRegisters(scores);
+  sm90::FenceRegisters(dp);
+  score_gradients(0);
+  Pack(ds, scores);
+  for (int j = 0; j + 1 < count; ++j) {
+    const int next = (j + 1) % kStages;
+    MbarrierWait(&s.full[next], ((j + 1) / kStages) & 1);
+    issue_scores(s.stages[next]);
+    IssueAccumulate(dq, ds, s.stages[j % kStages].k);
+    sm90::WgmmaWait<1>();
+    sm90::FenceRegisters(scores);
+    sm90::FenceRegisters(dp);
+    score_gradients(j + 1);
+    sm90::WgmmaWait<0>();
+    sm90::FenceRegisters(dq);
+    MbarrierArrive(&s.empty[j % kStages]);
+    Pack(ds, scores);
+  }
+  IssueAccumulate(dq, ds, s.stages[(count - 1) % kStages].k);
+  sm90::WgmmaWait<0>();
+  sm90::FenceRegisters(dq);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lon = first_lon + column[h];
+    if (query_row >= p.nlat_q || lon >= p.nlon_q) continue;
+    const size_t point = size_t(query_row) * p.nlon_q + lon;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      *reinterpret_cast<float2*>(p.dq + point * kD + 8 * j + 2 * t) =
+          make_float2(dq[4 * j + 2 * h] * p.scale, dq[4 * j + 2 * h + 1] * p.scale);
+    }
+  }
+}
+
+template <Kind kKind>
+__global__ void __launch_bounds__(kThreads, kKind == Kind::kDq ? SF_DQ_BLOCKS : SF_MIN_BLOCKS)
+    ScheduledAttention(Problem p, const __grid_constant__ Maps maps) {
+  auto* base = reinterpret_cast<unsigned char*>(s2attn::gpu::DynamicShared());
+  base += (1024 - reinterpret_cast<uintptr_t>(base) % 1024) % 1024;
+  auto& s = *reinterpret_cast<Shared<kKind>*>(base);
+  const int first = p.tile_offsets[blockIdx.x], count = p.tile_offsets[blockIdx.x + 1] - first;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarrierInit(&s.full[i], 32);
+      MbarrierInit(&s.empty[i], 128);
+    }
+    MbarrierInit(&s.q_full, 1);
+    MbarrierInitFence();
+  }
+  __syncthreads();
+  if (threadIdx.x / 32 == 4) {
+    Produce<kKind>(p, maps, s, first, count);
+  } else if constexpr (kKind == Kind::kForward) {
+    ConsumeForward(p, s, count);
+  } else {
+    ConsumeDq(p, s, count);
+  }
+}
+
+// ------------------------------------------------------------------------------------------ host
+
+template <typename X>
+bool ReadFile(const std::string& path, std::vector<X>* data) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) {
+    std::printf("cannot read %s\n", path.c_str());
+    return false;
+  }
+  const size_t bytes = in.tellg();
+  data->resize(bytes / sizeof(X));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(data->data()), bytes);
+  return bool(in);
+}
+
+template <typename X>
+bool WriteFile(const std::string& path, const std::vector<X>& data) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(X));
+  return bool(out);
+}
+
+template <typename X>
+bool Upload(const std::vector<X>& host, X** device) {
+  CHECK_CUDA(cudaMalloc(device, std::max<size_t>(1, host.size()) * sizeof(X)));
+  CHECK_CUDA(cudaMemcpy(*device, host.data(), host.size() * sizeof(X), cudaMemcpyHostToDevice));
+  return true;
+}
+
+// Device time of `launch`: the median over reps of bursts of 10 launches, by events, printed as "<name>_ms".
+template <typename Launch>
+bool Time(const char* name, int reps, const Launch& launch) {
+  std::vector<float> ms;
+  cudaEvent_t begin, end;
+  CHECK_CUDA(cudaEventCreate(&begin));
+  CHECK_CUDA(cudaEventCreate(&end));
+  for (int r = 0; r < reps; ++r) {
+    CHECK_CUDA(cudaEventRecord(begin));
+    for (int i = 0; i < 10; ++i) CHECK_CUDA(launch());
+    CHECK_CUDA(cudaEventRecord(end));
+    CHECK_CUDA(cudaEventSynchronize(end));
+    float elapsed;
+    CHECK_CUDA(cudaEventElapsedTime(&elapsed, begin, end));
+    ms.push_back(elapsed / 10);
+  }
+  std::sort(ms.begin(), ms.end());
+  if (!ms.empty()) std::printf("%s_ms %.4f\n", name, ms[ms.size() / 2]);
+  return true;
+}
+
+template <Kind kKind>
+bool Launch(const Problem& p, const Maps& maps, int num_tiles, int reps, const char* name) {
+  const int shared = sizeof(Shared<kKind>) + 1024;
+  CHECK_CUDA(cudaFuncSetAttribute(ScheduledAttention<kKind>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared));
+  Problem problem = p;
+  Maps tensor_maps = maps;
+  void* args[2] = {&problem, &tensor_maps};
+  // Through cudaLaunchKernel (not <<< >>>), so that the program also builds for the host emulation.
+  const auto launch = [&] {
+    return cudaLaunchKernel(ScheduledAttention<kKind>, dim3(num_tiles), dim3(kThreads), args, shared, 0);
+  };
+  CHECK_CUDA(launch());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  return Time(name, reps, launch);
+}
+
+// mode "forward": out.bf16 and lse.f32 from the directory's inputs; "dq": dq.f32 from them and its dout.bf16,
+// lse.f32 and delta.f32. Every result poisoned (NaN) before the launch.
+bool Run(const std::string& mode, const std::string& dir, int reps) {
+  // meta: nlat_q nlon_q nlat_k nlon_k classes shift tile_rows tile_cols chunk_cols scale
+  std::vector<float> meta;
+  if (!ReadFile(dir + "/meta.f32", &meta) || meta.size() != 10) return false;
+  const int nlat_q = int(meta[0]), nlon_q = int(meta[1]), nlat_k = int(meta[2]), nlon_k = int(meta[3]);
+  if (int(meta[6]) != kTileRows || int(meta[7]) != kTileCols || int(meta[8]) != kChunk) {
+    std::printf("the schedule's shape is not the kernel's %dx%d, %d columns\n", kTileRows, kTileCols, kChunk);
+    return false;
+  }
+  const bool dq_mode = mode == "dq";
+  std::vector<int> tiles, offsets, chunks, records;
+  std::vector<float> bias, lse, delta;
+  std::vector<T> q, k, v, dout;
+  for (auto [name, data] : {std::pair{"tiles", &tiles}, std::pair{"tile_offsets", &offsets},
+                            std::pair{"chunks", &chunks}, std::pair{"records", &records}}) {
+    if (!ReadFile(dir + "/" + name + ".i32", data)) return false;
+  }
+  if (!ReadFile(dir + "/bias.f32", &bias) || !ReadFile(dir + "/q.bf16", &q) || !ReadFile(dir + "/k.bf16", &k) ||
+      !ReadFile(dir + "/v.bf16", &v)) {
+    return false;
+  }
+  if (dq_mode && (!ReadFile(dir + "/dout.bf16", &dout) || !ReadFile(dir + "/lse.f32", &lse) ||
+                  !ReadFile(dir + "/delta.f32", &delta))) {
+    return false;
+  }
+  const int num_tiles = int(tiles.size() / 2), classes = int(meta[4]);
+  const size_t points_q = size_t(nlat_q) * nlon_q, points_k = size_t(nlat_k) * nlon_k;
+  // The files must be what the meta says: the kernels index them unchecked.
+  int stagings = 0;
+  for (size_t c = 5; c < chunks.size(); c += kChunkFields) stagings = std::max(stagings, chunks[c] + 1);
+  const bool sizes_agree =
+      tiles.size() == size_t(2 * num_tiles) && offsets.size() == size_t(num_tiles + 1) &&
+      chunks.size() == size_t(kChunkFields) * size_t(offsets.back()) && classes >= 1 && classes <= kTileCols &&
+      records.size() >= size_t(stagings) * kTileRows * classes * 2 && bias.size() == size_t(nlat_k) &&
+      q.size() == points_q * kD && k.size() == points_k * kD && v.size() == points_k * kD &&
+      (!dq_mode || (dout.size() == points_q * kD && lse.size() == points_q && delta.size() == points_q));
+  if (!sizes_agree) {
+    std::printf("the directory's files do not match its meta\n");
+    return false;
+  }
+  Problem p{};
+  p.nlat_q = nlat_q, p.nlon_q = nlon_q, p.nlon_k = nlon_k;
+  p.classes = classes, p.shift = int(meta[5]);
+  p.scale = meta[9], p.scale_log2 = meta[9] * 1.4426950408889634f;
+  int *d_tiles, *d_offsets, *d_chunks, *d_records;
+  float *d_bias, *d_lse = nullptr, *d_delta = nullptr, *d_dq = nullptr;
+  T *d_q, *d_k, *d_v, *d_dout = nullptr, *d_out = nullptr;
+  if (!Upload(tiles, &d_tiles) || !Upload(offsets, &d_offsets) || !Upload(chunks, &d_chunks) ||
+      !Upload(records, &d_records) || !Upload(bias, &d_bias) || !Upload(q, &d_q) || !Upload(k, &d_k) ||
+      !Upload(v, &d_v)) {
+    return false;
+  }
+  if (dq_mode) {
+    if (!Upload(dout, &d_dout) || !Upload(lse, &d_lse) || !Upload(delta, &d_delta)) return false;
+    CHECK_CUDA(cudaMalloc(&d_dq, points_q * kD * sizeof(float)));
+    CHECK_CUDA(cudaMemset(d_dq, 0xff, points_q * kD * sizeof(float)));  // poison: NaN
+  } else {
+    CHECK_CUDA(cudaMalloc(&d_out, points_q * kD * sizeof(T)));
+    CHECK_CUDA(cudaMalloc(&d_lse, points_q * sizeof(float)));
+    CHECK_CUDA(cudaMemset(d_out, 0xff, points_q * kD * sizeof(T)));
+    CHECK_CUDA(cudaMemset(d_lse, 0xff, points_q * sizeof(float)));
+  }
+  p.tiles = d_tiles, p.tile_offsets = d_offsets, p.chunks = d_chunks;
+  p.records = reinterpret_cast<const int2*>(d_records);
+  p.bias = d_bias, p.out = d_out, p.lse = d_lse, p.delta = d_delta, p.dq = d_dq;
+
+  const EncodeTiled encode = FindEncodeTiled();
+  if (encode == nullptr) return false;
+  Maps maps;
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const struct {
+    CUtensorMap* map;
+    T* data;
+    int nlat, nlon, box_lons, box_rows;
+  } specs[4] = {{&maps.q[0], d_q, nlat_q, nlon_q, kTileCols, kTileRows},
+                {&maps.q[1], dq_mode ? d_dout : d_q, nlat_q, nlon_q, kTileCols, kTileRows},
+                {&maps.k, d_k, nlat_k, nlon_k, kChunk, 1},
+                {&maps.v, d_v, nlat_k, nlon_k, kChunk, 1}};
+  for (const auto& spec : specs) {
+    const cuuint64_t dims[3] = {kD, cuuint64_t(spec.nlon), cuuint64_t(spec.nlat)};
+    const cuuint64_t strides[2] = {kD * sizeof(T), spec.nlon * kD * sizeof(T)};
+    const cuuint32_t box[3] = {kD, cuuint32_t(spec.box_lons), cuuint32_t(spec.box_rows)};
+    if (encode(spec.map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, spec.data, dims, strides, box, element_strides,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+      std::printf("cuTensorMapEncodeTiled failed\n");
+      return false;
+    }
+  }
+  if (dq_mode) {
+    if (!Launch<Kind::kDq>(p, maps, num_tiles, reps, "dq")) return false;
+    std::vector<float> dq(points_q * kD);
+    CHECK_CUDA(cudaMemcpy(dq.data(), d_dq, dq.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    if (!WriteFile(dir + "/dq.f32", dq)) return false;
+  } else {
+    if (!Launch<Kind::kForward>(p, maps, num_tiles, reps, "forward")) return false;
+    std::vector<T> out(points_q * kD);
+    std::vector<float> lse_out(points_q);
+    CHECK_CUDA(cudaMemcpy(out.data(), d_out, out.size() * sizeof(T), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(lse_out.data(), d_lse, lse_out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    if (!WriteFile(dir + "/out.bf16", out) || !WriteFile(dir + "/lse.f32", lse_out)) return false;
+  }
+  for (void* x : {(void*)d_tiles, (void*)d_offsets, (void*)d_chunks, (void*)d_records, (void*)d_bias, (void*)d_q,
+                  (void*)d_k, (void*)d_v, (void*)d_dout, (void*)d_out, (void*)d_lse, (void*)d_delta, (void*)d_dq}) {
+    if (x != nullptr) CHECK_CUDA(cudaFree(x));
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (argc < 3 || (mode != "forward" && mode != "dq")) {
+    std::printf("usage: scheduled_attention forward|dq <directory> [reps]\n");
+    return 2;
+  }
+  return Run(mode, argv[2], argc > 3 ? std::atoi(argv[3]) : 0) ? 0 : 1;
+}
