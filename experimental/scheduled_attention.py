@@ -1,14 +1,15 @@
-"""Runs the schedule-driven prototype (``experimental/cuda/scheduled_attention.cu``: forward and dq) on plans
-and checks it.
+"""Runs the schedule-driven prototype (``experimental/cuda/scheduled_attention.cu``: forward, dq and dk/dv) on
+plans and checks it.
 
-For each configuration: builds the plan and its forward block schedule (``plan.block_schedule``), writes
-the schedule, the key rows' log2 quadrature weights and random bf16 q, k, v, dout (one head of 64 channels)
-into a directory and runs the program's forward there, then its dq with the forward's lse and
+For each configuration: builds the plan and both walks' block schedules (``plan.block_schedule``), writes
+them, the key rows' log2 quadrature weights and random bf16 q, k, v, dout (one head of 64 channels) into a
+directory and runs the program's forward there, then its dq and dk/dv with the forward's lse and
 delta = sum(dout * out) of the forward's out (as the op forms them); every result is poisoned with NaN
-first. Checks out, lse and dq of sampled queries against a float64 evaluation of the plan's neighbourhoods
-(``forward_arcs``; dq from the same delta), and that every result was written. With ``--baseline`` (a GPU
-with the native module built) it also times the package's ``neighborhood_attention`` forward on the same
-inputs in the same process, for the ratio.
+first. Checks out, lse and dq of sampled queries and dk, dv of sampled keys against a float64 evaluation of
+the plan's neighbourhoods (``forward_arcs`` and ``backward_arcs``; the gradients from the same lse and
+delta), and that every result was written. With ``--baseline`` (a GPU with the native module built) it
+also times the package's ``neighborhood_attention`` forward on the same inputs in the same process, for
+the ratio.
 
 Usage (on an H200, from the repository root): ``bash experimental/scheduled_attention.sh --baseline``, or
 ``python experimental/scheduled_attention.py --binary <program> ...``; ``--configs tiny`` runs the small
@@ -74,11 +75,38 @@ def float64_truth(plan: NeighborhoodPlan, q, k, v, dout, delta, points) -> tuple
     return out, lse, dq
 
 
-def write_inputs(directory: Path, plan: NeighborhoodPlan, s, q, k, v, dout) -> None:
-    meta = [*plan.out_shape, *plan.in_shape, s.classes, s.shift, s.tile_rows, s.tile_cols, s.chunk_cols, SCALE]
+def float64_key_truth(plan: NeighborhoodPlan, q, k, v, dout, lse, delta, keys) -> tuple[np.ndarray, np.ndarray]:
+    """dk and dv of key points (flat indices) in float64 for the given lse and delta of the queries, from the
+    plan's transposed arcs."""
+    table, nlon_k = plan.backward_arcs, plan.nlon_in
+    log_w = np.log(plan.quad_weights.astype(np.float64))
+    qf, df = q.reshape(-1, D).astype(np.float64), dout.reshape(-1, D).astype(np.float64)
+    kf, vf = k.reshape(-1, D).astype(np.float64), v.reshape(-1, D).astype(np.float64)
+    lse, delta = lse.reshape(-1).astype(np.float64), delta.reshape(-1).astype(np.float64)
+    dk, dv = np.empty((len(keys), D)), np.empty((len(keys), D))
+    for i, key in enumerate(keys):
+        h, w = divmod(int(key), nlon_k)
+        queries = table.expand(h * table.residues + w % table.residues, w // table.residues)
+        p = np.exp(SCALE * qf[queries] @ kf[key] + log_w[h] - lse[queries])
+        dv[i] = p @ df[queries]
+        dk[i] = SCALE * (p * (df[queries] @ vf[key] - delta[queries])) @ qf[queries]
+    return dk, dv
+
+
+def write_schedule(directory: Path, s, walk_shape, other_shape) -> None:
+    """A walk's schedule and its meta (walking grid, other grid, classes, shift, shape, scale)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = [*walk_shape, *other_shape, s.classes, s.shift, s.tile_rows, s.tile_cols, s.chunk_cols, SCALE]
     np.asarray(meta, np.float32).tofile(directory / "meta.f32")
     for name in ("tiles", "tile_offsets", "chunks", "records"):
         np.ascontiguousarray(getattr(s, name), np.int32).tofile(directory / f"{name}.i32")
+
+
+def write_inputs(directory: Path, plan: NeighborhoodPlan, chunk_cols: int, q, k, v, dout) -> None:
+    """Both walks' schedules (the backward one under backward/), the key rows' log2 weights and q, k, v, dout."""
+    shape = dict(tile_rows=TILE_ROWS, tile_cols=TILE_COLS, chunk_cols=chunk_cols)
+    write_schedule(directory, plan.block_schedule("forward", **shape), plan.out_shape, plan.in_shape)
+    write_schedule(directory / "backward", plan.block_schedule("backward", **shape), plan.in_shape, plan.out_shape)
     np.log2(plan.quad_weights).astype(np.float32).tofile(directory / "bias.f32")
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         np.ascontiguousarray(x).tofile(directory / f"{name}.bf16")
@@ -115,9 +143,9 @@ def run(name: str, args, binary: Path, launcher: list[str], chunk_cols: int, rep
     with tempfile.TemporaryDirectory() if keep is None else contextlib.nullcontext(keep / name) as where:
         directory = Path(where)
         directory.mkdir(parents=True, exist_ok=True)
-        write_inputs(directory, plan, s, q, k, v, dout)
+        write_inputs(directory, plan, chunk_cols, q, k, v, dout)
         ms = {}
-        for mode in ("forward", "dq"):
+        for mode in ("forward", "dq", "dkv"):
             result = subprocess.run([*launcher, str(binary), mode, str(directory), str(reps)], capture_output=True,
                                     text=True)  # fmt: skip
             if result.returncode != 0:
@@ -131,8 +159,9 @@ def run(name: str, args, binary: Path, launcher: list[str], chunk_cols: int, rep
                 delta = (dout.astype(np.float64) * out).sum(axis=-1).astype(np.float32)
                 delta.tofile(directory / "delta.f32")
         dq = np.fromfile(directory / "dq.f32", np.float32).reshape(*out_shape, D)
+        dk, dv = (np.fromfile(directory / f"{x}.f32", np.float32).reshape(*in_shape, D) for x in ("dk", "dv"))
     points = out_shape[0] * out_shape[1]
-    unwritten = int(np.isnan(out).sum() + np.isnan(lse).sum() + np.isnan(dq).sum())
+    unwritten = int(sum(np.isnan(x).sum() for x in (out, lse, dq, dk, dv)))
     chosen = np.arange(points) if points <= 4096 else np.concatenate(
         [[0, points - 1], rng.choice(points, samples, replace=False)]
     )  # fmt: skip
@@ -140,19 +169,29 @@ def run(name: str, args, binary: Path, launcher: list[str], chunk_cols: int, rep
     rel_out = relative(out.reshape(-1, D)[chosen], truth_out)
     rel_dq = relative(dq.reshape(-1, D)[chosen], truth_dq)
     lse_error = float(np.abs(lse.reshape(-1)[chosen] - truth_lse).max())
-    ok = unwritten == 0 and rel_out <= 1e-2 and rel_dq <= 1e-2 and lse_error <= 1e-3
+    key_points = in_shape[0] * in_shape[1]
+    keys = np.arange(key_points) if key_points <= 4096 else np.concatenate(
+        [[0, key_points - 1], rng.choice(key_points, samples // 3, replace=False)]
+    )  # fmt: skip
+    truth_dk, truth_dv = float64_key_truth(plan, q, k, v, dout, lse, delta, keys)
+    rel_dk = relative(dk.reshape(-1, D)[keys], truth_dk)
+    rel_dv = relative(dv.reshape(-1, D)[keys], truth_dv)
+    ok = unwritten == 0 and max(rel_out, rel_dq, rel_dk, rel_dv) <= 1e-2 and lse_error <= 1e-3
     useful = plan.num_pairs / s.computed_pairs
     line = (
         f"{name:16s} {out_shape[0]}x{out_shape[1]}<-{in_shape[0]}x{in_shape[1]} tc {plan.theta_cutoff:.5f}: "
         f"chunks {s.chunks.shape[0]} full {s.full_fraction:.2f} useful {useful:.3f} | unwritten {unwritten} "
-        f"rel out {rel_out:.1e} dq {rel_dq:.1e} lse abs {lse_error:.1e} {'ok' if ok else 'WRONG'}"
+        f"rel out {rel_out:.1e} dq {rel_dq:.1e} dk {rel_dk:.1e} dv {rel_dv:.1e} lse abs {lse_error:.1e} "
+        f"{'ok' if ok else 'WRONG'}"
     )
     if reps:
-        forward, dq_ms = float(ms["forward_ms"]), float(ms["dq_ms"])
-        tflops = 4 * D * s.computed_pairs / forward / 1e9
-        dq_tflops = 6 * D * s.computed_pairs / dq_ms / 1e9  # S, dP, dS K: 3 products
-        line += (f" | forward {forward:.3f} ms ({tflops:.0f} TFLOP/s computed, eta {tflops / 790:.2f}), "
-                 f"dq {dq_ms:.3f} ms ({dq_tflops:.0f}, eta {dq_tflops / 790:.2f})")  # fmt: skip
+        backward = plan.block_schedule("backward", tile_rows=TILE_ROWS, tile_cols=TILE_COLS, chunk_cols=chunk_cols)
+        # Computed TFLOP/s: 2 D FLOPs per product and computed pair; the forward 2 products, dq 3, dk/dv 4.
+        for kernel, products, walk in (("forward", 2, s), ("dq", 3, s), ("dkv", 4, backward)):
+            kernel_ms = float(ms[f"{kernel}_ms"])
+            tflops = 2 * products * D * walk.computed_pairs / kernel_ms / 1e9
+            line += f" | {kernel} {kernel_ms:.3f} ms ({tflops:.0f} TFLOP/s computed, eta {tflops / 790:.2f})"
+        forward = float(ms["forward_ms"])
         if baseline:
             base, base_out = baseline_ms(plan, q, k, v, reps)
             line += f" | package forward {base:.3f} ms ({base / forward:.2f}x), rel diff {relative(out, base_out):.1e}"

@@ -24,8 +24,10 @@ staging's unwrapped coordinates. A point's columns in the chunk are then ``[star
 ``FULL`` chunks have ``valid == chunk_cols`` and lie inside the arc of every point of the tile that
 is on the grid: no mask at all. Chunks no point sees are not listed.
 
-**Order.** Tiles come most chunks first (longest-processing-time order for the hardware's dynamic
-block dispatch); a tile's chunks come by other row, then in window (``offset``) order.
+**Order.** Every tile of the walking grid is listed, most chunks first (longest-processing-time order for
+the hardware's dynamic block dispatch); tiles without chunks (points no other point sees, e.g. keys
+between the outputs of a strong downsampling) come last, and their results are zeros. A tile's chunks
+come by other row, then in window (``offset``) order.
 
 Points of a tile past the walking grid (the last rows, or longitudes past ``nlon_walk``) take part in
 no window and no ``FULL`` test; the kernels compute them and do not write them.
@@ -55,7 +57,8 @@ class BlockSchedule(NamedTuple):
     """The block-sparse schedule of one walk (host numpy, int32 tables).
 
     Attributes:
-      tiles: ``[num_tiles, 2]`` ``(first walking row, first walking longitude)``, in work order.
+      tiles: ``[num_tiles, 2]`` ``(first walking row, first walking longitude)`` of every tile of the walking
+        grid, in work order (tiles without chunks last: their points' results are zeros).
       tile_offsets: ``[num_tiles + 1]`` CSR offsets of each tile's chunks into ``chunks``.
       chunks: ``[num_chunks, 6]`` rows of ``(other row, longitude, offset, valid, flags, staging)``.
       records: ``[num_stagings, tile_rows, classes, 2]`` ``(start, length)`` per tile row and class.
@@ -153,14 +156,14 @@ def build_schedule(
     keep = [np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]
     g_band, g_lon0, g_base, g_ring, g_records, c_staging, c_offset, c_valid, c_full = keep
 
-    # Tiles (band, first longitude) in work order; chunks grouped by tile, then other row, then offset.
+    # Every tile (band, first longitude) in work order, those without chunks (points no other point sees)
+    # last; chunks grouped by tile, then other row, then offset.
     g_other = band_other[g_band]
-    tile_key = band[g_band] * tiles_per_row + g_lon0 // tile_cols
-    tile_ids, g_tile = np.unique(tile_key, return_inverse=True)
-    chunk_tile = g_tile[c_staging]
-    chunk_count = np.bincount(chunk_tile, minlength=tile_ids.size)
-    rank = np.empty(tile_ids.size, np.int64)
-    rank[np.argsort(-chunk_count, kind="stable")] = np.arange(tile_ids.size)
+    num_tiles = -(-nlat_walk // tile_rows) * tiles_per_row
+    chunk_tile = (band[g_band] * tiles_per_row + g_lon0 // tile_cols)[c_staging]
+    chunk_count = np.bincount(chunk_tile, minlength=num_tiles)
+    rank = np.empty(num_tiles, np.int64)
+    rank[np.argsort(-chunk_count, kind="stable")] = np.arange(num_tiles)
     order = np.lexsort((c_offset, g_other[c_staging], rank[chunk_tile]))
     c_staging, c_offset, c_valid, c_full = c_staging[order], c_offset[order], c_valid[order], c_full[order]
     # Stagings renumbered in order of first use.
@@ -176,9 +179,9 @@ def build_schedule(
         [g_other[c_staging], longitude, c_offset, c_valid, flags, renumber[c_staging]], axis=1
     ).astype(np.int32)
     tile_order = np.argsort(rank)
-    tiles = np.stack([tile_ids[tile_order] // tiles_per_row * tile_rows, tile_ids[tile_order] % tiles_per_row
-                      * tile_cols], axis=1).astype(np.int32)  # fmt: skip
-    tile_offsets = np.zeros(tile_ids.size + 1, np.int32)
+    tiles = np.stack([tile_order // tiles_per_row * tile_rows, tile_order % tiles_per_row * tile_cols],
+                     axis=1).astype(np.int32)  # fmt: skip
+    tile_offsets = np.zeros(num_tiles + 1, np.int32)
     np.cumsum(chunk_count[tile_order], out=tile_offsets[1:])
     return BlockSchedule(
         tiles=tiles,

@@ -4,7 +4,7 @@
 ``ws_attention`` (warp-specialised forward, dq, dk/dv) runs its ``--tiny`` grids, which cross longitude 0,
 touch the poles, see whole rings and have fewer longitudes than two chunks; the program checks out within
 1e-4 and lse, dq, dk, dv within bf16 tolerance, and that every result was written. ``scheduled_attention``
-(forward and dq driven by the plan's block schedule) runs the small grids of its driver
+(forward, dq and dk/dv driven by the plan's block schedules) runs the small grids of its driver
 (``experimental/scheduled_attention.py --configs tiny``: whole rings, windows across longitude 0, a longitude
 count that is not a multiple of the tile, downsampling by 3 and by 128, upsampling by 2), checked against
 float64 by the driver, in the default build, with 64-column chunks and with two stages. On an H200 the same

@@ -1,11 +1,11 @@
-// Forward attention and dq driven by the plan's block-sparse schedule (jax_s2attn/schedule.py), on Hopper:
+// Attention forward, dq and dk/dv driven by the plan's block-sparse schedules (jax_s2attn/schedule.py), on Hopper:
 // experimental/scheduled_attention.py builds the plan, writes the schedule and random inputs into a
 // directory, runs this program on it and checks its results against float64.
 //
 // A block takes one tile of the schedule (blocks in the schedule's work order, longest first). Its
-// producer warp asks for a tensor-map box of the tile's 4 x 16 queries, then, per chunk of the tile's
+// producer warp asks for tensor-map boxes of the tile's 4 x 16 walking points, then, per chunk of the tile's
 // list, copies the chunk's description into shared memory (read 32 chunks at a time, a lane per chunk)
-// and asks for one box of K and one of V, into a kStages-deep mbarrier ring. Its consumer warpgroup
+// and asks for two boxes (K and V; Q and dO for dk/dv), into a kStages-deep mbarrier ring. Its consumer warpgroup
 // multiplies: S = Q K^T (wgmma, Q and K in shared memory), the chunk's mask, the online softmax in log2
 // units with the key row's log2 weight folded into the exponent, O += P V (m64n64k16, P from registers,
 // rounded once to bf16). Per chunk it issues the next S, rescales O and issues this chunk's P V, then
@@ -19,13 +19,14 @@
 //
 // dq walks the same schedule with q and dout staged once per tile: per chunk S = Q K^T and dP = dO V^T
 // (one group), then dS = P (dP - delta) with P from the forward's lse, and dq += dS K while the next
-// chunk's products run.
+// chunk's products run. dk/dv walks the backward schedule (key tiles, k and v staged once; chunks of q and
+// dout with their queries' lse and delta): S^T, dP^T, then dv += P^T dO and dk += dS^T Q.
 //
 // bf16, one head of 64 channels, any two grids the plan supports (the schedule carries the direction's
-// classes and shift). Results: out (bf16) and lse (float32, natural log); dq (float32). Standalone: not part
-// of the package.
+// classes and shift). Results: out (bf16) and lse (float32, natural log); dq, dk, dv (float32). Standalone:
+// not part of the package.
 //
-// Usage: scheduled_attention forward|dq <directory> [reps]  (the directory as scheduled_attention.py writes it)
+// Usage: scheduled_attention forward|dq|dkv <directory> [reps]  (the directory as scheduled_attention.py writes it)
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -59,12 +60,16 @@ using T = __nv_bfloat16;
 #ifndef SF_STAGES
 #define SF_STAGES 4
 #endif
-// Blocks per SM the forward and dq ask for (dq holds S, dP and dq: at 4 blocks ptxas serialises its wgmmas).
+// Blocks per SM the kernels ask for (dq holds S, dP and dq, dk/dv S, dP, dk and dv: with more blocks, and
+// so fewer registers, ptxas serialises their wgmmas).
 #ifndef SF_MIN_BLOCKS
 #define SF_MIN_BLOCKS 4
 #endif
 #ifndef SF_DQ_BLOCKS
 #define SF_DQ_BLOCKS 3
+#endif
+#ifndef SF_DKV_BLOCKS
+#define SF_DKV_BLOCKS 2
 #endif
 // Diagnostic builds of the forward, wrong on purpose (docs/performance.md, "Fast path v2"): 1 no mask,
 // 2 no softmax (P = the masked scores), 3 no products, 4 the consumers only wait for and release each chunk.
@@ -84,12 +89,14 @@ constexpr int kChunkBytes = kChunk * kD * 2;
 constexpr int kChunkFields = 6;  // (other row, longitude, offset, valid, flags, staging)
 constexpr int kFull = 1, kRing = 2;  // jax_s2attn.schedule.FULL, RING
 
+// A staged chunk: rows of the other grid, k and v (forward, dq) or q and dout (dk/dv).
 struct alignas(1024) Stage {
-  T k[kChunk * kD];
-  T v[kChunk * kD];
+  T a[kChunk * kD];
+  T b[kChunk * kD];
 };
 
-struct alignas(1024) QueryTile {
+// Operands of a tile's 64 walking points, staged once per block.
+struct alignas(1024) PointTile {
   T rows[kTileRows * kTileCols * kD];  // tile row x longitude, as the box lays them out
 };
 
@@ -98,40 +105,44 @@ struct ChunkInfo {
   int offset, valid, flags;
   float bias;                           // log2 of the key row's quadrature weight
   int2 records[kTileRows * kTileCols];  // the staging's (start, length) per tile row and class
+  float lse_log2[kChunk], delta[kChunk];  // dk/dv: of the chunk's queries (+inf and 0 past `valid`)
 };
 
-// The two kernels: both walk the forward schedule (query tiles over key chunks).
-enum class Kind { kForward, kDq };
-// Query-grid tiles a kernel stages once: q; q and dout.
+// The kernels: forward and dq walk the forward schedule (query tiles over key chunks), dk/dv the backward
+// one (key tiles over query chunks).
+enum class Kind { kForward, kDq, kDkv };
+// Walking-grid tiles a kernel stages once: q; q and dout; k and v.
 __host__ __device__ constexpr int TilesOf(Kind kind) { return kind == Kind::kForward ? 1 : 2; }
 
 template <Kind kKind>
 struct Shared {
   Stage stages[kStages];
-  QueryTile q[TilesOf(kKind)];
+  PointTile tiles[TilesOf(kKind)];
   ChunkInfo info[kStages];
   uint64_t full[kStages];
   uint64_t empty[kStages];
   uint64_t q_full;
 };
 
+// The walking tiles (q; q, dout; k, v) and the other grid's chunks (k, v; or q, dout).
 struct Maps {
-  CUtensorMap q[2], k, v;  // q[1]: dout (dq)
+  CUtensorMap tiles[2], a, b;
 };
 
 struct Problem {
-  int nlat_q, nlon_q, nlon_k;
+  int nlat_walk, nlon_walk, nlon_other;  // the walking grid (queries; keys for dk/dv), the other grid's nlon
   const int* tiles;         // [tiles, 2]: first query row, first query longitude
   const int* tile_offsets;  // [tiles + 1]
   const int* chunks;        // [chunks, kChunkFields]
   const int2* records;      // [stagings, kTileRows, classes]: (start, length)
   int classes, shift;
-  const float* bias;  // [nlat_k]: log2 of the key rows' quadrature weights
+  const float* bias;  // [key rows]: log2 of the key rows' quadrature weights
   float scale, scale_log2;  // softmax scale, and times log2(e)
-  T* out;                   // [nlat_q, nlon_q, kD]: the forward's result
-  float* lse;               // [nlat_q, nlon_q], natural log: the forward's result, dq's operand
-  const float* delta;       // [nlat_q, nlon_q]: sum(dout * out), dq's operand
-  float* dq;                // [nlat_q, nlon_q, kD]: dq's result
+  T* out;                   // [queries, kD]: the forward's result
+  float* lse;               // [queries], natural log: the forward's result, dq's and dk/dv's operand
+  const float* delta;       // [queries]: sum(dout * out), dq's and dk/dv's operand
+  float* dq;                // [queries, kD]: dq's result
+  float *dk, *dv;           // [keys, kD]: dk/dv's results
 };
 
 // The producer warp: the tile's queries, then per chunk of its list the chunk's description and K and V
@@ -142,9 +153,9 @@ template <Kind kKind>
 __device__ void Produce(const Problem& p, const Maps& maps, Shared<kKind>& s, int first, int count) {
   const int tile = blockIdx.x, lane = threadIdx.x % 32, per_staging = kTileRows * p.classes;
   if (lane == 0) {
-    sm90::MbarrierArriveExpectBytes(&s.q_full, TilesOf(kKind) * sizeof(QueryTile));
+    sm90::MbarrierArriveExpectBytes(&s.q_full, TilesOf(kKind) * sizeof(PointTile));
     for (int i = 0; i < TilesOf(kKind); ++i) {
-      sm90::LoadBox3d(s.q[i].rows, &maps.q[i], 0, p.tiles[2 * tile + 1], p.tiles[2 * tile], &s.q_full);
+      sm90::LoadBox3d(s.tiles[i].rows, &maps.tiles[i], 0, p.tiles[2 * tile + 1], p.tiles[2 * tile], &s.q_full);
     }
   }
   for (int batch = 0; batch < count; batch += 32) {
@@ -177,10 +188,18 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<kKind>& s, in
         for (int x = lane; x < per_staging; x += 32) info.records[x] = __ldg(from + x);
       }
       const int row = __shfl_sync(0xffffffffu, field[0], k), lon = __shfl_sync(0xffffffffu, field[1], k);
+      if constexpr (kKind == Kind::kDkv) {  // the chunk's queries' lse and delta, a lane per column
+        const int valid = __shfl_sync(0xffffffffu, field[3], k);
+        for (int x = lane; x < kChunk; x += 32) {
+          const size_t point = size_t(row) * p.nlon_other + lon + x;
+          info.lse_log2[x] = x < valid ? s2attn::gpu::Log2Lse(__ldg(p.lse + point)) : INFINITY;
+          info.delta[x] = x < valid ? __ldg(p.delta + point) : 0.f;
+        }
+      }
       if (lane == 0) {
         sm90::MbarrierArriveExpectBytes(&s.full[stage], 2 * kChunkBytes);
-        sm90::LoadBox3d(s.stages[stage].k, &maps.k, 0, lon, row, &s.full[stage]);
-        sm90::LoadBox3d(s.stages[stage].v, &maps.v, 0, lon, row, &s.full[stage]);
+        sm90::LoadBox3d(s.stages[stage].a, &maps.a, 0, lon, row, &s.full[stage]);
+        sm90::LoadBox3d(s.stages[stage].b, &maps.b, 0, lon, row, &s.full[stage]);
       } else {
         MbarrierArrive(&s.full[stage]);
       }
@@ -216,13 +235,13 @@ __device__ __forceinline__ ChunkMask MaskOf(const Problem& p, const ChunkInfo& i
       // start modulo nlon: |start| < 2 nlon for the points that are written (offset and record.x in
       // [0, nlon), shift * step < nlon; tests/test_schedule.py checks it). Points past the grid may get
       // wrong masks: their rows are computed, not written.
-      start += start < 0 ? p.nlon_k : 0;
-      start -= start >= p.nlon_k ? p.nlon_k : 0;
-      if (length >= p.nlon_k) {
+      start += start < 0 ? p.nlon_other : 0;
+      start -= start >= p.nlon_other ? p.nlon_other : 0;
+      if (length >= p.nlon_other) {
         m.lo[h] = 0, m.count[h] = valid;
       } else {
         m.lo[h] = start, m.count[h] = max(0, min(start + length, valid) - start);
-        m.count2[h] = max(0, min(start + length - p.nlon_k, valid));  // the part past longitude nlon, from 0
+        m.count2[h] = max(0, min(start + length - p.nlon_other, valid));  // the part past longitude nlon, from 0
       }
     } else {
       m.lo[h] = start, m.count[h] = max(0, min(start + length, valid) - start);
@@ -293,7 +312,7 @@ __device__ __forceinline__ void Rescale(float (&o)[kD / 2], const float (&correc
 }
 
 // Issues S = A B^T of a query tile and a staged chunk's rows (4 k16 steps), to be committed by the caller.
-__device__ __forceinline__ void IssueTransposed(float (&s)[kChunk / 2], const QueryTile& q, const T* rows) {
+__device__ __forceinline__ void IssueTransposed(float (&s)[kChunk / 2], const PointTile& q, const T* rows) {
   if (SF_DIAGNOSTIC == 3) return;
   const uint64_t a = sm90::SwizzledTileDescriptor(q.rows), b = sm90::SwizzledTileDescriptor(rows);
   sm90::FenceRegisters(s);
@@ -334,9 +353,42 @@ __device__ __forceinline__ void IssueAccumulate(float (&o)[kD / 2], uint32_t (&a
   sm90::WgmmaCommit();
 }
 
-// The consumer warpgroup. Per chunk j + 1 (FlashAttention-3's order, so that no instruction touches the
-// registers of a wgmma in flight): issue S(j+1); rescale O; issue P(j) V(j); wait for S(j+1); its mask
-// and softmax while P(j) V(j) runs; wait for that; round P(j+1).
+// A consumer warpgroup's walk over its tile's chunks, in FlashAttention-3's intra-warpgroup order, so that
+// no instruction touches the registers of a wgmma in flight. With chunk j's operands formed and rounded:
+// issue_scores(stage j + 1) (one group, committed), issue_products(stage j) (kProductGroups groups), wait
+// for the scores, form(j + 1) while the products run, wait for them, release stage j, round() chunk j + 1.
+// fence_scores / fence_products fence the registers each wait completed.
+template <int kProductGroups, typename SharedState, typename IssueScores, typename Form, typename IssueProducts,
+          typename Round, typename FenceScores, typename FenceProducts>
+__device__ __forceinline__ void WalkChunks(SharedState& s, int count, const IssueScores& issue_scores, const Form& form,
+                                           const IssueProducts& issue_products, const Round& round,
+                                           const FenceScores& fence_scores, const FenceProducts& fence_products) {
+  MbarrierWait(&s.full[0], 0);
+  issue_scores(s.stages[0]);
+  sm90::WgmmaWait<0>();
+  fence_scores();
+  form(0);
+  round();
+  for (int j = 0; j + 1 < count; ++j) {
+    const int next = (j + 1) % kStages;
+    MbarrierWait(&s.full[next], ((j + 1) / kStages) & 1);
+    issue_scores(s.stages[next]);
+    issue_products(s.stages[j % kStages]);
+    sm90::WgmmaWait<kProductGroups>();
+    fence_scores();
+    form(j + 1);
+    sm90::WgmmaWait<0>();
+    fence_products();
+    MbarrierArrive(&s.empty[j % kStages]);
+    round();
+  }
+  issue_products(s.stages[(count - 1) % kStages]);
+  sm90::WgmmaWait<0>();
+  fence_products();
+}
+
+// The forward of the consumer warpgroup: per chunk S = Q K^T, the mask and online softmax, O += P V (O
+// rescaled just before the product is issued); out and lse at the end.
 __device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int count) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int tile = blockIdx.x;
@@ -359,32 +411,18 @@ __device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int 
     }
     return;
   }
-  MbarrierWait(&s.full[0], 0);
-  IssueTransposed(scores, s.q[0], s.stages[0].k);
-  sm90::WgmmaCommit();
-  sm90::WgmmaWait<0>();
-  sm90::FenceRegisters(scores);
-  softmax(0);
-  Pack(prob, scores);
-  for (int j = 0; j + 1 < count; ++j) {
-    const int next = (j + 1) % kStages;
-    MbarrierWait(&s.full[next], ((j + 1) / kStages) & 1);
-    IssueTransposed(scores, s.q[0], s.stages[next].k);
-    sm90::WgmmaCommit();
-    Rescale(o, correction);
-    IssueAccumulate(o, prob, s.stages[j % kStages].v);
-    sm90::WgmmaWait<1>();
-    sm90::FenceRegisters(scores);
-    softmax(j + 1);
-    sm90::WgmmaWait<0>();
-    sm90::FenceRegisters(o);
-    MbarrierArrive(&s.empty[j % kStages]);
-    Pack(prob, scores);
-  }
-  Rescale(o, correction);
-  IssueAccumulate(o, prob, s.stages[(count - 1) % kStages].v);
-  sm90::WgmmaWait<0>();
-  sm90::FenceRegisters(o);
+  WalkChunks<1>(
+      s, count,
+      [&](const Stage& stage) {
+        IssueTransposed(scores, s.tiles[0], stage.a);
+        sm90::WgmmaCommit();
+      },
+      softmax,
+      [&](const Stage& stage) {
+        Rescale(o, correction);
+        IssueAccumulate(o, prob, stage.b);
+      },
+      [&] { Pack(prob, scores); }, [&] { sm90::FenceRegisters(scores); }, [&] { sm90::FenceRegisters(o); });
 
   const int first_lon = p.tiles[2 * tile + 1];
 #pragma unroll
@@ -392,14 +430,31 @@ __device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int 
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     const int lon = first_lon + column[h];
-    if (query_row >= p.nlat_q || lon >= p.nlon_q) continue;
-    const size_t point = size_t(query_row) * p.nlon_q + lon;
+    if (query_row >= p.nlat_walk || lon >= p.nlon_walk) continue;
+    const size_t point = size_t(query_row) * p.nlon_walk + lon;
     const float inverse = l[h] > 0.f ? 1.f / l[h] : 0.f;
     if (t == 0) p.lse[point] = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
 #pragma unroll
     for (int j = 0; j < kD / 8; ++j) {
       *reinterpret_cast<uint32_t*>(p.out + point * kD + 8 * j + 2 * t) =
           PackPair<T>(o[4 * j + 2 * h] * inverse, o[4 * j + 2 * h + 1] * inverse);
+    }
+  }
+}
+
+// Stores the thread's rows of a 64 x kD float32 accumulator, times `factor`, into [walking points, kD] rows
+// (points past the walking grid are not written).
+__device__ __forceinline__ void StoreRows(const Problem& p, float* to, const float (&d)[kD / 2], float factor) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4, tile = blockIdx.x;
+  const int row = p.tiles[2 * tile] + warp;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lon = p.tiles[2 * tile + 1] + lane / 4 + 8 * h;
+    if (row >= p.nlat_walk || lon >= p.nlon_walk) continue;
+    float* point = to + (size_t(row) * p.nlon_walk + lon) * kD + 2 * t;
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+      *reinterpret_cast<float2*>(point + 8 * j) = make_float2(d[4 * j + 2 * h] * factor, d[4 * j + 2 * h + 1] * factor);
     }
   }
 }
@@ -418,8 +473,8 @@ __device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int count) {
   for (int h = 0; h < 2; ++h) {
     u[h] = column[h] % p.classes, step[h] = column[h] / p.classes;
     const int lon = first_lon + column[h];
-    if (query_row < p.nlat_q && lon < p.nlon_q) {
-      const size_t point = size_t(query_row) * p.nlon_q + lon;
+    if (query_row < p.nlat_walk && lon < p.nlon_walk) {
+      const size_t point = size_t(query_row) * p.nlon_walk + lon;
       lse_log2[h] = s2attn::gpu::Log2Lse(p.lse[point]);
       delta[h] = p.delta[point];
     }
@@ -427,8 +482,8 @@ __device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int count) {
   float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   uint32_t ds[kChunk / 16][4];
   const auto issue_scores = [&](const Stage& stage) {
-    IssueTransposed(scores, s.q[0], stage.k);
-    IssueTransposed(dp, s.q[1], stage.v);
+    IssueTransposed(scores, s.tiles[0], stage.a);
+    IssueTransposed(dp, s.tiles[1], stage.b);
     sm90::WgmmaCommit();
   };
   const auto score_gradients = [&](int i) {  // S(i), dP(i) complete: dS(i) into scores
@@ -441,50 +496,109 @@ __device__ void ConsumeDq(const Problem& p, Shared<Kind::kDq>& s, int count) {
     }
   };
   MbarrierWait(&s.q_full, 0);
-  MbarrierWait(&s.full[0], 0);
-  issue_scores(s.stages[0]);
-  sm90::WgmmaWait<0>();
-  sm90::FenceRegisters(scores);
-  sm90::FenceRegisters(dp);
-  score_gradients(0);
-  Pack(ds, scores);
-  for (int j = 0; j + 1 < count; ++j) {
-    const int next = (j + 1) % kStages;
-    MbarrierWait(&s.full[next], ((j + 1) / kStages) & 1);
-    issue_scores(s.stages[next]);
-    IssueAccumulate(dq, ds, s.stages[j % kStages].k);
-    sm90::WgmmaWait<1>();
-    sm90::FenceRegisters(scores);
-    sm90::FenceRegisters(dp);
-    score_gradients(j + 1);
-    sm90::WgmmaWait<0>();
-    sm90::FenceRegisters(dq);
-    MbarrierArrive(&s.empty[j % kStages]);
-    Pack(ds, scores);
-  }
-  IssueAccumulate(dq, ds, s.stages[(count - 1) % kStages].k);
-  sm90::WgmmaWait<0>();
-  sm90::FenceRegisters(dq);
+  WalkChunks<1>(
+      s, count, issue_scores, score_gradients, [&](const Stage& stage) { IssueAccumulate(dq, ds, stage.a); },
+      [&] { Pack(ds, scores); },
+      [&] {
+        sm90::FenceRegisters(scores);
+        sm90::FenceRegisters(dp);
+      },
+      [&] { sm90::FenceRegisters(dq); });
+  StoreRows(p, p.dq, dq, p.scale);
+}
+
+// dk and dv of the consumer warpgroup over a tile of 4 x 16 keys, walking the backward schedule: per chunk
+// of 32 queries j + 1 issue S^T(j+1) = K Q^T and dP^T(j+1) = V dO^T as one group, issue dv += P^T(j) dO(j)
+// and dk += dS^T(j) Q(j), wait for the first group, then form P^T = exp2(S^T scale log2(e) + key weight -
+// lse log2(e)) and dS^T = P^T (dP^T - delta) on the chunk's mask (the queries' lse and delta staged with
+// the chunk) while both products run. dk times the scale at the end.
+__device__ void ConsumeDkv(const Problem& p, Shared<Kind::kDkv>& s, int count) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
+  const int tile = blockIdx.x;
+  const int key_row = p.tiles[2 * tile] + warp;
+  const float key_bias = key_row < p.nlat_walk ? p.bias[key_row] : 0.f;
+  int column[2] = {lane / 4, lane / 4 + 8}, u[2], step[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int lon = first_lon + column[h];
-    if (query_row >= p.nlat_q || lon >= p.nlon_q) continue;
-    const size_t point = size_t(query_row) * p.nlon_q + lon;
+  for (int h = 0; h < 2; ++h) u[h] = column[h] % p.classes, step[h] = column[h] / p.classes;
+  float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
+  uint32_t prob[kChunk / 16][4], grad[kChunk / 16][4];
+  const auto issue_scores = [&](const Stage& stage) {
+    IssueTransposed(scores, s.tiles[0], stage.a);
+    IssueTransposed(dp, s.tiles[1], stage.b);
+    sm90::WgmmaCommit();
+  };
+  const auto gradients = [&](int i) {  // S^T(i), dP^T(i) complete: P^T(i) into scores, dS^T(i) into dp
+    const ChunkInfo& info = s.info[i % kStages];
+    const ChunkMask mask = MaskOf(p, info, warp, u, step);
+    ApplyMask(scores, mask, t);
 #pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-      *reinterpret_cast<float2*>(p.dq + point * kD + 8 * j + 2 * t) =
-          make_float2(dq[4 * j + 2 * h] * p.scale, dq[4 * j + 2 * h + 1] * p.scale);
+    for (int e = 0; e < kChunk / 2; ++e) {
+      const int n = 2 * t + ColumnOf(e);
+      scores[e] = Exp2(fmaf(scores[e], p.scale_log2, key_bias - info.lse_log2[n]));
+      dp[e] = scores[e] * (dp[e] - info.delta[n]);
     }
+  };
+  MbarrierWait(&s.q_full, 0);
+  WalkChunks<2>(
+      s, count, issue_scores, gradients,
+      [&](const Stage& stage) {
+        IssueAccumulate(dv, prob, stage.b);
+        IssueAccumulate(dk, grad, stage.a);
+      },
+      [&] {
+        Pack(prob, scores);
+        Pack(grad, dp);
+      },
+      [&] {
+        sm90::FenceRegisters(scores);
+        sm90::FenceRegisters(dp);
+      },
+      [&] {
+        sm90::FenceRegisters(dk);
+        sm90::FenceRegisters(dv);
+      });
+  StoreRows(p, p.dk, dk, p.scale);
+  StoreRows(p, p.dv, dv, 1.f);
+}
+
+// The results of a tile without chunks (its points see no other point): zeros, and lse -inf. One consumer
+// thread per (tile row, accumulator row pair), as the consumers write.
+template <Kind kKind>
+__device__ void WriteEmpty(const Problem& p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4, tile = blockIdx.x;
+  const int row = p.tiles[2 * tile] + warp;
+  for (int h = 0; h < 2; ++h) {
+    const int lon = p.tiles[2 * tile + 1] + lane / 4 + 8 * h;
+    if (row >= p.nlat_walk || lon >= p.nlon_walk) continue;
+    const size_t point = size_t(row) * p.nlon_walk + lon;
+    for (int j = 0; j < kD / 8; ++j) {
+      const size_t at = point * kD + 8 * j + 2 * t;
+      if constexpr (kKind == Kind::kForward) {
+        *reinterpret_cast<uint32_t*>(p.out + at) = PackPair<T>(0.f, 0.f);
+      } else if constexpr (kKind == Kind::kDq) {
+        *reinterpret_cast<float2*>(p.dq + at) = make_float2(0.f, 0.f);
+      } else {
+        *reinterpret_cast<float2*>(p.dk + at) = make_float2(0.f, 0.f);
+        *reinterpret_cast<float2*>(p.dv + at) = make_float2(0.f, 0.f);
+      }
+    }
+    if (kKind == Kind::kForward && t == 0) p.lse[point] = -INFINITY;
   }
 }
 
 template <Kind kKind>
-__global__ void __launch_bounds__(kThreads, kKind == Kind::kDq ? SF_DQ_BLOCKS : SF_MIN_BLOCKS)
+__global__ void __launch_bounds__(kThreads, kKind == Kind::kForward ? SF_MIN_BLOCKS
+                                            : kKind == Kind::kDq    ? SF_DQ_BLOCKS
+                                                                    : SF_DKV_BLOCKS)
     ScheduledAttention(Problem p, const __grid_constant__ Maps maps) {
   auto* base = reinterpret_cast<unsigned char*>(s2attn::gpu::DynamicShared());
   base += (1024 - reinterpret_cast<uintptr_t>(base) % 1024) % 1024;
   auto& s = *reinterpret_cast<Shared<kKind>*>(base);
   const int first = p.tile_offsets[blockIdx.x], count = p.tile_offsets[blockIdx.x + 1] - first;
+  if (count == 0) {
+    if (threadIdx.x < 128) WriteEmpty<kKind>(p);
+    return;
+  }
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       MbarrierInit(&s.full[i], 32);
@@ -498,8 +612,10 @@ __global__ void __launch_bounds__(kThreads, kKind == Kind::kDq ? SF_DQ_BLOCKS : 
     Produce<kKind>(p, maps, s, first, count);
   } else if constexpr (kKind == Kind::kForward) {
     ConsumeForward(p, s, count);
-  } else {
+  } else if constexpr (kKind == Kind::kDq) {
     ConsumeDq(p, s, count);
+  } else {
+    ConsumeDkv(p, s, count);
   }
 }
 
@@ -570,31 +686,43 @@ bool Launch(const Problem& p, const Maps& maps, int num_tiles, int reps, const c
   return Time(name, reps, launch);
 }
 
-// mode "forward": out.bf16 and lse.f32 from the directory's inputs; "dq": dq.f32 from them and its dout.bf16,
-// lse.f32 and delta.f32. Every result poisoned (NaN) before the launch.
+// A float32 result of the device, NaN-poisoned, then written to `path` after the launch.
+struct Result {
+  float* device = nullptr;
+  size_t size = 0;
+  std::string path;
+};
+
+// mode "forward": out.bf16 and lse.f32 from the directory's schedule (meta.f32, tiles.i32, ...) and inputs;
+// "dq": dq.f32 from them and dout.bf16, lse.f32, delta.f32; "dkv": dk.f32 and dv.f32 from the same inputs and
+// the backward walk's schedule in <directory>/backward. Every result is poisoned (NaN) before its launch.
 bool Run(const std::string& mode, const std::string& dir, int reps) {
-  // meta: nlat_q nlon_q nlat_k nlon_k classes shift tile_rows tile_cols chunk_cols scale
+  const bool forward = mode == "forward", dkv = mode == "dkv";
+  const std::string walk = dkv ? dir + "/backward" : dir;
+  // meta: nlat_walk nlon_walk nlat_other nlon_other classes shift tile_rows tile_cols chunk_cols scale
   std::vector<float> meta;
-  if (!ReadFile(dir + "/meta.f32", &meta) || meta.size() != 10) return false;
-  const int nlat_q = int(meta[0]), nlon_q = int(meta[1]), nlat_k = int(meta[2]), nlon_k = int(meta[3]);
+  if (!ReadFile(walk + "/meta.f32", &meta) || meta.size() != 10) return false;
+  const int nlat_walk = int(meta[0]), nlon_walk = int(meta[1]), nlat_other = int(meta[2]), nlon_other = int(meta[3]);
   if (int(meta[6]) != kTileRows || int(meta[7]) != kTileCols || int(meta[8]) != kChunk) {
     std::printf("the schedule's shape is not the kernel's %dx%d, %d columns\n", kTileRows, kTileCols, kChunk);
     return false;
   }
-  const bool dq_mode = mode == "dq";
+  // Queries on the walking grid (forward, dq) or on the other one (dk/dv).
+  const int nlat_q = dkv ? nlat_other : nlat_walk, nlon_q = dkv ? nlon_other : nlon_walk;
+  const int nlat_k = dkv ? nlat_walk : nlat_other, nlon_k = dkv ? nlon_walk : nlon_other;
   std::vector<int> tiles, offsets, chunks, records;
   std::vector<float> bias, lse, delta;
   std::vector<T> q, k, v, dout;
   for (auto [name, data] : {std::pair{"tiles", &tiles}, std::pair{"tile_offsets", &offsets},
                             std::pair{"chunks", &chunks}, std::pair{"records", &records}}) {
-    if (!ReadFile(dir + "/" + name + ".i32", data)) return false;
+    if (!ReadFile(walk + "/" + name + ".i32", data)) return false;
   }
   if (!ReadFile(dir + "/bias.f32", &bias) || !ReadFile(dir + "/q.bf16", &q) || !ReadFile(dir + "/k.bf16", &k) ||
       !ReadFile(dir + "/v.bf16", &v)) {
     return false;
   }
-  if (dq_mode && (!ReadFile(dir + "/dout.bf16", &dout) || !ReadFile(dir + "/lse.f32", &lse) ||
-                  !ReadFile(dir + "/delta.f32", &delta))) {
+  if (!forward && (!ReadFile(dir + "/dout.bf16", &dout) || !ReadFile(dir + "/lse.f32", &lse) ||
+                   !ReadFile(dir + "/delta.f32", &delta))) {
     return false;
   }
   const int num_tiles = int(tiles.size() / 2), classes = int(meta[4]);
@@ -607,49 +735,63 @@ bool Run(const std::string& mode, const std::string& dir, int reps) {
       chunks.size() == size_t(kChunkFields) * size_t(offsets.back()) && classes >= 1 && classes <= kTileCols &&
       records.size() >= size_t(stagings) * kTileRows * classes * 2 && bias.size() == size_t(nlat_k) &&
       q.size() == points_q * kD && k.size() == points_k * kD && v.size() == points_k * kD &&
-      (!dq_mode || (dout.size() == points_q * kD && lse.size() == points_q && delta.size() == points_q));
+      (forward || (dout.size() == points_q * kD && lse.size() == points_q && delta.size() == points_q));
   if (!sizes_agree) {
     std::printf("the directory's files do not match its meta\n");
     return false;
   }
   Problem p{};
-  p.nlat_q = nlat_q, p.nlon_q = nlon_q, p.nlon_k = nlon_k;
+  p.nlat_walk = nlat_walk, p.nlon_walk = nlon_walk, p.nlon_other = nlon_other;
   p.classes = classes, p.shift = int(meta[5]);
   p.scale = meta[9], p.scale_log2 = meta[9] * 1.4426950408889634f;
   int *d_tiles, *d_offsets, *d_chunks, *d_records;
-  float *d_bias, *d_lse = nullptr, *d_delta = nullptr, *d_dq = nullptr;
+  float *d_bias, *d_lse = nullptr, *d_delta = nullptr;
   T *d_q, *d_k, *d_v, *d_dout = nullptr, *d_out = nullptr;
   if (!Upload(tiles, &d_tiles) || !Upload(offsets, &d_offsets) || !Upload(chunks, &d_chunks) ||
       !Upload(records, &d_records) || !Upload(bias, &d_bias) || !Upload(q, &d_q) || !Upload(k, &d_k) ||
       !Upload(v, &d_v)) {
     return false;
   }
-  if (dq_mode) {
-    if (!Upload(dout, &d_dout) || !Upload(lse, &d_lse) || !Upload(delta, &d_delta)) return false;
-    CHECK_CUDA(cudaMalloc(&d_dq, points_q * kD * sizeof(float)));
-    CHECK_CUDA(cudaMemset(d_dq, 0xff, points_q * kD * sizeof(float)));  // poison: NaN
-  } else {
+  std::vector<Result> results;
+  if (forward) {
     CHECK_CUDA(cudaMalloc(&d_out, points_q * kD * sizeof(T)));
-    CHECK_CUDA(cudaMalloc(&d_lse, points_q * sizeof(float)));
-    CHECK_CUDA(cudaMemset(d_out, 0xff, points_q * kD * sizeof(T)));
-    CHECK_CUDA(cudaMemset(d_lse, 0xff, points_q * sizeof(float)));
+    CHECK_CUDA(cudaMemset(d_out, 0xff, points_q * kD * sizeof(T)));  // poison: NaN
+    results.push_back({nullptr, points_q, dir + "/lse.f32"});
+  } else {
+    if (!Upload(dout, &d_dout) || !Upload(lse, &d_lse) || !Upload(delta, &d_delta)) return false;
+    if (dkv) {
+      results.push_back({nullptr, points_k * kD, dir + "/dk.f32"});
+      results.push_back({nullptr, points_k * kD, dir + "/dv.f32"});
+    } else {
+      results.push_back({nullptr, points_q * kD, dir + "/dq.f32"});
+    }
+  }
+  for (Result& r : results) {
+    CHECK_CUDA(cudaMalloc(&r.device, r.size * sizeof(float)));
+    CHECK_CUDA(cudaMemset(r.device, 0xff, r.size * sizeof(float)));
   }
   p.tiles = d_tiles, p.tile_offsets = d_offsets, p.chunks = d_chunks;
   p.records = reinterpret_cast<const int2*>(d_records);
-  p.bias = d_bias, p.out = d_out, p.lse = d_lse, p.delta = d_delta, p.dq = d_dq;
+  p.bias = d_bias, p.out = d_out, p.delta = d_delta;
+  p.lse = forward ? results[0].device : d_lse;
+  if (dkv) p.dk = results[0].device, p.dv = results[1].device;
+  if (mode == "dq") p.dq = results[0].device;
 
   const EncodeTiled encode = FindEncodeTiled();
   if (encode == nullptr) return false;
   Maps maps;
   const cuuint32_t element_strides[3] = {1, 1, 1};
+  // Walking tiles: q (forward), q and dout (dq), k and v (dk/dv); chunks: k and v, or q and dout.
+  T* const tile_data[2] = {dkv ? d_k : d_q, dkv ? d_v : (forward ? d_q : d_dout)};
+  T* const chunk_data[2] = {dkv ? d_q : d_k, dkv ? d_dout : d_v};
   const struct {
     CUtensorMap* map;
     T* data;
     int nlat, nlon, box_lons, box_rows;
-  } specs[4] = {{&maps.q[0], d_q, nlat_q, nlon_q, kTileCols, kTileRows},
-                {&maps.q[1], dq_mode ? d_dout : d_q, nlat_q, nlon_q, kTileCols, kTileRows},
-                {&maps.k, d_k, nlat_k, nlon_k, kChunk, 1},
-                {&maps.v, d_v, nlat_k, nlon_k, kChunk, 1}};
+  } specs[4] = {{&maps.tiles[0], tile_data[0], nlat_walk, nlon_walk, kTileCols, kTileRows},
+                {&maps.tiles[1], tile_data[1], nlat_walk, nlon_walk, kTileCols, kTileRows},
+                {&maps.a, chunk_data[0], nlat_other, nlon_other, kChunk, 1},
+                {&maps.b, chunk_data[1], nlat_other, nlon_other, kChunk, 1}};
   for (const auto& spec : specs) {
     const cuuint64_t dims[3] = {kD, cuuint64_t(spec.nlon), cuuint64_t(spec.nlat)};
     const cuuint64_t strides[2] = {kD * sizeof(T), spec.nlon * kD * sizeof(T)};
@@ -661,23 +803,25 @@ bool Run(const std::string& mode, const std::string& dir, int reps) {
       return false;
     }
   }
-  if (dq_mode) {
-    if (!Launch<Kind::kDq>(p, maps, num_tiles, reps, "dq")) return false;
-    std::vector<float> dq(points_q * kD);
-    CHECK_CUDA(cudaMemcpy(dq.data(), d_dq, dq.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    if (!WriteFile(dir + "/dq.f32", dq)) return false;
-  } else {
-    if (!Launch<Kind::kForward>(p, maps, num_tiles, reps, "forward")) return false;
+  const bool launched = forward ? Launch<Kind::kForward>(p, maps, num_tiles, reps, "forward")
+                        : dkv   ? Launch<Kind::kDkv>(p, maps, num_tiles, reps, "dkv")
+                                : Launch<Kind::kDq>(p, maps, num_tiles, reps, "dq");
+  if (!launched) return false;
+  for (const Result& r : results) {
+    std::vector<float> host(r.size);
+    CHECK_CUDA(cudaMemcpy(host.data(), r.device, r.size * sizeof(float), cudaMemcpyDeviceToHost));
+    if (!WriteFile(r.path, host)) return false;
+  }
+  if (forward) {
     std::vector<T> out(points_q * kD);
-    std::vector<float> lse_out(points_q);
     CHECK_CUDA(cudaMemcpy(out.data(), d_out, out.size() * sizeof(T), cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(lse_out.data(), d_lse, lse_out.size() * sizeof(float), cudaMemcpyDeviceToHost));
-    if (!WriteFile(dir + "/out.bf16", out) || !WriteFile(dir + "/lse.f32", lse_out)) return false;
+    if (!WriteFile(dir + "/out.bf16", out)) return false;
   }
   for (void* x : {(void*)d_tiles, (void*)d_offsets, (void*)d_chunks, (void*)d_records, (void*)d_bias, (void*)d_q,
-                  (void*)d_k, (void*)d_v, (void*)d_dout, (void*)d_out, (void*)d_lse, (void*)d_delta, (void*)d_dq}) {
+                  (void*)d_k, (void*)d_v, (void*)d_dout, (void*)d_out, (void*)d_lse, (void*)d_delta}) {
     if (x != nullptr) CHECK_CUDA(cudaFree(x));
   }
+  for (const Result& r : results) CHECK_CUDA(cudaFree(r.device));
   return true;
 }
 
@@ -685,8 +829,8 @@ bool Run(const std::string& mode, const std::string& dir, int reps) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (argc < 3 || (mode != "forward" && mode != "dq")) {
-    std::printf("usage: scheduled_attention forward|dq <directory> [reps]\n");
+  if (argc < 3 || (mode != "forward" && mode != "dq" && mode != "dkv")) {
+    std::printf("usage: scheduled_attention forward|dq|dkv <directory> [reps]\n");
     return 2;
   }
   return Run(mode, argv[2], argc > 3 ? std::atoi(argv[3]) : 0) ? 0 : 1;
