@@ -128,7 +128,7 @@ def build_schedule(
     # One entry per (band of tile_rows walking rows, other row): each tile row's segment there.
     walk_row = np.repeat(np.arange(nlat_walk), np.diff(segments.offsets))
     table = segments.segments.astype(np.int64)
-    nrows = int(table[:, 0].max()) + 1 if table.size else 1
+    nrows = int(table[:, 0].max()) + 1
     band_keys, band_entry = np.unique((walk_row // tile_rows) * nrows + table[:, 0], return_inverse=True)
     band_lo = np.zeros((band_keys.size, tile_rows, residues), np.int64)
     band_len = np.zeros((band_keys.size, tile_rows, residues), np.int64)
@@ -210,7 +210,7 @@ def _stagings(band_index, lon0, band, band_lo, band_len, column, walk_shape, res
     residue = np.broadcast_to((lon % residues)[:, None, :], (lon.shape[0], tile_rows, lon.shape[1]))
     start = np.take_along_axis(band_lo[band_index], residue, axis=2) + shift * (lon // residues)[:, None, :]
     length = np.take_along_axis(band_len[band_index], residue, axis=2)
-    length = np.where((lon < nlon_walk)[:, None, :], length, 0)  # [n, tile_rows, tile_cols]
+    length = np.where(on_grid, length, 0)  # [n, tile_rows, tile_cols]
 
     seen = length > 0
     lo = np.where(seen, start, np.iinfo(np.int64).max).min(axis=(1, 2))

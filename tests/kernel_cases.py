@@ -139,6 +139,22 @@ def neighbour_mask(plan: NeighborhoodPlan) -> np.ndarray:
     return mask
 
 
+def psi_pairs(plan: NeighborhoodPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Global flat ``(query, key)`` indices of every pair, from torch-harmonics' psi CSR."""
+    rows = np.repeat(np.arange(plan.csr_offsets.size - 1), np.diff(plan.csr_offsets))[:, None]
+    if plan.direction == "gather":  # psi rows are query rows; columns the keys of longitude 0
+        h_in, w_in = np.divmod(plan.csr_columns[:, None], plan.nlon_in)
+        w_out = np.arange(plan.nlon_out)[None, :]
+        query = rows * plan.nlon_out + w_out
+        key = h_in * plan.nlon_in + (w_in + plan.pscale * w_out) % plan.nlon_in
+    else:  # psi rows are key rows; columns the queries of key longitude 0
+        h_out, w_out = np.divmod(plan.csr_columns[:, None], plan.nlon_out)
+        w_in = np.arange(plan.nlon_in)[None, :]
+        query = h_out * plan.nlon_out + (w_out + plan.pscale * w_in) % plan.nlon_out
+        key = rows * plan.nlon_in + w_in
+    return np.broadcast_to(query, key.shape).ravel(), np.broadcast_to(key, query.shape).ravel()
+
+
 def check_nan_poisoning(plan: NeighborhoodPlan, out, lse, point: int, operand: str) -> None:
     """Asserts that a NaN placed in global query (``operand="q"``) or key (``"k"``) point ``point``
     made exactly the query rows that see it NaN in ``out`` and ``lse`` (that query; every query with

@@ -8,11 +8,17 @@ membership test).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from jax_s2attn.plan import NeighborhoodPlan
 from jax_s2attn.schedule import FULL, RING, BlockSchedule, build_schedule
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_cases import psi_pairs  # noqa: E402
 
 # (in_shape, out_shape, grid, theta_cutoff): self-attention at small, medium and whole-ring cutoffs,
 # other grids, downsampling by 2, 3 and 128, upsampling by 2 and 4, odd sizes, nlon not a multiple of the tile.
@@ -41,18 +47,7 @@ def _plan(args) -> NeighborhoodPlan:
 
 def _plan_pairs(plan: NeighborhoodPlan) -> np.ndarray:
     """``(query, key)`` flat index pairs of the plan from its ``psi``, sorted."""
-    nlon_in, nlon_out = plan.nlon_in, plan.nlon_out
-    rows = np.repeat(np.arange(plan.csr_offsets.size - 1), np.diff(plan.csr_offsets))
-    other_row, other_lon = np.divmod(plan.csr_columns, nlon_in if plan.direction == "gather" else nlon_out)
-    if plan.direction == "gather":  # rows: output latitudes; columns: inputs seen by output longitude 0
-        wo = np.arange(nlon_out)
-        query = rows[:, None] * nlon_out + wo[None, :]
-        key = other_row[:, None] * nlon_in + (other_lon[:, None] + plan.pscale * wo[None, :]) % nlon_in
-    else:  # rows: input latitudes; columns: outputs that input longitude 0 reaches
-        wi = np.arange(nlon_in)
-        key = rows[:, None] * nlon_in + wi[None, :]
-        query = other_row[:, None] * nlon_out + (other_lon[:, None] + plan.pscale * wi[None, :]) % nlon_out
-    pairs = np.stack([query.ravel(), key.ravel()], axis=1)
+    pairs = np.stack(psi_pairs(plan), axis=1)
     return pairs[np.lexsort(pairs.T[::-1])]
 
 

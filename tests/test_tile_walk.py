@@ -2,6 +2,7 @@
 
 import importlib.util
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +12,9 @@ import pytest
 
 from jax_s2attn import NeighborhoodPlan
 from jax_s2attn.plan import ArcTable, SegmentTable
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_cases import psi_pairs  # noqa: E402
 
 # The walk's replay lives with the benchmark that reports its statistics.
 _SPEC = importlib.util.spec_from_file_location("tile_walk", Path(__file__).parents[1] / "benchmarks" / "tile_walk.py")
@@ -58,29 +62,13 @@ def _config_id(c):
     return f"{c[0]}->{c[1]}-{c[2]}-{c[3]}-{c[4]}"
 
 
-def _psi_pairs(plan):
-    """Global flat ``(query, key)`` indices of every pair, from torch-harmonics' psi CSR."""
-    rows = np.repeat(np.arange(plan.csr_offsets.size - 1), np.diff(plan.csr_offsets))[:, None]
-    if plan.direction == "gather":  # psi rows are query rows; columns the keys of longitude 0
-        h_in, w_in = np.divmod(plan.csr_columns[:, None], plan.nlon_in)
-        w_out = np.arange(plan.nlon_out)[None, :]
-        query = rows * plan.nlon_out + w_out
-        key = h_in * plan.nlon_in + (w_in + plan.pscale * w_out) % plan.nlon_in
-    else:  # psi rows are key rows; columns the queries of key longitude 0
-        h_out, w_out = np.divmod(plan.csr_columns[:, None], plan.nlon_out)
-        w_in = np.arange(plan.nlon_in)[None, :]
-        query = h_out * plan.nlon_out + (w_out + plan.pscale * w_in) % plan.nlon_out
-        key = rows * plan.nlon_in + w_in
-    return np.broadcast_to(query, key.shape).ravel(), np.broadcast_to(key, query.shape).ravel()
-
-
 def _codes(walk, other, num_other):
     return np.sort(walk.astype(np.int64) * num_other + other)
 
 
 def _walks(plan):
     """``(segment table, walking shape, other shape, expected (walk, other) pairs)`` of both walks."""
-    query, key = _psi_pairs(plan)
+    query, key = psi_pairs(plan)
     return [
         (plan.forward_segments, plan.out_shape, plan.in_shape, (query, key)),
         (plan.backward_segments, plan.in_shape, plan.out_shape, (key, query)),

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <vector>
 
 #define CHECK_CUDA(x)                                                              \
   do {                                                                             \
@@ -19,6 +20,14 @@
 using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                  const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
                                  CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// A device copy of `host` in `*device` (cudaMalloc'ed, at least one element; the caller frees it).
+template <typename E>
+cudaError_t Upload(const std::vector<E>& host, E** device) {
+  cudaError_t e = cudaMalloc(device, (host.empty() ? 1 : host.size()) * sizeof(E));
+  if (e == cudaSuccess) e = cudaMemcpy(*device, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice);
+  return e;
+}
 
 // cuTensorMapEncodeTiled, or nullptr (with a message) where the driver lacks it.
 inline EncodeTiled FindEncodeTiled() {

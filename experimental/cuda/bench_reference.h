@@ -168,14 +168,6 @@ inline Inputs MakeInputs(const Config& config, std::mt19937& rng) {
   return in;
 }
 
-// A device copy of `host` in `*device` (cudaMalloc'ed; the caller frees it).
-template <typename E>
-cudaError_t Upload(const std::vector<E>& host, E** device) {
-  cudaError_t e = cudaMalloc(device, host.size() * sizeof(E));
-  if (e == cudaSuccess) e = cudaMemcpy(*device, host.data(), host.size() * sizeof(E), cudaMemcpyHostToDevice);
-  return e;
-}
-
 // Largest error of `got` against the truths of the sampled queries, relative to the truths' largest value.
 struct Check {
   double error = 0, scale = 0;

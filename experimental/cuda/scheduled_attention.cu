@@ -642,13 +642,6 @@ bool WriteFile(const std::string& path, const std::vector<X>& data) {
   return bool(out);
 }
 
-template <typename X>
-bool Upload(const std::vector<X>& host, X** device) {
-  CHECK_CUDA(cudaMalloc(device, std::max<size_t>(1, host.size()) * sizeof(X)));
-  CHECK_CUDA(cudaMemcpy(*device, host.data(), host.size() * sizeof(X), cudaMemcpyHostToDevice));
-  return true;
-}
-
 // Device time of `launch`: the median over reps of bursts of 10 launches, by events, printed as "<name>_ms".
 template <typename Launch>
 bool Time(const char* name, int reps, const Launch& launch) {
@@ -747,18 +740,23 @@ bool Run(const std::string& mode, const std::string& dir, int reps) {
   int *d_tiles, *d_offsets, *d_chunks, *d_records;
   float *d_bias, *d_lse = nullptr, *d_delta = nullptr;
   T *d_q, *d_k, *d_v, *d_dout = nullptr, *d_out = nullptr;
-  if (!Upload(tiles, &d_tiles) || !Upload(offsets, &d_offsets) || !Upload(chunks, &d_chunks) ||
-      !Upload(records, &d_records) || !Upload(bias, &d_bias) || !Upload(q, &d_q) || !Upload(k, &d_k) ||
-      !Upload(v, &d_v)) {
-    return false;
-  }
+  CHECK_CUDA(Upload(tiles, &d_tiles));
+  CHECK_CUDA(Upload(offsets, &d_offsets));
+  CHECK_CUDA(Upload(chunks, &d_chunks));
+  CHECK_CUDA(Upload(records, &d_records));
+  CHECK_CUDA(Upload(bias, &d_bias));
+  CHECK_CUDA(Upload(q, &d_q));
+  CHECK_CUDA(Upload(k, &d_k));
+  CHECK_CUDA(Upload(v, &d_v));
   std::vector<Result> results;
   if (forward) {
     CHECK_CUDA(cudaMalloc(&d_out, points_q * kD * sizeof(T)));
     CHECK_CUDA(cudaMemset(d_out, 0xff, points_q * kD * sizeof(T)));  // poison: NaN
     results.push_back({nullptr, points_q, dir + "/lse.f32"});
   } else {
-    if (!Upload(dout, &d_dout) || !Upload(lse, &d_lse) || !Upload(delta, &d_delta)) return false;
+    CHECK_CUDA(Upload(dout, &d_dout));
+    CHECK_CUDA(Upload(lse, &d_lse));
+    CHECK_CUDA(Upload(delta, &d_delta));
     if (dkv) {
       results.push_back({nullptr, points_k * kD, dir + "/dk.f32"});
       results.push_back({nullptr, points_k * kD, dir + "/dv.f32"});
