@@ -2,14 +2,14 @@
 plans and checks it.
 
 For each configuration: builds the plan and both walks' block schedules (``plan.block_schedule``), writes
-them, the key rows' log2 quadrature weights and random bf16 q, k, v, dout (one head of 64 channels) into a
-directory and runs the program's forward there, then its dq and dk/dv with the forward's lse and
-delta = sum(dout * out) of the forward's out (as the op forms them); every result is poisoned with NaN
-first. Checks out, lse and dq of sampled queries and dk, dv of sampled keys against a float64 evaluation of
-the plan's neighbourhoods (``forward_arcs`` and ``backward_arcs``; the gradients from the same lse and
-delta), and that every result was written. With ``--baseline`` (a GPU with the native module built) it
-also times the package's ``neighborhood_attention`` forward on the same inputs in the same process, for
-the ratio.
+them, the key rows' log2 quadrature weights and random bf16 q, k, v, dout (one head of 64 channels; with
+``--smooth`` v smooth in position) into a directory and runs the program's forward there (out in bf16, then
+in float32 as the differentiated forward writes it), then its dq and dk/dv with the forward's lse and
+delta = sum(dout * out) of the float32 out (as the op forms them); every result is poisoned with NaN first.
+Checks out, lse and dq of sampled queries and dk, dv of sampled keys against the op's float64 results (out,
+lse and delta in float64 too) from the plan's neighbourhoods (``forward_arcs`` and ``backward_arcs``), and
+that every result was written. With ``--baseline`` (a GPU with the native module built) it also times the
+package's ``neighborhood_attention`` forward on the same inputs in the same process, for the ratio.
 
 Usage (on an H200, from the repository root): ``bash experimental/scheduled_attention.sh --baseline``, or
 ``python experimental/scheduled_attention.py --binary <program> ...``; ``--configs tiny`` runs the small
@@ -55,13 +55,13 @@ TINY = {
 }
 
 
-def float64_truth(plan: NeighborhoodPlan, q, k, v, dout, delta, points) -> tuple[np.ndarray, ...]:
-    """out, lse and dq (for the given delta) of query points (flat indices) in float64, from the plan's arcs."""
+def float64_rows(plan: NeighborhoodPlan, q, k, v, points) -> tuple[np.ndarray, np.ndarray]:
+    """out and lse of query points (flat indices) in float64, from the plan's arcs."""
     table, nlon_q = plan.forward_arcs, plan.nlon_out
     log_w = np.log(plan.quad_weights.astype(np.float64))
     kf, vf = k.reshape(-1, D).astype(np.float64), v.reshape(-1, D).astype(np.float64)
-    qf, df = q.reshape(-1, D).astype(np.float64), dout.reshape(-1, D).astype(np.float64)
-    out, lse, dq = np.empty((len(points), D)), np.empty(len(points)), np.empty((len(points), D))
+    qf = q.reshape(-1, D).astype(np.float64)
+    out, lse = np.empty((len(points), D)), np.empty(len(points))
     for i, point in enumerate(points):
         h, w = divmod(int(point), nlon_q)
         keys = table.expand(h * table.residues + w % table.residues, w // table.residues)
@@ -70,26 +70,47 @@ def float64_truth(plan: NeighborhoodPlan, q, k, v, dout, delta, points) -> tuple
         p = np.exp(logits - top)
         out[i] = p @ vf[keys] / p.sum()
         lse[i] = top + np.log(p.sum())
-        p /= p.sum()
-        dq[i] = SCALE * (p * (vf[keys] @ df[point] - float(delta.reshape(-1)[point]))) @ kf[keys]
+    return out, lse
+
+
+def float64_truth(plan: NeighborhoodPlan, q, k, v, dout, points) -> tuple[np.ndarray, ...]:
+    """out, lse and dq of query points (flat indices) in float64: the op's results for a cotangent dout
+    (delta = dout . out of the float64 out), from the plan's arcs."""
+    table, nlon_q = plan.forward_arcs, plan.nlon_out
+    kf, vf = k.reshape(-1, D).astype(np.float64), v.reshape(-1, D).astype(np.float64)
+    df = dout.reshape(-1, D).astype(np.float64)
+    log_w = np.log(plan.quad_weights.astype(np.float64))
+    out, lse = float64_rows(plan, q, k, v, points)
+    dq = np.empty((len(points), D))
+    qf = q.reshape(-1, D).astype(np.float64)
+    for i, point in enumerate(points):
+        h, w = divmod(int(point), nlon_q)
+        keys = table.expand(h * table.residues + w % table.residues, w // table.residues)
+        p = np.exp(SCALE * kf[keys] @ qf[point] + log_w[keys // plan.nlon_in] - lse[i])
+        dq[i] = SCALE * (p * (vf[keys] @ df[point] - df[point] @ out[i])) @ kf[keys]
     return out, lse, dq
 
 
-def float64_key_truth(plan: NeighborhoodPlan, q, k, v, dout, lse, delta, keys) -> tuple[np.ndarray, np.ndarray]:
-    """dk and dv of key points (flat indices) in float64 for the given lse and delta of the queries, from the
-    plan's transposed arcs."""
+def float64_key_truth(plan: NeighborhoodPlan, q, k, v, dout, keys) -> tuple[np.ndarray, np.ndarray]:
+    """dk and dv of key points (flat indices) in float64 (the op's, as float64_truth), from the plan's
+    transposed arcs and the float64 out and lse of the queries that see them."""
     table, nlon_k = plan.backward_arcs, plan.nlon_in
     log_w = np.log(plan.quad_weights.astype(np.float64))
     qf, df = q.reshape(-1, D).astype(np.float64), dout.reshape(-1, D).astype(np.float64)
     kf, vf = k.reshape(-1, D).astype(np.float64), v.reshape(-1, D).astype(np.float64)
-    lse, delta = lse.reshape(-1).astype(np.float64), delta.reshape(-1).astype(np.float64)
+    seen = [table.expand(h * table.residues + w % table.residues, w // table.residues)
+            for h, w in (divmod(int(key), nlon_k) for key in keys)]  # fmt: skip
+    queries = np.unique(np.concatenate(seen)) if seen else np.zeros(0, np.int64)
+    out, lse = float64_rows(plan, q, k, v, queries)
+    delta = np.zeros(qf.shape[0])
+    delta[queries] = (df[queries] * out).sum(axis=-1)
+    lse_of = np.zeros(qf.shape[0])
+    lse_of[queries] = lse
     dk, dv = np.empty((len(keys), D)), np.empty((len(keys), D))
-    for i, key in enumerate(keys):
-        h, w = divmod(int(key), nlon_k)
-        queries = table.expand(h * table.residues + w % table.residues, w // table.residues)
-        p = np.exp(SCALE * qf[queries] @ kf[key] + log_w[h] - lse[queries])
-        dv[i] = p @ df[queries]
-        dk[i] = SCALE * (p * (df[queries] @ vf[key] - delta[queries])) @ qf[queries]
+    for i, (key, sees) in enumerate(zip(keys, seen)):
+        p = np.exp(SCALE * qf[sees] @ kf[key] + log_w[int(key) // nlon_k] - lse_of[sees])
+        dv[i] = p @ df[sees]
+        dk[i] = SCALE * (p * (df[sees] @ vf[key] - delta[sees])) @ qf[sees]
     return dk, dv
 
 
@@ -132,13 +153,24 @@ def relative(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
+def smooth_values(plan: NeighborhoodPlan, rng) -> np.ndarray:
+    """Values smooth in position plus 1 % noise (the GPU suite's smooth-field case: dP - delta nearly cancels)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from kernel_cases import smooth_field
+
+    field = smooth_field(*plan.in_shape, D, plan.grid_in)
+    return (field + 0.01 * rng.standard_normal(field.shape)).astype(ml_dtypes.bfloat16)
+
+
 def run(name: str, args, binary: Path, launcher: list[str], chunk_cols: int, reps: int, baseline: bool,
-        samples: int, keep: Path | None = None) -> bool:  # fmt: skip
+        samples: int, keep: Path | None = None, smooth: bool = False) -> bool:  # fmt: skip
     in_shape, out_shape, cutoff = args
     plan = NeighborhoodPlan(in_shape, out_shape, theta_cutoff=cutoff)
     rng = np.random.default_rng(1234)
     q, k, v, dout = (rng.standard_normal((*shape, D)).astype(ml_dtypes.bfloat16)
                      for shape in (out_shape, in_shape, in_shape, out_shape))  # fmt: skip
+    if smooth:
+        v = smooth_values(plan, rng)
     s = plan.block_schedule("forward", tile_rows=TILE_ROWS, tile_cols=TILE_COLS, chunk_cols=chunk_cols)
     with tempfile.TemporaryDirectory() if keep is None else contextlib.nullcontext(keep / name) as where:
         directory = Path(where)
@@ -154,26 +186,28 @@ def run(name: str, args, binary: Path, launcher: list[str], chunk_cols: int, rep
             ms.update(line.split() for line in result.stdout.splitlines() if line.endswith(tuple("0123456789")))
             if mode == "forward":
                 out = np.fromfile(directory / "out.bf16", ml_dtypes.bfloat16).astype(np.float32).reshape(*out_shape, D)
+                out_f32 = np.fromfile(directory / "out.f32", np.float32).reshape(*out_shape, D)
                 lse = np.fromfile(directory / "lse.f32", np.float32).reshape(out_shape)
-                # delta as the op forms it, from the forward's out.
-                delta = (dout.astype(np.float64) * out).sum(axis=-1).astype(np.float32)
+                # delta as the op forms it, from the differentiated forward's float32 out.
+                delta = (dout.astype(np.float64) * out_f32).sum(axis=-1).astype(np.float32)
                 delta.tofile(directory / "delta.f32")
         dq = np.fromfile(directory / "dq.f32", np.float32).reshape(*out_shape, D)
         dk, dv = (np.fromfile(directory / f"{x}.f32", np.float32).reshape(*in_shape, D) for x in ("dk", "dv"))
     points = out_shape[0] * out_shape[1]
-    unwritten = int(sum(np.isnan(x).sum() for x in (out, lse, dq, dk, dv)))
+    unwritten = int(sum(np.isnan(x).sum() for x in (out, out_f32, lse, dq, dk, dv)))
     chosen = np.arange(points) if points <= 4096 else np.concatenate(
         [[0, points - 1], rng.choice(points, samples, replace=False)]
     )  # fmt: skip
-    truth_out, truth_lse, truth_dq = float64_truth(plan, q, k, v, dout, delta, chosen)
+    truth_out, truth_lse, truth_dq = float64_truth(plan, q, k, v, dout, chosen)
     rel_out = relative(out.reshape(-1, D)[chosen], truth_out)
+    rel_out_f32 = relative(out_f32.reshape(-1, D)[chosen], truth_out)
     rel_dq = relative(dq.reshape(-1, D)[chosen], truth_dq)
     lse_error = float(np.abs(lse.reshape(-1)[chosen] - truth_lse).max())
     key_points = in_shape[0] * in_shape[1]
     keys = np.arange(key_points) if key_points <= 4096 else np.concatenate(
         [[0, key_points - 1], rng.choice(key_points, samples // 3, replace=False)]
     )  # fmt: skip
-    truth_dk, truth_dv = float64_key_truth(plan, q, k, v, dout, lse, delta, keys)
+    truth_dk, truth_dv = float64_key_truth(plan, q, k, v, dout, keys)
     rel_dk = relative(dk.reshape(-1, D)[keys], truth_dk)
     rel_dv = relative(dv.reshape(-1, D)[keys], truth_dv)
     ok = unwritten == 0 and max(rel_out, rel_dq, rel_dk, rel_dv) <= 1e-2 and lse_error <= 1e-3
@@ -181,13 +215,13 @@ def run(name: str, args, binary: Path, launcher: list[str], chunk_cols: int, rep
     line = (
         f"{name:16s} {out_shape[0]}x{out_shape[1]}<-{in_shape[0]}x{in_shape[1]} tc {plan.theta_cutoff:.5f}: "
         f"chunks {s.chunks.shape[0]} full {s.full_fraction:.2f} useful {useful:.3f} | unwritten {unwritten} "
-        f"rel out {rel_out:.1e} dq {rel_dq:.1e} dk {rel_dk:.1e} dv {rel_dv:.1e} lse abs {lse_error:.1e} "
+        f"rel out {rel_out:.1e} (f32 {rel_out_f32:.1e}) dq {rel_dq:.1e} dk {rel_dk:.1e} dv {rel_dv:.1e} lse abs {lse_error:.1e} "
         f"{'ok' if ok else 'WRONG'}"
     )
     if reps:
         backward = plan.block_schedule("backward", tile_rows=TILE_ROWS, tile_cols=TILE_COLS, chunk_cols=chunk_cols)
         # Computed TFLOP/s: 2 D FLOPs per product and computed pair; the forward 2 products, dq 3, dk/dv 4.
-        for kernel, products, walk in (("forward", 2, s), ("dq", 3, s), ("dkv", 4, backward)):
+        for kernel, products, walk in (("forward", 2, s), ("forward_f32", 2, s), ("dq", 3, s), ("dkv", 4, backward)):
             kernel_ms = float(ms[f"{kernel}_ms"])
             tflops = 2 * products * D * walk.computed_pairs / kernel_ms / 1e9
             line += f" | {kernel} {kernel_ms:.3f} ms ({tflops:.0f} TFLOP/s computed, eta {tflops / 790:.2f})"
@@ -209,12 +243,14 @@ def main() -> int:
     parser.add_argument("--baseline", action="store_true", help="time the package's forward too (GPU)")
     parser.add_argument("--keep", type=Path, help="write each configuration's files under KEEP/<name> and keep them")
     parser.add_argument("--launcher", default="", help="command to run the program under, e.g. compute-sanitizer")
+    parser.add_argument("--smooth", action="store_true", help="values smooth in position (plus 1 %% noise)")
     a = parser.parse_args()
 
     configs = TINY if a.configs == ["tiny"] else {name: CONFIGS[name] for name in a.configs}
     ok = True
     for name, args in configs.items():
-        ok = run(name, args, a.binary, a.launcher.split(), a.chunk_cols, a.reps, a.baseline, a.samples, a.keep) and ok
+        ok = run(name, args, a.binary, a.launcher.split(), a.chunk_cols, a.reps, a.baseline, a.samples, a.keep,
+                 a.smooth) and ok
     return 0 if ok else 1
 
 

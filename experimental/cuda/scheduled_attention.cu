@@ -8,9 +8,12 @@
 // and asks for two boxes (K and V; Q and dO for dk/dv), into a kStages-deep mbarrier ring. Its consumer warpgroup
 // multiplies: S = Q K^T (wgmma, Q and K in shared memory), the chunk's mask, the online softmax in log2
 // units with the key row's log2 weight folded into the exponent, O += P V (m64n64k16, P from registers,
-// rounded once to bf16). Per chunk it issues the next S, rescales O and issues this chunk's P V, then
-// runs the next chunk's mask and softmax while P V runs (FlashAttention-3's intra-warpgroup order: no
-// instruction touches the registers of a wgmma in flight, so ptxas keeps them asynchronous).
+// rounded once to bf16) and the row sums of that rounded P (m64n8k16 against a tile of ones: out divides
+// by them, so that its weights sum to one like the backward's P, which keeps a delta formed from out
+// consistent with them on smooth fields; lse comes from float32 sums). Per chunk it issues the next S, rescales O and the sums and issues this
+// chunk's products, then runs the next chunk's mask and softmax while they run (FlashAttention-3's
+// intra-warpgroup order: no instruction touches the registers of a wgmma in flight, so ptxas keeps them
+// asynchronous).
 //
 // The geometry is all on the host. Per chunk the kernel reads (other row, longitude, offset, valid,
 // flags, staging) and, per point, the staging record (start, length) of its row and class; FULL chunks
@@ -23,8 +26,8 @@
 // dout with their queries' lse and delta): S^T, dP^T, then dv += P^T dO and dk += dS^T Q.
 //
 // bf16, one head of 64 channels, any two grids the plan supports (the schedule carries the direction's
-// classes and shift). Results: out (bf16) and lse (float32, natural log); dq, dk, dv (float32). Standalone:
-// not part of the package.
+// classes and shift). Results: out (bf16; float32 for the differentiated forward) and lse (float32, natural
+// log); dq, dk, dv (float32). Standalone: not part of the package.
 //
 // Usage: scheduled_attention forward|dq|dkv <directory> [reps]  (the directory as scheduled_attention.py writes it)
 #include <cuda.h>
@@ -37,6 +40,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bench_common.h"
@@ -95,6 +99,13 @@ struct alignas(1024) Stage {
   T b[kChunk * kD];
 };
 
+// 16 rows of ones in the swizzled tile layout: the B of the forward's row sums (P times a column of ones: the
+// sums of P as rounded for P V, which out is divided by).
+struct alignas(1024) OnesTile {
+  T rows[16 * kD];
+};
+struct NoTile {};
+
 // Operands of a tile's 64 walking points, staged once per block.
 struct alignas(1024) PointTile {
   T rows[kTileRows * kTileCols * kD];  // tile row x longitude, as the box lays them out
@@ -118,6 +129,7 @@ template <Kind kKind>
 struct Shared {
   Stage stages[kStages];
   PointTile tiles[TilesOf(kKind)];
+  std::conditional_t<kKind == Kind::kForward, OnesTile, NoTile> ones;
   ChunkInfo info[kStages];
   uint64_t full[kStages];
   uint64_t empty[kStages];
@@ -138,7 +150,8 @@ struct Problem {
   int classes, shift;
   const float* bias;  // [key rows]: log2 of the key rows' quadrature weights
   float scale, scale_log2;  // softmax scale, and times log2(e)
-  T* out;                   // [queries, kD]: the forward's result
+  T* out;                   // [queries, kD]: the forward's result (inference: bf16)
+  float* out_f32;           // [queries, kD] or null: the forward's result in float32 instead (what delta is formed from)
   float* lse;               // [queries], natural log: the forward's result, dq's and dk/dv's operand
   const float* delta;       // [queries]: sum(dout * out), dq's and dk/dv's operand
   float* dq;                // [queries, kD]: dq's result
@@ -275,7 +288,8 @@ __device__ __forceinline__ void ApplyMask(float (&s)[kChunk / 2], const ChunkMas
 }
 
 // The online softmax of a chunk's scores in place (s becomes P, not yet rounded), logits in log2 units
-// scale_log2 * s + bias: the maxima and sums move on; `correction` is what O must be multiplied by.
+// scale_log2 * s + bias: the maxima and the float32 sums (lse's) move on; `correction` is what O and the
+// rounded P's row sums must be multiplied by.
 __device__ __forceinline__ void Exponentiate(float (&s)[kChunk / 2], float bias, float scale_log2, float (&m)[2],
                                              float (&l)[2], float (&correction)[2]) {
   if (SF_DIAGNOSTIC == 2) {
@@ -303,11 +317,14 @@ __device__ __forceinline__ void Exponentiate(float (&s)[kChunk / 2], float bias,
   }
 }
 
-// O times the corrections, skipped when no maximum of the warp moved (every correction exactly 1).
-__device__ __forceinline__ void Rescale(float (&o)[kD / 2], const float (&correction)[2]) {
+// O and the row sums (m64n8 accumulators: the same row layout) times the corrections, skipped when no
+// maximum of the warp moved (every correction exactly 1).
+__device__ __forceinline__ void Rescale(float (&o)[kD / 2], float (&sums)[4], const float (&correction)[2]) {
   if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
     for (int e = 0; e < kD / 2; ++e) o[e] *= correction[(e >> 1) & 1];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sums[e] *= correction[(e >> 1) & 1];
   }
 }
 
@@ -353,6 +370,25 @@ __device__ __forceinline__ void IssueAccumulate(float (&o)[kD / 2], uint32_t (&a
   sm90::WgmmaCommit();
 }
 
+// Issues O += P V and the row sums += P 1 as one group (P the rounded probabilities of a chunk, V its staged
+// rows, 1 the ones tile: every k16 step reads the same 16 rows of ones).
+__device__ __forceinline__ void IssueProductsAndSums(float (&o)[kD / 2], float (&sums)[4],
+                                                     uint32_t (&prob)[kChunk / 16][4], const T* v, const T* ones) {
+  if (SF_DIAGNOSTIC == 3) return;
+  const uint64_t rows = sm90::SwizzledTileDescriptor(v), column = sm90::SwizzledTileDescriptor(ones);
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(prob[kk]);
+  sm90::FenceRegisters(o);
+  sm90::FenceRegisters(sums);
+  sm90::WgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+    sm90::WgmmaM64N64K16<T, 1>(o, prob[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+    sm90::WgmmaM64N8K16<T, 1>(sums, prob[kk], column, 1);
+  }
+  sm90::WgmmaCommit();
+}
+
 // A consumer warpgroup's walk over its tile's chunks, in FlashAttention-3's intra-warpgroup order, so that
 // no instruction touches the registers of a wgmma in flight. With chunk j's operands formed and rounded:
 // issue_scores(stage j + 1) (one group, committed), issue_products(stage j) (kProductGroups groups), wait
@@ -387,8 +423,8 @@ __device__ __forceinline__ void WalkChunks(SharedState& s, int count, const Issu
   fence_products();
 }
 
-// The forward of the consumer warpgroup: per chunk S = Q K^T, the mask and online softmax, O += P V (O
-// rescaled just before the product is issued); out and lse at the end.
+// The forward of the consumer warpgroup: per chunk S = Q K^T, the mask and online softmax, O += P V and the
+// row sums of the rounded P (both rescaled just before the products are issued); out and lse at the end.
 __device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int count) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t = lane % 4;
   const int tile = blockIdx.x;
@@ -396,7 +432,8 @@ __device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int 
   int column[2] = {lane / 4, lane / 4 + 8}, u[2], step[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) u[h] = column[h] % p.classes, step[h] = column[h] / p.classes;
-  float o[kD / 2] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, scores[kChunk / 2], correction[2];
+  float o[kD / 2] = {}, sums[4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
+  float correction[2];
   uint32_t prob[kChunk / 16][4];
   const auto softmax = [&](int i) {  // S(i) complete in scores: P(i) into prob
     const ChunkMask mask = MaskOf(p, s.info[i % kStages], warp, u, step);
@@ -419,25 +456,39 @@ __device__ void ConsumeForward(const Problem& p, Shared<Kind::kForward>& s, int 
       },
       softmax,
       [&](const Stage& stage) {
-        Rescale(o, correction);
-        IssueAccumulate(o, prob, stage.b);
+        Rescale(o, sums, correction);
+        IssueProductsAndSums(o, sums, prob, stage.b, s.ones.rows);
       },
-      [&] { Pack(prob, scores); }, [&] { sm90::FenceRegisters(scores); }, [&] { sm90::FenceRegisters(o); });
+      [&] { Pack(prob, scores); }, [&] { sm90::FenceRegisters(scores); },
+      [&] {
+        sm90::FenceRegisters(o);
+        sm90::FenceRegisters(sums);
+      });
 
   const int first_lon = p.tiles[2 * tile + 1];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    // lse from the float32 sums; out divided by the sums of P as rounded for P V (every column of row h's
+    // sums holds the whole row's), so that its weights sum to one as the backward's P = exp(s - lse) do.
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
     const int lon = first_lon + column[h];
     if (query_row >= p.nlat_walk || lon >= p.nlon_walk) continue;
     const size_t point = size_t(query_row) * p.nlon_walk + lon;
-    const float inverse = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    const float inverse = sums[2 * h] > 0.f ? 1.f / sums[2 * h] : 0.f;
     if (t == 0) p.lse[point] = l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : -INFINITY;
+    if (p.out_f32 != nullptr) {
 #pragma unroll
-    for (int j = 0; j < kD / 8; ++j) {
-      *reinterpret_cast<uint32_t*>(p.out + point * kD + 8 * j + 2 * t) =
-          PackPair<T>(o[4 * j + 2 * h] * inverse, o[4 * j + 2 * h + 1] * inverse);
+      for (int j = 0; j < kD / 8; ++j) {
+        *reinterpret_cast<float2*>(p.out_f32 + point * kD + 8 * j + 2 * t) =
+            make_float2(o[4 * j + 2 * h] * inverse, o[4 * j + 2 * h + 1] * inverse);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        *reinterpret_cast<uint32_t*>(p.out + point * kD + 8 * j + 2 * t) =
+            PackPair<T>(o[4 * j + 2 * h] * inverse, o[4 * j + 2 * h + 1] * inverse);
+      }
     }
   }
 }
@@ -574,7 +625,11 @@ __device__ void WriteEmpty(const Problem& p) {
     for (int j = 0; j < kD / 8; ++j) {
       const size_t at = point * kD + 8 * j + 2 * t;
       if constexpr (kKind == Kind::kForward) {
-        *reinterpret_cast<uint32_t*>(p.out + at) = PackPair<T>(0.f, 0.f);
+        if (p.out_f32 != nullptr) {
+          *reinterpret_cast<float2*>(p.out_f32 + at) = make_float2(0.f, 0.f);
+        } else {
+          *reinterpret_cast<uint32_t*>(p.out + at) = PackPair<T>(0.f, 0.f);
+        }
       } else if constexpr (kKind == Kind::kDq) {
         *reinterpret_cast<float2*>(p.dq + at) = make_float2(0.f, 0.f);
       } else {
@@ -598,6 +653,13 @@ __global__ void __launch_bounds__(kThreads, kKind == Kind::kForward ? SF_MIN_BLO
   if (count == 0) {
     if (threadIdx.x < 128) WriteEmpty<kKind>(p);
     return;
+  }
+  if constexpr (kKind == Kind::kForward) {  // the ones tile: 2 KiB, 16 bytes a thread
+    const uint4 ones = make_uint4(0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u);  // bf16 1.0 pairs
+    for (int i = threadIdx.x; i < int(sizeof(OnesTile) / 16); i += kThreads) {
+      reinterpret_cast<uint4*>(s.ones.rows)[i] = ones;
+    }
+    sm90::FenceSharedForWgmma();
   }
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -686,7 +748,7 @@ struct Result {
   std::string path;
 };
 
-// mode "forward": out.bf16 and lse.f32 from the directory's schedule (meta.f32, tiles.i32, ...) and inputs;
+// mode "forward": out.bf16, out.f32 and lse.f32 from the directory's schedule (meta.f32, tiles.i32, ...) and inputs;
 // "dq": dq.f32 from them and dout.bf16, lse.f32, delta.f32; "dkv": dk.f32 and dv.f32 from the same inputs and
 // the backward walk's schedule in <directory>/backward. Every result is poisoned (NaN) before its launch.
 bool Run(const std::string& mode, const std::string& dir, int reps) {
@@ -753,6 +815,7 @@ bool Run(const std::string& mode, const std::string& dir, int reps) {
     CHECK_CUDA(cudaMalloc(&d_out, points_q * kD * sizeof(T)));
     CHECK_CUDA(cudaMemset(d_out, 0xff, points_q * kD * sizeof(T)));  // poison: NaN
     results.push_back({nullptr, points_q, dir + "/lse.f32"});
+    results.push_back({nullptr, points_q * kD, dir + "/out.f32"});
   } else {
     CHECK_CUDA(Upload(dout, &d_dout));
     CHECK_CUDA(Upload(lse, &d_lse));
@@ -801,7 +864,11 @@ bool Run(const std::string& mode, const std::string& dir, int reps) {
       return false;
     }
   }
-  const bool launched = forward ? Launch<Kind::kForward>(p, maps, num_tiles, reps, "forward")
+  // The forward twice: out in bf16 (inference), then in float32 (the differentiated forward's residual).
+  Problem differentiated = p;
+  if (forward) differentiated.out_f32 = results[1].device;
+  const bool launched = forward ? Launch<Kind::kForward>(p, maps, num_tiles, reps, "forward") &&
+                                      Launch<Kind::kForward>(differentiated, maps, num_tiles, reps, "forward_f32")
                         : dkv   ? Launch<Kind::kDkv>(p, maps, num_tiles, reps, "dkv")
                                 : Launch<Kind::kDq>(p, maps, num_tiles, reps, "dq");
   if (!launched) return false;

@@ -62,6 +62,9 @@ template <int N>
 void FenceRegisters(float (&)[N]) {}
 template <int N>
 void FenceRegisters(uint32_t (&)[N]) {}
+inline void FenceSharedForWgmma() {}
+template <typename T, int kTransB>
+void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
 template <typename T, int kTransB>
 void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
 template <typename T>
@@ -100,9 +103,21 @@ __device__ __forceinline__ void FenceRegisters(uint32_t (&a)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
 }
 
+// Makes this thread's ordinary shared-memory stores visible to wgmma's operand reads (the async proxy);
+// a barrier after it orders them for the whole block.
+__device__ __forceinline__ void FenceSharedForWgmma() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // The instruction for operands of PTX type TYPE ("bf16" or "f16"); d has N / 2 registers.
 #define S2ATTN_WGMMA_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define S2ATTN_WGMMA_D16(i) S2ATTN_WGMMA_D4(i), S2ATTN_WGMMA_D4(i + 4), S2ATTN_WGMMA_D4(i + 8), S2ATTN_WGMMA_D4(i + 12)
+#define S2ATTN_WGMMA_M64N8K16(TYPE)                                                                                    \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32." TYPE "." TYPE " "                                          \
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, %9;\n}\n"                                                    \
+               : S2ATTN_WGMMA_D4(0)                                                                                    \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
 #define S2ATTN_WGMMA_M64N32K16(TYPE)                                                                                   \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %22, 0;\n"                                                          \
                "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                         \
@@ -134,6 +149,13 @@ __device__ __forceinline__ void FenceRegisters(uint32_t (&a)[N]) {
                : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16)                                                             \
                : "l"(a), "l"(b), "r"(accumulate))
 
+// d (+)= A B for an m64n8k16 slice; `accumulate` 0 overwrites d.
+template <typename T, int kTransB>
+__device__ __forceinline__ void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
+  S2ATTN_WGMMA_M64N8K16("bf16");
+}
+
 // d (+)= A B for an m64n32k16 slice; `accumulate` 0 overwrites d.
 template <typename T, int kTransB>
 __device__ __forceinline__ void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b,
@@ -164,6 +186,7 @@ __device__ __forceinline__ void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a
   S2ATTN_WGMMA_M64N64K16_SHARED_A("bf16");
 }
 
+#undef S2ATTN_WGMMA_M64N8K16
 #undef S2ATTN_WGMMA_M64N32K16
 #undef S2ATTN_WGMMA_M64N64K16_SHARED_A
 #undef S2ATTN_WGMMA_M64N64K16

@@ -842,6 +842,10 @@ void WgmmaWaitFor(int pending) {
 }
 
 template <typename T, int kTransB>
+void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
+  EmulatedWgmma(d, 8, a, 0, b, kTransB, accumulate);
+}
+template <typename T, int kTransB>
 void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(d, 32, a, 0, b, kTransB, accumulate);
 }
@@ -857,8 +861,9 @@ template <typename T>
 void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(d, 64, nullptr, a, b, false, accumulate);
 }
-// The forms the prototypes of experimental/cuda use (m64n32 and m64n64 with A in shared memory, m64n64 with A in
-// registers) and the register-A m64n32 form the self-test checks too.
+// The forms the prototypes of experimental/cuda use (m64n32 and m64n64 with A in shared memory, m64n64 and m64n8
+// with A in registers) and the register-A m64n32 form the self-test checks too.
+template void WgmmaM64N8K16<__nv_bfloat16, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16<__nv_bfloat16, 0>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__nv_bfloat16>(float (&)[16], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N64K16<__nv_bfloat16, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
