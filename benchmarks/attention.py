@@ -7,9 +7,10 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
   after warm-up of (a burst of calls enqueued back to back minus one call alone) per extra call
   (``timing.median_ms``: the host's dispatch and the final wait cancel), cycling through several
   input sets so small problems are not served from L2;
-* both native kernel families side by side: the arc kernels (``ffi_arc_*``, every row) and
-  the tiled tensor-core kernels (``ffi_tiled_*``, CUDA rows they support: 16-bit inputs,
-  head dims 32/64/128), their ratio ``arc_over_tiled_*``, and as ``ffi_*`` the one that
+* the native kernel families side by side, each as the op runs it (its custom VJP): the arc kernels
+  (``ffi_arc_*``, every row), the tiled tensor-core kernels (``ffi_tiled_*``, CUDA rows they support:
+  16-bit inputs, head dims 32/64/128) and the scheduled ones (``ffi_scheduled_*``, sm_90 rows with head
+  dim 64), the ratios ``arc_over_tiled_*`` and ``tiled_over_scheduled_*``, and as ``ffi_*`` the one that
   ``implementation="ffi"`` picks (``ffi_kernel``);
 * the floor: max(bytes / copy bandwidth, FLOPs / peak) with each input read and each output
   written once (forward: q, k, v, out; backward adds out, dout, dq, dk, dv) and the useful
@@ -23,7 +24,10 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
   forward; the backward adds ``6d`` per computed pair of the forward walk (dQ walk: S, dP,
   dQ) and ``8d`` per computed pair of the backward walk (dK/dV walk: S, dP, dV, dK). MMA
   utilization ``tile_util_*`` = useful / computed pairs per walk; ``*_tflops_*`` = FLOPs /
-  measured time (computed TFLOP/s over 790 is the kernels' own efficiency, tile waste aside);
+  measured time (computed TFLOP/s over 790 is the kernels' own efficiency, tile waste aside). The
+  scheduled kernels' computed pairs are their block schedules' (``sched_util_*`` = useful / computed),
+  and ``ffi_scheduled_eta_<target>`` = computed TFLOP/s of each target alone over 790 (4d, 6d and 8d per
+  computed pair for the forward, dQ and dK/dV);
 * each native kernel family's targets alone (``ffi_<kernel>_{forward,dq,dkv,delta}_target_ms``:
   the forward, dQ, dK/dV and delta custom calls on their own, fed with the forward's lse and a
   delta from the same inputs; the tiled family also ``dq_delta``, its dQ that forms delta, which
@@ -55,7 +59,7 @@ import numpy as np
 import jax_s2attn
 from jax_s2attn.ops import _ffi  # which native kernels can run a row, and which one "ffi" picks
 from jax_s2attn.ops.local import full_window
-from jax_s2attn.ops.neighborhood import uses_stencil_rows
+from jax_s2attn.ops.neighborhood import _native_attention, tensor_core_family, uses_stencil_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also under -P
 from timing import median_ms  # noqa: E402
@@ -132,8 +136,14 @@ def _compiled_bytes(fn, *args) -> int:
     return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes + analysis.argument_size_in_bytes)
 
 
-def _jax_runs(plan, cfg: Config, dtype: str, implementation: str, reps: int, input_sets):
-    attend = lambda q, k, v, p: jax_s2attn.neighborhood_attention(q, k, v, p, implementation=implementation)
+def _jax_runs(plan, cfg: Config, dtype: str, kernel: str, reps: int, input_sets):
+    """Forward and forward+backward ms and compiled bytes of the op on ``kernel`` (a native family as the op's
+    custom VJP runs it, or "reference")."""
+    if kernel == "reference":
+        attend = lambda q, k, v, p: jax_s2attn.neighborhood_attention(q, k, v, p, implementation="reference")
+    else:
+        scale = float(input_sets[0][0].shape[-1]) ** -0.5
+        attend = lambda q, k, v, p: _native_attention(q, k, v, p, scale, kernel)[0]
     forward = jax.jit(attend)
     loss = lambda q, k, v, p, g: jnp.vdot(attend(q, k, v, p).astype(jnp.float32), g)
     both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
@@ -183,6 +193,28 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
             q, k, v, g, lse, out, dlse, p, window, p.tables.forward_row_order, **gradients))  # fmt: skip
         times["dq_delta"] = median_ms(dq_delta, forming_sets, reps)
     return times
+
+
+def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
+    """Median ms of the scheduled forward (out in float32, as differentiated), dq, dkv and delta targets, each
+    alone, the backward ones fed with the forward's lse and a delta of its out."""
+    scale = float(input_sets[0][0].shape[-1]) ** -0.5
+    gradients = dict(scale=scale, gradient_dtype=input_sets[0][0].dtype)
+    forward = jax.jit(lambda q, k, v, p: _ffi.ffi_scheduled_forward(q, k, v, p, scale=scale))
+    dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dq(q, k, v, g, lse, delta, p, **gradients))
+    dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dkv(q, k, v, g, lse, delta, p, **gradients))
+    delta = jax.jit(_ffi.ffi_delta)
+    delta_sets, backward_sets = [], []
+    for q, k, v, g in input_sets:
+        out, lse = forward(q, k, v, plan)
+        delta_sets.append((g, out))
+        backward_sets.append((q, k, v, g, lse, delta(g, out), plan))
+    return {
+        "forward": median_ms(forward, [(q, k, v, plan) for q, k, v, _ in input_sets], reps),
+        "dq": median_ms(dq, backward_sets, reps),
+        "dkv": median_ms(dkv, backward_sets, reps),
+        "delta": median_ms(delta, delta_sets, reps),
+    }
 
 
 def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int):
@@ -246,6 +278,18 @@ def _kernel_metrics(cfg: Config, plan, row: dict) -> dict:
             tiled_ms = row[f"ffi_tiled_{step}_ms"]
             metrics[f"arc_over_tiled_{step}"] = row[f"ffi_arc_{step}_ms"] / tiled_ms
             metrics[f"ffi_tiled_computed_tflops_{step}"] = _tflops(_computed_flops(cfg, stats, backward), tiled_ms)
+        if f"ffi_scheduled_{step}_ms" in row and f"ffi_tiled_{step}_ms" in row:
+            metrics[f"tiled_over_scheduled_{step}"] = row[f"ffi_tiled_{step}_ms"] / row[f"ffi_scheduled_{step}_ms"]
+    if "ffi_scheduled_forward_target_ms" in row:
+        shape = dict(zip(("tile_rows", "tile_cols", "chunk_cols"), _ffi.kernel_limits().scheduled_shape, strict=True))
+        walks = {walk: plan.block_schedule(walk, **shape) for walk in ("forward", "backward")}
+        metrics.update(sched_util_fwd=plan.num_pairs / walks["forward"].computed_pairs,
+                       sched_util_bwd=plan.num_pairs / walks["backward"].computed_pairs)  # fmt: skip
+        d = cfg.channels // cfg.heads
+        for target, per_pair, walk in (("forward", 4, "forward"), ("dq", 6, "forward"), ("dkv", 8, "backward")):
+            flops = per_pair * d * walks[walk].computed_pairs * cfg.batch * cfg.heads
+            tflops = _tflops(flops, row[f"ffi_scheduled_{target}_target_ms"])
+            metrics[f"ffi_scheduled_eta_{target}"] = tflops / PEAK_FLOPS["bfloat16"]
     return metrics
 
 
@@ -318,24 +362,32 @@ def main() -> None:
             pairs=plan.num_pairs,
             floor_fwd_ms=_floor_ms(cfg, plan, dtype, False), floor_fwdbwd_ms=_floor_ms(cfg, plan, dtype, True),
         )
-        # The kernel implementation="ffi" runs for this row; the arc kernels are timed on every row.
-        ffi_kernel = _ffi.choose_kernel(platform, dtype, d, d) if native else None
-        implementations = []
+        # The kernel implementation="ffi" runs for this row; the arc kernels are timed on every row, each
+        # tensor-core family on the rows it can run.
+        ffi_kernel = tensor_core_family(plan, _ffi.choose_kernel(platform, dtype, d, d)) if native else None
+        kernels = []
         if native:
-            implementations = ["ffi-arc", "ffi-tiled"] if ffi_kernel == "tiled" else ["ffi-arc"]
+            kernels = ["arc"]
+            if _ffi.tiled_unavailable_reason(platform, dtype, d, d) is None:
+                kernels.append("tiled")
+            if _ffi.scheduled_unavailable_reason(platform, dtype, d, d) is None:
+                kernels.append("scheduled")
         if _pairs(cfg, plan.num_pairs) <= args.reference_max_pairs:
-            implementations.append("reference")
-        for impl in implementations:
-            reps = args.reference_reps if impl == "reference" else args.reps
+            kernels.append("reference")
+        for kernel in kernels:
+            reps = args.reference_reps if kernel == "reference" else args.reps
             try:
-                fwd, both, memory = _jax_runs(plan, cfg, dtype, impl, reps, input_sets)
+                fwd, both, memory = _jax_runs(plan, cfg, dtype, kernel, reps, input_sets)
             except Exception as e:  # e.g. the reference running out of device memory
-                print(f"{cfg.name} {dtype} {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
+                print(f"{cfg.name} {dtype} {kernel}: failed: {type(e).__name__}: {str(e)[:200]}")
                 continue
-            column = impl.replace("-", "_")
+            column = "reference" if kernel == "reference" else f"ffi_{kernel}"
             row.update({f"{column}_fwd_ms": fwd, f"{column}_fwdbwd_ms": both, f"{column}_device_bytes": memory})
-            if impl.startswith("ffi-"):
-                targets = _target_runs(plan, impl.removeprefix("ffi-"), reps, input_sets)
+            if kernel == "scheduled":
+                targets = _scheduled_target_runs(plan, reps, input_sets)
+            elif kernel != "reference":
+                targets = _target_runs(plan, kernel, reps, input_sets)
+            if kernel != "reference":
                 row.update({f"{column}_{target}_target_ms": ms for target, ms in targets.items()})
         if f"ffi_{ffi_kernel}_fwd_ms" in row:
             row["ffi_kernel"] = ffi_kernel
@@ -357,8 +409,9 @@ def main() -> None:
         return f"{x:9.3f}" if isinstance(x, float) else f"{str(x):>9}"
 
     columns = {  # printed label -> CSV column
-        "arc fwd": "ffi_arc_fwd_ms", "tiled fwd": "ffi_tiled_fwd_ms", "arc f+b": "ffi_arc_fwdbwd_ms",
-        "tiled f+b": "ffi_tiled_fwdbwd_ms",
+        "arc fwd": "ffi_arc_fwd_ms", "tiled fwd": "ffi_tiled_fwd_ms", "sched fwd": "ffi_scheduled_fwd_ms",
+        "arc f+b": "ffi_arc_fwdbwd_ms", "tiled f+b": "ffi_tiled_fwdbwd_ms", "sched f+b": "ffi_scheduled_fwdbwd_ms",
+        "eta fwd": "ffi_scheduled_eta_forward", "eta dq": "ffi_scheduled_eta_dq", "eta dkv": "ffi_scheduled_eta_dkv",
         "dq+delta": "ffi_tiled_dq_delta_target_ms", "tiled dkv": "ffi_tiled_dkv_target_ms",
         "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
         "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",

@@ -99,6 +99,10 @@ class KernelLimits:
       tiled_head_dims: head dims (``Dk == Dv``) the tiled kernels are built for.
       stencil_max_other_rows: rows of the other grid a stencil row pair may see.
       stencil_max_half: longitudes each side of a point that a stencil row's arcs stay within.
+      scheduled_shape: ``(tile_rows, tile_cols, chunk_cols)`` of the block schedule the scheduled
+        kernels walk (:meth:`~jax_s2attn.plan.NeighborhoodPlan.block_schedule`).
+      scheduled_head_dims: head dims (``Dk == Dv``) of the scheduled kernels.
+      scheduled_dtypes: activation dtypes of the scheduled kernels.
       cuda_arc_max_head_dims: the largest ``Dk + Dv`` of the CUDA arc kernels; None without the
         CUDA module.
     """
@@ -108,6 +112,9 @@ class KernelLimits:
     tiled_head_dims: tuple[int, ...]
     stencil_max_other_rows: int
     stencil_max_half: int
+    scheduled_shape: tuple[int, int, int]
+    scheduled_head_dims: tuple[int, ...]
+    scheduled_dtypes: tuple[np.dtype, ...]
     cuda_arc_max_head_dims: int | None
 
 
@@ -127,6 +134,9 @@ def _kernel_limits() -> KernelLimits | None:
         tiled_head_dims=tuple(int(d) for d in limits["tiled_head_dims"]),
         stencil_max_other_rows=int(limits["stencil_max_other_rows"]),
         stencil_max_half=int(limits["stencil_max_half"]),
+        scheduled_shape=tuple(int(x) for x in limits["scheduled_shape"]),
+        scheduled_head_dims=tuple(int(d) for d in limits["scheduled_head_dims"]),
+        scheduled_dtypes=_dtypes(limits["scheduled_dtypes"]),
         cuda_arc_max_head_dims=int(limits["cuda_arc_max_head_dims"]) if "cuda_arc_max_head_dims" in limits else None,
     )
 

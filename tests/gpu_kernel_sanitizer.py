@@ -92,8 +92,8 @@ CASES = [
 
 
 def build(out: Path) -> Path:
-    """Compiles the kernels and the entry point for sm_90 (objects in parallel) into one library."""
-    nvcc = [shutil.which("nvcc"), "-O2", "-arch=sm_90", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC"]
+    """Compiles the kernels and the entry point for sm_90a (objects in parallel) into one library."""
+    nvcc = [shutil.which("nvcc"), "-O2", "-arch=sm_90a", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC"]
     sources = [*KERNEL_SOURCES, RUN_TARGET_SHIM]
     jobs = [[*nvcc, f"-I{ROOT / 'cuda'}", "-c", str(s), "-o", str(out / f"{s.stem}.o")] for s in sources]
     library = out / "libs2attn_kernels.so"

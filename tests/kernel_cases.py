@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_s2attn import native_status
+from jax_s2attn._native import kernel_limits
 from jax_s2attn.grids import precompute_latitudes, precompute_longitudes
 from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
 
@@ -36,7 +37,8 @@ KERNEL_SOURCES = [
     ROOT / "cuda" / "gpu" / name
     for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "tiled_attn_fwd.cu", "tiled_attn_dq.cu",
                  "tiled_attn_dkv.cu", "stencil_attn_fwd.cu", "stencil_attn_dq.cu",
-                 "stencil_attn_dkv.cu", "delta_kernel.cu")
+                 "stencil_attn_dkv.cu", "sched_attn_fwd.cu", "sched_attn_dq.cu", "sched_attn_dkv.cu",
+                 "delta_kernel.cu")
 ]
 RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
@@ -449,11 +451,13 @@ def verify_one_part_forward(case: KernelCase, float32: dict[str, np.ndarray], na
     assert out.tobytes() != rounded.tobytes(), "out: the bits of the two-part forward (P multiplied in two parts)"
 
 
-def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:
+def verify_case(
+    case: KernelCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE, out_tolerance: float = OUT_TOLERANCE
+) -> None:
     """Asserts that every element was written, real blocks match float64 and padding is empty.
 
     ``tolerance`` bounds out, dq, dk and dv (relative to each one's largest reference value; out
-    also OUT_TOLERANCE).
+    also ``out_tolerance``).
     lse is held to float32 round-off (relative to max(1, its largest value)) in every case: no
     16-bit rounding enters it in either kernel family."""
     windows = dict.fromkeys(("out", "lse", "dq"), case.q_window) | dict.fromkeys(("dk", "dv"), case.k_window)
@@ -469,7 +473,7 @@ def verify_case(case: KernelCase, results: dict[str, np.ndarray], tolerance: flo
     assert lse_error <= TOLERANCE * max(1.0, np.abs(lse_expected[finite]).max(initial=0.0)), f"lse: error {lse_error}"
     for name in ("out", "dq", "dk", "dv"):
         error = _relative(real(name), case.expected[name])
-        bar = min(tolerance, OUT_TOLERANCE) if name == "out" else tolerance
+        bar = min(tolerance, out_tolerance) if name == "out" else tolerance
         assert error <= bar, f"{name}: relative error {error:.2e} against float64"
     for name in ("out", "dq", "dk", "dv"):
         assert (padding_of(name) == 0).all(), f"{name}: padding points must be zero"
@@ -564,3 +568,57 @@ def verify_dq_forming_delta(
     excess = np.abs(results["delta"] - expected) - bound
     assert (excess <= 0).all(), f"delta: error exceeds its bound by up to {excess.max():.2e}"
     assert results["dq"].tobytes() == results["dq_given_delta"].tobytes(), "dq: not the bits of the dq given its delta"
+
+
+# Kinds of RunScheduledTarget (run_target.cc).
+SCHEDULED_KINDS = {"forward": 0, "dq": 1, "dkv": 2}
+
+
+def run_scheduled_kind(
+    lib, case: KernelCase, kind: str, result_type, schedule, lse=None, delta=None
+) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
+    """One scheduled kernel (``lib``: the emulated library, ctypes) on ``case``'s whole grids and ``schedule``
+    (:class:`~jax_s2attn.schedule.BlockSchedule` of the kernel's walk), results of numpy type ``result_type``
+    (lse float32) poisoned with NaN first: ``(out, lse)``, ``(dq, None)`` or ``(dk, dv)``. dq and dk/dv take
+    ``lse`` and ``delta``."""
+    q, k, v, dout = case.inputs[:4]
+    batch, heads, _, dv, *_ = case.sizes
+    nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[8:12]
+    if kind == "forward":
+        results = (np.full(q.shape[:-1] + (dv,), np.nan, result_type), np.full(q.shape[:-1], np.nan, np.float32))
+    elif kind == "dq":
+        results = (np.full(q.shape, np.nan, result_type), None)
+    else:
+        results = (np.full(k.shape, np.nan, result_type), np.full(v.shape, np.nan, result_type))
+    tables = [np.ascontiguousarray(getattr(schedule, name), np.int32)
+              for name in ("tiles", "tile_offsets", "chunks", "records")]  # fmt: skip
+    sizes = np.asarray([batch, heads, nlat_q, nlon_q, nlat_k, nlon_k, len(schedule.tiles), len(schedule.chunks),
+                        len(schedule.records), schedule.classes, schedule.shift], np.int64)  # fmt: skip
+    weights = np.ascontiguousarray(case.plan.quad_weights, np.float32)
+    arrays = (q, k, v, dout, lse, delta, *tables, weights, *results)
+    pointers = [ctypes.c_void_p(None if a is None else a.ctypes.data) for a in arrays]
+    result_code = next(code for code, storage in DTYPES.values() if np.dtype(storage) == np.dtype(result_type))
+    status = lib.RunScheduledTarget(
+        ctypes.c_int(SCHEDULED_KINDS[kind]), ctypes.c_int(DTYPES[case.dtype][0]), ctypes.c_int(result_code), *pointers,
+        ctypes.c_void_p(sizes.ctypes.data), ctypes.c_float(case.scale),
+    )  # fmt: skip
+    assert status == 0, f"scheduled {kind}: launcher returned cudaError {status}"
+    return results
+
+
+def run_scheduled_case(lib, case: KernelCase, result_type=np.float32) -> dict[str, np.ndarray]:
+    """The scheduled forward, dq and dk/dv on ``case`` (whole grids) as the op runs them: the forward's out in
+    float32 feeds delta = rowsum(dout * out) (in float64, then float32, as the delta target forms it), the
+    backward takes the forward's lse; out, dq, dk and dv of numpy type ``result_type``."""
+    plan = case.plan
+    tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
+    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    forward, backward = (plan.block_schedule(walk, **shape) for walk in ("forward", "backward"))
+    out32, lse = run_scheduled_kind(lib, case, "forward", np.float32, forward)
+    out = out32 if np.dtype(result_type) == np.float32 else run_scheduled_kind(lib, case, "forward", result_type,
+                                                                               forward)[0]  # fmt: skip
+    dout = case.inputs[3].astype(np.float64)
+    delta = (dout * out32).sum(axis=-1).astype(np.float32)
+    (dq, _) = run_scheduled_kind(lib, case, "dq", result_type, forward, lse, delta)
+    dk, dv = run_scheduled_kind(lib, case, "dkv", result_type, backward, lse, delta)
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "out32": out32}

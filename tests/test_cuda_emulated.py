@@ -56,6 +56,7 @@ from kernel_cases import (  # noqa: E402
     run_dq_forming_delta,
     run_forward,
     run_narrow_forward,
+    run_scheduled_case,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
@@ -684,3 +685,46 @@ def test_forward_propagates_nan(emulator, rng, kernel, dtype, operand):
     array[0, point // nlon, point % nlon, 0, 5] = np.nan
     results = run_case(case, emulator, kernel=kernel)
     check_nan_poisoning(plan, results["out"], results["lse"], point, operand)
+
+
+# ------------------------------------------------------------------ scheduled tensor-core kernels
+
+# Every plan of PLANS (whole rings, shifts and residues 2 and 3, Gauss rows, lat- and lon-only) and rows of several
+# tiles (nlon 72, 100: not multiples of the tile) on the scheduled kernels, batch 2 and 2 heads.
+SCHEDULED_CASES = [(name, dtype) for name in [*PLANS, *LONG_ROW_PLANS] for dtype in TILED_DTYPES]
+SCHEDULED_PLANS = PLANS | LONG_ROW_PLANS
+
+
+@pytest.mark.parametrize(("plan_name", "dtype"), SCHEDULED_CASES, ids=[f"{p}-{t}" for p, t in SCHEDULED_CASES])
+def test_scheduled_matches_float64(emulated_library, rng, plan_name, dtype):
+    """The scheduled forward, dq and dk/dv as the op runs them (delta from the float32 out, the forward's lse)
+    against float64: out within the 16-bit bar (P is rounded once), lse to float32 round-off, every element of
+    every result written (NaN-poisoned first)."""
+    case = prepare_case(rng, SCHEDULED_PLANS[plan_name](), 2, 2, 64, 64, dtype)
+    bar = tolerance_of("tiled", dtype)
+    verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
+
+
+@pytest.mark.parametrize("dtype", TILED_DTYPES)
+@pytest.mark.parametrize("shapes", [((33, 72), (33, 72)), ((66, 144), (33, 72)), ((33, 72), (65, 144))], ids=str)
+def test_scheduled_smooth_values_keep_gradients_accurate(emulated_library, rng, dtype, shapes):
+    """Values smooth in position, where dP - delta nearly cancels: out divided by the row sums of the rounded P
+    keeps dq and dk within the bar with P multiplied once (with float32 sums the gradients miss it)."""
+    plan = NeighborhoodPlan(*shapes, theta_cutoff=0.15)
+    case = prepare_case(rng, plan, 1, 1, 64, 64, dtype, smooth_values=True)
+    bar = tolerance_of("tiled", dtype)
+    verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
+
+
+@pytest.mark.parametrize("dtype", TILED_DTYPES)
+def test_scheduled_results_in_the_activations_type_are_the_rounded_float32_ones(emulated_library, rng, dtype):
+    """out, dq, dk and dv of the activations' type hold the bits of the float32 results rounded to nearest, and
+    a second run gives the same bits (no atomics: every result row is written once by its block)."""
+    case = prepare_case(rng, PLANS["up"](), 2, 2, 64, 64, dtype)
+    wide = run_scheduled_case(emulated_library, case)
+    narrow = run_scheduled_case(emulated_library, case, DTYPES[dtype][1])
+    for name in ("out", "dq", "dk", "dv"):
+        assert narrow[name].tobytes() == wide[name].astype(narrow[name].dtype).tobytes(), name
+    again = run_scheduled_case(emulated_library, case)
+    for name, result in wide.items():
+        assert result.tobytes() == again[name].tobytes(), name

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jax_s2attn import RESIDUAL_NAME, NeighborhoodPlan, neighborhood_attention
-from jax_s2attn.ops import _checks, _ffi
+from jax_s2attn.ops import _checks, _ffi, neighborhood
 from jax_s2attn.parallel import sharded_neighborhood_attention
 
 native = pytest.mark.skipif(not _ffi.HAS_CPU_EXT, reason="native CPU module not built")
@@ -31,6 +31,15 @@ def tiled_build(monkeypatch):
     """Pretend the CUDA module was built with the tiled kernels (whatever this machine has),
     so that the choice depends on platform, dtype and head dims alone."""
     monkeypatch.setattr(_ffi, "_tiled_build_reason", lambda: None)
+    monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: "no sm_90 device (test)")
+
+
+@pytest.fixture
+def scheduled_build(monkeypatch):
+    """Pretend the CUDA module has the tiled kernels and runs the scheduled ones (an sm_90a build on an sm_90
+    device)."""
+    monkeypatch.setattr(_ffi, "_tiled_build_reason", lambda: None)
+    monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: None)
 
 
 def _arrays(dtype, dk, dv, heads=2, batch=2, plan=PLAN):
@@ -67,6 +76,47 @@ CHOICES = [
 def test_choose_kernel_truth_table(tiled_build, platform, dtype, dk, dv, kernel):
     assert _ffi.choose_kernel(platform, dtype, dk, dv) == kernel
     assert (_ffi.tiled_unavailable_reason(platform, dtype, dk, dv) is None) == (kernel == "tiled")
+
+
+# (platform, dtype, Dk, Dv, whole grids) -> kernel of implementation="ffi" where the scheduled kernels can run.
+SCHEDULED_CHOICES = [
+    ("cuda", BF16, 64, 64, True, "scheduled"),
+    ("cuda", F16, 64, 64, True, "scheduled"),
+    ("cuda", BF16, 64, 64, False, "tiled"),  # blocks of a sharded grid
+    ("cuda", BF16, 32, 32, True, "tiled"),  # head dims the scheduled kernels do not take
+    ("cuda", F16, 128, 128, True, "tiled"),
+    ("cuda", F32, 64, 64, True, "arc"),
+    ("cpu", BF16, 64, 64, True, "arc"),
+]
+
+
+@pytest.mark.parametrize("platform, dtype, dk, dv, whole_grids, kernel", SCHEDULED_CHOICES)
+def test_choose_kernel_with_the_scheduled_kernels(scheduled_build, platform, dtype, dk, dv, whole_grids, kernel):
+    assert _ffi.choose_kernel(platform, dtype, dk, dv, whole_grids) == kernel
+    if kernel != "arc":  # "ffi-tiled" names the tensor cores: the same choice between the two families
+        assert _checks.kernel_for("ffi-tiled", platform, dtype, dk, dv, whole_grids) == kernel
+
+
+def test_the_op_runs_the_scheduled_kernels_from_the_neighbourhood_gate():
+    """The scheduled kernels where a plan's output points have SCHEDULED_MIN_NEIGHBORS neighbours or more on
+    average, the tiled ones below; other kernels pass through."""
+    small = NeighborhoodPlan((91, 180), (91, 180))  # the default cutoff: about 20 neighbours
+    large = NeighborhoodPlan((91, 180), (91, 180), theta_cutoff=0.15)
+    for plan, expected in ((small, "tiled"), (large, "scheduled")):
+        mean = plan.num_pairs / (plan.nlat_out * plan.nlon_out)
+        assert (mean >= neighborhood.SCHEDULED_MIN_NEIGHBORS) == (expected == "scheduled"), mean
+        assert neighborhood.tensor_core_family(plan, "scheduled") == expected
+        assert neighborhood.tensor_core_family(plan, "arc") == "arc"
+
+
+def test_scheduled_reason_names_every_unmet_condition(monkeypatch):
+    monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: None)
+    reason = _ffi.scheduled_unavailable_reason("cpu", F32, 32, 32)
+    assert "only on CUDA GPUs, not on cpu" in reason
+    assert "bfloat16 or float16 inputs, got float32" in reason
+    assert "Dk == Dv in (64), got Dk=32, Dv=32" in reason
+    monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: "no sm_90 device (test)")
+    assert "no sm_90 device (test)" in _ffi.scheduled_unavailable_reason("cuda", BF16, 64, 64)
 
 
 def test_without_tiled_kernels_in_the_build_cuda_runs_the_arc_kernels(monkeypatch):

@@ -20,4 +20,13 @@ inline constexpr int kTiledHeadDims[] = {32, 64, 128};
 inline constexpr int kStencilMaxOtherRows = 4;
 inline constexpr int kStencilMaxHalf = 3;
 
+// The block schedule the scheduled kernels walk (gpu/sched_attn_kernels.h; jax_s2attn.schedule): tiles of
+// kSchedTileRows x kSchedTileCols walking points, chunks of kSchedChunkCols points of the other grid, and the
+// head dim (Dk == Dv) and activation dtypes they take.
+inline constexpr int kSchedTileRows = 4;
+inline constexpr int kSchedTileCols = 16;
+inline constexpr int kSchedChunkCols = 32;
+inline constexpr int kSchedHeadDims[] = {64};
+inline constexpr const char* kSchedDtypes[] = {"bfloat16", "float16"};
+
 }  // namespace s2attn

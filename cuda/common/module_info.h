@@ -27,6 +27,9 @@ inline nanobind::dict KernelLimits() {
   limits["tiled_head_dims"] = TupleOf(kTiledHeadDims);
   limits["stencil_max_other_rows"] = kStencilMaxOtherRows;
   limits["stencil_max_half"] = kStencilMaxHalf;
+  limits["scheduled_shape"] = nanobind::make_tuple(kSchedTileRows, kSchedTileCols, kSchedChunkCols);
+  limits["scheduled_head_dims"] = TupleOf(kSchedHeadDims);
+  limits["scheduled_dtypes"] = TupleOf(kSchedDtypes);
   return limits;
 }
 
@@ -65,6 +68,14 @@ void AddTiledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_d
   targets[kTargetTiledBackwardDq] = HandlerCapsule(backward_dq);
   targets[kTargetTiledBackwardDkv] = HandlerCapsule(backward_dkv);
   targets[kTargetTiledBackwardDqDelta] = HandlerCapsule(backward_dq_delta);
+}
+
+// Adds the scheduled targets (CUDA only) to a registrations() dict.
+template <typename Fwd, typename Dq, typename Dkv>
+void AddScheduledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+  targets[kTargetScheduledForward] = HandlerCapsule(forward);
+  targets[kTargetScheduledBackwardDq] = HandlerCapsule(backward_dq);
+  targets[kTargetScheduledBackwardDkv] = HandlerCapsule(backward_dkv);
 }
 
 }  // namespace s2attn

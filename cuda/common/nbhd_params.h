@@ -22,6 +22,10 @@ inline constexpr char kTargetTiledBackwardDkv[] = "jax_s2attn_tiled_bwd_dkv";
 // forms delta and returns it.
 inline constexpr char kTargetTiledBackwardDqDelta[] = "jax_s2attn_tiled_bwd_dq_delta";
 // The backward's delta = sum(dout * out, -1) - dlse, in a fixed summation order (common/delta_binding.h).
+// The scheduled tensor-core kernels (CUDA, sm_90a): the plan's block schedules instead of its tables.
+inline constexpr char kTargetScheduledForward[] = "jax_s2attn_sched_fwd";
+inline constexpr char kTargetScheduledBackwardDq[] = "jax_s2attn_sched_bwd_dq";
+inline constexpr char kTargetScheduledBackwardDkv[] = "jax_s2attn_sched_bwd_dkv";
 inline constexpr char kTargetDelta[] = "jax_s2attn_delta";
 
 // What the `arc_offsets` / `arcs` operands hold: the arc table (offsets per pattern, rows of

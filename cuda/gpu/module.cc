@@ -3,6 +3,8 @@
 #include "gpu/device_info.h"
 #include "gpu/nbhd_attn_ffi.h"
 #include "gpu/nbhd_attn_kernels.h"
+#include "gpu/sched_attn_ffi.h"
+#include "gpu/sched_attn_kernels.h"
 
 NB_MODULE(_s2attn_cuda, m) {
   m.def("registrations", []() {
@@ -11,11 +13,14 @@ NB_MODULE(_s2attn_cuda, m) {
                                   S2AttnDeltaCuda);
     s2attn::AddTiledRegistrations(targets, S2AttnTiledForwardCuda, S2AttnTiledBackwardDqCuda,
                                   S2AttnTiledBackwardDkvCuda, S2AttnTiledBackwardDqDeltaCuda);
+    s2attn::AddScheduledRegistrations(targets, S2AttnScheduledForwardCuda, S2AttnScheduledBackwardDqCuda,
+                                      S2AttnScheduledBackwardDkvCuda);
     return targets;
   });
   m.def("build_info", []() {
     nanobind::dict limits = s2attn::KernelLimits();
     limits["cuda_arc_max_head_dims"] = s2attn::NbhdAttnMaxHeadDims();
+    limits["scheduled_sm90a"] = s2attn::SchedAttnBuiltForSm90a();
     nanobind::dict info = s2attn::BuildInfo(limits);
     info["cuda_runtime_version"] = s2attn::CudaRuntimeVersion();
     return info;

@@ -24,7 +24,7 @@
 #include "common/nbhd_params.h"
 #include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
-#include "gpu/stream_device.h"
+#include "gpu/ffi_launch.h"
 #include "gpu/tiled_attn_kernels.h"
 
 namespace s2attn {
@@ -149,16 +149,6 @@ struct TiledKernels {
     return ffi::Error::Success();
   }
 };
-
-// Runs `launch()` (the kernel launches of one call of `target`) with the stream's device current.
-template <typename Launch>
-ffi::Error LaunchOnStreamDevice(cudaStream_t stream, const char* target, Launch&& launch) {
-  const ScopedStreamDevice device(stream);
-  const cudaError_t status = device.status() == cudaSuccess ? launch() : device.status();
-  if (status == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(target) + ": CUDA kernel launch failed: " + cudaGetErrorName(status) +
-                              " (" + cudaGetErrorString(status) + ")");
-}
 
 NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                     int64_t nlon_k) {

@@ -46,8 +46,8 @@
 #include "bench_common.h"
 #include "gpu/device_common.cuh"
 #include "gpu/mbarrier_sm90.cuh"
-#include "tma_sm90.cuh"
-#include "wgmma_sm90.cuh"
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
 
 namespace {
 
@@ -179,7 +179,7 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<kKind>& s, in
       const int* chunk = p.chunks + size_t(first + batch + lane) * kChunkFields;
 #pragma unroll
       for (int f = 0; f < kChunkFields; ++f) field[f] = __ldg(chunk + f);
-      bias = __ldg(p.bias + field[0]);
+      if (kKind != Kind::kDkv) bias = __ldg(p.bias + field[0]);  // dk/dv: the key row is the tile's
       if (p.classes == 1) {
 #pragma unroll
         for (int a = 0; a < kTileRows; ++a) records[a] = __ldg(p.records + size_t(field[5]) * kTileRows + a);

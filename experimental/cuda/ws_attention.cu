@@ -36,8 +36,8 @@
 #include "bench_reference.h"
 #include "gpu/device_common.cuh"
 #include "gpu/mbarrier_sm90.cuh"
-#include "tma_sm90.cuh"
-#include "wgmma_sm90.cuh"
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
 
 namespace {
 

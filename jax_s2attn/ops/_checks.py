@@ -17,7 +17,7 @@ from . import _ffi
 #: Values of ``implementation`` besides ``None`` (pick per platform, dtype and head dims).
 IMPLEMENTATIONS = ("reference", "ffi", "ffi-arc", "ffi-tiled")
 #: The native kernel each forced ``implementation`` runs ("ffi" chooses per platform).
-_FORCED_KERNELS = {"ffi-arc": "arc", "ffi-tiled": "tiled"}
+_FORCED_KERNELS = {"ffi-arc": "arc"}
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -57,22 +57,26 @@ def check_runnable(implementation, platform: str, dtype, dk: int, dv: int, *, wh
     raise ValueError(f"implementation={implementation!r} cannot run {where}: {reason}. {fix}")
 
 
-def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int) -> str:
+def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int, whole_grids: bool = True) -> str:
     """What a checked ``implementation`` runs on ``platform``: ``"reference"`` (pure JAX) or
-    the native kernel ``"arc"`` or ``"tiled"``.
+    the native kernel ``"arc"``, ``"tiled"`` or ``"scheduled"``.
 
     ``None`` takes the native kernels where they can run, the reference elsewhere
     (``platform=None``: a platform without native kernels) and for float64; ``"ffi"``
-    the tiled kernels where they can run (CUDA, 16-bit inputs, ``Dk == Dv`` in 32/64/128)
-    and the arc kernels elsewhere; ``"ffi-arc"``/``"ffi-tiled"`` force one kernel.
+    the tensor-core kernels where they can run (CUDA, 16-bit inputs, ``Dk == Dv`` in 32/64/128:
+    the scheduled ones on sm_90 at ``Dk == 64``, the tiled ones elsewhere) and the arc kernels
+    elsewhere; ``"ffi-arc"`` forces the arc kernels, ``"ffi-tiled"`` the tensor cores.
+    ``whole_grids=False`` (the blocks of a sharded grid) leaves out the scheduled kernels.
     """
     if implementation == "reference":
         return "reference"
+    if implementation == "ffi-tiled":
+        return _ffi.choose_tensor_core_kernel(platform, dtype, dk, dv, whole_grids)
     if implementation in _FORCED_KERNELS:
         return _FORCED_KERNELS[implementation]
     if implementation is None and _native_reason("ffi", platform, dtype, dk, dv) is not None:
         return "reference"
-    return _ffi.choose_kernel(platform, dtype, dk, dv)
+    return _ffi.choose_kernel(platform, dtype, dk, dv, whole_grids)
 
 
 def check_arrays(query, key, value) -> None:

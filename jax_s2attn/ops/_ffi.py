@@ -25,6 +25,10 @@ __all__ = [
     "HAS_CPU_EXT",
     "HAS_CUDA_EXT",
     "KERNELS",
+    "SCHEDULED_BACKWARD_DKV_TARGET",
+    "SCHEDULED_BACKWARD_DQ_TARGET",
+    "SCHEDULED_FORWARD_TARGET",
+    "SCHEDULED_TARGETS",
     "TARGETS",
     "TILED_BACKWARD_DKV_TARGET",
     "TILED_BACKWARD_DQ_DELTA_TARGET",
@@ -39,9 +43,13 @@ __all__ = [
     "ffi_backward_dq_delta",
     "ffi_delta",
     "ffi_forward",
+    "ffi_scheduled_dkv",
+    "ffi_scheduled_dq",
+    "ffi_scheduled_forward",
     "kernel_limits",
     "native_backends",
     "native_status",
+    "scheduled_unavailable_reason",
     "tiled_unavailable_reason",
     "unavailable_reason",
 ]
@@ -74,13 +82,19 @@ TILED_TARGETS = (
     TILED_FORWARD_TARGET, TILED_BACKWARD_DQ_TARGET, TILED_BACKWARD_DKV_TARGET, TILED_BACKWARD_DQ_DELTA_TARGET
 )
 
+# The scheduled tensor-core kernels (CUDA, sm_90a): the plan's block schedules in place of its tables, whole grids.
+SCHEDULED_FORWARD_TARGET = "jax_s2attn_sched_fwd"
+SCHEDULED_BACKWARD_DQ_TARGET = "jax_s2attn_sched_bwd_dq"
+SCHEDULED_BACKWARD_DKV_TARGET = "jax_s2attn_sched_bwd_dkv"
+SCHEDULED_TARGETS = (SCHEDULED_FORWARD_TARGET, SCHEDULED_BACKWARD_DQ_TARGET, SCHEDULED_BACKWARD_DKV_TARGET)
+
 # The backward's delta = sum(dout * out, -1) - dlse: both modules, every kernel family. A target
 # of its own because XLA fuses that reduction differently in different programs (changing its
 # last bit, and so the gradients'); the kernels sum in an order fixed by Dv alone.
 DELTA_TARGET = "jax_s2attn_delta"
 
 #: Every custom-call target a jax_s2attn program may contain (``jax.export`` needs them named).
-CUSTOM_CALL_TARGETS = (*TARGETS, *TILED_TARGETS, DELTA_TARGET)
+CUSTOM_CALL_TARGETS = (*TARGETS, *TILED_TARGETS, *SCHEDULED_TARGETS, DELTA_TARGET)
 
 
 def export_disabled_checks() -> list:
@@ -94,9 +108,11 @@ def export_disabled_checks() -> list:
 
 
 #: The native kernel families: ``"arc"`` (arc-segment walk on CUDA cores or the CPU, the
-#: dtypes of :attr:`~jax_s2attn._native.KernelLimits.arc_dtypes` and any head dims) and
-#: ``"tiled"`` (tensor cores, see :func:`tiled_unavailable_reason`).
-KERNELS = ("arc", "tiled")
+#: dtypes of :attr:`~jax_s2attn._native.KernelLimits.arc_dtypes` and any head dims),
+#: ``"tiled"`` (tensor cores by mma.sync on the plan's segment tables, see :func:`tiled_unavailable_reason`) and
+#: ``"scheduled"`` (tensor cores by wgmma on the plan's block schedules, whole grids, see
+#: :func:`scheduled_unavailable_reason`).
+KERNELS = ("arc", "tiled", "scheduled")
 
 
 def dtype_names(dtypes) -> str:
@@ -168,10 +184,63 @@ def tiled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str | No
     return f"the tiled kernels cannot run: {'; '.join(reasons)}" if reasons else None
 
 
-def choose_kernel(platform: str, dtype, dk: int, dv: int) -> str:
-    """The native kernel for these inputs on ``platform``: ``"tiled"`` where the tiled
-    kernels can run (faster), ``"arc"`` (the general path) everywhere else."""
-    return "tiled" if tiled_unavailable_reason(platform, dtype, dk, dv) is None else "arc"
+def _scheduled_build_reason() -> str | None:
+    """Why this process cannot run the scheduled kernels whatever the inputs (the CUDA module, a build for
+    sm_90a, an sm_90 device: compute capability 9.0); None if it can, or if it has no CUDA device to ask (a
+    program lowered for CUDA elsewhere)."""
+    module, reason = MODULES["cuda"]
+    if module is None:
+        return reason
+    if not module.build_info()["limits"].get("scheduled_sm90a", False):
+        return "the installed _s2attn_cuda was not built for sm_90a (CMAKE_CUDA_ARCHITECTURES=90a)"
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    capabilities = sorted({str(getattr(d, "compute_capability", "unknown")) for d in devices})
+    if capabilities == ["9.0"]:
+        return None
+    return f"they run on compute capability 9.0 (H100, H200), this process has {', '.join(capabilities)}"
+
+
+def scheduled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str | None:
+    """Why the scheduled tensor-core kernels cannot run inputs of ``dtype`` with heads of ``dk``/``dv``
+    channels on ``platform``; None if they can.
+
+    They need a CUDA module built for sm_90a, an sm_90 device, and the dtypes and head dims of
+    :func:`kernel_limits` (``scheduled_*``); they take whole grids (the serial op's, not a sharded block).
+    """
+    reasons = []
+    if platform != "cuda":
+        reasons.append(f"they run only on CUDA GPUs, not on {platform}")
+    else:
+        build = _scheduled_build_reason()
+        if build is not None:
+            reasons.append(build)
+    limits = kernel_limits()
+    if limits is not None:
+        if jnp.dtype(dtype) not in limits.scheduled_dtypes:
+            reasons.append(f"they take {dtype_names(limits.scheduled_dtypes)} inputs, got {jnp.dtype(dtype).name}")
+        if dk != dv or dk not in limits.scheduled_head_dims:
+            dims = ", ".join(map(str, limits.scheduled_head_dims))
+            reasons.append(f"they need Dk == Dv in ({dims}), got Dk={dk}, Dv={dv}")
+    return f"the scheduled kernels cannot run: {'; '.join(reasons)}" if reasons else None
+
+
+def choose_tensor_core_kernel(platform: str, dtype, dk: int, dv: int, whole_grids: bool = True) -> str:
+    """The tensor-core family for these inputs: ``"scheduled"`` where it can run (whole grids), else
+    ``"tiled"``."""
+    scheduled = whole_grids and scheduled_unavailable_reason(platform, dtype, dk, dv) is None
+    return "scheduled" if scheduled else "tiled"
+
+
+def choose_kernel(platform: str, dtype, dk: int, dv: int, whole_grids: bool = True) -> str:
+    """The native kernel for these inputs on ``platform``: the tensor-core families where they can
+    run (faster; :func:`choose_tensor_core_kernel`), ``"arc"`` (the general path) everywhere else.
+    ``whole_grids=False`` (blocks of a sharded grid) leaves out the scheduled kernels."""
+    if tiled_unavailable_reason(platform, dtype, dk, dv) is None:
+        return choose_tensor_core_kernel(platform, dtype, dk, dv, whole_grids)
+    return "arc"
 
 
 def ensure_registered() -> None:
@@ -438,11 +507,82 @@ def ffi_backward_dkv(
     return dk, dv
 
 
+def _scheduled_operands(plan, walk: str, scale) -> tuple[tuple, dict]:
+    """The schedule operands (tiles, tile_offsets, chunks, records, quad_weights) of ``walk`` in the kernels'
+    shape and the attributes of a scheduled call."""
+    tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
+    s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    operands = (s.tiles, s.tile_offsets, s.chunks, s.records, plan.quad_weights)
+    attributes = {
+        "scale": np.float32(scale),
+        "classes": np.int64(s.classes),
+        "shift": np.int64(s.shift),
+        "nlat_q": np.int64(plan.nlat_out),
+        "nlon_q": np.int64(plan.nlon_out),
+        "nlat_k": np.int64(plan.nlat_in),
+        "nlon_k": np.int64(plan.nlon_in),
+        "tile_rows": np.int64(tile_rows),
+        "tile_cols": np.int64(tile_cols),
+        "chunk_cols": np.int64(chunk_cols),
+    }
+    return tuple(_index(x) if x.dtype != np.float32 else x for x in operands), attributes
+
+
+def _scheduled_result_dtype(dtype, query, name: str) -> jnp.dtype:
+    """``dtype`` (the argument ``name``) checked: float32 or the activations' dtype."""
+    dtype = jnp.dtype(dtype)
+    if dtype in (jnp.dtype(jnp.float32), jnp.dtype(query.dtype)):
+        return dtype
+    raise ValueError(f"{name} must be float32 or {jnp.dtype(query.dtype).name} (the dtype of query), got {dtype.name}.")
+
+
+def ffi_scheduled_forward(query, key, value, plan, *, scale, out_dtype=jnp.float32, poison_results=False):
+    """The scheduled forward target: ``(out, lse)`` of whole grids (``query [..., nlat_out, nlon_out, H, D]``,
+    ``key``/``value [..., nlat_in, nlon_in, H, D]``), on ``plan``'s forward block schedule.
+
+    P is rounded once to the activations' dtype for P·V and out divided by the row sums of that rounded P
+    (a delta formed from a float32 out then agrees with the backward's probabilities on smooth fields);
+    ``lse`` comes from float32 sums. ``out_dtype``: float32 (what the differentiated op keeps for delta) or
+    the activations' dtype (the float32 result rounded to nearest). The caller checks that the kernels can
+    run (:func:`scheduled_unavailable_reason`); the handler checks shapes and dtypes.
+    """
+    dtype = _scheduled_result_dtype(out_dtype, query, "out_dtype")
+    schedule, attributes = _scheduled_operands(plan, "forward", scale)
+    lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
+    shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
+    return tuple(_call(SCHEDULED_FORWARD_TARGET, (query, key, value, *schedule), shapes, attributes, poison_results,
+                       (dtype, jnp.dtype(jnp.float32))))  # fmt: skip
+
+
+def ffi_scheduled_dq(
+    query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False
+):  # fmt: skip
+    """The scheduled dq target (shaped like ``query``): ``lse`` and ``delta = sum(dout * out, -1) - dlse``
+    float32 ``[..., nlat_out, nlon_out, H]``; ``gradient_dtype`` float32 or the activations' dtype."""
+    dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
+    schedule, attributes = _scheduled_operands(plan, "forward", scale)
+    operands = (query, key, value, dout, lse, delta, *schedule)
+    (dq,) = _call(SCHEDULED_BACKWARD_DQ_TARGET, operands, [query.shape], attributes, poison_results, dtype)
+    return dq
+
+
+def ffi_scheduled_dkv(
+    query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False
+):  # fmt: skip
+    """The scheduled dk/dv target on ``plan``'s backward block schedule: ``(dk, dv)`` shaped like ``key`` and
+    ``value``; operands as :func:`ffi_scheduled_dq`."""
+    dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
+    schedule, attributes = _scheduled_operands(plan, "backward", scale)
+    operands = (query, key, value, dout, lse, delta, *schedule)
+    return tuple(_call(SCHEDULED_BACKWARD_DKV_TARGET, operands, [key.shape, value.shape], attributes,
+                       poison_results, dtype))  # fmt: skip
+
+
 def op_result_dtype(kernel: str, dtype) -> jnp.dtype:
     """The dtype of the results the op asks of ``kernel`` for activations of ``dtype`` (the gradients,
-    and out): that dtype on the tiled kernels (the bits a cast would give,
+    and out): that dtype on the tensor-core kernels (the bits a cast would give,
     half the bytes), float32 on the arc kernels."""
-    return jnp.dtype(dtype) if kernel == "tiled" else jnp.dtype(jnp.float32)
+    return jnp.dtype(jnp.float32) if kernel == "arc" else jnp.dtype(dtype)
 
 
 def _result_dtype(dtype, kernel: str, query, name: str) -> jnp.dtype:

@@ -33,6 +33,12 @@ RESIDUAL_NAME = "s2attn_residual"
 #: that vmap and batch dims pick the same kernels (and give the same bits).
 STENCIL_MIN_POINTS = 1 << 17
 
+#: Mean neighbours per output point from which the op runs the scheduled tensor-core kernels rather than the tiled
+#: ones where both can run. Below it the tiled kernels, with the stencil kernels on the short rows, are faster:
+#: on the H200 (bf16, C 64, f+b) 721x1440 at the default cutoff (23 neighbours) takes 1.23 ms tiled against 1.67 ms
+#: scheduled, 180x360 -> 360x720 at tc 0.03 (42) 0.53 against 0.40 ms (docs/performance.md).
+SCHEDULED_MIN_NEIGHBORS = 32
+
 
 def neighborhood_attention(
     query,
@@ -92,10 +98,17 @@ def neighborhood_attention(
         delta from that output); undifferentiated, in one, which is faster, so the two
         outputs of the same inputs may differ by one unit in their last place. Much faster
         where they apply.
+      * scheduled kernels (native, CUDA sm_90: H100, H200): wgmma on the plan's block schedules
+        (:meth:`~jax_s2attn.NeighborhoodPlan.block_schedule`, built once per plan on the host);
+        bfloat16 and float16 inputs with ``Dk == Dv == 64``, whole grids. P is rounded once and out is
+        divided by the row sums of the rounded P, so that the backward's delta (from a float32 out
+        when differentiated) stays consistent on smooth fields; the 16-bit bar as the tiled kernels,
+        ``lse`` float32-exact. Run from :data:`SCHEDULED_MIN_NEIGHBORS` neighbours per output point,
+        where they are faster than the tiled kernels.
 
-      ``implementation="ffi"`` runs the tiled kernels where they apply and the arc
-      kernels everywhere else; ``"ffi-arc"`` and ``"ffi-tiled"`` force one kernel
-      family. Any ``"ffi*"`` raises a ``ValueError`` naming the reason when its kernels
+      ``implementation="ffi"`` runs the tensor-core kernels where they apply (scheduled, else tiled)
+      and the arc kernels everywhere else; ``"ffi-arc"`` forces the arc kernels and ``"ffi-tiled"``
+      the tensor cores (the same choice between their two families). Any ``"ffi*"`` raises a ``ValueError`` naming the reason when its kernels
       cannot run on the inputs' platform (no native module, float64, or for
       ``"ffi-tiled"`` not CUDA, not 16-bit, other head dims). ``None`` is ``"ffi"`` on
       every platform whose native module is built (:func:`jax_s2attn.native_backends`)
@@ -155,7 +168,9 @@ def _attention(query, key, value, plan, *, scale, implementation):
     caller's ``jit`` it is inlined.
     """
     dtype, dk, dv = query.dtype, query.shape[-1], value.shape[-1]
-    kernels = {p: _checks.kernel_for(implementation, p, dtype, dk, dv) for p in _ffi.NATIVE_PLATFORMS}
+    kernels = {
+        p: tensor_core_family(plan, _checks.kernel_for(implementation, p, dtype, dk, dv)) for p in _ffi.NATIVE_PLATFORMS
+    }
     default = _checks.kernel_for(implementation, None, dtype, dk, dv)  # platforms without native kernels
     # One function object per kernel: platform_dependent traces a shared branch only once.
     functions = {
@@ -170,19 +185,30 @@ def _attention(query, key, value, plan, *, scale, implementation):
     return jax.lax.platform_dependent(query, key, value, plan, default=functions[default], **branches)
 
 
+def tensor_core_family(plan: NeighborhoodPlan, kernel: str) -> str:
+    """``kernel`` as the op runs it on ``plan``: the scheduled kernels from :data:`SCHEDULED_MIN_NEIGHBORS`
+    neighbours per output point, the tiled ones below (any other kernel as it is)."""
+    if kernel == "scheduled" and plan.num_pairs < SCHEDULED_MIN_NEIGHBORS * plan.nlat_out * plan.nlon_out:
+        return "tiled"
+    return kernel
+
+
 # ----------------------------------------------------------------------------- native path
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _native_attention(query, key, value, plan, scale, kernel):
-    """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc" or
-    "tiled"), whole grids; the backward pass runs the same kernel family. The tiled forward writes out in
-    the input dtype itself (no float32 out, no cast after it; differentiated, with its rounding remainder)."""
+    """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc", "tiled" or
+    "scheduled"), whole grids; the backward pass runs the same kernel family. The tensor-core forwards write out
+    in the input dtype themselves (no float32 out, no cast after it; differentiated, the tiled one adds its
+    rounding remainder and the scheduled one writes a float32 out)."""
     out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel, _ffi.op_result_dtype(kernel, query.dtype))
     return out.astype(query.dtype), lse
 
 
 def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32, remainder=False):
+    if kernel == "scheduled":
+        return _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=out_dtype)
     window, rows = full_window(plan), plan.tables.forward_row_order
     stencil = uses_stencil_rows(plan, query, kernel)
     return _ffi.ffi_forward(
@@ -201,11 +227,12 @@ def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "f
 
 
 def _native_forward(query, key, value, plan, scale, kernel):
-    # The backward forms delta from out, which a rounded out alone is too coarse for: the arc kernels keep
-    # it in float32, the tiled ones write it in the activations' dtype (what the caller gets, no cast after
-    # it) plus the remainder of that rounding (about twice its significant bits together).
+    # The backward forms delta from out, which a rounded out alone is too coarse for: the arc and scheduled
+    # kernels keep it in float32, the tiled ones write it in the activations' dtype (what the caller gets, no cast
+    # after it) plus the remainder of that rounding (about twice its significant bits together).
+    out_dtype = jnp.float32 if kernel == "scheduled" else _ffi.op_result_dtype(kernel, query.dtype)
     out, lse, *remainder = _whole_grid_forward(
-        query, key, value, plan, scale, kernel, _ffi.op_result_dtype(kernel, query.dtype), remainder=kernel == "tiled"
+        query, key, value, plan, scale, kernel, out_dtype, remainder=kernel == "tiled"
     )
     # The outputs are computed from the named values so that a checkpoint policy saving
     # the names can rebuild them too (they feed the caller's own backward pass).
@@ -220,11 +247,24 @@ def _native_backward(scale, kernel, residuals, cotangents):
     # delta from the unrounded output (float32, or the tiled forward's two parts), never from a rounded one.
     # A cotangent of lse adds dlse * p_j to every score gradient, exactly as lowering delta by dlse does.
     # The native targets sum in a fixed order: the gradients are the same bits in every program. The tiled
-    # dq forms delta at its entry (one pass over dout and out fewer); the arc kernels take it from the
-    # delta target.
+    # dq forms delta at its entry (one pass over dout and out fewer); the arc and scheduled kernels take it
+    # from the delta target.
+    gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
+    if kernel == "scheduled":
+        delta = _ffi.ffi_delta(dout, out, dlse)
+        dq = _ffi.ffi_scheduled_dq(query, key, value, dout, lse, delta, plan, **gradients)
+        dk, dv = _ffi.ffi_scheduled_dkv(query, key, value, dout, lse, delta, plan, **gradients)
+    else:
+        dq, dk, dv = _segment_table_backward(query, key, value, out, lse, remainder, plan, dout, dlse, kernel,
+                                             gradients)  # fmt: skip
+    plan_cotangent = jax.tree.map(_zero_cotangent, plan)
+    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), plan_cotangent
+
+
+def _segment_table_backward(query, key, value, out, lse, remainder, plan, dout, dlse, kernel, gradients):
+    """dq, dk and dv of the arc and tiled kernels (the plan's tables, whole-grid windows)."""
     window = full_window(plan)
     tables = plan.tables
-    gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
     if kernel == "tiled":
         dq, delta = _ffi.ffi_backward_dq_delta(
             query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order,
@@ -239,8 +279,7 @@ def _native_backward(scale, kernel, residuals, cotangents):
     dk, dv = _ffi.ffi_backward_dkv(
         query, key, value, dout, lse, delta, plan, window, tables.backward_row_order, kernel=kernel, **gradients
     )
-    plan_cotangent = jax.tree.map(_zero_cotangent, plan)
-    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), plan_cotangent
+    return dq, dk, dv
 
 
 def _zero_cotangent(table):

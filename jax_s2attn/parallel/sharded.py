@@ -76,11 +76,12 @@ def _unpadded_view(x, padded: tuple[bool, bool], lat: AxisSplit, lon: AxisSplit)
 
 def _mesh_kernel(implementation, mesh: Mesh, dtype, dk: int, dv: int) -> str:
     """What ``implementation`` runs per device on the mesh's platform ("reference", "arc"
-    or "tiled"), chosen exactly as the serial op chooses it for that platform."""
+    or "tiled"), chosen as the serial op chooses it for that platform, for blocks of the grids (the
+    scheduled kernels take whole grids only)."""
     platform = _ffi.ffi_platform(mesh.devices.flat[0].platform)
     _checks.check_runnable(implementation, platform, dtype, dk, dv, where=f"on this {platform} mesh")
     _checks.warn_if_falling_back(implementation, platform, dtype)
-    return _checks.kernel_for(implementation, platform, dtype, dk, dv)
+    return _checks.kernel_for(implementation, platform, dtype, dk, dv, whole_grids=False)
 
 
 def padded_grid_shapes(plan: NeighborhoodPlan, mesh: Mesh, lat_axis: str = "lat", lon_axis: str = "lon"):

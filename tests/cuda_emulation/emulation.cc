@@ -25,8 +25,8 @@
 #include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
-#include "tma_sm90.cuh"  // experimental/cuda
-#include "wgmma_sm90.cuh"  // experimental/cuda
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -165,7 +165,8 @@ void WaitUntil(const char* what, Passed&& passed) {
 
 // ------------------------------------------------------------------ warp collectives
 
-enum class Collective : uint8_t { kShuffle, kVote, kSyncWarp, kMmaBf16, kMmaF16, kLdMatrix, kLdMatrixTrans, kWgmma };
+enum class Collective : uint8_t { kShuffle, kVote, kSyncWarp, kMmaBf16, kMmaF16, kLdMatrix, kLdMatrixTrans, kWgmma,
+                                  kWgmmaF16 };
 
 const char* NameOf(Collective kind) {
   switch (kind) {
@@ -177,6 +178,7 @@ const char* NameOf(Collective kind) {
     case Collective::kLdMatrix: return "LdMatrixX4";
     case Collective::kLdMatrixTrans: return "LdMatrixX4Trans";
     case Collective::kWgmma: return "a wgmma";
+    case Collective::kWgmmaF16: return "a wgmma (f16)";
   }
   return "?";
 }
@@ -310,7 +312,7 @@ void ReadMatrices(Meeting& m) {
   }
 }
 
-// A tile of wgmma's shared operands (experimental/cuda/wgmma_sm90.cuh): 128-byte rows, 8-row atoms `stride` bytes
+// A tile of wgmma's shared operands (gpu/wgmma_sm90.cuh): 128-byte rows, 8-row atoms `stride` bytes
 // apart, the 128-byte swizzle applied to the address (bits 4-6 XOR bits 7-9), start 16-byte aligned.
 struct SwizzledTile {
   uint32_t start, stride;
@@ -446,7 +448,7 @@ const Meeting& Meet(unsigned mask, Collective kind, const LaneInput& input) {
   if (++gate.arrived == __builtin_popcount(mask)) {
     if (kind == Collective::kMmaBf16 || kind == Collective::kMmaF16) MultiplyTile(m);
     if (kind == Collective::kLdMatrix || kind == Collective::kLdMatrixTrans) ReadMatrices(m);
-    if (kind == Collective::kWgmma) MultiplyWarpRows(m);
+    if (kind == Collective::kWgmma || kind == Collective::kWgmmaF16) MultiplyWarpRows(m);
     gate.arrived = 0;
     ++gate.generation;
   } else {
@@ -793,12 +795,12 @@ uint64_t SwizzledTileDescriptor(const void* tile) {
 }
 
 namespace {
-void EmulatedWgmma(float* d, unsigned n, const uint32_t* a, uint64_t a_desc, uint64_t b_desc, bool trans_b,
-                   uint32_t accumulate) {
+void EmulatedWgmma(Collective kind, float* d, unsigned n, const uint32_t* a, uint64_t a_desc, uint64_t b_desc,
+                   bool trans_b, uint32_t accumulate) {
   LaneInput input{};
   if (a != nullptr) std::memcpy(input.wgmma.a, a, sizeof input.wgmma.a);
   input.wgmma.issue = {a_desc, b_desc, n, trans_b, accumulate != 0};
-  const Meeting& m = MeetWholeWarp(Collective::kWgmma, input);
+  const Meeting& m = MeetWholeWarp(kind, input);
   // Asynchronous, as on the device: the result lands in d at the WgmmaWait that completes its group,
   // and d reads NaN until then. An accumulating wgmma adds to the newest result still on its way to
   // the same registers (a chain of k-steps), or to d as it is.
@@ -841,29 +843,39 @@ void WgmmaWaitFor(int pending) {
   }
 }
 
+// The collective of a wgmma on operands of type T.
+template <typename T>
+Collective KindOf() {
+  return std::is_same_v<T, __half> ? Collective::kWgmmaF16 : Collective::kWgmma;
+}
 template <typename T, int kTransB>
 void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
-  EmulatedWgmma(d, 8, a, 0, b, kTransB, accumulate);
+  EmulatedWgmma(KindOf<T>(), d, 8, a, 0, b, kTransB, accumulate);
 }
 template <typename T, int kTransB>
 void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
-  EmulatedWgmma(d, 32, a, 0, b, kTransB, accumulate);
+  EmulatedWgmma(KindOf<T>(), d, 32, a, 0, b, kTransB, accumulate);
 }
 template <typename T>
 void WgmmaM64N32K16SharedA(float (&d)[16], uint64_t a, uint64_t b, uint32_t accumulate) {
-  EmulatedWgmma(d, 32, nullptr, a, b, false, accumulate);
+  EmulatedWgmma(KindOf<T>(), d, 32, nullptr, a, b, false, accumulate);
 }
 template <typename T, int kTransB>
 void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
-  EmulatedWgmma(d, 64, a, 0, b, kTransB, accumulate);
+  EmulatedWgmma(KindOf<T>(), d, 64, a, 0, b, kTransB, accumulate);
 }
 template <typename T>
 void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate) {
-  EmulatedWgmma(d, 64, nullptr, a, b, false, accumulate);
+  EmulatedWgmma(KindOf<T>(), d, 64, nullptr, a, b, false, accumulate);
 }
 // The forms the prototypes of experimental/cuda use (m64n32 and m64n64 with A in shared memory, m64n64 and m64n8
 // with A in registers) and the register-A m64n32 form the self-test checks too.
 template void WgmmaM64N8K16<__nv_bfloat16, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
+// And the float16 forms of the kernels of cuda/gpu (sched_attn_device.cuh).
+template void WgmmaM64N8K16<__half, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N32K16SharedA<__half>(float (&)[16], uint64_t, uint64_t, uint32_t);
+template void WgmmaM64N64K16<__half, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N64K16SharedA<__half>(float (&)[32], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N32K16<__nv_bfloat16, 0>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__nv_bfloat16>(float (&)[16], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N64K16<__nv_bfloat16, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
@@ -932,37 +944,54 @@ CUresult CUDAAPI EncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint3
 
 namespace sm90 {
 
-void LoadBox3d(void* destination, const CUtensorMap* map, int x, int y, int z, uint64_t* barrier) {
+namespace {
+// A box of a map of any rank at `start` (element coordinates, innermost first) into shared memory: the box's
+// rows (its innermost extent) one after another, outer coordinates in order, zeros outside the tensor.
+void LoadBox(const char* what, void* destination, const CUtensorMap* map, uint32_t rank, const int* start,
+             uint64_t* barrier) {
   EmulatedTensorMap e;
   std::memcpy(&e, map, sizeof e);
-  if (e.tag != kTensorMapTag) Fail("LoadBox3d: %p is not a tensor map of the emulation's cuTensorMapEncodeTiled", map);
-  if (e.rank != 3) Fail("LoadBox3d: the map has rank %u", e.rank);
-  const uint32_t row_bytes = e.box[0] * e.element_bytes, rows = e.box[1] * e.box[2];
-  const uint32_t first =
-      SharedOffset("LoadBox3d destination", destination, e.swizzle_128 ? 1024 : 128, row_bytes * rows);
-  const int start[3] = {x, y, z};
+  if (e.tag != kTensorMapTag) Fail("%s: %p is not a tensor map of the emulation's cuTensorMapEncodeTiled", what, map);
+  if (e.rank != rank) Fail("%s: the map has rank %u", what, e.rank);
+  const uint32_t row_bytes = e.box[0] * e.element_bytes;
+  uint32_t rows = 1;
+  for (uint32_t d = 1; d < rank; ++d) rows *= e.box[d];
+  const uint32_t first = SharedOffset(what, destination, e.swizzle_128 ? 1024 : 128, row_bytes * rows);
   char* shared = reinterpret_cast<char*>(s2attn_dynamic_shared);
   for (uint32_t row = 0; row < rows; ++row) {
-    const int64_t coordinate[3] = {0, start[1] + int64_t(row % e.box[1]), start[2] + int64_t(row / e.box[1])};
+    bool inside = true;
+    int64_t offset = 0;
+    for (uint32_t d = 1, rest = row; d < rank; rest /= e.box[d], ++d) {
+      const int64_t coordinate = start[d] + int64_t(rest % e.box[d]);
+      inside = inside && coordinate >= 0 && coordinate < e.dims[d];
+      offset += coordinate * int64_t(e.strides[d]);
+    }
     for (uint32_t i = 0; i < e.box[0]; ++i) {
       const int64_t column = start[0] + int64_t(i);
-      const bool inside = column >= 0 && column < e.dims[0] && coordinate[1] >= 0 && coordinate[1] < e.dims[1] &&
-                          coordinate[2] >= 0 && coordinate[2] < e.dims[2];
       uint32_t address = first + row * row_bytes + i * e.element_bytes;
       if (e.swizzle_128) address ^= ((address >> 7) & 7u) << 4;
-      if (inside) {
-        std::memcpy(shared + address,
-                    e.base + column * e.strides[0] + coordinate[1] * e.strides[1] + coordinate[2] * e.strides[2],
-                    e.element_bytes);
+      if (inside && column >= 0 && column < e.dims[0]) {
+        std::memcpy(shared + address, e.base + column * e.strides[0] + offset, e.element_bytes);
       } else {
         std::memset(shared + address, 0, e.element_bytes);
       }
     }
   }
-  EmulatedMbarrier* m = InitialisedMbarrier("LoadBox3d", barrier);
+  EmulatedMbarrier* m = InitialisedMbarrier(what, barrier);
   g_mbarrier_pending_bytes[barrier] -= int64_t{row_bytes} * rows;
   CompleteIfDone(barrier, m);
   ++g_scheduler.progress;
+}
+}  // namespace
+
+void LoadBox3d(void* destination, const CUtensorMap* map, int x, int y, int z, uint64_t* barrier) {
+  const int start[3] = {x, y, z};
+  LoadBox("LoadBox3d", destination, map, 3, start, barrier);
+}
+
+void LoadBox5d(void* destination, const CUtensorMap* map, int x, int y, int z, int w, int v, uint64_t* barrier) {
+  const int start[5] = {x, y, z, w, v};
+  LoadBox("LoadBox5d", destination, map, 5, start, barrier);
 }
 
 }  // namespace sm90

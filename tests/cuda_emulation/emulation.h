@@ -14,8 +14,8 @@
 // meet, then each lane takes its fragment per the layouts documented in mma_sm80.cuh.
 // cp.async copies happen at the call, so their arrival on an mbarrier (CopyAsyncArriveOn) is
 // immediate. The mbarrier functions of cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a
-// waiter yields until the phase completed. The Hopper primitives of experimental/cuda/wgmma_sm90.cuh and
-// experimental/cuda/tma_sm90.cuh likewise: a wgmma is a collective of each warp (its 16 rows of the
+// waiter yields until the phase completed. The Hopper primitives of gpu/wgmma_sm90.cuh and
+// gpu/tma_sm90.cuh likewise: a wgmma is a collective of each warp (its 16 rows of the
 // warpgroup's product; operands in shared memory read through the 128-byte swizzle at the call; the
 // result lands in the accumulator registers at the WgmmaWait that completes its group, which read NaN
 // until then), a tensor-map box lands at the call (zeros outside the tensor, swizzled as

@@ -1,6 +1,6 @@
 // Self-test kernels of the host emulation (tests/test_cuda_emulation_primitives.py): the
-// tensor-core primitives of gpu/mma_sm80.cuh and experimental/cuda/wgmma_sm90.cuh, the tensor-map
-// boxes of experimental/cuda/tma_sm90.cuh, the barriers of gpu/mbarrier_sm90.cuh,
+// tensor-core primitives of gpu/mma_sm80.cuh and gpu/wgmma_sm90.cuh, the tensor-map
+// boxes of gpu/tma_sm90.cuh, the barriers of gpu/mbarrier_sm90.cuh,
 // __syncthreads, __syncwarp, votes and shuffles,
 // checked from Python against numpy. Compiled only for the emulation (emulation.h
 // force-included).
@@ -17,8 +17,8 @@
 #include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
-#include "tma_sm90.cuh"  // experimental/cuda
-#include "wgmma_sm90.cuh"  // experimental/cuda
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
 
 namespace s2attn {
 namespace gpu {

@@ -1,5 +1,5 @@
 // C entry points of the CUDA launchers for Python (ctypes): one call of forward, dq, dkv, the tiled dq
-// that forms delta, or delta on the default stream. Shared by the host emulation
+// that forms delta, a scheduled target, or delta on the default stream. Shared by the host emulation
 // (tests/test_cuda_emulated.py, g++) and the standalone GPU harness (tests/gpu_kernel_sanitizer.py,
 // nvcc): pointers are host memory in the first and device memory in the second, except `sizes`,
 // which is always host memory.
@@ -7,6 +7,7 @@
 
 #include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
+#include "gpu/sched_attn_kernels.h"
 #include "gpu/tiled_attn_kernels.h"
 
 namespace {
@@ -131,4 +132,42 @@ extern "C" int RunDelta(int dtype, const void* dout, const float* out, const flo
   p.rows = rows;
   p.dv = dv;
   return s2attn::LaunchDelta(nullptr, p);
+}
+
+// A scheduled target (sched_attn_kernels.h): `kind` 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv), on the
+// walk's schedule (tiles, tile_offsets, chunks, records). sizes: batch, heads, nlat_q, nlon_q, nlat_k, nlon_k,
+// num_tiles, num_chunks, num_stagings, classes, shift. dtype and result_dtype: ActivationType of the activations
+// and of out, dq, dk, dv (lse is float32). Returns the launcher's cudaError_t.
+extern "C" int RunScheduledTarget(int kind, int dtype, int result_dtype, const void* q, const void* k, const void* v,
+                                  const void* dout, const float* lse, const float* delta, const int32_t* tiles,
+                                  const int32_t* tile_offsets, const int32_t* chunks, const int32_t* records,
+                                  const float* quad_weights, void* result0, void* result1, const int64_t* sizes,
+                                  float scale) {
+  s2attn::SchedAttnParams p;
+  p.dtype = static_cast<s2attn::ActivationType>(dtype);
+  p.result_dtype = static_cast<s2attn::ActivationType>(result_dtype);
+  p.q = q, p.k = k, p.v = v, p.dout = dout, p.lse = lse, p.delta = delta;
+  p.tiles = tiles, p.tile_offsets = tile_offsets, p.chunks = chunks, p.records = records;
+  p.quad_weights = quad_weights;
+  p.batch = sizes[0], p.heads = sizes[1];
+  p.nlat_q = static_cast<int32_t>(sizes[2]), p.nlon_q = static_cast<int32_t>(sizes[3]);
+  p.nlat_k = static_cast<int32_t>(sizes[4]), p.nlon_k = static_cast<int32_t>(sizes[5]);
+  p.num_tiles = sizes[6], p.num_chunks = sizes[7], p.num_stagings = sizes[8];
+  p.classes = static_cast<int32_t>(sizes[9]), p.shift = static_cast<int32_t>(sizes[10]);
+  p.scale = scale;
+  switch (kind) {
+    case 0:
+      p.out = result0;
+      p.lse_out = static_cast<float*>(result1);
+      return s2attn::LaunchSchedAttnFwd(nullptr, p);
+    case 1:
+      p.dq = result0;
+      return s2attn::LaunchSchedAttnDq(nullptr, p);
+    case 2:
+      p.dk = result0;
+      p.dv = result1;
+      return s2attn::LaunchSchedAttnDkv(nullptr, p);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -152,38 +153,58 @@ __device__ __forceinline__ void FenceSharedForWgmma() {
 // d (+)= A B for an m64n8k16 slice; `accumulate` 0 overwrites d.
 template <typename T, int kTransB>
 __device__ __forceinline__ void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
-  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
-  S2ATTN_WGMMA_M64N8K16("bf16");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
+  if constexpr (std::is_same_v<T, __half>) {
+    S2ATTN_WGMMA_M64N8K16("f16");
+  } else {
+    S2ATTN_WGMMA_M64N8K16("bf16");
+  }
 }
 
 // d (+)= A B for an m64n32k16 slice; `accumulate` 0 overwrites d.
 template <typename T, int kTransB>
 __device__ __forceinline__ void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b,
                                                uint32_t accumulate) {
-  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
-  S2ATTN_WGMMA_M64N32K16("bf16");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
+  if constexpr (std::is_same_v<T, __half>) {
+    S2ATTN_WGMMA_M64N32K16("f16");
+  } else {
+    S2ATTN_WGMMA_M64N32K16("bf16");
+  }
 }
 
 // d (+)= A B for an m64n32k16 slice with A in shared memory too (K-major, descriptor `a`).
 template <typename T>
 __device__ __forceinline__ void WgmmaM64N32K16SharedA(float (&d)[16], uint64_t a, uint64_t b, uint32_t accumulate) {
-  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
-  S2ATTN_WGMMA_M64N32K16_SHARED_A("bf16");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
+  if constexpr (std::is_same_v<T, __half>) {
+    S2ATTN_WGMMA_M64N32K16_SHARED_A("f16");
+  } else {
+    S2ATTN_WGMMA_M64N32K16_SHARED_A("bf16");
+  }
 }
 
 // d (+)= A B for an m64n64k16 slice; `accumulate` 0 overwrites d.
 template <typename T, int kTransB>
 __device__ __forceinline__ void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
                                                uint32_t accumulate) {
-  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
-  S2ATTN_WGMMA_M64N64K16("bf16");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
+  if constexpr (std::is_same_v<T, __half>) {
+    S2ATTN_WGMMA_M64N64K16("f16");
+  } else {
+    S2ATTN_WGMMA_M64N64K16("bf16");
+  }
 }
 
 // d (+)= A B for an m64n64k16 slice with A in shared memory too (K-major, descriptor `a`).
 template <typename T>
 __device__ __forceinline__ void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate) {
-  static_assert(std::is_same_v<T, __nv_bfloat16>, "bfloat16 operands (float16: the same with \"f16\")");
-  S2ATTN_WGMMA_M64N64K16_SHARED_A("bf16");
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
+  if constexpr (std::is_same_v<T, __half>) {
+    S2ATTN_WGMMA_M64N64K16_SHARED_A("f16");
+  } else {
+    S2ATTN_WGMMA_M64N64K16_SHARED_A("bf16");
+  }
 }
 
 #undef S2ATTN_WGMMA_M64N8K16

@@ -22,6 +22,7 @@ namespace sm90 {
 
 void MbarrierArriveExpectBytes(uint64_t* barrier, uint32_t bytes);
 void LoadBox3d(void* destination, const CUtensorMap* map, int x, int y, int z, uint64_t* barrier);
+void LoadBox5d(void* destination, const CUtensorMap* map, int x, int y, int z, int w, int v, uint64_t* barrier);
 
 #else
 
@@ -39,6 +40,16 @@ __device__ __forceinline__ void LoadBox3d(void* destination, const CUtensorMap* 
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
           "r"(SharedAddress(destination)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(SharedAddress(barrier))
+      : "memory");
+}
+
+// Box of a 5-D map at element coordinates (x innermost, ..., v outermost), counted on `barrier`.
+__device__ __forceinline__ void LoadBox5d(void* destination, const CUtensorMap* map, int x, int y, int z, int w, int v,
+                                          uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], "
+      "[%7];\n" ::"r"(SharedAddress(destination)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(w), "r"(v), "r"(SharedAddress(barrier))
       : "memory");
 }
 

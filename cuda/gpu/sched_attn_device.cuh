@@ -1,0 +1,778 @@
+// The scheduled kernels (sched_attn_kernels.h): forward, dq and dk/dv on the plan's block-sparse schedules, for
+// sm_90a. Included by sched_attn_fwd.cu, sched_attn_dq.cu and sched_attn_dkv.cu, which instantiate one kind each.
+//
+// A block takes one tile of the schedule (4 x 16 walking points; blocks in the schedule's order, longest first)
+// and one (batch, head) slab (blockIdx.y). Its producer warp asks for tensor-map boxes of the tile's points,
+// then, per chunk of the tile's list, copies the chunk's description into shared memory (read 32 chunks at a
+// time, a lane per chunk) and asks for two boxes of 32 points of one row of the other grid (k and v; q and dout
+// for dk/dv) into a kStages-deep mbarrier ring. The consumer warpgroup multiplies in FlashAttention-3's
+// intra-warpgroup order (WalkChunks): it issues the next chunk's products, then this chunk's accumulating ones,
+// then forms the next chunk's scores while those run, so that no instruction touches the registers of a wgmma in
+// flight and ptxas keeps every wgmma asynchronous.
+//
+// The geometry is the host's: per chunk the kernels read (other row, longitude, offset, valid, flags, staging)
+// and, per point, the staging's (start, length) record of its tile row and residue class; FULL chunks take no
+// mask, partial ones one add, one unsigned compare and one select per element, RING chunks two compares. The
+// key row's log2 quadrature weight is folded into the exponent.
+//
+// Forward: S = Q K^T, the mask and the online softmax in log2 units, O += P V with P rounded once to the
+// activations' type and the row sums of that rounded P (m64n8k16 against a tile of ones): out is divided by
+// them, so that its weights sum to one as the backward's P = exp(s - lse) do, and a delta formed from a float32
+// out stays consistent with the backward on smooth fields (docs/performance.md, "Accuracy without a second P·V
+// product"); lse comes from float32 sums. dq: S and dP = dO V^T, dS = P (dP - delta), dq += dS K. dk/dv (the
+// backward schedule, the chunk's queries' lse and delta staged by the producer): S^T and dP^T, dv += P^T dO,
+// dk += dS^T Q. Every result row is written once, by its block: no atomics, bitwise deterministic.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "gpu/device_common.cuh"
+#include "gpu/mbarrier_sm90.cuh"
+#include "gpu/sched_attn_kernels.h"
+#include "gpu/tma_sm90.cuh"
+#include "gpu/wgmma_sm90.cuh"
+
+namespace s2attn {
+namespace gpu {
+namespace sched {
+
+namespace sm90 = s2attn::gpu::sm90;
+
+constexpr int kD = kSchedHeadDim;
+constexpr int kTileRows = kSchedTileRows, kTileCols = kSchedTileCols;  // one wgmma M of 64 walking points
+constexpr int kChunk = kSchedChunkCols;                                // the N of S = Q K^T
+constexpr int kStages = 4;
+constexpr int kThreads = 128 + 32;  // one consumer warpgroup, one producer warp
+constexpr int kChunkBytes = kChunk * kD * 2;
+constexpr int kFull = 1, kRing = 2;  // jax_s2attn.schedule.FULL, RING
+static_assert(kTileRows * kTileCols == 64 && kTileRows == 4, "a tile is the warpgroup's 64 rows, a warp per row");
+static_assert(kChunk == 32, "S = Q K^T is one m64n32 product per k16 step");
+static_assert(kD == 64, "rows of 64 16-bit elements: the 128-byte swizzle of wgmma_sm90.cuh");
+
+// A staged chunk: rows of the other grid, k and v (forward, dq) or q and dout (dk/dv).
+template <typename T>
+struct alignas(1024) Stage {
+  T a[kChunk * kD];
+  T b[kChunk * kD];
+};
+
+// Operands of a tile's 64 walking points, staged once per block (tile row x longitude, as the box lays them out).
+template <typename T>
+struct alignas(1024) PointTile {
+  T rows[kTileRows * kTileCols * kD];
+};
+
+// 16 rows of ones in the swizzled layout: the B of the forward's row sums (every k16 step reads the same rows).
+template <typename T>
+struct alignas(1024) OnesTile {
+  T rows[16 * kD];
+};
+struct NoTile {};
+
+// What the producer warp copies from the schedule for a staged chunk (before the stage's barrier).
+struct ChunkInfo {
+  int offset, valid, flags;
+  float bias;                             // log2 of the key row's quadrature weight
+  int2 records[kTileRows * kTileCols];    // the staging's (start, length) per tile row and class
+  float lse_log2[kChunk], delta[kChunk];  // dk/dv: of the chunk's queries (+inf and 0 past `valid`)
+};
+
+// Forward and dq walk the forward schedule (query tiles over key chunks), dk/dv the backward one.
+enum class Kind { kForward, kDq, kDkv };
+// Walking-grid tiles a kernel stages once: q; q and dout; k and v.
+__host__ __device__ constexpr int TilesOf(Kind kind) { return kind == Kind::kForward ? 1 : 2; }
+// Blocks per SM each kind asks for (dq holds S, dP and dq, dk/dv S, dP, dk and dv: with more blocks, and so fewer
+// registers, ptxas serialises their wgmmas).
+__host__ __device__ constexpr int BlocksPerSm(Kind kind) {
+  return kind == Kind::kForward ? 4 : kind == Kind::kDq ? 3 : 2;
+}
+
+template <typename T, Kind kKind>
+struct Shared {
+  Stage<T> stages[kStages];
+  PointTile<T> tiles[TilesOf(kKind)];
+  std::conditional_t<kKind == Kind::kForward, OnesTile<T>, NoTile> ones;
+  ChunkInfo info[kStages];
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  uint64_t tiles_full;
+};
+
+// The walking tiles (q; q, dout; k, v) and the other grid's chunks (k, v; or q, dout): 5-D maps of
+// [batch, nlat, nlon, heads, D] activations (innermost first: D, heads, nlon, nlat, batch).
+struct Maps {
+  CUtensorMap tiles[2], a, b;
+};
+
+// One launch: a call's slabs from `first_slab` (blockIdx.y counts on from it).
+struct Problem {
+  int nlat_walk, nlon_walk, nlat_other, nlon_other, heads;
+  int64_t first_slab;
+  const int* tiles;
+  const int* tile_offsets;
+  const int* chunks;
+  const int2* records;
+  int num_chunks, num_stagings, classes, shift;
+  const float* quad_weights;  // [key rows]
+  float scale, scale_log2;    // softmax scale, and times log2(e)
+  const float* lse;           // dq: the walking points'; dk/dv: the other grid's
+  const float* delta;
+  bool f32_results;  // results in float32, else in the activations' type
+  void* out;
+  float* lse_out;
+  void* dq;
+  void* dk;
+  void* dv;
+};
+
+// A block's slab: batch index and head.
+struct Slab {
+  int64_t batch;
+  int head;
+};
+
+__device__ __forceinline__ Slab SlabOf(const Problem& p) {
+  const int64_t slab = p.first_slab + blockIdx.y;
+  return {slab / p.heads, static_cast<int>(slab % p.heads)};
+}
+
+// Index of point (row, lon) of a grid of nlat x nlon in the slab's [batch, nlat, nlon, heads] layout.
+__device__ __forceinline__ size_t PointIndex(const Problem& p, const Slab& slab, int nlat, int nlon, int row,
+                                             int lon) {
+  return ((static_cast<size_t>(slab.batch) * nlat + row) * nlon + lon) * p.heads + slab.head;
+}
+
+// log2 of key row `row`'s quadrature weight (the row clamped to the grid).
+__device__ __forceinline__ float KeyBias(const Problem& p, int row, int nlat_keys) {
+  return log2f(__ldg(p.quad_weights + min(max(row, 0), nlat_keys - 1)));
+}
+
+// The tile's chunks [first, first + count) of the schedule, clamped to its chunk list.
+__device__ __forceinline__ int2 TileChunks(const Problem& p) {
+  const int begin = min(max(__ldg(p.tile_offsets + blockIdx.x), 0), p.num_chunks);
+  const int end = min(max(__ldg(p.tile_offsets + blockIdx.x + 1), begin), p.num_chunks);
+  return make_int2(begin, end - begin);
+}
+
+// The producer warp: the tile's points, then per chunk of its list the chunk's description and its two boxes
+// (lane 0 asks for the boxes). The descriptions are read 32 chunks at a time, lane x the chunk x of the batch
+// (with its records when a tile row has one class), so that the loop waits on global memory once per batch.
+// Every lane arrives on the stage's barrier after its writes.
+template <typename T, Kind kKind>
+__device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind>& s, int first, int count) {
+  const Slab slab = SlabOf(p);
+  const int tile = blockIdx.x, lane = threadIdx.x % 32, per_staging = kTileRows * p.classes;
+  const int nlat_keys = kKind == Kind::kDkv ? p.nlat_walk : p.nlat_other;
+  const int batch = static_cast<int>(slab.batch);
+  if (lane == 0) {
+    sm90::MbarrierArriveExpectBytes(&s.tiles_full, TilesOf(kKind) * sizeof(PointTile<T>));
+    for (int i = 0; i < TilesOf(kKind); ++i) {
+      sm90::LoadBox5d(s.tiles[i].rows, &maps.tiles[i], 0, slab.head, __ldg(p.tiles + 2 * tile + 1),
+                      __ldg(p.tiles + 2 * tile), batch, &s.tiles_full);
+    }
+  }
+  for (int batch_start = 0; batch_start < count; batch_start += 32) {
+    int field[kSchedChunkFields] = {};
+    float bias = 0.f;
+    int2 records[kTileRows] = {};
+    if (batch_start + lane < count) {
+      const int* chunk = p.chunks + static_cast<size_t>(first + batch_start + lane) * kSchedChunkFields;
+#pragma unroll
+      for (int f = 0; f < kSchedChunkFields; ++f) field[f] = __ldg(chunk + f);
+      field[3] = min(max(field[3], 0), kChunk);                // valid
+      field[5] = min(max(field[5], 0), p.num_stagings - 1);    // staging
+      if (kKind != Kind::kDkv) bias = KeyBias(p, field[0], nlat_keys);
+      if (p.classes == 1) {
+#pragma unroll
+        for (int a = 0; a < kTileRows; ++a) records[a] = __ldg(p.records + static_cast<size_t>(field[5]) * kTileRows + a);
+      }
+    }
+    for (int k = 0; k < 32 && batch_start + k < count; ++k) {
+      const int i = batch_start + k, stage = i % kStages;
+      MbarrierWait(&s.empty[stage], ((i / kStages) & 1) ^ 1);
+      ChunkInfo& info = s.info[stage];
+      if (lane == k) {
+        info.offset = field[2], info.valid = field[3], info.flags = field[4], info.bias = bias;
+        if (p.classes == 1) {
+#pragma unroll
+          for (int a = 0; a < kTileRows; ++a) info.records[a] = records[a];
+        }
+      }
+      if (p.classes != 1) {  // several classes a row: the lanes copy the staging's records together
+        const int2* from = p.records + static_cast<size_t>(__shfl_sync(0xffffffffu, field[5], k)) * per_staging;
+        for (int x = lane; x < per_staging; x += 32) info.records[x] = __ldg(from + x);
+      }
+      const int row = __shfl_sync(0xffffffffu, field[0], k), lon = __shfl_sync(0xffffffffu, field[1], k);
+      if constexpr (kKind == Kind::kDkv) {  // the chunk's queries' lse and delta, a lane per column
+        const int valid = __shfl_sync(0xffffffffu, field[3], k);
+        for (int x = lane; x < kChunk; x += 32) {
+          const bool real = x < valid && static_cast<unsigned>(row) < static_cast<unsigned>(p.nlat_other) &&
+                            static_cast<unsigned>(lon + x) < static_cast<unsigned>(p.nlon_other);
+          const size_t point = real ? PointIndex(p, slab, p.nlat_other, p.nlon_other, row, lon + x) : 0;
+          info.lse_log2[x] = real ? Log2Lse(__ldg(p.lse + point)) : -kNegInf;
+          info.delta[x] = real ? __ldg(p.delta + point) : 0.f;
+        }
+      }
+      if (lane == 0) {
+        sm90::MbarrierArriveExpectBytes(&s.full[stage], 2 * kChunkBytes);
+        sm90::LoadBox5d(s.stages[stage].a, &maps.a, 0, slab.head, lon, row, batch, &s.full[stage]);
+        sm90::LoadBox5d(s.stages[stage].b, &maps.b, 0, slab.head, lon, row, batch, &s.full[stage]);
+      } else {
+        MbarrierArrive(&s.full[stage]);
+      }
+    }
+  }
+}
+
+// Column n of the thread's accumulator element e (m64nN layout of wgmma_sm90.cuh), less 2 t.
+__host__ __device__ constexpr int ColumnOf(int e) { return 8 * (e / 4) + (e % 2); }
+
+// A chunk as one thread needs it: the key row's log2 weight and, per accumulator row h, the columns it keeps:
+// n with unsigned(n - lo) < count, or (RING) that or n < count2 (the arc's part past longitude nlon, from the
+// chunk's first column).
+struct ChunkMask {
+  int flags;
+  float bias;
+  int lo[2], count[2], count2[2];
+};
+
+__device__ __forceinline__ ChunkMask MaskOf(const Problem& p, const ChunkInfo& info, int warp, const int (&u)[2],
+                                            const int (&step)[2]) {
+  ChunkMask m;
+  const int offset = info.offset, valid = info.valid;
+  m.flags = info.flags;
+  m.bias = info.bias;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int2 record = info.records[warp * p.classes + u[h]];
+    int start = record.x + p.shift * step[h] - offset;
+    const int length = record.y;
+    m.count2[h] = 0;
+    if (m.flags & kRing) {
+      // start modulo nlon: |start| < 2 nlon for the points that are written (offset and record.x in [0, nlon),
+      // shift * step < nlon; tests/test_schedule.py checks it). Other points may get wrong masks: their rows
+      // are computed, not written.
+      start += start < 0 ? p.nlon_other : 0;
+      start -= start >= p.nlon_other ? p.nlon_other : 0;
+      if (length >= p.nlon_other) {
+        m.lo[h] = 0, m.count[h] = valid;
+      } else {
+        m.lo[h] = start, m.count[h] = max(0, min(start + length, valid) - start);
+        m.count2[h] = max(0, min(start + length - p.nlon_other, valid));  // the part past longitude nlon
+      }
+    } else {
+      m.lo[h] = start, m.count[h] = max(0, min(start + length, valid) - start);
+    }
+  }
+  return m;
+}
+
+// Drops the columns the chunk's mask does not keep (score -inf). The flags are the warpgroup's: one branch per
+// chunk, none per element (bitwise or, no short circuit).
+__device__ __forceinline__ void ApplyMask(float (&s)[kChunk / 2], const ChunkMask& m, int t) {
+  if (m.flags & kFull) return;
+  const bool ring = m.flags & kRing;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int base = 2 * t - m.lo[h];
+    const unsigned count = m.count[h], count2 = m.count2[h];
+    if (ring) {
+#pragma unroll
+      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+        const bool keep = (unsigned(base + ColumnOf(e)) < count) | (unsigned(2 * t + ColumnOf(e)) < count2);
+        s[e] = keep ? s[e] : kNegInf;
+      }
+    } else {
+#pragma unroll
+      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+        s[e] = unsigned(base + ColumnOf(e)) < count ? s[e] : kNegInf;
+      }
+    }
+  }
+}
+
+// The online softmax of a chunk's scores in place (s becomes P, not yet rounded), logits in log2 units
+// scale_log2 * s + bias: the maxima and the float32 sums (lse's) move on; `correction` is what O and the
+// rounded P's row sums must be multiplied by.
+__device__ __forceinline__ void Exponentiate(float (&s)[kChunk / 2], float bias, float scale_log2, float (&m)[2],
+                                             float (&l)[2], float (&correction)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float row_max = kNegInf;
+#pragma unroll
+    for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) row_max = fmaxf(row_max, s[e]);
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+    const float m_new = fmaxf(m[h], fmaf(row_max, scale_log2, bias));
+    const float base = m_new == kNegInf ? 0.f : m_new;  // no -inf - -inf
+    correction[h] = Exp2(m[h] - base);
+    m[h] = m_new;
+    l[h] *= correction[h];
+    const float offset_log2 = bias - base;
+#pragma unroll
+    for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
+      s[e] = Exp2(fmaf(s[e], scale_log2, offset_log2));
+      l[h] += s[e];
+    }
+  }
+}
+
+// O and the row sums (m64n8 accumulators: the same row layout) times the corrections, skipped when no maximum of
+// the warp moved (every correction exactly 1).
+__device__ __forceinline__ void Rescale(float (&o)[kD / 2], float (&sums)[4], const float (&correction)[2]) {
+  if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
+#pragma unroll
+    for (int e = 0; e < kD / 2; ++e) o[e] *= correction[(e >> 1) & 1];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sums[e] *= correction[(e >> 1) & 1];
+  }
+}
+
+// Issues S = A B^T of a tile and a staged chunk's rows (4 k16 steps), to be committed by the caller.
+template <typename T>
+__device__ __forceinline__ void IssueTransposed(float (&s)[kChunk / 2], const PointTile<T>& tile, const T* rows) {
+  const uint64_t a = sm90::SwizzledTileDescriptor(tile.rows), b = sm90::SwizzledTileDescriptor(rows);
+  sm90::FenceRegisters(s);
+  sm90::WgmmaFence();
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    sm90::WgmmaM64N32K16SharedA<T>(s, sm90::DescriptorPlus(a, 2 * ks), sm90::DescriptorPlus(b, 2 * ks), ks > 0);
+  }
+}
+
+// Scores rounded to T as the A fragments of a product (columns 16 kk .. 16 kk + 15 of the score tile).
+template <typename T>
+__device__ __forceinline__ void Pack(uint32_t (&a)[kChunk / 16][4], const float (&scores)[kChunk / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kk][i] = PackPair<T>(scores[8 * kk + 2 * i], scores[8 * kk + 2 * i + 1]);
+  }
+}
+
+// Issues d += A B as one group: A the rounded scores of a chunk (dS; P^T, dS^T), B a staged chunk's rows.
+template <typename T>
+__device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], uint32_t (&a)[kChunk / 16][4], const T* b) {
+  const uint64_t rows = sm90::SwizzledTileDescriptor(b);
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(a[kk]);
+  sm90::FenceRegisters(d);
+  sm90::WgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::WgmmaM64N64K16<T, 1>(d, a[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+  sm90::WgmmaCommit();
+}
+
+// Issues O += P V and the row sums += P 1 as one group (P the rounded probabilities of a chunk, V its staged rows,
+// 1 the ones tile).
+template <typename T>
+__device__ __forceinline__ void IssueProductsAndSums(float (&o)[kD / 2], float (&sums)[4],
+                                                     uint32_t (&prob)[kChunk / 16][4], const T* v, const T* ones) {
+  const uint64_t rows = sm90::SwizzledTileDescriptor(v), column = sm90::SwizzledTileDescriptor(ones);
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(prob[kk]);
+  sm90::FenceRegisters(o);
+  sm90::FenceRegisters(sums);
+  sm90::WgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+    sm90::WgmmaM64N64K16<T, 1>(o, prob[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+    sm90::WgmmaM64N8K16<T, 1>(sums, prob[kk], column, 1);
+  }
+  sm90::WgmmaCommit();
+}
+
+// A consumer warpgroup's walk over its tile's chunks, in FlashAttention-3's intra-warpgroup order: with chunk j's
+// operands formed and rounded, issue_scores(stage j + 1) (one group, committed), issue_products(stage j)
+// (kProductGroups groups), wait for the scores, form(j + 1) while the products run, wait for them, release stage
+// j, round() chunk j + 1. fence_scores / fence_products fence the registers each wait completed.
+template <int kProductGroups, typename SharedState, typename IssueScores, typename Form, typename IssueProducts,
+          typename Round, typename FenceScores, typename FenceProducts>
+__device__ __forceinline__ void WalkChunks(SharedState& s, int count, const IssueScores& issue_scores, const Form& form,
+                                           const IssueProducts& issue_products, const Round& round,
+                                           const FenceScores& fence_scores, const FenceProducts& fence_products) {
+  MbarrierWait(&s.full[0], 0);
+  issue_scores(s.stages[0]);
+  sm90::WgmmaWait<0>();
+  fence_scores();
+  form(0);
+  round();
+  for (int j = 0; j + 1 < count; ++j) {
+    const int next = (j + 1) % kStages;
+    MbarrierWait(&s.full[next], ((j + 1) / kStages) & 1);
+    issue_scores(s.stages[next]);
+    issue_products(s.stages[j % kStages]);
+    sm90::WgmmaWait<kProductGroups>();
+    fence_scores();
+    form(j + 1);
+    sm90::WgmmaWait<0>();
+    fence_products();
+    MbarrierArrive(&s.empty[j % kStages]);
+    round();
+  }
+  issue_products(s.stages[(count - 1) % kStages]);
+  sm90::WgmmaWait<0>();
+  fence_products();
+}
+
+// The thread's walking points: tile row `warp`, longitudes lane / 4 and lane / 4 + 8 of the tile, with their
+// residue classes and steps; `real[h]` whether the point is on the walking grid (only those are written).
+struct ThreadPoints {
+  int row, lon[2], u[2], step[2];
+  bool real[2];
+};
+
+__device__ __forceinline__ ThreadPoints PointsOf(const Problem& p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  ThreadPoints points;
+  points.row = __ldg(p.tiles + 2 * blockIdx.x) + warp;
+  const int first_lon = __ldg(p.tiles + 2 * blockIdx.x + 1);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int column = lane / 4 + 8 * h;
+    points.u[h] = column % p.classes, points.step[h] = column / p.classes;
+    points.lon[h] = first_lon + column;
+    points.real[h] = static_cast<unsigned>(points.row) < static_cast<unsigned>(p.nlat_walk) &&
+                     static_cast<unsigned>(points.lon[h]) < static_cast<unsigned>(p.nlon_walk);
+  }
+  return points;
+}
+
+// Stores the thread's rows of a 64 x kD float32 accumulator, times `factor`, into `to` ([slab points, kD] of the
+// walking grid; float32 or T by p.f32_results).
+template <typename T>
+__device__ __forceinline__ void StoreRows(const Problem& p, const ThreadPoints& points, void* to,
+                                          const float (&d)[kD / 2], const float (&factor)[2]) {
+  const Slab slab = SlabOf(p);
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (!points.real[h]) continue;
+    const size_t at = PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h]) * kD + 2 * t;
+    if (p.f32_results) {
+      float* row = static_cast<float*>(to) + at;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        *reinterpret_cast<float2*>(row + 8 * j) = make_float2(d[4 * j + 2 * h] * factor[h], d[4 * j + 2 * h + 1] * factor[h]);
+      }
+    } else {
+      T* row = static_cast<T*>(to) + at;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        *reinterpret_cast<uint32_t*>(row + 8 * j) =
+            PackPair<T>(d[4 * j + 2 * h] * factor[h], d[4 * j + 2 * h + 1] * factor[h]);
+      }
+    }
+  }
+}
+
+// The forward of the consumer warpgroup: per chunk S = Q K^T, the mask and online softmax, O += P V and the row
+// sums of the rounded P (both rescaled just before the products are issued); out and lse at the end.
+template <typename T>
+__device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, int count) {
+  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
+  const ThreadPoints points = PointsOf(p);
+  float o[kD / 2] = {}, sums[4] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
+  float correction[2];
+  uint32_t prob[kChunk / 16][4];
+  const auto softmax = [&](int i) {  // S(i) complete in scores: P(i) in place
+    const ChunkMask mask = MaskOf(p, s.info[i % kStages], warp, points.u, points.step);
+    ApplyMask(scores, mask, t);
+    Exponentiate(scores, mask.bias, p.scale_log2, m, l, correction);
+  };
+  MbarrierWait(&s.tiles_full, 0);
+  WalkChunks<1>(
+      s, count,
+      [&](const Stage<T>& stage) {
+        IssueTransposed<T>(scores, s.tiles[0], stage.a);
+        sm90::WgmmaCommit();
+      },
+      softmax,
+      [&](const Stage<T>& stage) {
+        Rescale(o, sums, correction);
+        IssueProductsAndSums<T>(o, sums, prob, stage.b, s.ones.rows);
+      },
+      [&] { Pack<T>(prob, scores); }, [&] { sm90::FenceRegisters(scores); },
+      [&] {
+        sm90::FenceRegisters(o);
+        sm90::FenceRegisters(sums);
+      });
+  // lse from the float32 sums; out divided by the sums of P as rounded for P V (every column of row h's sums
+  // holds the whole row's).
+  const Slab slab = SlabOf(p);
+  float inverse[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    inverse[h] = sums[2 * h] > 0.f ? 1.f / sums[2 * h] : 0.f;
+    if (points.real[h] && t == 0) {
+      p.lse_out[PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h])] =
+          l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
+    }
+  }
+  StoreRows<T>(p, points, p.out, o, inverse);
+}
+
+// dq of the consumer warpgroup, in the forward's order: per chunk j + 1 issue S(j+1) = Q K^T and dP(j+1) = dO V^T
+// as one group, issue dq += dS(j) K(j), wait for the first group, then form dS(j+1) = P (dP - delta) with
+// P = exp2(S scale log2(e) + bias - lse log2(e)) on the chunk's mask while dq's product runs.
+template <typename T>
+__device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) {
+  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
+  const ThreadPoints points = PointsOf(p);
+  const Slab slab = SlabOf(p);
+  float lse_log2[2] = {0.f, 0.f}, delta[2] = {0.f, 0.f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (points.real[h]) {
+      const size_t point = PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h]);
+      lse_log2[h] = Log2Lse(__ldg(p.lse + point));
+      delta[h] = __ldg(p.delta + point);
+    }
+  }
+  float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
+  uint32_t ds[kChunk / 16][4];
+  const auto issue_scores = [&](const Stage<T>& stage) {
+    IssueTransposed<T>(scores, s.tiles[0], stage.a);
+    IssueTransposed<T>(dp, s.tiles[1], stage.b);
+    sm90::WgmmaCommit();
+  };
+  const auto score_gradients = [&](int i) {  // S(i), dP(i) complete: dS(i) into scores
+    const ChunkMask mask = MaskOf(p, s.info[i % kStages], warp, points.u, points.step);
+    ApplyMask(scores, mask, t);
+#pragma unroll
+    for (int e = 0; e < kChunk / 2; ++e) {
+      const int h = (e >> 1) & 1;
+      scores[e] = Exp2(fmaf(scores[e], p.scale_log2, mask.bias - lse_log2[h])) * (dp[e] - delta[h]);
+    }
+  };
+  MbarrierWait(&s.tiles_full, 0);
+  WalkChunks<1>(
+      s, count, issue_scores, score_gradients,
+      [&](const Stage<T>& stage) { IssueAccumulate<T>(dq, ds, stage.a); }, [&] { Pack<T>(ds, scores); },
+      [&] {
+        sm90::FenceRegisters(scores);
+        sm90::FenceRegisters(dp);
+      },
+      [&] { sm90::FenceRegisters(dq); });
+  const float scale[2] = {p.scale, p.scale};
+  StoreRows<T>(p, points, p.dq, dq, scale);
+}
+
+// dk and dv of the consumer warpgroup over a tile of keys, walking the backward schedule: per chunk of 32 queries
+// j + 1 issue S^T(j+1) = K Q^T and dP^T(j+1) = V dO^T as one group, issue dv += P^T(j) dO(j) and
+// dk += dS^T(j) Q(j), wait for the first group, then form P^T = exp2(S^T scale log2(e) + key weight - lse log2(e))
+// and dS^T = P^T (dP^T - delta) on the chunk's mask while both products run.
+template <typename T>
+__device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count) {
+  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
+  const ThreadPoints points = PointsOf(p);
+  const float key_bias = KeyBias(p, points.row, p.nlat_walk);
+  float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
+  uint32_t prob[kChunk / 16][4], grad[kChunk / 16][4];
+  const auto issue_scores = [&](const Stage<T>& stage) {
+    IssueTransposed<T>(scores, s.tiles[0], stage.a);
+    IssueTransposed<T>(dp, s.tiles[1], stage.b);
+    sm90::WgmmaCommit();
+  };
+  const auto gradients = [&](int i) {  // S^T(i), dP^T(i) complete: P^T(i) into scores, dS^T(i) into dp
+    const ChunkInfo& info = s.info[i % kStages];
+    const ChunkMask mask = MaskOf(p, info, warp, points.u, points.step);
+    ApplyMask(scores, mask, t);
+#pragma unroll
+    for (int e = 0; e < kChunk / 2; ++e) {
+      const int n = 2 * t + ColumnOf(e);
+      scores[e] = Exp2(fmaf(scores[e], p.scale_log2, key_bias - info.lse_log2[n]));
+      dp[e] = scores[e] * (dp[e] - info.delta[n]);
+    }
+  };
+  MbarrierWait(&s.tiles_full, 0);
+  WalkChunks<2>(
+      s, count, issue_scores, gradients,
+      [&](const Stage<T>& stage) {
+        IssueAccumulate<T>(dv, prob, stage.b);
+        IssueAccumulate<T>(dk, grad, stage.a);
+      },
+      [&] {
+        Pack<T>(prob, scores);
+        Pack<T>(grad, dp);
+      },
+      [&] {
+        sm90::FenceRegisters(scores);
+        sm90::FenceRegisters(dp);
+      },
+      [&] {
+        sm90::FenceRegisters(dk);
+        sm90::FenceRegisters(dv);
+      });
+  const float scale[2] = {p.scale, p.scale}, one[2] = {1.f, 1.f};
+  StoreRows<T>(p, points, p.dk, dk, scale);
+  StoreRows<T>(p, points, p.dv, dv, one);
+}
+
+// The results of a tile without chunks (its points see no other point): zeros, and lse -inf.
+template <typename T, Kind kKind>
+__device__ void WriteEmpty(const Problem& p) {
+  const ThreadPoints points = PointsOf(p);
+  const float zeros[kD / 2] = {}, factor[2] = {1.f, 1.f};
+  if constexpr (kKind == Kind::kForward) {
+    StoreRows<T>(p, points, p.out, zeros, factor);
+    const Slab slab = SlabOf(p);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (points.real[h] && threadIdx.x % 4 == 0) {
+        p.lse_out[PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h])] = kNegInf;
+      }
+    }
+  } else if constexpr (kKind == Kind::kDq) {
+    StoreRows<T>(p, points, p.dq, zeros, factor);
+  } else {
+    StoreRows<T>(p, points, p.dk, zeros, factor);
+    StoreRows<T>(p, points, p.dv, zeros, factor);
+  }
+}
+
+template <typename T, Kind kKind>
+__global__ void __launch_bounds__(kThreads, BlocksPerSm(kKind))
+    ScheduledAttention(const Problem p, const __grid_constant__ Maps maps) {
+#if defined(S2ATTN_HOST_EMULATION) || (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL))
+  auto* base = reinterpret_cast<unsigned char*>(DynamicShared());
+  base += (1024 - reinterpret_cast<uintptr_t>(base) % 1024) % 1024;
+  auto& s = *reinterpret_cast<Shared<T, kKind>*>(base);
+  const int2 chunks = TileChunks(p);
+  if (chunks.y == 0) {
+    if (threadIdx.x < 128) WriteEmpty<T, kKind>(p);
+    return;
+  }
+  if constexpr (kKind == Kind::kForward) {  // the ones tile: 2 KiB, 16 bytes a thread
+    const uint32_t one = PackPair<T>(1.f, 1.f);
+    for (int i = threadIdx.x; i < int(sizeof(OnesTile<T>) / 16); i += kThreads) {
+      reinterpret_cast<uint4*>(s.ones.rows)[i] = make_uint4(one, one, one, one);
+    }
+    sm90::FenceSharedForWgmma();
+  }
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      MbarrierInit(&s.full[i], 32);
+      MbarrierInit(&s.empty[i], 128);
+    }
+    MbarrierInit(&s.tiles_full, 1);
+    MbarrierInitFence();
+  }
+  __syncthreads();
+  if (threadIdx.x / 32 == 4) {
+    Produce<T, kKind>(p, maps, s, chunks.x, chunks.y);
+  } else if constexpr (kKind == Kind::kForward) {
+    ConsumeForward<T>(p, s, chunks.y);
+  } else if constexpr (kKind == Kind::kDq) {
+    ConsumeDq<T>(p, s, chunks.y);
+  } else {
+    ConsumeDkv<T>(p, s, chunks.y);
+  }
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------ host
+
+// cuTensorMapEncodeTiled through the runtime (no link against the driver library), or null.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiled FindEncodeTiled() {
+  static const EncodeTiled encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const bool ok = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault,
+                                                     &found) == cudaSuccess &&
+                    found == cudaDriverEntryPointSuccess;
+    return ok ? reinterpret_cast<EncodeTiled>(function) : nullptr;
+  }();
+  return encode;
+}
+
+// A 5-D map of [batch, nlat, nlon, heads, kD] 16-bit activations with boxes of `box_lons` x `box_rows` points of
+// one head.
+inline bool EncodeActivations(CUtensorMap* map, ActivationType dtype, const void* data, int64_t batch, int nlat,
+                              int nlon, int64_t heads, int box_lons, int box_rows) {
+  const EncodeTiled encode = FindEncodeTiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[5] = {kD, cuuint64_t(heads), cuuint64_t(nlon), cuuint64_t(nlat), cuuint64_t(batch)};
+  const cuuint64_t point = kD * 2;
+  const cuuint64_t strides[4] = {point, point * heads, point * heads * nlon, point * heads * nlon * nlat};
+  const cuuint32_t box[5] = {kD, 1, cuuint32_t(box_lons), cuuint32_t(box_rows), 1};
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  const CUtensorMapDataType type =
+      dtype == ActivationType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode(map, type, 5, const_cast<void*>(data), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Launches kind kKind of a call on its schedule: tensor maps of the walking and the other grid's operands, then
+// one launch per kMaxGridYZ slabs.
+template <typename T, Kind kKind>
+cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
+  const bool walk_keys = kKind == Kind::kDkv;
+  Problem p{};
+  p.nlat_walk = walk_keys ? g.nlat_k : g.nlat_q;
+  p.nlon_walk = walk_keys ? g.nlon_k : g.nlon_q;
+  p.nlat_other = walk_keys ? g.nlat_q : g.nlat_k;
+  p.nlon_other = walk_keys ? g.nlon_q : g.nlon_k;
+  p.heads = static_cast<int>(g.heads);
+  p.tiles = g.tiles, p.tile_offsets = g.tile_offsets, p.chunks = g.chunks;
+  p.records = reinterpret_cast<const int2*>(g.records);
+  p.num_chunks = static_cast<int>(g.num_chunks), p.num_stagings = static_cast<int>(g.num_stagings);
+  p.classes = g.classes, p.shift = g.shift;
+  p.quad_weights = g.quad_weights;
+  p.scale = g.scale, p.scale_log2 = g.scale * kLog2e;
+  p.lse = g.lse, p.delta = g.delta;
+  p.f32_results = g.result_dtype == ActivationType::kF32;
+  p.out = g.out, p.lse_out = g.lse_out, p.dq = g.dq, p.dk = g.dk, p.dv = g.dv;
+
+  Maps maps;
+  const void* walk_data[2] = {walk_keys ? g.k : g.q, walk_keys ? g.v : (kKind == Kind::kForward ? g.q : g.dout)};
+  const void* other_data[2] = {walk_keys ? g.q : g.k, walk_keys ? g.dout : g.v};
+  for (int i = 0; i < 2; ++i) {
+    if (!EncodeActivations(&maps.tiles[i], g.dtype, walk_data[i], g.batch, p.nlat_walk, p.nlon_walk, g.heads,
+                           kTileCols, kTileRows)) {
+      return cudaErrorInvalidValue;
+    }
+  }
+  if (!EncodeActivations(&maps.a, g.dtype, other_data[0], g.batch, p.nlat_other, p.nlon_other, g.heads, kChunk, 1) ||
+      !EncodeActivations(&maps.b, g.dtype, other_data[1], g.batch, p.nlat_other, p.nlon_other, g.heads, kChunk, 1)) {
+    return cudaErrorInvalidValue;
+  }
+  const int shared = static_cast<int>(sizeof(Shared<T, kKind>)) + 1024;  // + the 1024-byte alignment
+  cudaError_t status =
+      cudaFuncSetAttribute(ScheduledAttention<T, kKind>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+  const int64_t slabs = g.batch * g.heads;
+  for (int64_t first = 0; status == cudaSuccess && first < slabs; first += kMaxGridYZ) {
+    p.first_slab = first;
+    void* args[2] = {&p, &maps};
+    // Through cudaLaunchKernel (not <<< >>>), so that the kernels also build for the host emulation.
+    status = cudaLaunchKernel(ScheduledAttention<T, kKind>,
+                              dim3(static_cast<unsigned>(g.num_tiles), static_cast<unsigned>(std::min(slabs - first, kMaxGridYZ))),
+                              dim3(kThreads), args, shared, stream);
+  }
+  return status;
+}
+
+// The launcher of kKind for the call's activation type.
+template <Kind kKind>
+cudaError_t Launch(cudaStream_t stream, const SchedAttnParams& g) {
+  if (g.num_tiles == 0 || g.batch * g.heads == 0) return cudaSuccess;
+  return g.dtype == ActivationType::kF16 ? LaunchKind<__half, kKind>(stream, g)
+                                         : LaunchKind<__nv_bfloat16, kKind>(stream, g);
+}
+
+}  // namespace sched
+}  // namespace gpu
+}  // namespace s2attn

@@ -1,0 +1,263 @@
+// CUDA handlers of the scheduled targets (contract: cuda/README.md, "Scheduled targets"): forward, dq and dk/dv
+// on the plan's block schedules (sched_attn_kernels.h). A handler checks everything visible on the host (shapes,
+// dtypes, attributes, the schedule's table sizes against its shape), fills one SchedAttnParams and launches on
+// XLA's stream; the schedule's contents are device memory, which the kernels clamp. Whole grids only.
+#include "gpu/sched_attn_ffi.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "common/ffi_check.h"
+#include "common/kernel_limits.h"
+#include "common/nbhd_binding.h"
+#include "common/nbhd_params.h"
+#include "gpu/ffi_launch.h"
+#include "gpu/sched_attn_kernels.h"
+
+namespace s2attn {
+namespace {
+
+using AnyResult = ffi::Result<ffi::AnyBuffer>;
+using F32Result = ffi::ResultBuffer<ffi::F32>;
+using CudaStream = ffi::PlatformStream<cudaStream_t>;
+
+// The attributes of every scheduled target: the softmax scale, the walk's classes and shift, the global grids and
+// the schedule's shape (which must be the kernels').
+struct SchedAttrs {
+  float scale;
+  int64_t classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols;
+};
+
+template <typename Binding>
+auto BindSchedAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("classes")
+      .template Attr<int64_t>("shift")
+      .template Attr<int64_t>("nlat_q")
+      .template Attr<int64_t>("nlon_q")
+      .template Attr<int64_t>("nlat_k")
+      .template Attr<int64_t>("nlon_k")
+      .template Attr<int64_t>("tile_rows")
+      .template Attr<int64_t>("tile_cols")
+      .template Attr<int64_t>("chunk_cols");
+}
+
+// The walk's schedule (tiles, tile_offsets, chunks, records) and the quadrature weights, then the operands
+// aliased to results (ignored).
+template <typename Binding>
+auto BindSchedule(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<I32Buffer>()  // tiles
+      .template Arg<I32Buffer>()  // tile_offsets
+      .template Arg<I32Buffer>()  // chunks
+      .template Arg<I32Buffer>()  // records
+      .template Arg<F32Buffer>()  // quad_weights
+      .RemainingArgs();
+}
+
+struct Schedule {
+  const I32Buffer& tiles;
+  const I32Buffer& tile_offsets;
+  const I32Buffer& chunks;
+  const I32Buffer& records;
+  const F32Buffer& quad_weights;
+};
+
+ActivationType ToActivationType(ffi::DataType type) {
+  return type == ffi::DataType::F32 ? ActivationType::kF32
+         : type == ffi::DataType::F16 ? ActivationType::kF16
+                                      : ActivationType::kBF16;
+}
+
+// Dims of `buffer` are exactly `expected`.
+ffi::Error CheckDims(const char* name, ffi::Span<const int64_t> dims, std::initializer_list<int64_t> expected) {
+  bool ok = dims.size() == expected.size();
+  size_t i = 0;
+  for (const int64_t extent : expected) ok = ok && dims[i++] == extent;
+  Message shape;
+  i = 0;
+  for (const int64_t extent : expected) shape << (i++ == 0 ? "" : ", ") << extent;
+  S2ATTN_CHECK(ok, name << " must have shape [" << shape.str() << "] (the plan's block schedule of the kernels' "
+                        "shape), got rank " << dims.size());
+  return ffi::Error::Success();
+}
+
+// Decodes q, k, v (whole grids of the attributes, 16-bit, Dk == Dv == the kernels' head dim), the schedule's
+// table sizes and the attributes into `g`; `walk_keys` for dk/dv's backward schedule.
+ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const Schedule& s,
+                  const SchedAttrs& a, bool walk_keys, SchedAttnParams* g) {
+  S2ATTN_CHECK(SchedAttnAvailable(), "the scheduled kernels need an sm_90 GPU (H100, H200) and a build for sm_90a");
+  int64_t batch, nq_lat, nq_lon, heads, dk, bk, nk_lat, nk_lon, hk, dk2, bv, nv_lat, nv_lon, hv, dv;
+  S2ATTN_RETURN_IF_ERROR(SplitActivation("q", q.dimensions(), &batch, &nq_lat, &nq_lon, &heads, &dk));
+  S2ATTN_RETURN_IF_ERROR(SplitActivation("k", k.dimensions(), &bk, &nk_lat, &nk_lon, &hk, &dk2));
+  S2ATTN_RETURN_IF_ERROR(SplitActivation("v", v.dimensions(), &bv, &nv_lat, &nv_lon, &hv, &dv));
+  S2ATTN_CHECK(q.element_type() == k.element_type() && q.element_type() == v.element_type() &&
+                   (q.element_type() == ffi::DataType::BF16 || q.element_type() == ffi::DataType::F16),
+               "q, k, v must share one dtype, bfloat16 or float16 (the scheduled kernels'), got "
+                   << DataTypeName(q.element_type()) << ", " << DataTypeName(k.element_type()) << ", "
+                   << DataTypeName(v.element_type()));
+  S2ATTN_CHECK(dk == kSchedHeadDim && dk2 == kSchedHeadDim && dv == kSchedHeadDim,
+               "the scheduled kernels take head dims Dk == Dv == " << kSchedHeadDim << ", got " << dk << ", " << dk2
+                                                                   << ", " << dv);
+  S2ATTN_CHECK(bk == batch && bv == batch && hk == heads && hv == heads,
+               "q, k, v must have the same batch dims and heads");
+  S2ATTN_CHECK(nq_lat == a.nlat_q && nq_lon == a.nlon_q && nk_lat == a.nlat_k && nk_lon == a.nlon_k &&
+                   nv_lat == a.nlat_k && nv_lon == a.nlon_k,
+               "the scheduled kernels take whole grids: q " << nq_lat << "x" << nq_lon << " and k, v " << nk_lat << "x"
+                                                             << nk_lon << " must be the plan's " << a.nlat_q << "x"
+                                                             << a.nlon_q << " and " << a.nlat_k << "x" << a.nlon_k);
+  S2ATTN_CHECK(a.tile_rows == kSchedTileRows && a.tile_cols == kSchedTileCols && a.chunk_cols == kSchedChunkCols,
+               "the schedule's shape " << a.tile_rows << "x" << a.tile_cols << ", " << a.chunk_cols
+                                       << " columns is not the kernels' " << kSchedTileRows << "x" << kSchedTileCols
+                                       << ", " << kSchedChunkCols);
+  S2ATTN_CHECK(a.classes >= 1 && a.classes <= kSchedTileCols && a.shift >= 1,
+               "classes must be in [1, " << kSchedTileCols << "] and shift >= 1, got " << a.classes << ", " << a.shift);
+  constexpr int64_t kMaxExtent = int64_t{1} << 29;
+  S2ATTN_CHECK(a.nlat_q < kMaxExtent && a.nlon_q < kMaxExtent && a.nlat_k < kMaxExtent && a.nlon_k < kMaxExtent,
+               "grid sizes must be below 2^29");
+  const auto tile_dims = s.tiles.dimensions(), chunk_dims = s.chunks.dimensions();
+  S2ATTN_CHECK(tile_dims.size() == 2 && tile_dims[1] == 2, "tiles must be int32 [tiles, 2]");
+  S2ATTN_CHECK(chunk_dims.size() == 2 && chunk_dims[1] == kSchedChunkFields,
+               "chunks must be int32 [chunks, " << kSchedChunkFields << "]");
+  const int64_t num_tiles = tile_dims[0], num_chunks = chunk_dims[0];
+  S2ATTN_RETURN_IF_ERROR(CheckDims("tile_offsets", s.tile_offsets.dimensions(), {num_tiles + 1}));
+  const auto record_dims = s.records.dimensions();
+  S2ATTN_CHECK(record_dims.size() == 4 && record_dims[1] == kSchedTileRows && record_dims[2] == a.classes &&
+                   record_dims[3] == 2 && (num_chunks == 0 || record_dims[0] > 0),
+               "records must be int32 [stagings, " << kSchedTileRows << ", classes = " << a.classes
+                                                   << ", 2], non-empty where there are chunks");
+  S2ATTN_CHECK(num_tiles < (int64_t{1} << 31) && num_chunks < (int64_t{1} << 31) && record_dims[0] < (int64_t{1} << 31),
+               "the schedule exceeds the kernels' 32-bit indices");
+  S2ATTN_CHECK(static_cast<int64_t>(s.quad_weights.element_count()) >= a.nlat_k,
+               "quad_weights must hold the " << a.nlat_k << " key rows' weights");
+  S2ATTN_CHECK(batch * heads <= INT32_MAX, "batch x heads must be below 2^31");
+  g->dtype = ToActivationType(q.element_type());
+  g->q = q.untyped_data(), g->k = k.untyped_data(), g->v = v.untyped_data();
+  g->tiles = s.tiles.typed_data(), g->tile_offsets = s.tile_offsets.typed_data();
+  g->chunks = s.chunks.typed_data(), g->records = s.records.typed_data();
+  g->quad_weights = s.quad_weights.typed_data();
+  g->num_tiles = num_tiles, g->num_chunks = num_chunks, g->num_stagings = record_dims[0];
+  g->classes = static_cast<int32_t>(a.classes), g->shift = static_cast<int32_t>(a.shift);
+  g->batch = batch, g->heads = heads;
+  g->nlat_q = static_cast<int32_t>(a.nlat_q), g->nlon_q = static_cast<int32_t>(a.nlon_q);
+  g->nlat_k = static_cast<int32_t>(a.nlat_k), g->nlon_k = static_cast<int32_t>(a.nlon_k);
+  g->scale = a.scale;
+  const int64_t walk_tiles = ((walk_keys ? a.nlat_k : a.nlat_q) + kSchedTileRows - 1) / kSchedTileRows *
+                             (((walk_keys ? a.nlon_k : a.nlon_q) + kSchedTileCols - 1) / kSchedTileCols);
+  S2ATTN_CHECK(num_tiles == walk_tiles, "the schedule lists " << num_tiles << " tiles; the walking grid has "
+                                                              << walk_tiles << " (pass the plan's "
+                                                              << (walk_keys ? "backward" : "forward") << " schedule)");
+  return ffi::Error::Success();
+}
+
+// The results' element type (float32 or q's) into `g`.
+ffi::Error SetResultType(const char* names, std::initializer_list<ffi::DataType> types, ffi::DataType activations,
+                         SchedAttnParams* g) {
+  ElementType type;
+  S2ATTN_RETURN_IF_ERROR(CheckResultTypes(names, types, activations, /*narrow_allowed=*/true, &type));
+  g->result_dtype = type == ElementType::kF32 ? ActivationType::kF32 : g->dtype;
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer tiles,
+                   I32Buffer tile_offsets, I32Buffer chunks, I32Buffer records, F32Buffer quad_weights,
+                   ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale, int64_t classes,
+                   int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t tile_rows,
+                   int64_t tile_cols, int64_t chunk_cols) {
+  SchedAttnParams g;
+  const SchedAttrs a{scale, classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols};
+  S2ATTN_RETURN_IF_ERROR(
+      Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), g.batch, nlat_q, nlon_q, g.heads, kSchedHeadDim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse->dimensions(), g.batch, nlat_q, nlon_q, g.heads, -1));
+  S2ATTN_RETURN_IF_ERROR(SetResultType("out", {out->element_type()}, q.element_type(), &g));
+  g.out = out->untyped_data(), g.lse_out = lse->typed_data();
+  return LaunchOnStreamDevice(stream, kTargetScheduledForward, [&] { return LaunchSchedAttnFwd(stream, g); });
+}
+
+// The backward targets' dout, lse and delta.
+ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& dout, const F32Buffer& lse,
+                          const F32Buffer& delta, SchedAttnParams* g) {
+  S2ATTN_CHECK(dout.element_type() == q.element_type(), "dout must have the dtype of q");
+  S2ATTN_RETURN_IF_ERROR(
+      CheckGridArray("dout", dout.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, kSchedHeadDim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, -1));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, -1));
+  g->dout = dout.untyped_data(), g->lse = lse.typed_data(), g->delta = delta.typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
+                      F32Buffer lse, F32Buffer delta, I32Buffer tiles, I32Buffer tile_offsets, I32Buffer chunks,
+                      I32Buffer records, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
+                      float scale, int64_t classes, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
+                      int64_t nlon_k, int64_t tile_rows, int64_t tile_cols, int64_t chunk_cols) {
+  SchedAttnParams g;
+  const SchedAttrs a{scale, classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols};
+  S2ATTN_RETURN_IF_ERROR(
+      Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), g.batch, nlat_q, nlon_q, g.heads, kSchedHeadDim));
+  S2ATTN_RETURN_IF_ERROR(SetResultType("dq", {dq->element_type()}, q.element_type(), &g));
+  g.dq = dq->untyped_data();
+  return LaunchOnStreamDevice(stream, kTargetScheduledBackwardDq, [&] { return LaunchSchedAttnDq(stream, g); });
+}
+
+ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
+                       F32Buffer lse, F32Buffer delta, I32Buffer tiles, I32Buffer tile_offsets, I32Buffer chunks,
+                       I32Buffer records, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/,
+                       AnyResult dk, AnyResult dv, float scale, int64_t classes, int64_t shift, int64_t nlat_q,
+                       int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t tile_rows, int64_t tile_cols,
+                       int64_t chunk_cols) {
+  SchedAttnParams g;
+  const SchedAttrs a{scale, classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols};
+  S2ATTN_RETURN_IF_ERROR(
+      Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/true, &g));
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dk", dk->dimensions(), g.batch, nlat_k, nlon_k, g.heads, kSchedHeadDim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dv", dv->dimensions(), g.batch, nlat_k, nlon_k, g.heads, kSchedHeadDim));
+  S2ATTN_RETURN_IF_ERROR(SetResultType("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(), &g));
+  g.dk = dk->untyped_data(), g.dv = dv->untyped_data();
+  return LaunchOnStreamDevice(stream, kTargetScheduledBackwardDkv, [&] { return LaunchSchedAttnDkv(stream, g); });
+}
+
+}  // namespace
+}  // namespace s2attn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    S2AttnScheduledForwardCuda, s2attn::Forward,
+    s2attn::BindSchedAttrs(s2attn::BindSchedule(xla::ffi::Ffi::Bind()
+                                                    .Ctx<s2attn::CudaStream>()
+                                                    .Arg<xla::ffi::AnyBuffer>()   // q
+                                                    .Arg<xla::ffi::AnyBuffer>()   // k
+                                                    .Arg<xla::ffi::AnyBuffer>())  // v
+                               .Ret<xla::ffi::AnyBuffer>()                        // out
+                               .Ret<s2attn::F32Buffer>()));                       // lse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    S2AttnScheduledBackwardDqCuda, s2attn::BackwardDq,
+    s2attn::BindSchedAttrs(s2attn::BindSchedule(xla::ffi::Ffi::Bind()
+                                                    .Ctx<s2attn::CudaStream>()
+                                                    .Arg<xla::ffi::AnyBuffer>()  // q
+                                                    .Arg<xla::ffi::AnyBuffer>()  // k
+                                                    .Arg<xla::ffi::AnyBuffer>()  // v
+                                                    .Arg<xla::ffi::AnyBuffer>()  // dout
+                                                    .Arg<s2attn::F32Buffer>()    // lse
+                                                    .Arg<s2attn::F32Buffer>())   // delta
+                               .Ret<xla::ffi::AnyBuffer>()));                    // dq
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    S2AttnScheduledBackwardDkvCuda, s2attn::BackwardDkv,
+    s2attn::BindSchedAttrs(s2attn::BindSchedule(xla::ffi::Ffi::Bind()
+                                                    .Ctx<s2attn::CudaStream>()
+                                                    .Arg<xla::ffi::AnyBuffer>()  // q
+                                                    .Arg<xla::ffi::AnyBuffer>()  // k
+                                                    .Arg<xla::ffi::AnyBuffer>()  // v
+                                                    .Arg<xla::ffi::AnyBuffer>()  // dout
+                                                    .Arg<s2attn::F32Buffer>()    // lse
+                                                    .Arg<s2attn::F32Buffer>())   // delta
+                               .Ret<xla::ffi::AnyBuffer>()                       // dk
+                               .Ret<xla::ffi::AnyBuffer>()));                    // dv

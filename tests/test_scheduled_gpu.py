@@ -1,0 +1,147 @@
+"""The scheduled tensor-core kernels (wgmma on the plan's block schedules) on an sm_90 GPU.
+
+``implementation="ffi"`` runs them for 16-bit inputs with ``Dk == Dv == 64`` on whole grids; the op is checked
+against float64 oracles at the 16-bit bar (relative error <= 1e-2 for outputs and q, k, v gradients; lse
+float32-exact, 1e-5), on random and smooth fields, in every direction, on three grids, with odd sizes, longitude
+counts that are not multiples of the tile, polar whole rings, several heads and a batch. The targets' results,
+poisoned with NaN first, are all written; their 16-bit results are the float32 ones rounded; gradients are the
+same bits run to run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_s2attn import NeighborhoodPlan
+from jax_s2attn.ops import _checks, _ffi
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tiled_gpu import SMOOTH_CASES, _check, _compiled_vjp, _oracle, _rounded  # noqa: E402
+from kernel_cases import smooth_field  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+EQ, LG, LOB = "equiangular", "legendre-gauss", "lobatto"
+DTYPES = [jnp.bfloat16, jnp.float16]
+
+# (in_shape, out_shape, grid_in, grid_out, theta_cutoff), heads; D 64, batch 2.
+CASES = [
+    (((17, 36), (17, 36), EQ, EQ, None), 4),  # self, odd nlat, nlon not a multiple of 16
+    (((33, 72), (33, 72), LG, LG, 0.25), 1),
+    (((17, 36), (17, 36), LOB, LOB, 1.2), 2),  # polar rows: many whole rings
+    (((65, 100), (65, 100), EQ, EQ, 0.1), 1),
+    (((66, 144), (33, 72), LG, LG, 0.2), 2),  # down, pscale 2
+    (((36, 72), (12, 24), EQ, EQ, 0.4), 1),  # down, pscale 3
+    (((17, 36), (33, 72), EQ, EQ, None), 2),  # up, pscale 2
+    (((33, 50), (65, 100), LOB, LOB, 0.15), 1),  # up, pscale 2, odd
+]
+
+
+def _case_id(case):
+    (in_shape, out_shape, grid_in, _, cutoff), heads = case
+    return f"{in_shape}->{out_shape}-{grid_in}-{cutoff}-H{heads}"
+
+
+@pytest.fixture(autouse=True)
+def on_the_gpu():
+    with jax.default_device(jax.devices("gpu")[0]):
+        yield
+
+
+def test_the_op_runs_the_scheduled_kernels_here():
+    """On an sm_90 GPU with an sm_90a build (the H200 this suite runs on), "ffi" picks them."""
+    assert _ffi.scheduled_unavailable_reason("cuda", jnp.bfloat16, 64, 64) is None
+    assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, 64, 64) == "scheduled"
+    assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, 64, 64, whole_grids=False) == "tiled"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_float64_oracle(case, exact_random, dense_attention, rel_error):
+    geometry, heads = case
+    plan = NeighborhoodPlan(*geometry)
+    q = exact_random(2, *plan.out_shape, heads, 64)
+    k, v = (exact_random(2, *plan.in_shape, heads, 64) for _ in range(2))
+    cotangents = (exact_random(2, *plan.out_shape, heads, 64), exact_random(2, *plan.out_shape, heads))
+    want = _oracle(plan, (q, k, v), cotangents, dense_attention)
+    for dtype in DTYPES:
+        as_dtype = lambda xs: tuple(jnp.asarray(x, dtype) for x in xs)  # noqa: E731 (exact: see exact_random)
+        got = _compiled_vjp(plan, "ffi")(as_dtype((q, k, v)), as_dtype(cotangents))
+        _check(got, want, rel_error, dtype)
+
+
+@pytest.mark.parametrize("geometry", SMOOTH_CASES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_smooth_values_keep_gradients_accurate(dtype, geometry, rng, dense_attention, rel_error):
+    """Values smooth in position (+1 % noise): dP - delta nearly cancels, and P multiplied once keeps dq and dk
+    within the bar because out is divided by the row sums of the rounded P and kept in float32 for delta."""
+    in_shape, out_shape, grid, cutoff = geometry
+    plan = NeighborhoodPlan(in_shape, out_shape, grid_in=grid, grid_out=grid, theta_cutoff=cutoff)
+    v = smooth_field(*in_shape, 64, grid)[None, :, :, None, :] + 0.01 * rng.standard_normal((2, *in_shape, 1, 64))
+    q, dout = (rng.standard_normal((2, *out_shape, 1, 64)) for _ in range(2))
+    k = rng.standard_normal((2, *in_shape, 1, 64))
+    primals = tuple(_rounded(x, dtype) for x in (q, k, v))
+    cotangents = (_rounded(dout, dtype), np.zeros((2, *out_shape, 1)))
+    want = _oracle(plan, primals, cotangents, dense_attention)
+    got = _compiled_vjp(plan, "ffi")(
+        tuple(jnp.asarray(x, dtype) for x in primals), (jnp.asarray(cotangents[0], dtype), cotangents[1])
+    )
+    _check(got, want, rel_error, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[6]], ids=_case_id)
+def test_targets_write_every_result(case, dtype, exact_random):
+    """Every result of the three targets, poisoned with NaN first, is written; results in the activations' dtype
+    are the float32 ones rounded, bit for bit; and a second call gives the same bits."""
+    geometry, heads = case
+    plan = NeighborhoodPlan(*geometry)
+    q, dout = (jnp.asarray(exact_random(2, *plan.out_shape, heads, 64), dtype) for _ in range(2))
+    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, 64), dtype) for _ in range(2))
+    kwargs = dict(scale=0.125, poison_results=True)
+
+    def run(result_dtype):
+        out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, out_dtype=result_dtype, **kwargs)
+        out32, _ = _ffi.ffi_scheduled_forward(q, k, v, plan, **kwargs)
+        delta = _ffi.ffi_delta(dout, out32)
+        dq = _ffi.ffi_scheduled_dq(q, k, v, dout, lse, delta, plan, gradient_dtype=result_dtype, **kwargs)
+        dk, dv = _ffi.ffi_scheduled_dkv(q, k, v, dout, lse, delta, plan, gradient_dtype=result_dtype, **kwargs)
+        return [np.asarray(x) for x in (out, lse, dq, dk, dv)]
+
+    wide, narrow, again = run(jnp.float32), run(dtype), run(jnp.float32)
+    for name, w, n, a in zip(("out", "lse", "dq", "dk", "dv"), wide, narrow, again, strict=True):
+        assert not np.isnan(w).any() and not np.isnan(n).any(), f"{name}: unwritten elements"
+        assert w.tobytes() == a.tobytes(), f"{name}: not the same bits run to run"
+        expected = w if name == "lse" else np.asarray(jnp.asarray(w).astype(dtype))
+        assert n.tobytes() == expected.tobytes(), f"{name}: not the float32 result rounded"
+
+
+def test_gradients_are_the_same_bits_run_to_run(exact_random):
+    geometry, heads = CASES[0]
+    plan = NeighborhoodPlan(*geometry)
+    q = jnp.asarray(exact_random(2, *plan.out_shape, heads, 64), jnp.bfloat16)
+    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, 64), jnp.bfloat16) for _ in range(2))
+    cotangents = (jnp.asarray(exact_random(2, *plan.out_shape, heads, 64), jnp.bfloat16),
+                  jnp.asarray(exact_random(2, *plan.out_shape, heads), jnp.float32))  # fmt: skip
+    first, second = (_compiled_vjp(plan, "ffi")((q, k, v), cotangents) for _ in range(2))
+    for a, b in zip(first, second, strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_a_schedule_of_another_plan_is_refused(exact_random):
+    """The handler checks the schedule's tile count against the grids: a call with another plan's schedule fails
+    with INVALID_ARGUMENT instead of running."""
+    other = NeighborhoodPlan((33, 72), (33, 72))
+    q, k, v = (jnp.asarray(exact_random(1, 17, 36, 1, 64), jnp.bfloat16) for _ in range(3))
+    schedule, attributes = _ffi._scheduled_operands(other, "forward", 0.125)
+    attributes.update(nlat_q=np.int64(17), nlon_q=np.int64(36), nlat_k=np.int64(17), nlon_k=np.int64(36))
+    shapes = [(1, 17, 36, 1, 64), (1, 17, 36, 1)]
+    with pytest.raises(Exception, match="the schedule lists"):
+        out, _ = _ffi._call(_ffi.SCHEDULED_FORWARD_TARGET, (q, k, v, *schedule), shapes, attributes, False,
+                            (jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)))  # fmt: skip
+        np.asarray(out)
