@@ -55,7 +55,7 @@ $(VENV)/.build-tools: requirements-build.txt | $(BIN)/python
 # CUDA kernels built, the same flavours without them.
 define install
 	@if [ "$(2)" = ON ]; then \
-	  echo "jax_s2attn: building the native modules: C++ for the CPU and the CUDA kernels for sm_90 (several minutes on 2 cores)"; \
+	  echo "jax_s2attn: building the native modules: C++ for the CPU and the CUDA kernels for sm_90a (several minutes on 2 cores)"; \
 	else \
 	  echo "jax_s2attn: building the native CPU module (C++, under a minute); the CUDA kernels are skipped (JAX_S2ATTN_CUDA=ON builds them, for a jax with CUDA)"; \
 	fi

@@ -86,8 +86,7 @@ def _compile(out: Path, kernel_sources, host_sources, defines, address_sanitizer
     if cxx is None or include is None:
         pytest.skip("needs a host C++20 compiler and the CUDA headers (nvcc's include directory)")
     sanitizer = ADDRESS_SANITIZER_FLAGS if address_sanitizer else []
-    cuda_dirs = [f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'experimental' / 'cuda'}"]  # product and prototype sources
-    flags = ["-std=c++20", "-O1", "-fPIC", *sanitizer, *cuda_dirs, f"-I{include}"]
+    flags = ["-std=c++20", "-O1", "-fPIC", *sanitizer, f"-I{ROOT / 'cuda'}", f"-I{include}"]
     flags += [f"-D{d}" for d in defines]
     kernel_flags = [*flags, "-include", str(EMULATION / "emulation.h"), "-x", "c++"]
     jobs = [[cxx, *kernel_flags, "-c", str(src), "-o", str(out / (src.stem + ".o"))] for src in kernel_sources]
@@ -125,12 +124,3 @@ def build_emulated_library(
     assert link.returncode == 0, link.stderr
     return library
 
-
-def build_emulated_program(out: Path, source: Path, defines: Sequence[str] = ()) -> Path:
-    """Compiles a standalone CUDA program (``experimental/cuda``: a ``main`` and its kernels) for the host
-    emulation into ``out/<stem>`` and returns its path; skips as :func:`build_emulated_library`."""
-    objects, link_command = _compile(out, [source], (), defines, address_sanitizer=False)
-    program = out / source.stem
-    link = subprocess.run([*link_command, *objects, "-o", str(program)], capture_output=True, text=True)
-    assert link.returncode == 0, link.stderr
-    return program

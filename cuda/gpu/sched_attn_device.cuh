@@ -681,28 +681,11 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm(kKind))
 
 // ------------------------------------------------------------------------------------------------ host
 
-// cuTensorMapEncodeTiled through the runtime (no link against the driver library), or null.
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-inline EncodeTiled FindEncodeTiled() {
-  static const EncodeTiled encode = [] {
-    void* function = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    const bool ok = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault,
-                                                     &found) == cudaSuccess &&
-                    found == cudaDriverEntryPointSuccess;
-    return ok ? reinterpret_cast<EncodeTiled>(function) : nullptr;
-  }();
-  return encode;
-}
-
 // A 5-D map of [batch, nlat, nlon, heads, kD] 16-bit activations with boxes of `box_lons` x `box_rows` points of
 // one head.
 inline bool EncodeActivations(CUtensorMap* map, ActivationType dtype, const void* data, int64_t batch, int nlat,
                               int nlon, int64_t heads, int box_lons, int box_rows) {
-  const EncodeTiled encode = FindEncodeTiled();
+  const sm90::EncodeTiled encode = sm90::FindEncodeTiled();
   if (encode == nullptr) return false;
   const cuuint64_t dims[5] = {kD, cuuint64_t(heads), cuuint64_t(nlon), cuuint64_t(nlat), cuuint64_t(batch)};
   const cuuint64_t point = kD * 2;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cuda.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -54,6 +55,24 @@ __device__ __forceinline__ void LoadBox5d(void* destination, const CUtensorMap* 
 }
 
 #endif
+
+// Host side: cuTensorMapEncodeTiled through the runtime (no link against the driver library), or null where the
+// driver lacks it. Looked up once.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiled FindEncodeTiled() {
+  static const EncodeTiled encode = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    const bool ok = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault,
+                                                     &found) == cudaSuccess &&
+                    found == cudaDriverEntryPointSuccess;
+    return ok ? reinterpret_cast<EncodeTiled>(function) : nullptr;
+  }();
+  return encode;
+}
 
 }  // namespace sm90
 }  // namespace gpu

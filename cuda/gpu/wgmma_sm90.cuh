@@ -44,7 +44,7 @@ __host__ __device__ constexpr uint64_t SwizzledDescriptorAt(uint32_t address) {
 // `descriptor` with its start advanced by `units` 16-byte units. The start field (14 bits of the
 // address / 16) stays below 2^14 for addresses and advances inside the 228 KB shared window, so it
 // never carries into the next field, let alone the high word: the addition is kept 32-bit (a 64-bit
-// one costs ws_attention.cu's loop two more instructions and register moves per wgmma).
+// one costs the kernels' chunk loops two more instructions and register moves per wgmma).
 __host__ __device__ constexpr uint64_t DescriptorPlus(uint64_t descriptor, uint32_t units) {
   return (descriptor & ~uint64_t{0xFFFFFFFF}) | uint32_t(uint32_t(descriptor) + units);
 }

@@ -10,7 +10,33 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "bench_common.h"
+// Host side: CUDA errors print and return false; the driver's tensor-map encoder comes through the runtime
+// (no -lcuda).
+#define CHECK_CUDA(x)                                                              \
+  do {                                                                             \
+    const cudaError_t e = (x);                                                     \
+    if (e != cudaSuccess) {                                                        \
+      std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
+      return false;                                                                \
+    }                                                                              \
+  } while (0)
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// cuTensorMapEncodeTiled, or nullptr (with a message) where the driver lacks it.
+inline EncodeTiled FindEncodeTiled() {
+  void* encode = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &encode, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    std::printf("cuTensorMapEncodeTiled not found\n");
+    return nullptr;
+  }
+  return reinterpret_cast<EncodeTiled>(encode);
+}
 
 namespace {
 

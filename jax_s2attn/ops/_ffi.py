@@ -184,6 +184,18 @@ def tiled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str | No
     return f"the tiled kernels cannot run: {'; '.join(reasons)}" if reasons else None
 
 
+@functools.cache
+def _scheduled_build_facts(module) -> tuple[bool, tuple[str, ...] | None]:
+    """Whether ``module`` was built for sm_90a, and the compute capabilities of this process's CUDA devices
+    (None without a CUDA backend to ask): fixed for a process, so asked once."""
+    sm90a = bool(module.build_info()["limits"].get("scheduled_sm90a", False))
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return sm90a, None
+    return sm90a, tuple(sorted({str(getattr(d, "compute_capability", "unknown")) for d in devices}))
+
+
 def _scheduled_build_reason() -> str | None:
     """Why this process cannot run the scheduled kernels whatever the inputs (the CUDA module, a build for
     sm_90a, an sm_90 device: compute capability 9.0); None if it can, or if it has no CUDA device to ask (a
@@ -191,14 +203,10 @@ def _scheduled_build_reason() -> str | None:
     module, reason = MODULES["cuda"]
     if module is None:
         return reason
-    if not module.build_info()["limits"].get("scheduled_sm90a", False):
+    sm90a, capabilities = _scheduled_build_facts(module)
+    if not sm90a:
         return "the installed _s2attn_cuda was not built for sm_90a (CMAKE_CUDA_ARCHITECTURES=90a)"
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
-        return None
-    capabilities = sorted({str(getattr(d, "compute_capability", "unknown")) for d in devices})
-    if capabilities == ["9.0"]:
+    if capabilities is None or capabilities == ("9.0",):
         return None
     return f"they run on compute capability 9.0 (H100, H200), this process has {', '.join(capabilities)}"
 

@@ -318,7 +318,7 @@ struct SwizzledTile {
   uint32_t start, stride;
 };
 
-// Only the form validated on the H200 (experimental/cuda/ws_attention.cu) is emulated: the 128-byte swizzle, no base
+// Only the form validated on the H200 (the scheduled kernels of cuda/gpu) is emulated: the 128-byte swizzle, no base
 // offset, atoms 1024 bytes apart, and a start inside the first row of an atom with the slice read per
 // row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N columns of an MN-major one) in it.
 SwizzledTile DecodeDescriptor(uint64_t descriptor, uint32_t slice_bytes) {
@@ -868,10 +868,9 @@ template <typename T>
 void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(KindOf<T>(), d, 64, nullptr, a, b, false, accumulate);
 }
-// The forms the prototypes of experimental/cuda use (m64n32 and m64n64 with A in shared memory, m64n64 and m64n8
-// with A in registers) and the register-A m64n32 form the self-test checks too.
+// The forms the kernels of cuda/gpu use (sched_attn_device.cuh: m64n32 and m64n64 with A in shared memory, m64n64
+// and m64n8 with A in registers), in bfloat16 and float16, and the register-A m64n32 form the self-test checks too.
 template void WgmmaM64N8K16<__nv_bfloat16, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
-// And the float16 forms of the kernels of cuda/gpu (sched_attn_device.cuh).
 template void WgmmaM64N8K16<__half, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__half>(float (&)[16], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N64K16<__half, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);

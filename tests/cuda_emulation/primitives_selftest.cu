@@ -13,7 +13,6 @@
 
 #include <cuda.h>
 
-#include "bench_common.h"  // experimental/cuda
 #include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
@@ -229,7 +228,7 @@ __global__ void WarpVotesKernel(NbhdAttnGpuParams p) {
 // A [rows, 64] bf16 tensor as a 3-D tensor map ({64, rows, 1}), boxes of {64, box_rows, 1}, 128-byte
 // swizzle or none (through the driver's encoder, as the kernels' hosts get it).
 CUtensorMap RowsMap(const void* base, int rows, int box_rows, bool swizzle) {
-  const EncodeTiled encode = FindEncodeTiled();
+  const sm90::EncodeTiled encode = sm90::FindEncodeTiled();
   if (encode == nullptr) __builtin_trap();
   CUtensorMap map;
   const cuuint64_t dims[3] = {64, cuuint64_t(rows), 1}, strides[2] = {128, cuuint64_t(rows) * 128};
