@@ -34,7 +34,11 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
   the op runs in place of delta and dQ), so a change can be placed in one walk; forward+backward
   is the op's targets' sum plus XLA's glue;
 * the pure-JAX reference measured in the same run (where it fits in time and memory);
-* torch-harmonics' CUDA module (module level: projections included) when importable.
+* torch-harmonics' CUDA module (module level: projections included) when importable;
+* the same attention written with PyTorch FlexAttention (``flex_attention.py``: a block mask built from the
+  plan on a 2-D patch order, the quadrature weights as a score_mod), op level, compiled, inputs already in
+  its layout: ``flex_{fwd,fwdbwd}_ms``, its peak memory ``flex_device_bytes`` and ``flex_over_ffi_*``
+  (``--no-flex`` leaves it out).
 
 Run: ``python benchmarks/attention.py [--quick] [--configs NAME ...]``; writes
 ``benchmarks/results/attention-<gpu>-<date>-<time>.csv`` (or under ``--out``) and prints a table.
@@ -64,6 +68,7 @@ from jax_s2attn.ops.neighborhood import _native_attention, tensor_core_family, u
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also under -P
 from timing import median_ms  # noqa: E402
 
+from flex_attention import flex_runs  # noqa: E402  (the same attention in PyTorch FlexAttention)
 from tile_walk import tile_statistics  # noqa: E402  (the tiled kernels' walk: utilization, computed pairs)
 
 COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
@@ -240,20 +245,24 @@ def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int):
     def both():
         forward().float().sum().backward()
 
-    result = []
-    for fn in (forward, both):
-        for _ in range(3):
-            fn()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
-        result.append(float(np.median(times)))
-    return tuple(result)
+    return _torch_median_ms(forward, reps), _torch_median_ms(both, reps)
+
+
+def _torch_median_ms(fn, reps: int) -> float:
+    """Median ms of ``fn()`` on the CUDA stream over ``reps`` calls after three warm-up calls (CUDA events)."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return float(np.median(times))
 
 
 def _tflops(flops: float, ms: float) -> float:
@@ -323,6 +332,7 @@ def main() -> None:
     parser.add_argument("--input-sets", type=int, default=3, help="inputs cycled through to defeat the L2")
     parser.add_argument("--reference-max-pairs", type=float, default=5e7, help="skip the reference above this")
     parser.add_argument("--reference-reps", type=int, default=5)
+    parser.add_argument("--no-flex", action="store_true", help="leave out the FlexAttention peer")
     parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
     args = parser.parse_args()
 
@@ -394,10 +404,17 @@ def main() -> None:
             row.update({f"ffi_{m}": row[f"ffi_{ffi_kernel}_{m}"] for m in ("fwd_ms", "fwdbwd_ms", "device_bytes")})
         th = _torch_harmonics_runs(cfg, dtype, args.reps)
         row.update(torch_harmonics_fwd_ms=th[0] if th else "absent", torch_harmonics_fwdbwd_ms=th[1] if th else "absent")
+        flex = None if args.no_flex else flex_runs(plan, cfg.batch, cfg.heads, d, dtype, args.reps, _torch_median_ms)
+        row.update(flex_fwd_ms=flex[0] if flex else "absent", flex_fwdbwd_ms=flex[1] if flex else "absent")
+        if flex:
+            row["flex_device_bytes"] = flex[2]
         if "ffi_fwd_ms" in row:
             row["ffi_gpairs_per_s"] = _pairs(cfg, plan.num_pairs) / row["ffi_fwd_ms"] / 1e6
             row["ffi_fwd_over_floor"] = row["ffi_fwd_ms"] / row["floor_fwd_ms"]
             row["ffi_fwdbwd_over_floor"] = row["ffi_fwdbwd_ms"] / row["floor_fwdbwd_ms"]
+            if flex:
+                row["flex_over_ffi_fwd"] = flex[0] / row["ffi_fwd_ms"]
+                row["flex_over_ffi_fwdbwd"] = flex[1] / row["ffi_fwdbwd_ms"]
             if "reference_fwd_ms" in row:
                 row["speedup_fwd_vs_reference"] = row["reference_fwd_ms"] / row["ffi_fwd_ms"]
                 row["speedup_fwdbwd_vs_reference"] = row["reference_fwdbwd_ms"] / row["ffi_fwdbwd_ms"]
@@ -417,6 +434,7 @@ def main() -> None:
         "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",
         "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",
         "ref f+b": "reference_fwdbwd_ms", "ffi/ref": "speedup_fwdbwd_vs_reference",
+        "flex f+b": "flex_fwdbwd_ms", "flex/ffi": "flex_over_ffi_fwdbwd",
     }
     print(f"\n{'config':<22}{'dtype':<10}" + "".join(f"{label:>10}" for label in columns))
     for r in rows:

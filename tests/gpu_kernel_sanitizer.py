@@ -1,12 +1,12 @@
 """The CUDA kernels alone on a GPU (no JAX/XLA in the process), for compute-sanitizer.
 
 Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu``,
-``cuda/gpu/stencil_attn_{fwd,dq,dkv}.cu`` and the C entry point ``tests/cuda_emulation/run_target.cc`` with nvcc
-into a temporary shared library, uploads the inputs of a few small cases with cupy (every buffer its own ``cudaMalloc``,
-results poisoned with NaN), runs forward, dq and dkv of the arc-segment or the tiled kernels
-(and the tiled dq that forms delta) on the default stream, synchronises after every launch and
-checks the results against the float64 reference of ``kernel_cases.py`` (the one the
-host-emulation tests use), including that every result element was written.
+``cuda/gpu/stencil_attn_{fwd,dq,dkv}.cu``, ``cuda/gpu/sched_attn_{fwd,dq,dkv}.cu`` and the C entry point
+``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library, uploads the inputs of a few
+small cases with cupy (every buffer its own ``cudaMalloc``, results poisoned with NaN), runs forward, dq and dkv
+of the arc-segment, the tiled or the scheduled kernels (and the tiled dq that forms delta) on the default stream,
+synchronises after every launch and checks the results against the float64 reference of ``kernel_cases.py``
+(the one the host-emulation tests use), including that every result element was written.
 
 Exit status: 0 all cases pass, 1 a mismatch (or a CUDA error, raised as an exception),
 2 no nvcc, cupy or CUDA device. ``--dry-run`` builds the inputs and references and compiles
@@ -39,6 +39,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # jax_s2attn from the
 
 import numpy as np  # noqa: E402
 from kernel_cases import (  # noqa: E402
+    DTYPES,
     KERNEL_SOURCES,
     LONG_ROW_PLANS,
     LONG_ROW_WINDOWS,
@@ -52,6 +53,7 @@ from kernel_cases import (  # noqa: E402
     run_case,
     run_dq_forming_delta,
     run_narrow_forward,
+    run_scheduled_case,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
@@ -88,12 +90,21 @@ CASES = [
     ("tiled+stencil", "self-17x72", 32, 32, "bfloat16", {}),
     ("tiled+stencil", "self-9x4", 64, 64, "float16", {}),
     ("tiled+stencil", "lat-10x40-9x40", 128, 128, "bfloat16", {}),
+    # The scheduled kernels (whole grids, D 64): whole rings, shift 2, residues 2, rows of several tiles (nlon
+    # not a multiple of the tile), whole-ring polar rows.
+    ("scheduled", "self", 64, 64, "bfloat16", {}),
+    ("scheduled", "down", 64, 64, "float16", {}),
+    ("scheduled", "up", 64, 64, "bfloat16", {}),
+    ("scheduled", "self-72", 64, 64, "float16", {}),
+    ("scheduled", "up-100", 64, 64, "bfloat16", {}),
+    ("scheduled", "rings-72", 64, 64, "bfloat16", {}),
 ]
 
 
 def build(out: Path) -> Path:
     """Compiles the kernels and the entry point for sm_90a (objects in parallel) into one library."""
-    nvcc = [shutil.which("nvcc"), "-O2", "-arch=sm_90a", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC"]
+    nvcc = [shutil.which("nvcc"), "-O2", "-arch=sm_90a", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC",
+            "-DS2ATTN_SCHED_SM90A=1"]  # the scheduled kernels, as cuda/CMakeLists.txt builds them for 90a
     sources = [*KERNEL_SOURCES, RUN_TARGET_SHIM]
     jobs = [[*nvcc, f"-I{ROOT / 'cuda'}", "-c", str(s), "-o", str(out / f"{s.stem}.o")] for s in sources]
     library = out / "libs2attn_kernels.so"
@@ -109,24 +120,34 @@ def build(out: Path) -> Path:
     return library
 
 
+class DeviceMemory:
+    """Device copies of the host arrays a launch passes (uploaded as bytes: cupy has no bfloat16), each its own
+    cudaMalloc; ``finish`` waits for the kernel (raising on its fault) and copies the results back."""
+
+    def __init__(self, cupy):
+        self.cupy, self.copies = cupy, {}  # id(host array) -> its device copy
+
+    def address(self, array: np.ndarray) -> int:
+        if id(array) not in self.copies:
+            self.copies[id(array)] = self.cupy.asarray(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        return self.copies[id(array)].data.ptr
+
+    def finish(self, results) -> None:
+        self.cupy.cuda.Device().synchronize()
+        for result in results:
+            if result is not None:
+                result[...] = self.copies[id(result)].get().view(result.dtype).reshape(result.shape)
+
+
 def gpu_launch(lib, cupy):
     """A launch callable (see kernel_cases.py) that runs the kernels on the GPU."""
 
     def launch(target, dtype, sizes, scale, *buffers, **kwargs):
-        device = {}  # id(host array) -> its device copy (uploaded as bytes: cupy has no bfloat16)
-
-        def address(a):
-            if id(a) not in device:
-                device[id(a)] = cupy.asarray(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-            return device[id(a)].data.ptr
-
-        status = call_run_target(lib, address, target, dtype, sizes, scale, *buffers, **kwargs)
+        memory = DeviceMemory(cupy)
+        status = call_run_target(lib, memory.address, target, dtype, sizes, scale, *buffers, **kwargs)
         if status != 0:
             raise RuntimeError(f"launcher of target {target} returned cudaError {status}")
-        cupy.cuda.Device().synchronize()  # raises on a fault of the kernel just launched
-        for result in buffers[10:]:  # after the inputs (kernel_cases.call_run_target): the results
-            if result is not None:
-                result[...] = device[id(result)].get().view(result.dtype).reshape(result.shape)
+        memory.finish(buffers[10:])  # after the inputs (kernel_cases.call_run_target): the results
 
     return launch
 
@@ -175,11 +196,20 @@ def main(argv=None) -> int:
                 print(f"dry  {name}: sizes {case.sizes}")
             return 0
         cupy.cuda.set_allocator(None)  # one cudaMalloc per buffer, so memcheck sees each buffer's bounds
-        launch = gpu_launch(ctypes.CDLL(str(library)), cupy)
+        lib = ctypes.CDLL(str(library))
+        launch = gpu_launch(lib, cupy)
         failures = 0
         for name, kind, case in cases:
             kernel, stencil = kind.removesuffix("+stencil"), kind.endswith("+stencil")
             try:
+                if kernel == "scheduled":  # float32 results, then the activations' type (the op's)
+                    bar = tolerance_of("tiled", case.dtype)
+                    verify_case(case, run_scheduled_case(lib, case, memory=DeviceMemory(cupy)), bar, out_tolerance=bar)
+                    narrow = run_scheduled_case(lib, case, DTYPES[case.dtype][1], DeviceMemory(cupy))
+                    narrow = {name: result.astype(np.float32) for name, result in narrow.items()}
+                    verify_case(case, narrow, bar, out_tolerance=bar)
+                    print(f"ok   {name}")
+                    continue
                 results = run_case(case, launch, kernel, stencil=stencil)
                 verify_case(case, results, tolerance_of(kernel, case.dtype))
                 # Tiled: its forward writing out in the activations' type with its remainder and without (P

@@ -574,13 +574,25 @@ def verify_dq_forming_delta(
 SCHEDULED_KINDS = {"forward": 0, "dq": 1, "dkv": 2}
 
 
+class HostMemory:
+    """The emulation's memory: the kernels read and write the numpy buffers themselves."""
+
+    def address(self, array: np.ndarray) -> int:
+        return array.ctypes.data
+
+    def finish(self, results) -> None:
+        pass
+
+
 def run_scheduled_kind(
-    lib, case: KernelCase, kind: str, result_type, schedule, lse=None, delta=None
+    lib, case: KernelCase, kind: str, result_type, schedule, lse=None, delta=None, memory=None
 ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
-    """One scheduled kernel (``lib``: the emulated library, ctypes) on ``case``'s whole grids and ``schedule``
-    (:class:`~jax_s2attn.schedule.BlockSchedule` of the kernel's walk), results of numpy type ``result_type``
-    (lse float32) poisoned with NaN first: ``(out, lse)``, ``(dq, None)`` or ``(dk, dv)``. dq and dk/dv take
-    ``lse`` and ``delta``."""
+    """One scheduled kernel (``lib``: ctypes, the emulated library or a GPU build) on ``case``'s whole grids and
+    ``schedule`` (:class:`~jax_s2attn.schedule.BlockSchedule` of the kernel's walk), results of numpy type
+    ``result_type`` (lse float32) poisoned with NaN first: ``(out, lse)``, ``(dq, None)`` or ``(dk, dv)``. dq and
+    dk/dv take ``lse`` and ``delta``. ``memory``: where the buffers live, :class:`HostMemory` by default, or an
+    object with the same ``address(array)`` and ``finish(results)`` (the results copied back) for a GPU."""
+    memory = memory or HostMemory()
     q, k, v, dout = case.inputs[:4]
     batch, heads, _, dv, *_ = case.sizes
     nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[8:12]
@@ -596,29 +608,31 @@ def run_scheduled_kind(
                         len(schedule.records), schedule.classes, schedule.shift], np.int64)  # fmt: skip
     weights = np.ascontiguousarray(case.plan.quad_weights, np.float32)
     arrays = (q, k, v, dout, lse, delta, *tables, weights, *results)
-    pointers = [ctypes.c_void_p(None if a is None else a.ctypes.data) for a in arrays]
+    pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in arrays]
     result_code = next(code for code, storage in DTYPES.values() if np.dtype(storage) == np.dtype(result_type))
     status = lib.RunScheduledTarget(
         ctypes.c_int(SCHEDULED_KINDS[kind]), ctypes.c_int(DTYPES[case.dtype][0]), ctypes.c_int(result_code), *pointers,
         ctypes.c_void_p(sizes.ctypes.data), ctypes.c_float(case.scale),
     )  # fmt: skip
     assert status == 0, f"scheduled {kind}: launcher returned cudaError {status}"
+    memory.finish(results)
     return results
 
 
-def run_scheduled_case(lib, case: KernelCase, result_type=np.float32) -> dict[str, np.ndarray]:
+def run_scheduled_case(lib, case: KernelCase, result_type=np.float32, memory=None) -> dict[str, np.ndarray]:
     """The scheduled forward, dq and dk/dv on ``case`` (whole grids) as the op runs them: the forward's out in
     float32 feeds delta = rowsum(dout * out) (in float64, then float32, as the delta target forms it), the
-    backward takes the forward's lse; out, dq, dk and dv of numpy type ``result_type``."""
+    backward takes the forward's lse; out, dq, dk and dv of numpy type ``result_type``; ``memory`` as for
+    :func:`run_scheduled_kind`."""
     plan = case.plan
     tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
     shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
     forward, backward = (plan.block_schedule(walk, **shape) for walk in ("forward", "backward"))
-    out32, lse = run_scheduled_kind(lib, case, "forward", np.float32, forward)
+    out32, lse = run_scheduled_kind(lib, case, "forward", np.float32, forward, memory=memory)
     out = out32 if np.dtype(result_type) == np.float32 else run_scheduled_kind(lib, case, "forward", result_type,
-                                                                               forward)[0]  # fmt: skip
+                                                                               forward, memory=memory)[0]  # fmt: skip
     dout = case.inputs[3].astype(np.float64)
     delta = (dout * out32).sum(axis=-1).astype(np.float32)
-    (dq, _) = run_scheduled_kind(lib, case, "dq", result_type, forward, lse, delta)
-    dk, dv = run_scheduled_kind(lib, case, "dkv", result_type, backward, lse, delta)
+    (dq, _) = run_scheduled_kind(lib, case, "dq", result_type, forward, lse, delta, memory)
+    dk, dv = run_scheduled_kind(lib, case, "dkv", result_type, backward, lse, delta, memory)
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "out32": out32}

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -304,3 +306,89 @@ def test_schedule_shapes_reports_every_shape(tmp_path):
         chunks, useful = int(row[3]), float(row[5])
         assert useful == pytest.approx(plan.num_pairs / (chunks * r * c * w), abs=5e-4)
         assert 0 < useful <= 1
+
+
+# The FlexAttention peer (benchmarks/flex_attention.py), checked on the CPU with FlexAttention's eager path: its
+# block lists against the dense neighbourhoods, its results against the float64 oracle.
+FLEX_CASES = {
+    "self-padded": ((13, 36), (13, 36), 0.35),  # neither grid whole patches
+    "self-default": ((19, 40), (19, 40), None),
+    "down-full-blocks": ((40, 80), (20, 40), 1.0),  # some key blocks read whole by every query of a block
+    "up": ((20, 40), (40, 80), 1.0),
+}
+
+
+def _flex_blocks(lists, num_q, num_k):
+    partial, full = np.zeros((num_q, num_k), bool), np.zeros((num_q, num_k), bool)
+    for b in range(num_q):
+        partial[b, lists.partial_indices[b, : lists.partial_counts[b]]] = True
+        full[b, lists.full_indices[b, : lists.full_counts[b]]] = True
+    return partial, full
+
+
+@pytest.mark.parametrize("case", FLEX_CASES)
+def test_flex_attention_block_mask_is_the_plans_neighbourhoods(case, dense_membership):
+    torch = pytest.importorskip("torch")  # a test extra: CI has it
+    flex = _benchmark_module("flex_attention")
+    in_shape, out_shape, cutoff = FLEX_CASES[case]
+    plan = NeighborhoodPlan(in_shape, out_shape, theta_cutoff=cutoff)
+    attention = flex.FlexNeighborhoodAttention(plan, "cpu", compile=False)
+    q_layout, k_layout = attention.q_layout, attention.k_layout
+    truth = np.zeros((q_layout.tokens, k_layout.tokens), bool)
+    q_real, k_real = np.flatnonzero(q_layout.valid), np.flatnonzero(k_layout.valid)
+    truth[np.ix_(q_real, k_real)] = dense_membership(plan)[
+        np.ix_(q_layout.gather_index()[q_real], k_layout.gather_index()[k_real])
+    ]
+    q_idx, kv_idx = torch.arange(q_layout.tokens)[:, None], torch.arange(k_layout.tokens)[None, :]
+    np.testing.assert_array_equal(attention.mask_mod(0, 0, q_idx, kv_idx).numpy(), truth)
+
+    num_q, num_k = q_layout.tokens // flex.BLOCK, k_layout.tokens // flex.BLOCK
+    partial, full = _flex_blocks(flex.block_lists(plan, q_layout, k_layout), num_q, num_k)
+    blocks = truth.reshape(num_q, flex.BLOCK, num_k, flex.BLOCK)
+    touched = blocks.any(axis=(1, 3))
+    q_rows = q_layout.valid.reshape(num_q, flex.BLOCK)
+    k_whole = k_layout.valid.reshape(num_k, flex.BLOCK).all(axis=1)
+    whole = np.array([[blocks[i][q_rows[i]][:, j].all() for j in range(num_k)] for i in range(num_q)]) & k_whole
+    assert not (partial & full).any()
+    np.testing.assert_array_equal(partial | full, touched)  # every block with a pair, and no other
+    np.testing.assert_array_equal(full, whole)  # full exactly where every real query reads the whole block
+    assert full.any() == (case == "down-full-blocks")
+
+
+def _flex_check(case, rng, dense_attention, rel_error, device, gradients):
+    """FlexAttention's out (and, where asked, q/k/v gradients of a vdot loss) against the float64 oracle."""
+    torch = pytest.importorskip("torch")  # a test extra: CI has it
+    flex = _benchmark_module("flex_attention")
+    in_shape, out_shape, cutoff = FLEX_CASES[case]
+    plan = NeighborhoodPlan(in_shape, out_shape, theta_cutoff=cutoff)
+    attention = flex.FlexNeighborhoodAttention(plan, device, compile=device != "cpu")
+    heads, dim = 2, 16
+    q = rng.standard_normal((1, *out_shape, heads, dim))
+    k, v = (rng.standard_normal((1, *in_shape, heads, dim)) for _ in range(2))
+    g = rng.standard_normal((1, *out_shape, heads, dim))
+    scale = dim**-0.5
+    layouts = (attention.q_layout, attention.k_layout, attention.k_layout)
+    tokens = [
+        attention.to_tokens(torch.tensor(x, dtype=torch.float32, device=device), layout).requires_grad_(gradients)
+        for x, layout in zip((q, k, v), layouts)
+    ]
+    out = attention.from_tokens(attention(*tokens, scale=scale), attention.q_layout)
+    assert rel_error(out.detach().cpu().numpy(), np.asarray(dense_attention(q, k, v, plan, scale)[0])) <= 1e-5
+    if gradients:
+        loss = lambda q, k, v: jnp.vdot(dense_attention(q, k, v, plan, scale)[0], g)  # noqa: E731
+        expected = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        grads = torch.autograd.grad((out * torch.tensor(g, dtype=torch.float32, device=device)).sum(), tokens)
+        for name, grad, layout, want in zip("qkv", grads, layouts, expected, strict=True):
+            assert rel_error(attention.from_tokens(grad, layout).cpu().numpy(), np.asarray(want)) <= 1e-5, name
+
+
+@pytest.mark.parametrize("case", FLEX_CASES)
+def test_flex_attention_matches_float64(case, rng, dense_attention, rel_error):
+    # FlexAttention has no backward on the CPU: the gradients are the GPU test's.
+    _flex_check(case, rng, dense_attention, rel_error, "cpu", gradients=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["self-padded", "down-full-blocks"])  # each compiles for a minute or so
+def test_flex_attention_and_its_gradients_match_float64_on_cuda(case, rng, dense_attention, rel_error):
+    _flex_check(case, rng, dense_attention, rel_error, "cuda", gradients=True)
