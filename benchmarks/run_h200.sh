@@ -5,7 +5,8 @@
 # Logs and CSVs go to $OUT (default ./out). "profile" (not part of "all") writes ncu's raw metrics of the
 # tiled kernels, stall reasons included. TORCH_HARMONICS_SRC (an unpacked torch-harmonics 0.9.3 wheel or
 # sdist) builds it in the background while the tests run, for the benchmark's torch-harmonics column
-# (about 4 minutes). BENCH_ARGS are passed to benchmarks/attention.py.
+# (about 4 minutes). BENCH_ARGS are passed to benchmarks/attention.py. GPU_TESTS (default: tests) picks the test
+# files or node ids of "tests", so that the suite can run in parts; TEST_TIMEOUT bounds each part.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -42,7 +43,7 @@ wait_for_torch_harmonics() {
 
 status=0
 if has tests; then
-  PYTHONUNBUFFERED=1 timeout ${TEST_TIMEOUT:-360} python3 -P -m pytest -q -p no:cacheprovider -m gpu tests \
+  PYTHONUNBUFFERED=1 timeout ${TEST_TIMEOUT:-360} python3 -P -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} \
     -k "not handler_rejects" 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
   # Handler error paths in their own process: a crash there must not hide the results above.
