@@ -37,8 +37,10 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
 * torch-harmonics' CUDA module (module level: projections included) when importable;
 * the same attention written with PyTorch FlexAttention (``flex_attention.py``: a block mask built from the
   plan on a 2-D patch order, the quadrature weights as a score_mod), op level, compiled, inputs already in
-  its layout: ``flex_{fwd,fwdbwd}_ms``, its peak memory ``flex_device_bytes`` and ``flex_over_ffi_*``
-  (``--no-flex`` leaves it out).
+  its layout: ``flex_{fwd,fwdbwd}_ms``, ``flex_over_ffi_*`` and ``flex_device_bytes``, torch's peak allocated
+  memory over the forward+backward (inputs, the block mask's tables and their transposes, ``[query blocks,
+  key blocks]`` int32 each, included) (``--no-flex`` leaves it out). The torch rows are timed like the JAX ones
+  (``timing.median_ms``: bursts, the same number of input sets).
 
 Run: ``python benchmarks/attention.py [--quick] [--configs NAME ...]``; writes
 ``benchmarks/results/attention-<gpu>-<date>-<time>.csv`` (or under ``--out``) and prints a table.
@@ -222,7 +224,19 @@ def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
     }
 
 
-def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int):
+def _cuda_wait(_result) -> None:
+    """``median_ms``'s wait for torch calls: the device has finished what the host enqueued."""
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def _torch_median_ms(fn, input_sets, reps: int) -> float:
+    """``median_ms`` of a torch callable on CUDA: the same bursts and input cycling as the JAX rows."""
+    return median_ms(fn, input_sets, reps, wait=_cuda_wait)
+
+
+def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int, num_sets: int):
     """Module-level forward and forward+backward of torch-harmonics' CUDA layer, or None."""
     try:
         import torch
@@ -235,34 +249,20 @@ def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int):
         cfg.channels, cfg.in_shape, cfg.out_shape, num_heads=cfg.heads, theta_cutoff=cfg.theta_cutoff
     ).cuda()
     autocast = dict(device_type="cuda", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-    x_in = torch.randn(cfg.batch, cfg.channels, *cfg.in_shape, device="cuda", requires_grad=True)
-    x_out = torch.randn(cfg.batch, cfg.channels, *cfg.out_shape, device="cuda", requires_grad=True)
+    input_sets = [
+        tuple(torch.randn(cfg.batch, cfg.channels, *shape, device="cuda", requires_grad=True)
+              for shape in (cfg.out_shape, cfg.in_shape))
+        for _ in range(num_sets)
+    ]  # fmt: skip
 
-    def forward():
+    def forward(x_out, x_in):
         with torch.autocast(**autocast):
             return layer(x_out, x_in, x_in)
 
-    def both():
-        forward().float().sum().backward()
+    def both(x_out, x_in):
+        forward(x_out, x_in).float().sum().backward()
 
-    return _torch_median_ms(forward, reps), _torch_median_ms(both, reps)
-
-
-def _torch_median_ms(fn, reps: int) -> float:
-    """Median ms of ``fn()`` on the CUDA stream over ``reps`` calls after three warm-up calls (CUDA events)."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return float(np.median(times))
+    return _torch_median_ms(forward, input_sets, reps), _torch_median_ms(both, input_sets, reps)
 
 
 def _tflops(flops: float, ms: float) -> float:
@@ -402,9 +402,14 @@ def main() -> None:
         if f"ffi_{ffi_kernel}_fwd_ms" in row:
             row["ffi_kernel"] = ffi_kernel
             row.update({f"ffi_{m}": row[f"ffi_{ffi_kernel}_{m}"] for m in ("fwd_ms", "fwdbwd_ms", "device_bytes")})
-        th = _torch_harmonics_runs(cfg, dtype, args.reps)
+        th = _torch_harmonics_runs(cfg, dtype, args.reps, args.input_sets)
         row.update(torch_harmonics_fwd_ms=th[0] if th else "absent", torch_harmonics_fwdbwd_ms=th[1] if th else "absent")
-        flex = None if args.no_flex else flex_runs(plan, cfg.batch, cfg.heads, d, dtype, args.reps, _torch_median_ms)
+        flex = None
+        if not args.no_flex:
+            try:
+                flex = flex_runs(plan, cfg.batch, cfg.heads, d, dtype, args.reps, args.input_sets, _torch_median_ms)
+            except Exception as e:  # e.g. out of memory, or a compilation FlexAttention refuses
+                print(f"{cfg.name} {dtype} flex: failed: {type(e).__name__}: {str(e)[:200]}")
         row.update(flex_fwd_ms=flex[0] if flex else "absent", flex_fwdbwd_ms=flex[1] if flex else "absent")
         if flex:
             row["flex_device_bytes"] = flex[2]

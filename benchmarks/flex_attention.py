@@ -3,8 +3,9 @@ instead of a dedicated kernel. ``attention.py`` times it as a peer (``flex_*`` c
 
 Layout: each grid's points in a 2-D patch order, patches of ``PATCH_ROWS`` x ``PATCH_COLS`` points (one
 FlexAttention block of 128 tokens), patches row by row, each patch's points row-major. A grid that is not whole
-patches is padded with points nobody attends to (their query rows are dropped). Only the layout is the user's
-choice here: the tensors enter already in it, as a PyTorch model would keep them.
+patches is padded with points no query attends to; their own query rows are dropped (they read nothing, except
+in blocks the mask lists as full, which skip the mask_mod). Only the layout is the user's choice here: the
+tensors enter already in it, as a PyTorch model would keep them.
 
 Block mask, built on the host from the plan: per query patch, the key patches any of its points reads (partial:
 the mask_mod decides per pair) and those every one of its points reads whole (full: no mask_mod). The mask_mod is
@@ -212,7 +213,7 @@ class FlexNeighborhoodAttention:
         )  # fmt: skip
         self.score_mod = score_mod
         self.mask_mod = mask_mod
-        self._attend = torch.compile(flex_attention) if compile else flex_attention
+        self._attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
 
     def __call__(self, q, k, v, scale: float | None = None):
         return self._attend(q, k, v, score_mod=self.score_mod, block_mask=self.block_mask, scale=scale)
@@ -234,38 +235,42 @@ class FlexNeighborhoodAttention:
         return picked.permute(0, 2, 1, 3).reshape(y.shape[0], layout.nlat, layout.nlon, y.shape[1], y.shape[3])
 
 
-def flex_runs(plan, batch: int, heads: int, head_dim: int, dtype: str, reps: int, median_ms):
-    """Forward and forward+backward ms of FlexAttention on ``plan`` (CUDA, inputs already in patch order), and
-    the peak device memory of the forward+backward, or None without torch or CUDA; ``median_ms(fn, reps)`` times
-    a torch callable."""
+def flex_runs(plan, batch: int, heads: int, head_dim: int, dtype: str, reps: int, num_sets: int, time_ms):
+    """Forward and forward+backward ms of FlexAttention on ``plan`` (CUDA, ``num_sets`` input sets already in
+    patch order) and torch's peak allocated bytes over the forward+backward, or None without torch or CUDA;
+    ``time_ms(fn, input_sets, reps)`` times a torch callable."""
     try:
         import torch
     except ImportError:
         return None
     if not torch.cuda.is_available():
         return None
+    torch._dynamo.reset()  # each plan compiles its own static-shape kernels (and stays under dynamo's cache limit)
     attention = FlexNeighborhoodAttention(plan, "cuda")
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     generator = torch.Generator(device="cuda").manual_seed(0)
+    q_real = torch.as_tensor(attention.q_layout.valid, device="cuda")[:, None]
 
     def randn(tokens, grad):
         x = torch.randn(batch, heads, tokens, head_dim, device="cuda", dtype=torch_dtype, generator=generator)
         return x.requires_grad_(grad)
 
-    q = randn(attention.q_layout.tokens, True)
-    k, v = randn(attention.k_layout.tokens, True), randn(attention.k_layout.tokens, True)
-    g = randn(attention.q_layout.tokens, False).float()
+    input_sets = []
+    for _ in range(num_sets):
+        q = randn(attention.q_layout.tokens, True)
+        k, v = randn(attention.k_layout.tokens, True), randn(attention.k_layout.tokens, True)
+        g = randn(attention.q_layout.tokens, False).float() * q_real  # no cotangent on padding rows
+        input_sets.append((q, k, v, g))
 
-    def forward():
+    def forward(q, k, v, g):
         with torch.no_grad():
             return attention(q, k, v)
 
-    def both():
-        out = attention(q, k, v)
-        return torch.autograd.grad((out.float() * g).sum(), (q, k, v))
+    def both(q, k, v, g):
+        return torch.autograd.grad((attention(q, k, v).float() * g).sum(), (q, k, v))
 
-    fwd_ms = median_ms(forward, reps)
+    fwd_ms = time_ms(forward, input_sets, reps)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    both_ms = median_ms(both, reps)
+    both_ms = time_ms(both, input_sets, reps)
     return fwd_ms, both_ms, torch.cuda.max_memory_allocated()

@@ -6,6 +6,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 binary="${TMPDIR:-/tmp}/staging_bandwidth"
-nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o "$binary" \
+nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -I cuda -o "$binary" \
   experimental/cuda/staging_bandwidth.cu
 [[ "${1:-}" == --build-only ]] || "$binary"

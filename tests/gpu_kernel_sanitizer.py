@@ -103,8 +103,7 @@ CASES = [
 
 def build(out: Path) -> Path:
     """Compiles the kernels and the entry point for sm_90a (objects in parallel) into one library."""
-    nvcc = [shutil.which("nvcc"), "-O2", "-arch=sm_90a", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC",
-            "-DS2ATTN_SCHED_SM90A=1"]  # the scheduled kernels, as cuda/CMakeLists.txt builds them for 90a
+    nvcc = [shutil.which("nvcc"), "-O2", "-arch=sm_90a", "-lineinfo", "-std=c++17", "-Xcompiler", "-fPIC"]
     sources = [*KERNEL_SOURCES, RUN_TARGET_SHIM]
     jobs = [[*nvcc, f"-I{ROOT / 'cuda'}", "-c", str(s), "-o", str(out / f"{s.stem}.o")] for s in sources]
     library = out / "libs2attn_kernels.so"
@@ -125,18 +124,20 @@ class DeviceMemory:
     cudaMalloc; ``finish`` waits for the kernel (raising on its fault) and copies the results back."""
 
     def __init__(self, cupy):
-        self.cupy, self.copies = cupy, {}  # id(host array) -> its device copy
+        # id(host array) -> (the array, kept alive so that its id is not reused, and its device copy)
+        self.cupy, self.copies = cupy, {}
 
     def address(self, array: np.ndarray) -> int:
         if id(array) not in self.copies:
-            self.copies[id(array)] = self.cupy.asarray(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        return self.copies[id(array)].data.ptr
+            device = self.cupy.asarray(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+            self.copies[id(array)] = (array, device)
+        return self.copies[id(array)][1].data.ptr
 
     def finish(self, results) -> None:
         self.cupy.cuda.Device().synchronize()
         for result in results:
             if result is not None:
-                result[...] = self.copies[id(result)].get().view(result.dtype).reshape(result.shape)
+                result[...] = self.copies[id(result)][1].get().view(result.dtype).reshape(result.shape)
 
 
 def gpu_launch(lib, cupy):

@@ -10,8 +10,9 @@
 #include <cstdint>
 #include <cstdio>
 
-// Host side: CUDA errors print and return false; the driver's tensor-map encoder comes through the runtime
-// (no -lcuda).
+#include "gpu/tma_sm90.cuh"  // the driver's tensor-map encoder, through the runtime (no -lcuda)
+
+// CUDA errors print and return false.
 #define CHECK_CUDA(x)                                                              \
   do {                                                                             \
     const cudaError_t e = (x);                                                     \
@@ -20,23 +21,6 @@
       return false;                                                                \
     }                                                                              \
   } while (0)
-
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// cuTensorMapEncodeTiled, or nullptr (with a message) where the driver lacks it.
-inline EncodeTiled FindEncodeTiled() {
-  void* encode = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &encode, 12000, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    std::printf("cuTensorMapEncodeTiled not found\n");
-    return nullptr;
-  }
-  return reinterpret_cast<EncodeTiled>(encode);
-}
 
 namespace {
 
@@ -150,7 +134,7 @@ bool RunCpAsync(const char* buffer, size_t bytes, int blocks_per_sm, int sms, un
 }
 
 template <int kRows, int kDepth>
-bool RunTensorMap(EncodeTiled encode, char* buffer, size_t bytes, int blocks_per_sm, int sms, unsigned* sink,
+bool RunTensorMap(s2attn::gpu::sm90::EncodeTiled encode, char* buffer, size_t bytes, int blocks_per_sm, int sms, unsigned* sink,
                   CUtensorMapSwizzle swizzle) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {64, bytes / 128}, strides[1] = {128};
@@ -175,8 +159,11 @@ bool Main() {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = prop.multiProcessorCount;
   std::printf("%s: %d SMs, %d MB of L2\n", prop.name, sms, prop.l2CacheSize >> 20);
-  const EncodeTiled encode = FindEncodeTiled();
-  if (encode == nullptr) return false;
+  const s2attn::gpu::sm90::EncodeTiled encode = s2attn::gpu::sm90::FindEncodeTiled();
+  if (encode == nullptr) {
+    std::printf("cuTensorMapEncodeTiled not found\n");
+    return false;
+  }
   const size_t l2_resident = size_t{16} << 20, from_hbm = size_t{4} << 30;
   char* buffer = nullptr;
   unsigned* sink = nullptr;

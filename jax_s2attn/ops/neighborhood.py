@@ -114,7 +114,7 @@ def neighborhood_attention(
       every platform whose native module is built (:func:`jax_s2attn.native_backends`)
       and ``"reference"`` elsewhere and for float64 inputs. With ``None`` the choice per
       platform is made when the computation is lowered, so a program exported for CUDA
-      from a CPU-only machine still uses the CUDA kernels (tiled or arc); the forced
+      from a CPU-only machine still uses the CUDA kernels (tensor-core or arc); the forced
       ``"ffi*"`` values check the platform of the inputs instead.
     """
     _checks.check_implementation(implementation)
