@@ -16,7 +16,8 @@
 // key row's log2 quadrature weight is folded into the exponent.
 //
 // Forward: S = Q K^T, the mask and the online softmax in log2 units, O += P V with P rounded once to the
-// activations' type and the row sums of that rounded P (m64n8k16 against a tile of ones): out is divided by
+// activations' type and the row sums of that rounded P (P V and P 1 as one m64n72k16, the ones tile V's ninth
+// block of 8 columns): out is divided by
 // them, so that its weights sum to one as the backward's P = exp(s - lse) do, and a delta formed from a float32
 // out stays consistent with the backward on smooth fields (docs/performance.md, "Accuracy without a second P·V
 // product"); lse comes from float32 sums. dq: S and dP = dO V^T, dS = P (dP - delta), dq += dS K. dk/dv (the
@@ -68,10 +69,11 @@ struct alignas(1024) PointTile {
   T rows[kTileRows * kTileCols * kD];
 };
 
-// 16 rows of ones in the swizzled layout: the B of the forward's row sums (every k16 step reads the same rows).
+// A chunk's rows of ones (any layout reads them as ones): the forward's P V reaches them as V's columns 64..71,
+// whose block starts the descriptor's leading offset past V's, so that P's row sums come out of the same wgmma.
 template <typename T>
 struct alignas(1024) OnesTile {
-  T rows[16 * kD];
+  T rows[kChunk * kD];
 };
 struct NoTile {};
 
@@ -323,14 +325,15 @@ __device__ __forceinline__ void Exponentiate(float (&s)[kChunk / 2], float bias,
   }
 }
 
-// O and the row sums (m64n8 accumulators: the same row layout) times the corrections, skipped when no maximum of
-// the warp moved (every correction exactly 1).
-__device__ __forceinline__ void Rescale(float (&o)[kD / 2], float (&sums)[4], const float (&correction)[2]) {
+// The forward's accumulator: O in columns 0..63 of an m64n72 tile, the rounded P's row sums in 64..71.
+constexpr int kForwardAccumulators = kD / 2 + 4;
+
+// O and the row sums times the corrections, skipped when no maximum of the warp moved (every correction
+// exactly 1).
+__device__ __forceinline__ void Rescale(float (&o)[kForwardAccumulators], const float (&correction)[2]) {
   if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
-    for (int e = 0; e < kD / 2; ++e) o[e] *= correction[(e >> 1) & 1];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sums[e] *= correction[(e >> 1) & 1];
+    for (int e = 0; e < kForwardAccumulators; ++e) o[e] *= correction[(e >> 1) & 1];
   }
 }
 
@@ -369,22 +372,18 @@ __device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], uint32_t (&a
   sm90::WgmmaCommit();
 }
 
-// Issues O += P V and the row sums += P 1 as one group (P the rounded probabilities of a chunk, V its staged rows,
-// 1 the ones tile).
+// Issues [O | sums] += P [V | 1] as one group (P the rounded probabilities of a chunk, V its staged rows, 1 the
+// ones tile as V's next block of columns).
 template <typename T>
-__device__ __forceinline__ void IssueProductsAndSums(float (&o)[kD / 2], float (&sums)[4],
-                                                     uint32_t (&prob)[kChunk / 16][4], const T* v, const T* ones) {
-  const uint64_t rows = sm90::SwizzledTileDescriptor(v), column = sm90::SwizzledTileDescriptor(ones);
+__device__ __forceinline__ void IssueProductsAndSums(float (&o)[kForwardAccumulators], uint32_t (&prob)[kChunk / 16][4],
+                                                     const T* v, const T* ones) {
+  const uint64_t rows = sm90::SwizzledTileDescriptor(v, ones);
 #pragma unroll
   for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(prob[kk]);
   sm90::FenceRegisters(o);
-  sm90::FenceRegisters(sums);
   sm90::WgmmaFence();
 #pragma unroll
-  for (int kk = 0; kk < kChunk / 16; ++kk) {
-    sm90::WgmmaM64N64K16<T, 1>(o, prob[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
-    sm90::WgmmaM64N8K16<T, 1>(sums, prob[kk], column, 1);
-  }
+  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::WgmmaM64N72K16<T>(o, prob[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
   sm90::WgmmaCommit();
 }
 
@@ -444,11 +443,12 @@ __device__ __forceinline__ ThreadPoints PointsOf(const Problem& p) {
   return points;
 }
 
-// Stores the thread's rows of a 64 x kD float32 accumulator, times `factor`, into `to` ([slab points, kD] of the
-// walking grid; float32 or T by p.f32_results).
-template <typename T>
-__device__ __forceinline__ void StoreRows(const Problem& p, const ThreadPoints& points, void* to,
-                                          const float (&d)[kD / 2], const float (&factor)[2]) {
+// Stores the thread's rows of a 64 x kD float32 accumulator (the first kD columns of d), times `factor`, into `to`
+// ([slab points, kD] of the walking grid; float32 or T by p.f32_results).
+template <typename T, int N>
+__device__ __forceinline__ void StoreRows(const Problem& p, const ThreadPoints& points, void* to, const float (&d)[N],
+                                          const float (&factor)[2]) {
+  static_assert(N >= kD / 2, "an accumulator of kD columns or more");
   const Slab slab = SlabOf(p);
   const int t = threadIdx.x % 4;
 #pragma unroll
@@ -478,7 +478,7 @@ template <typename T>
 __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, int count) {
   const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
   const ThreadPoints points = PointsOf(p);
-  float o[kD / 2] = {}, sums[4] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
+  float o[kForwardAccumulators] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
   float correction[2];
   uint32_t prob[kChunk / 16][4];
   const auto softmax = [&](int i) {  // S(i) complete in scores: P(i) in place
@@ -495,23 +495,20 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, i
       },
       softmax,
       [&](const Stage<T>& stage) {
-        Rescale(o, sums, correction);
-        IssueProductsAndSums<T>(o, sums, prob, stage.b, s.ones.rows);
+        Rescale(o, correction);
+        IssueProductsAndSums<T>(o, prob, stage.b, s.ones.rows);
       },
-      [&] { Pack<T>(prob, scores); }, [&] { sm90::FenceRegisters(scores); },
-      [&] {
-        sm90::FenceRegisters(o);
-        sm90::FenceRegisters(sums);
-      });
-  // lse from the float32 sums; out divided by the sums of P as rounded for P V (every column of row h's sums
-  // holds the whole row's).
+      [&] { Pack<T>(prob, scores); }, [&] { sm90::FenceRegisters(scores); }, [&] { sm90::FenceRegisters(o); });
+  // lse from the float32 sums; out divided by the sums of P as rounded for P V (every column 64..71 of row h
+  // holds the whole row's: o[kD / 2 + 2 h]).
   const Slab slab = SlabOf(p);
   float inverse[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    inverse[h] = sums[2 * h] > 0.f ? 1.f / sums[2 * h] : 0.f;
+    const float sum = o[kD / 2 + 2 * h];
+    inverse[h] = sum > 0.f ? 1.f / sum : 0.f;
     if (points.real[h] && t == 0) {
       p.lse_out[PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h])] =
           l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
@@ -651,7 +648,7 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm(kKind))
     if (threadIdx.x < 128) WriteEmpty<T, kKind>(p);
     return;
   }
-  if constexpr (kKind == Kind::kForward) {  // the ones tile: 2 KiB, 16 bytes a thread
+  if constexpr (kKind == Kind::kForward) {  // the ones tile: 4 KiB, 16 bytes a thread
     const uint32_t one = PackPair<T>(1.f, 1.f);
     for (int i = threadIdx.x; i < int(sizeof(OnesTile<T>) / 16); i += kThreads) {
       reinterpret_cast<uint4*>(s.ones.rows)[i] = make_uint4(one, one, one, one);

@@ -15,6 +15,8 @@
 // bytes per k16 step; A = Q in shared memory the same way, rows are queries) and B "MN-major" for a
 // product against itself (O = P V: rows are keys = k, advance 2048 bytes = 16 rows per k16 step,
 // kTransB = 1).
+// An MN-major B wider than 64 columns (m64n72) takes its columns 64 j .. 64 j + 63 from a second tile of the
+// same layout, the descriptor's leading byte offset past the first (SwizzledDescriptorAt's `next_block`).
 //
 // Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are declared here
 // and implemented by the emulation runtime: each warp takes its 16 rows of the product, which land in
@@ -33,12 +35,15 @@ namespace s2attn {
 namespace gpu {
 namespace sm90 {
 
-// Descriptor of a 128-byte-swizzled tile at shared address `address` (1024-byte aligned): start address
-// and stride of 8-row atoms (1024 bytes) in 16-byte units, swizzle mode 1 (128 bytes) in bits 62-63; the
-// leading offset is unused by these shapes (64 elements per row). Adding n to it advances the start by
-// 16 n bytes.
-__host__ __device__ constexpr uint64_t SwizzledDescriptorAt(uint32_t address) {
-  return uint64_t{(address >> 4) & 0x3FFF} | uint64_t{1} << 16 | uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
+// Descriptor of a 128-byte-swizzled tile at shared address `address` (1024-byte aligned): start address,
+// leading byte offset and stride of 8-row atoms (1024 bytes) in 16-byte units, swizzle mode 1 (128 bytes) in
+// bits 62-63. The leading offset matters only to an MN-major B of more than 64 columns: `next_block` (above
+// `address`) is where its columns 64 .. 127 start; 64-column shapes ignore it. Adding n to the descriptor
+// advances the start of every block by 16 n bytes.
+__host__ __device__ constexpr uint64_t SwizzledDescriptorAt(uint32_t address, uint32_t next_block = 0) {
+  const uint32_t leading = next_block > address ? (next_block - address) >> 4 : 1;
+  return uint64_t{(address >> 4) & 0x3FFF} | uint64_t{leading & 0x3FFF} << 16 | uint64_t{1024 >> 4} << 32 |
+         uint64_t{1} << 62;
 }
 
 // `descriptor` with its start advanced by `units` 16-byte units. The start field (14 bits of the
@@ -52,6 +57,7 @@ __host__ __device__ constexpr uint64_t DescriptorPlus(uint64_t descriptor, uint3
 #if defined(S2ATTN_HOST_EMULATION)
 
 uint64_t SwizzledTileDescriptor(const void* tile);
+uint64_t SwizzledTileDescriptor(const void* tile, const void* next_block);
 inline void WgmmaFence() {}
 void WgmmaCommit();
 void WgmmaWaitFor(int pending);
@@ -65,8 +71,6 @@ template <int N>
 void FenceRegisters(uint32_t (&)[N]) {}
 inline void FenceSharedForWgmma() {}
 template <typename T, int kTransB>
-void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
-template <typename T, int kTransB>
 void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
 template <typename T>
 void WgmmaM64N32K16SharedA(float (&d)[16], uint64_t a, uint64_t b, uint32_t accumulate);
@@ -74,12 +78,19 @@ template <typename T, int kTransB>
 void WgmmaM64N64K16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
 template <typename T>
 void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate);
+template <typename T>
+void WgmmaM64N72K16(float (&d)[36], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
 
 #else
 
 // The descriptor of the swizzled tile at `tile` (SwizzledDescriptorAt).
 __device__ __forceinline__ uint64_t SwizzledTileDescriptor(const void* tile) {
   return SwizzledDescriptorAt(SharedAddress(tile));
+}
+// The descriptor of an MN-major B whose columns 0..63 are the tile at `tile` and 64..127 the one at `next_block`
+// (a higher address).
+__device__ __forceinline__ uint64_t SwizzledTileDescriptor(const void* tile, const void* next_block) {
+  return SwizzledDescriptorAt(SharedAddress(tile), SharedAddress(next_block));
 }
 
 // Orders this thread's register writes (A fragments, accumulators) before the next wgmma reads them.
@@ -113,12 +124,6 @@ __device__ __forceinline__ void FenceSharedForWgmma() {
 // The instruction for operands of PTX type TYPE ("bf16" or "f16"); d has N / 2 registers.
 #define S2ATTN_WGMMA_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define S2ATTN_WGMMA_D16(i) S2ATTN_WGMMA_D4(i), S2ATTN_WGMMA_D4(i + 4), S2ATTN_WGMMA_D4(i + 8), S2ATTN_WGMMA_D4(i + 12)
-#define S2ATTN_WGMMA_M64N8K16(TYPE)                                                                                    \
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"                                                          \
-               "wgmma.mma_async.sync.aligned.m64n8k16.f32." TYPE "." TYPE " "                                          \
-               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, %9;\n}\n"                                                    \
-               : S2ATTN_WGMMA_D4(0)                                                                                    \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
 #define S2ATTN_WGMMA_M64N32K16(TYPE)                                                                                   \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %22, 0;\n"                                                          \
                "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " "                                         \
@@ -141,6 +146,14 @@ __device__ __forceinline__ void FenceSharedForWgmma() {
                "{%32,%33,%34,%35}, %36, p, 1, 1, %37;\n}\n"                                                            \
                : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16)                                                             \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
+#define S2ATTN_WGMMA_M64N72K16(TYPE)                                                                                   \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %41, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n72k16.f32." TYPE "." TYPE " "                                         \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                               \
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35}, "                    \
+               "{%36,%37,%38,%39}, %40, p, 1, 1, 1;\n}\n"                                                             \
+               : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16), S2ATTN_WGMMA_D4(32)                                        \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate))
 #define S2ATTN_WGMMA_M64N64K16_SHARED_A(TYPE)                                                                          \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                                          \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
@@ -149,17 +162,6 @@ __device__ __forceinline__ void FenceSharedForWgmma() {
                "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                         \
                : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16)                                                             \
                : "l"(a), "l"(b), "r"(accumulate))
-
-// d (+)= A B for an m64n8k16 slice; `accumulate` 0 overwrites d.
-template <typename T, int kTransB>
-__device__ __forceinline__ void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
-  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
-  if constexpr (std::is_same_v<T, __half>) {
-    S2ATTN_WGMMA_M64N8K16("f16");
-  } else {
-    S2ATTN_WGMMA_M64N8K16("bf16");
-  }
-}
 
 // d (+)= A B for an m64n32k16 slice; `accumulate` 0 overwrites d.
 template <typename T, int kTransB>
@@ -207,7 +209,20 @@ __device__ __forceinline__ void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a
   }
 }
 
-#undef S2ATTN_WGMMA_M64N8K16
+// d (+)= A B for an m64n72k16 slice with an MN-major B of two blocks (SwizzledTileDescriptor(tile, next_block)):
+// columns 0..63 from the first, 64..71 from the second.
+template <typename T>
+__device__ __forceinline__ void WgmmaM64N72K16(float (&d)[36], const uint32_t (&a)[4], uint64_t b,
+                                               uint32_t accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
+  if constexpr (std::is_same_v<T, __half>) {
+    S2ATTN_WGMMA_M64N72K16("f16");
+  } else {
+    S2ATTN_WGMMA_M64N72K16("bf16");
+  }
+}
+
+#undef S2ATTN_WGMMA_M64N72K16
 #undef S2ATTN_WGMMA_M64N32K16
 #undef S2ATTN_WGMMA_M64N64K16_SHARED_A
 #undef S2ATTN_WGMMA_M64N64K16

@@ -8,6 +8,7 @@
 // in run_target.cc (the kernels of cuda/gpu) and primitives_selftest.cu (the self-test).
 //
 // x86-64 System V only (the fiber switch is a few lines of assembly).
+#include <algorithm>
 #include <cstdarg>
 #include <chrono>
 #include <cstdint>
@@ -106,7 +107,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 struct PendingWgmma {
   float* d;
   unsigned count;
-  float values[32];
+  float values[36];
 };
 
 struct Fiber {
@@ -210,7 +211,7 @@ struct Meeting {
   union {
     double product[16][8];       // mma: A * B, without the accumulator
     uint16_t matrices[4][8][8];  // ldmatrix: matrix, row, column
-    double rows[16][64];         // wgmma: the warp's 16 rows of A * B
+    double rows[16][72];         // wgmma: the warp's 16 rows of A * B
   } result;
 };
 
@@ -313,24 +314,30 @@ void ReadMatrices(Meeting& m) {
 }
 
 // A tile of wgmma's shared operands (gpu/wgmma_sm90.cuh): 128-byte rows, 8-row atoms `stride` bytes
-// apart, the 128-byte swizzle applied to the address (bits 4-6 XOR bits 7-9), start 16-byte aligned.
+// apart, the 128-byte swizzle applied to the address (bits 4-6 XOR bits 7-9), start 16-byte aligned; an
+// MN-major B of more than 64 columns has its columns 64 j .. 64 j + 63 `leading` j bytes past the start.
 struct SwizzledTile {
-  uint32_t start, stride;
+  uint32_t start, stride, leading;
 };
 
 // Only the form validated on the H200 (the scheduled kernels of cuda/gpu) is emulated: the 128-byte swizzle, no base
 // offset, atoms 1024 bytes apart, and a start inside the first row of an atom with the slice read per
-// row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N columns of an MN-major one) in it.
-SwizzledTile DecodeDescriptor(uint64_t descriptor, uint32_t slice_bytes) {
+// row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N <= 64 columns of an MN-major one, 128 for
+// wider ones, which need a leading offset of whole atoms) in it.
+SwizzledTile DecodeDescriptor(uint64_t descriptor, uint32_t slice_bytes, bool wide = false) {
   const auto bits = static_cast<unsigned long long>(descriptor);
   if (descriptor >> 62 != 1) Fail("wgmma: descriptor %#llx is not of a 128-byte-swizzled tile", bits);
   if ((descriptor >> 49) & 7) Fail("wgmma: descriptor %#llx has a base offset (not emulated)", bits);
   const SwizzledTile tile{static_cast<uint32_t>(descriptor & 0x3FFF) << 4,
-                          static_cast<uint32_t>((descriptor >> 32) & 0x3FFF) << 4};
+                          static_cast<uint32_t>((descriptor >> 32) & 0x3FFF) << 4,
+                          static_cast<uint32_t>((descriptor >> 16) & 0x3FFF) << 4};
   if (tile.stride != 1024) Fail("wgmma: descriptor %#llx: atoms %u bytes apart, not 1024", bits, tile.stride);
   if ((tile.start & 0x380) != 0 || (tile.start & 127) + slice_bytes > 128) {
     Fail("wgmma: descriptor %#llx: a %u-byte slice from byte %u of an atom leaves its first row", bits, slice_bytes,
          tile.start & 1023);
+  }
+  if (wide && (tile.leading == 0 || tile.leading % 1024 != 0)) {
+    Fail("wgmma: descriptor %#llx: a B of more than 64 columns with its blocks %u bytes apart", bits, tile.leading);
   }
   return tile;
 }
@@ -384,9 +391,9 @@ uint16_t KMajor(const SwizzledTile& tile, int row, int k) {
   return SwizzledElement(tile.start + (row / 8) * tile.stride + (row % 8) * 128 + 2 * k);
 }
 
-// Element (k, n) of an MN-major tile (rows of n, one per k: B multiplied as it is stored).
+// Element (k, n) of an MN-major tile (rows of n, one per k: B multiplied as it is stored; 64 columns a block).
 uint16_t MnMajor(const SwizzledTile& tile, int k, int n) {
-  return SwizzledElement(tile.start + (k / 8) * tile.stride + (k % 8) * 128 + 2 * n);
+  return SwizzledElement(tile.start + (n / 64) * tile.leading + (k / 8) * tile.stride + (k % 8) * 128 + 2 * (n % 64));
 }
 
 // The warp's 16 rows of an m64nNk16 product: A (its rows 16 w .. 16 w + 15 of the warpgroup's 64) from
@@ -400,7 +407,7 @@ void MultiplyWarpRows(Meeting& m) {
   }
   RecordWgmma(first);
   const unsigned warp_in_group = threadIdx.x / 32 % 4;
-  double a[16][16], b[16][64];
+  double a[16][16], b[16][72];
   if (first.a_desc != 0) {
     const SwizzledTile tile = DecodeDescriptor(first.a_desc, 32);
     for (int row = 0; row < 16; ++row) {
@@ -409,7 +416,8 @@ void MultiplyWarpRows(Meeting& m) {
   } else {
     ReadFragmentsA(m, [](const LaneInput& in) -> const uint32_t(&)[4] { return in.wgmma.a; }, a);
   }
-  const SwizzledTile tile = DecodeDescriptor(first.b_desc, first.trans_b ? 2 * first.n : 32);
+  const bool wide = first.trans_b && first.n > 64;
+  const SwizzledTile tile = DecodeDescriptor(first.b_desc, first.trans_b ? 2 * std::min(first.n, 64u) : 32, wide);
   for (int k = 0; k < 16; ++k) {
     for (unsigned n = 0; n < first.n; ++n) {
       b[k][n] = Widen(m.kind, first.trans_b ? MnMajor(tile, k, n) : KMajor(tile, n, k));
@@ -794,6 +802,11 @@ uint64_t SwizzledTileDescriptor(const void* tile) {
   return SwizzledDescriptorAt(SharedOffset("SwizzledTileDescriptor", tile, 1024, 128));
 }
 
+uint64_t SwizzledTileDescriptor(const void* tile, const void* next_block) {
+  return SwizzledDescriptorAt(SharedOffset("SwizzledTileDescriptor", tile, 1024, 128),
+                              SharedOffset("SwizzledTileDescriptor", next_block, 1024, 128));
+}
+
 namespace {
 void EmulatedWgmma(Collective kind, float* d, unsigned n, const uint32_t* a, uint64_t a_desc, uint64_t b_desc,
                    bool trans_b, uint32_t accumulate) {
@@ -849,10 +862,6 @@ Collective KindOf() {
   return std::is_same_v<T, __half> ? Collective::kWgmmaF16 : Collective::kWgmma;
 }
 template <typename T, int kTransB>
-void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
-  EmulatedWgmma(KindOf<T>(), d, 8, a, 0, b, kTransB, accumulate);
-}
-template <typename T, int kTransB>
 void WgmmaM64N32K16(float (&d)[16], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(KindOf<T>(), d, 32, a, 0, b, kTransB, accumulate);
 }
@@ -868,10 +877,14 @@ template <typename T>
 void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(KindOf<T>(), d, 64, nullptr, a, b, false, accumulate);
 }
+template <typename T>
+void WgmmaM64N72K16(float (&d)[36], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
+  EmulatedWgmma(KindOf<T>(), d, 72, a, 0, b, true, accumulate);
+}
 // The forms the kernels of cuda/gpu use (sched_attn_device.cuh: m64n32 and m64n64 with A in shared memory, m64n64
-// and m64n8 with A in registers), in bfloat16 and float16, and the register-A m64n32 form the self-test checks too.
-template void WgmmaM64N8K16<__nv_bfloat16, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
-template void WgmmaM64N8K16<__half, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
+// and m64n72 with A in registers), in bfloat16 and float16, and the register-A m64n32 form the self-test checks too.
+template void WgmmaM64N72K16<__nv_bfloat16>(float (&)[36], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N72K16<__half>(float (&)[36], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__half>(float (&)[16], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N64K16<__half, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N64K16SharedA<__half>(float (&)[32], uint64_t, uint64_t, uint32_t);
