@@ -39,7 +39,8 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
   plan on a 2-D patch order, the quadrature weights as a score_mod), op level, compiled, inputs already in
   its layout: ``flex_{fwd,fwdbwd}_ms``, ``flex_over_ffi_*`` and ``flex_device_bytes``, torch's peak allocated
   memory over the forward+backward (inputs, the block mask's tables and their transposes, ``[query blocks,
-  key blocks]`` int32 each, included) (``--no-flex`` leaves it out). The torch rows are timed like the JAX ones
+  key blocks]`` int32 each, included), ``flex_kernel_options`` the kernel tiles that compiled (``--no-flex``
+  leaves it out). The torch rows are timed like the JAX ones
   (``timing.median_ms``: bursts, the same number of input sets).
 
 Run: ``python benchmarks/attention.py [--quick] [--configs NAME ...]``; writes
@@ -52,6 +53,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import json
 import math
 import os
 import pathlib
@@ -241,7 +243,10 @@ def _torch_harmonics_runs(cfg: Config, dtype: str, reps: int, num_sets: int):
     try:
         import torch
         from torch_harmonics import NeighborhoodAttentionS2
-    except ImportError:
+    except ImportError as e:  # said once a run: a built package that fails to import must not pass for "absent"
+        if not getattr(_torch_harmonics_runs, "reported", False):
+            print(f"torch-harmonics: absent ({type(e).__name__}: {e})")
+            _torch_harmonics_runs.reported = True
         return None
     if not torch.cuda.is_available():
         return None
@@ -298,7 +303,7 @@ def _kernel_metrics(cfg: Config, plan, row: dict) -> dict:
         for target, per_pair, walk in (("forward", 4, "forward"), ("dq", 6, "forward"), ("dkv", 8, "backward")):
             flops = per_pair * d * walks[walk].computed_pairs * cfg.batch * cfg.heads
             tflops = _tflops(flops, row[f"ffi_scheduled_{target}_target_ms"])
-            metrics[f"ffi_scheduled_eta_{target}"] = tflops / PEAK_FLOPS["bfloat16"]
+            metrics[f"ffi_scheduled_eta_{target}"] = tflops * 1e12 / PEAK_FLOPS["bfloat16"]
     return metrics
 
 
@@ -413,6 +418,7 @@ def main() -> None:
         row.update(flex_fwd_ms=flex[0] if flex else "absent", flex_fwdbwd_ms=flex[1] if flex else "absent")
         if flex:
             row["flex_device_bytes"] = flex[2]
+            row["flex_kernel_options"] = "inductor" if flex[3] is None else json.dumps(flex[3], sort_keys=True)
         if "ffi_fwd_ms" in row:
             row["ffi_gpairs_per_s"] = _pairs(cfg, plan.num_pairs) / row["ffi_fwd_ms"] / 1e6
             row["ffi_fwd_over_floor"] = row["ffi_fwd_ms"] / row["floor_fwd_ms"]

@@ -22,6 +22,14 @@ import numpy as np
 
 PATCH_ROWS, PATCH_COLS = 8, 16
 BLOCK = PATCH_ROWS * PATCH_COLS  # FlexAttention's block size (its default, 128)
+# The kernel tiles flex_runs tries in turn: Inductor's choice first; then, where its kernel asks for more shared
+# memory than the GPU has (the mask_mod's gathers on 128 x 128 tiles), 64 x 64 forward tiles of two stages, and
+# the backward's tiles as well. Each divides BLOCK, as FlexAttention requires.
+KERNEL_OPTIONS = (
+    None,
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +179,10 @@ def block_lists(plan, q_layout: PatchLayout, k_layout: PatchLayout) -> BlockList
 
 class FlexNeighborhoodAttention:
     """``plan``'s attention on patch-ordered ``[B, H, tokens, D]`` torch tensors by FlexAttention (compiled unless
-    ``compile=False``): ``__call__(q, k, v)`` with q in the output grid's layout, k and v in the input grid's."""
+    ``compile=False``): ``__call__(q, k, v)`` with q in the output grid's layout, k and v in the input grid's;
+    ``kernel_options`` go to ``flex_attention`` as they are (None: Inductor's choice)."""
 
-    def __init__(self, plan, device, compile: bool = True):
+    def __init__(self, plan, device, compile: bool = True, kernel_options: dict | None = None):
         import torch
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -213,10 +222,12 @@ class FlexNeighborhoodAttention:
         )  # fmt: skip
         self.score_mod = score_mod
         self.mask_mod = mask_mod
+        self.kernel_options = kernel_options
         self._attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
 
     def __call__(self, q, k, v, scale: float | None = None):
-        return self._attend(q, k, v, score_mod=self.score_mod, block_mask=self.block_mask, scale=scale)
+        return self._attend(q, k, v, score_mod=self.score_mod, block_mask=self.block_mask, scale=scale,
+                            kernel_options=self.kernel_options)  # fmt: skip
 
     def to_tokens(self, x, layout: PatchLayout):
         """``[B, nlat, nlon, H, D]`` (torch) -> ``[B, H, tokens, D]`` in ``layout`` (padding: the grid's first
@@ -237,8 +248,9 @@ class FlexNeighborhoodAttention:
 
 def flex_runs(plan, batch: int, heads: int, head_dim: int, dtype: str, reps: int, num_sets: int, time_ms):
     """Forward and forward+backward ms of FlexAttention on ``plan`` (CUDA, ``num_sets`` input sets already in
-    patch order) and torch's peak allocated bytes over the forward+backward, or None without torch or CUDA;
-    ``time_ms(fn, input_sets, reps)`` times a torch callable."""
+    patch order), torch's peak allocated bytes over the forward+backward and the KERNEL_OPTIONS entry that
+    compiled (the first whose forward and backward do), or None without torch or CUDA; ``time_ms(fn, input_sets,
+    reps)`` times a torch callable. Raises the last entry's error when none compiles."""
     try:
         import torch
     except ImportError:
@@ -246,7 +258,7 @@ def flex_runs(plan, batch: int, heads: int, head_dim: int, dtype: str, reps: int
     if not torch.cuda.is_available():
         return None
     torch._dynamo.reset()  # each plan compiles its own static-shape kernels (and stays under dynamo's cache limit)
-    attention = FlexNeighborhoodAttention(plan, "cuda")
+    attention = FlexNeighborhoodAttention(plan, "cuda", kernel_options=KERNEL_OPTIONS[0])
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     generator = torch.Generator(device="cuda").manual_seed(0)
     q_real = torch.as_tensor(attention.q_layout.valid, device="cuda")[:, None]
@@ -269,8 +281,21 @@ def flex_runs(plan, batch: int, heads: int, head_dim: int, dtype: str, reps: int
     def both(q, k, v, g):
         return torch.autograd.grad((attention(q, k, v).float() * g).sum(), (q, k, v))
 
+    for options in KERNEL_OPTIONS:
+        if options is not KERNEL_OPTIONS[0]:
+            torch._dynamo.reset()
+            attention = FlexNeighborhoodAttention(plan, "cuda", kernel_options=options)
+        try:  # compiles both here, so that a refusal is caught before the timing
+            forward(*input_sets[0])
+            both(*input_sets[0])
+            torch.cuda.synchronize()
+            break
+        except Exception as e:  # noqa: BLE001  (Inductor's errors have no common public type)
+            if options is KERNEL_OPTIONS[-1]:
+                raise
+            print(f"flex with kernel options {options}: {type(e).__name__}: {str(e)[:160]}; trying smaller tiles")
     fwd_ms = time_ms(forward, input_sets, reps)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     both_ms = time_ms(both, input_sets, reps)
-    return fwd_ms, both_ms, torch.cuda.max_memory_allocated()
+    return fwd_ms, both_ms, torch.cuda.max_memory_allocated(), options

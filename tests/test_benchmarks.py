@@ -392,3 +392,22 @@ def test_flex_attention_matches_float64(case, rng, dense_attention, rel_error):
 @pytest.mark.parametrize("case", ["self-padded", "down-full-blocks"])  # each compiles for a minute or so
 def test_flex_attention_and_its_gradients_match_float64_on_cuda(case, rng, dense_attention, rel_error):
     _flex_check(case, rng, dense_attention, rel_error, "cuda", gradients=True)
+
+
+def test_scheduled_eta_is_computed_tflops_over_the_peak():
+    """η of a scheduled target: its computed FLOPs (4d, 6d, 8d per computed pair of its walk) per second over
+    790 TFLOP/s, here for times chosen to make it 0.5, 0.25 and 0.125."""
+    attention = _benchmark_module("attention")
+    cfg = attention.Config("small", (33, 64), (33, 64), 0.3, channels=128, heads=2, batch=3)
+    plan = NeighborhoodPlan(cfg.in_shape, cfg.out_shape, theta_cutoff=cfg.theta_cutoff)
+    shape = dict(zip(("tile_rows", "tile_cols", "chunk_cols"), jax_s2attn.ops._ffi.kernel_limits().scheduled_shape))
+    computed = {walk: plan.block_schedule(walk, **shape).computed_pairs for walk in ("forward", "backward")}
+    row = {}
+    for target, per_pair, walk, eta in (("forward", 4, "forward", 0.5), ("dq", 6, "forward", 0.25),
+                                        ("dkv", 8, "backward", 0.125)):  # fmt: skip
+        flops = per_pair * 64 * computed[walk] * cfg.batch * cfg.heads
+        row[f"ffi_scheduled_{target}_target_ms"] = 1e3 * flops / (eta * 790e12)
+    metrics = attention._kernel_metrics(cfg, plan, row)
+    assert metrics["ffi_scheduled_eta_forward"] == pytest.approx(0.5, rel=1e-12)
+    assert metrics["ffi_scheduled_eta_dq"] == pytest.approx(0.25, rel=1e-12)
+    assert metrics["ffi_scheduled_eta_dkv"] == pytest.approx(0.125, rel=1e-12)
