@@ -408,7 +408,8 @@ def main() -> None:
             row["ffi_kernel"] = ffi_kernel
             row.update({f"ffi_{m}": row[f"ffi_{ffi_kernel}_{m}"] for m in ("fwd_ms", "fwdbwd_ms", "device_bytes")})
         th = _torch_harmonics_runs(cfg, dtype, args.reps, args.input_sets)
-        row.update(torch_harmonics_fwd_ms=th[0] if th else "absent", torch_harmonics_fwdbwd_ms=th[1] if th else "absent")
+        th_fwd, th_both = th if th else ("absent", "absent")
+        row.update(torch_harmonics_fwd_ms=th_fwd, torch_harmonics_fwdbwd_ms=th_both)
         flex = None
         if not args.no_flex:
             try:

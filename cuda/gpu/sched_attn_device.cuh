@@ -192,7 +192,9 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind>& s,
       if (kKind != Kind::kDkv) bias = KeyBias(p, field[0], nlat_keys);
       if (p.classes == 1) {
 #pragma unroll
-        for (int a = 0; a < kTileRows; ++a) records[a] = __ldg(p.records + static_cast<size_t>(field[5]) * kTileRows + a);
+        for (int a = 0; a < kTileRows; ++a) {
+          records[a] = __ldg(p.records + static_cast<size_t>(field[5]) * kTileRows + a);
+        }
       }
     }
     for (int k = 0; k < 32 && batch_start + k < count; ++k) {
