@@ -6,7 +6,9 @@
 # tiled kernels, stall reasons included. TORCH_HARMONICS_SRC (an unpacked torch-harmonics 0.9.3 wheel or
 # sdist) builds it in the background while the tests run, for the benchmark's torch-harmonics column
 # (about 4 minutes). BENCH_ARGS are passed to benchmarks/attention.py. GPU_TESTS (default: tests) picks the test
-# files or node ids of "tests", so that the suite can run in parts; TEST_TIMEOUT bounds each part.
+# files or node ids of "tests", so that the suite can run in parts; TEST_TIMEOUT bounds each part; the tests run in
+# GPU_TEST_WORKERS pytest-xdist processes (default 6; 1 runs them in this process), which share the GPU without
+# preallocating its memory. The CSVs' commit column reads JAX_S2ATTN_COMMIT when set: a copied tree's .git can be stale.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -43,8 +45,11 @@ wait_for_torch_harmonics() {
 
 status=0
 if has tests; then
-  PYTHONUNBUFFERED=1 timeout ${TEST_TIMEOUT:-360} python3 -P -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests} \
-    -k "not handler_rejects" 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  workers=${GPU_TEST_WORKERS:-6}
+  parallel=(); [[ $workers -gt 1 ]] && parallel=(-n "$workers")
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1 timeout ${TEST_TIMEOUT:-360} python3 -P -m pytest -q \
+    -p no:cacheprovider "${parallel[@]}" -m gpu ${GPU_TESTS:-tests} -k "not handler_rejects" 2>&1 \
+    | tee "$OUT/gpu-tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
   # Handler error paths in their own process: a crash there must not hide the results above.
   timeout 90 python3 -P -m pytest -q -p no:cacheprovider -m gpu tests/test_nbhd_errors.py -k handler_rejects \
