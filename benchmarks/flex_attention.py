@@ -180,9 +180,9 @@ def block_lists(plan, q_layout: PatchLayout, k_layout: PatchLayout) -> BlockList
 class FlexNeighborhoodAttention:
     """``plan``'s attention on patch-ordered ``[B, H, tokens, D]`` torch tensors by FlexAttention (compiled unless
     ``compile=False``): ``__call__(q, k, v)`` with q in the output grid's layout, k and v in the input grid's;
-    ``kernel_options`` go to ``flex_attention`` as they are (None: Inductor's choice)."""
+    ``kernel_options`` (an attribute) go to ``flex_attention`` as they are (None: Inductor's choice)."""
 
-    def __init__(self, plan, device, compile: bool = True, kernel_options: dict | None = None):
+    def __init__(self, plan, device, compile: bool = True):
         import torch
         from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
@@ -222,7 +222,7 @@ class FlexNeighborhoodAttention:
         )  # fmt: skip
         self.score_mod = score_mod
         self.mask_mod = mask_mod
-        self.kernel_options = kernel_options
+        self.kernel_options: dict | None = None
         self._attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
 
     def __call__(self, q, k, v, scale: float | None = None):
@@ -257,8 +257,7 @@ def flex_runs(plan, batch: int, heads: int, head_dim: int, dtype: str, reps: int
         return None
     if not torch.cuda.is_available():
         return None
-    torch._dynamo.reset()  # each plan compiles its own static-shape kernels (and stays under dynamo's cache limit)
-    attention = FlexNeighborhoodAttention(plan, "cuda", kernel_options=KERNEL_OPTIONS[0])
+    attention = FlexNeighborhoodAttention(plan, "cuda")
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[dtype]
     generator = torch.Generator(device="cuda").manual_seed(0)
     q_real = torch.as_tensor(attention.q_layout.valid, device="cuda")[:, None]
@@ -282,9 +281,9 @@ def flex_runs(plan, batch: int, heads: int, head_dim: int, dtype: str, reps: int
         return torch.autograd.grad((attention(q, k, v).float() * g).sum(), (q, k, v))
 
     for options in KERNEL_OPTIONS:
-        if options is not KERNEL_OPTIONS[0]:
-            torch._dynamo.reset()
-            attention = FlexNeighborhoodAttention(plan, "cuda", kernel_options=options)
+        # Each plan and each entry compiles its own static-shape kernels (and stays under dynamo's cache limit).
+        torch._dynamo.reset()
+        attention.kernel_options = options
         try:  # compiles both here, so that a refusal is caught before the timing
             forward(*input_sets[0])
             both(*input_sets[0])
