@@ -226,6 +226,7 @@ def prepare_case(
     transform=None,
     logit_offset=0.0,
     smooth_values=False,
+    logit_gain=1.0,
 ) -> KernelCase:
     """Random inputs on local blocks of the grids and the float64 results they must give.
 
@@ -233,7 +234,8 @@ def prepare_case(
     grids; ``padding`` adds garbage rows/columns ``(q_lat, q_lon, k_lat, k_lon)`` to the local
     arrays. ``transform`` (optional) maps each local activation array before use (e.g. to a
     misaligned copy). ``smooth_values``: values smooth in position (1 % noise), where dP - delta
-    nearly cancels in the score gradients (see ``run_case(as_op=True)``).
+    nearly cancels in the score gradients (see ``run_case(as_op=True)``). ``logit_gain`` (a power of two: exact)
+    multiplies q, and so the logits' spread.
     """
     (nlat_q, nlon_q), (nlat_k, nlon_k) = plan.out_shape, plan.in_shape
     q_window = q_window or (0, 0, nlat_q, nlon_q)
@@ -245,6 +247,7 @@ def prepare_case(
     if smooth_values:
         field = smooth_field(nlat_k, nlon_k, dv, plan.grid_in)
         v = (field[None, :, :, None, :] + 0.01 * v.astype(np.float64)).astype(storage)
+    q = (q * storage(logit_gain)).astype(storage)
     if logit_offset < 0:  # every logit moves by about logit_offset: q_0 = a, k_0 = -a
         q[..., 0] = np.sqrt(-logit_offset / scale)
         k[..., 0] = -np.sqrt(-logit_offset / scale)

@@ -717,6 +717,17 @@ def test_scheduled_smooth_values_keep_gradients_accurate(emulated_library, rng, 
 
 
 @pytest.mark.parametrize("dtype", TILED_DTYPES)
+def test_scheduled_forward_keeps_maxima_that_rise_past_the_rescale_slack(emulated_library, rng, dtype):
+    """Logits spread over tens of log2 units (q times 8): along a walk the row maxima rise both by less than the
+    forward's rescale slack (kept: P above 1) and by more (moved, O rescaled); out, lse and the gradients stay
+    within the bar of float64."""
+    plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.25)
+    case = prepare_case(rng, plan, 1, 2, 64, 64, dtype, logit_gain=8.0)
+    bar = tolerance_of("tiled", dtype)
+    verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
+
+
+@pytest.mark.parametrize("dtype", TILED_DTYPES)
 def test_scheduled_results_in_the_activations_type_are_the_rounded_float32_ones(emulated_library, rng, dtype):
     """out, dq, dk and dv of the activations' type hold the bits of the float32 results rounded to nearest, and
     a second run gives the same bits (no atomics: every result row is written once by its block)."""

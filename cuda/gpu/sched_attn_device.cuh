@@ -12,17 +12,19 @@
 //
 // The geometry is the host's: per chunk the kernels read (other row, longitude, offset, valid, flags, staging)
 // and, per point, the staging's (start, length) record of its tile row and residue class; FULL chunks take no
-// mask, partial ones one add, one unsigned compare and one select per element, RING chunks two compares. The
-// key row's log2 quadrature weight is folded into the exponent.
+// mask, partial and RING ones a 32-bit word of kept columns per accumulator row (formed once per chunk) and one
+// bit test and one select per element. The key row's log2 quadrature weight is folded into the exponent. The
+// operands' wgmma descriptors are formed once and moved to a stage by one addition.
 //
 // Forward: S = Q K^T, the mask and the online softmax in log2 units, O += P V with P rounded once to the
 // activations' type and the row sums of that rounded P (P V and P 1 as one m64n72k16, the ones tile V's ninth
-// block of 8 columns): out is divided by
-// them, so that its weights sum to one as the backward's P = exp(s - lse) do, and a delta formed from a float32
-// out stays consistent with the backward on smooth fields (docs/performance.md, "Accuracy without a second P·V
-// product"); lse comes from float32 sums. dq: S and dP = dO V^T, dS = P (dP - delta), dq += dS K. dk/dv (the
-// backward schedule, the chunk's queries' lse and delta staged by the producer): S^T and dP^T, dv += P^T dO,
-// dk += dS^T Q. Every result row is written once, by its block: no atomics, bitwise deterministic.
+// block of 8 columns): out is divided by them, so that its weights sum to one as the backward's P = exp(s - lse)
+// do, and a delta formed from a float32 out stays consistent with the backward on smooth fields
+// (docs/performance.md, "Accuracy without a second P·V product"); lse comes from float32 sums. The maxima move
+// lazily: only when a row's logits rise by more than kRescaleSlackLog2, so that O is rarely rescaled. dq: S and
+// dP = dO V^T, dS = P (dP - delta), dq += dS K. dk/dv (the backward schedule, the chunk's queries' lse and delta
+// staged by the producer): S^T and dP^T, dv += P^T dO, dk += dS^T Q. Every result row is written once, by its
+// block: no atomics, bitwise deterministic.
 #pragma once
 
 #include <cuda.h>
@@ -99,6 +101,8 @@ template <typename T, Kind kKind>
 struct Shared {
   Stage<T> stages[kStages];
   PointTile<T> tiles[TilesOf(kKind)];
+  // After every stage: the descriptor's leading offset from a stage's V to the ones must be positive (where it is
+  // not, SwizzledDescriptorAt falls back to 1 and the host emulation's products go wrong).
   std::conditional_t<kKind == Kind::kForward, OnesTile<T>, NoTile> ones;
   ChunkInfo info[kStages];
   uint64_t full[kStages];
@@ -237,73 +241,95 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind>& s,
 // Column n of the thread's accumulator element e (m64nN layout of wgmma_sm90.cuh), less 2 t.
 __host__ __device__ constexpr int ColumnOf(int e) { return 8 * (e / 4) + (e % 2); }
 
-// A chunk as one thread needs it: the key row's log2 weight and, per accumulator row h, the columns it keeps:
-// n with unsigned(n - lo) < count, or (RING) that or n < count2 (the arc's part past longitude nlon, from the
-// chunk's first column).
+// The thread's walking points: tile row `warp`, longitudes lane / 4 and lane / 4 + 8 of the tile, with their
+// residue classes and steps; `real[h]` whether the point is on the walking grid (only those are written).
+struct ThreadPoints {
+  int row, lon[2], u[2], step[2];
+  bool real[2];
+};
+
+__device__ __forceinline__ ThreadPoints PointsOf(const Problem& p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  ThreadPoints points;
+  points.row = __ldg(p.tiles + 2 * blockIdx.x) + warp;
+  const int first_lon = __ldg(p.tiles + 2 * blockIdx.x + 1);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int column = lane / 4 + 8 * h;
+    points.u[h] = column % p.classes, points.step[h] = column / p.classes;
+    points.lon[h] = first_lon + column;
+    points.real[h] = static_cast<unsigned>(points.row) < static_cast<unsigned>(p.nlat_walk) &&
+                     static_cast<unsigned>(points.lon[h]) < static_cast<unsigned>(p.nlon_walk);
+  }
+  return points;
+}
+
+// The bits of columns [0, n) of a chunk, n clamped to [0, 32] (on the device one funnel shift of the clamp).
+__device__ __forceinline__ uint32_t ColumnsBelow(int n) {
+#if defined(S2ATTN_HOST_EMULATION)
+  return n >= 32 ? ~0u : (1u << max(n, 0)) - 1u;
+#else
+  return __funnelshift_lc(~0u, 0u, static_cast<unsigned>(max(n, 0)));
+#endif
+}
+
+// The bits of columns [lo, hi) of a chunk (the bounds clamped to [0, 32]).
+__device__ __forceinline__ uint32_t ColumnBits(int lo, int hi) { return ColumnsBelow(hi) & ~ColumnsBelow(lo); }
+
+// A partial chunk's mask for the thread's two accumulator rows h: bit c of keep[h] says whether column 2 t + c is
+// kept (n with start <= n < start + length and n < valid; RING chunks with start modulo nlon, and also the arc's
+// part past longitude nlon, from the chunk's first column).
 struct ChunkMask {
-  int flags;
-  float bias;
-  int lo[2], count[2], count2[2];
+  uint32_t keep[2];
 };
 
 __device__ __forceinline__ ChunkMask MaskOf(const Problem& p, const ChunkInfo& info, int warp, const int (&u)[2],
-                                            const int (&step)[2]) {
+                                            const int (&step)[2], int t) {
   ChunkMask m;
   const int offset = info.offset, valid = info.valid;
-  m.flags = info.flags;
-  m.bias = info.bias;
+  const bool ring = info.flags & kRing;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int2 record = info.records[warp * p.classes + u[h]];
     int start = record.x + p.shift * step[h] - offset;
     const int length = record.y;
-    m.count2[h] = 0;
-    if (m.flags & kRing) {
+    uint32_t keep;
+    if (ring) {
       // start modulo nlon: |start| < 2 nlon for the points that are written (offset and record.x in [0, nlon),
       // shift * step < nlon; tests/test_schedule.py checks it). Other points may get wrong masks: their rows
       // are computed, not written.
       start += start < 0 ? p.nlon_other : 0;
       start -= start >= p.nlon_other ? p.nlon_other : 0;
-      if (length >= p.nlon_other) {
-        m.lo[h] = 0, m.count[h] = valid;
-      } else {
-        m.lo[h] = start, m.count[h] = max(0, min(start + length, valid) - start);
-        m.count2[h] = max(0, min(start + length - p.nlon_other, valid));  // the part past longitude nlon
-      }
+      keep = length >= p.nlon_other ? ColumnBits(0, valid)
+                                    : ColumnBits(start, min(start + length, valid)) |
+                                          ColumnBits(0, min(start + length - p.nlon_other, valid));
     } else {
-      m.lo[h] = start, m.count[h] = max(0, min(start + length, valid) - start);
+      keep = ColumnBits(start, min(start + length, valid));
     }
+    m.keep[h] = keep >> (2 * t);
   }
   return m;
 }
 
-// Drops the columns the chunk's mask does not keep (score -inf). The flags are the warpgroup's: one branch per
-// chunk, none per element (bitwise or, no short circuit).
-__device__ __forceinline__ void ApplyMask(float (&s)[kChunk / 2], const ChunkMask& m, int t) {
-  if (m.flags & kFull) return;
-  const bool ring = m.flags & kRing;
+// Drops the columns a partial chunk's mask does not keep (score -inf): one bit test and one select per element.
+__device__ __forceinline__ void ApplyMask(float (&s)[kChunk / 2], const ChunkMask& m) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int base = 2 * t - m.lo[h];
-    const unsigned count = m.count[h], count2 = m.count2[h];
-    if (ring) {
-#pragma unroll
-      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
-        const bool keep = (unsigned(base + ColumnOf(e)) < count) | (unsigned(2 * t + ColumnOf(e)) < count2);
-        s[e] = keep ? s[e] : kNegInf;
-      }
-    } else {
-#pragma unroll
-      for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) {
-        s[e] = unsigned(base + ColumnOf(e)) < count ? s[e] : kNegInf;
-      }
-    }
-  }
+  for (int e = 0; e < kChunk / 2; ++e) s[e] = m.keep[(e >> 1) & 1] >> ColumnOf(e) & 1u ? s[e] : kNegInf;
 }
 
+// The scores of chunk `info` with its mask applied (FULL chunks: none; one branch per chunk on its flags).
+__device__ __forceinline__ void Mask(float (&s)[kChunk / 2], const Problem& p, const ChunkInfo& info, int warp,
+                                     const ThreadPoints& points, int t) {
+  if (!(info.flags & kFull)) ApplyMask(s, MaskOf(p, info, warp, points.u, points.step, t));
+}
+
+// How far (log2 units) a row's logits may rise above its running maximum before the maximum moves: the
+// maxima move, and O is rescaled, only on rises beyond it (P <= 2^8, far inside fp16's range and float32's).
+constexpr float kRescaleSlackLog2 = 8.f;
+
 // The online softmax of a chunk's scores in place (s becomes P, not yet rounded), logits in log2 units
-// scale_log2 * s + bias: the maxima and the float32 sums (lse's) move on; `correction` is what O and the
-// rounded P's row sums must be multiplied by.
+// scale_log2 * s + bias: the maxima (lazily, kRescaleSlackLog2) and the float32 sums (lse's) move on;
+// `correction` is what O and the rounded P's row sums must be multiplied by.
 __device__ __forceinline__ void Exponentiate(float (&s)[kChunk / 2], float bias, float scale_log2, float (&m)[2],
                                              float (&l)[2], float (&correction)[2]) {
 #pragma unroll
@@ -313,8 +339,9 @@ __device__ __forceinline__ void Exponentiate(float (&s)[kChunk / 2], float bias,
     for (int e = 2 * h; e < kChunk / 2; e += (e % 2 == 0 ? 1 : 3)) row_max = fmaxf(row_max, s[e]);
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-    const float m_new = fmaxf(m[h], fmaf(row_max, scale_log2, bias));
-    const float base = m_new == kNegInf ? 0.f : m_new;  // no -inf - -inf
+    const float top = fmaf(row_max, scale_log2, bias);
+    const float m_new = top > m[h] + kRescaleSlackLog2 ? top : m[h];  // the first finite logits always move it
+    const float base = m_new == kNegInf ? 0.f : m_new;                  // no -inf - -inf
     correction[h] = Exp2(m[h] - base);
     m[h] = m_new;
     l[h] *= correction[h];
@@ -339,10 +366,48 @@ __device__ __forceinline__ void Rescale(float (&o)[kForwardAccumulators], const 
   }
 }
 
-// Issues S = A B^T of a tile and a staged chunk's rows (4 k16 steps), to be committed by the caller.
+// Descriptors of a block's operands for the consumer's walk, formed once: of its walking tiles, of stage 0's two
+// chunks and (forward) of stage 0's V with the ones tile as its next block; stage i's lie kStageUnits i further
+// (the ones tile stays where it is: DescriptorFirstBlockPlus).
+struct Descriptors {
+  uint64_t tiles[2], a, b, b_ones;
+};
+
+// `descriptor` with its low word (start and leading offset) hidden from the compiler, so that it stays in one
+// register instead of being formed again from the shared window's base before every wgmma.
+__device__ __forceinline__ uint64_t Kept(uint64_t descriptor) {
+  uint32_t low = uint32_t(descriptor);
+#if !defined(S2ATTN_HOST_EMULATION)
+  asm volatile("" : "+r"(low));
+#endif
+  return (descriptor & ~uint64_t{0xFFFFFFFF}) | low;
+}
+
+template <typename T, Kind kKind>
+__device__ __forceinline__ Descriptors DescriptorsOf(const Shared<T, kKind>& s) {
+  Descriptors d{};
+#pragma unroll
+  for (int i = 0; i < TilesOf(kKind); ++i) d.tiles[i] = Kept(sm90::SwizzledTileDescriptor(s.tiles[i].rows));
+  d.a = Kept(sm90::SwizzledTileDescriptor(s.stages[0].a));
+  d.b = Kept(sm90::SwizzledTileDescriptor(s.stages[0].b));
+  if constexpr (kKind == Kind::kForward) d.b_ones = Kept(sm90::SwizzledTileDescriptor(s.stages[0].b, s.ones.rows));
+  return d;
+}
+
+// Stages lie this many 16-byte units apart.
 template <typename T>
-__device__ __forceinline__ void IssueTransposed(float (&s)[kChunk / 2], const PointTile<T>& tile, const T* rows) {
-  const uint64_t a = sm90::SwizzledTileDescriptor(tile.rows), b = sm90::SwizzledTileDescriptor(rows);
+constexpr uint32_t kStageUnits = sizeof(Stage<T>) / 16;
+
+// Stage `stage`'s descriptor of a chunk operand whose stage-0 descriptor is `first`.
+template <typename T>
+__device__ __forceinline__ uint64_t AtStage(uint64_t first, int stage) {
+  return sm90::DescriptorPlus(first, stage * kStageUnits<T>);
+}
+
+// Issues S = A B^T of a tile and a staged chunk's rows (4 k16 steps, by their descriptors), to be committed by the
+// caller.
+template <typename T>
+__device__ __forceinline__ void IssueTransposed(float (&s)[kChunk / 2], uint64_t a, uint64_t b) {
   sm90::FenceRegisters(s);
   sm90::WgmmaFence();
 #pragma unroll
@@ -361,10 +426,10 @@ __device__ __forceinline__ void Pack(uint32_t (&a)[kChunk / 16][4], const float 
   }
 }
 
-// Issues d += A B as one group: A the rounded scores of a chunk (dS; P^T, dS^T), B a staged chunk's rows.
+// Issues d += A B as one group: A the rounded scores of a chunk (dS; P^T, dS^T), B a staged chunk's rows (by their
+// descriptor).
 template <typename T>
-__device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], uint32_t (&a)[kChunk / 16][4], const T* b) {
-  const uint64_t rows = sm90::SwizzledTileDescriptor(b);
+__device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], uint32_t (&a)[kChunk / 16][4], uint64_t rows) {
 #pragma unroll
   for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(a[kk]);
   sm90::FenceRegisters(d);
@@ -374,12 +439,11 @@ __device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], uint32_t (&a
   sm90::WgmmaCommit();
 }
 
-// Issues [O | sums] += P [V | 1] as one group (P the rounded probabilities of a chunk, V its staged rows, 1 the
-// ones tile as V's next block of columns).
+// Issues [O | sums] += P [V | 1] as one group (P the rounded probabilities of a chunk; `rows` the descriptor of
+// its staged V with the ones tile as V's next block of columns).
 template <typename T>
 __device__ __forceinline__ void IssueProductsAndSums(float (&o)[kForwardAccumulators], uint32_t (&prob)[kChunk / 16][4],
-                                                     const T* v, const T* ones) {
-  const uint64_t rows = sm90::SwizzledTileDescriptor(v, ones);
+                                                     uint64_t rows) {
 #pragma unroll
   for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(prob[kk]);
   sm90::FenceRegisters(o);
@@ -399,7 +463,7 @@ __device__ __forceinline__ void WalkChunks(SharedState& s, int count, const Issu
                                            const IssueProducts& issue_products, const Round& round,
                                            const FenceScores& fence_scores, const FenceProducts& fence_products) {
   MbarrierWait(&s.full[0], 0);
-  issue_scores(s.stages[0]);
+  issue_scores(0);
   sm90::WgmmaWait<0>();
   fence_scores();
   form(0);
@@ -407,8 +471,8 @@ __device__ __forceinline__ void WalkChunks(SharedState& s, int count, const Issu
   for (int j = 0; j + 1 < count; ++j) {
     const int next = (j + 1) % kStages;
     MbarrierWait(&s.full[next], ((j + 1) / kStages) & 1);
-    issue_scores(s.stages[next]);
-    issue_products(s.stages[j % kStages]);
+    issue_scores(next);
+    issue_products(j % kStages);
     sm90::WgmmaWait<kProductGroups>();
     fence_scores();
     form(j + 1);
@@ -417,32 +481,9 @@ __device__ __forceinline__ void WalkChunks(SharedState& s, int count, const Issu
     MbarrierArrive(&s.empty[j % kStages]);
     round();
   }
-  issue_products(s.stages[(count - 1) % kStages]);
+  issue_products((count - 1) % kStages);
   sm90::WgmmaWait<0>();
   fence_products();
-}
-
-// The thread's walking points: tile row `warp`, longitudes lane / 4 and lane / 4 + 8 of the tile, with their
-// residue classes and steps; `real[h]` whether the point is on the walking grid (only those are written).
-struct ThreadPoints {
-  int row, lon[2], u[2], step[2];
-  bool real[2];
-};
-
-__device__ __forceinline__ ThreadPoints PointsOf(const Problem& p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  ThreadPoints points;
-  points.row = __ldg(p.tiles + 2 * blockIdx.x) + warp;
-  const int first_lon = __ldg(p.tiles + 2 * blockIdx.x + 1);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int column = lane / 4 + 8 * h;
-    points.u[h] = column % p.classes, points.step[h] = column / p.classes;
-    points.lon[h] = first_lon + column;
-    points.real[h] = static_cast<unsigned>(points.row) < static_cast<unsigned>(p.nlat_walk) &&
-                     static_cast<unsigned>(points.lon[h]) < static_cast<unsigned>(p.nlon_walk);
-  }
-  return points;
 }
 
 // Stores the thread's rows of a 64 x kD float32 accumulator (the first kD columns of d), times `factor`, into `to`
@@ -483,22 +524,23 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, i
   float o[kForwardAccumulators] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
   float correction[2];
   uint32_t prob[kChunk / 16][4];
+  const Descriptors d = DescriptorsOf(s);
   const auto softmax = [&](int i) {  // S(i) complete in scores: P(i) in place
-    const ChunkMask mask = MaskOf(p, s.info[i % kStages], warp, points.u, points.step);
-    ApplyMask(scores, mask, t);
-    Exponentiate(scores, mask.bias, p.scale_log2, m, l, correction);
+    const ChunkInfo& info = s.info[i % kStages];
+    Mask(scores, p, info, warp, points, t);
+    Exponentiate(scores, info.bias, p.scale_log2, m, l, correction);
   };
   MbarrierWait(&s.tiles_full, 0);
   WalkChunks<1>(
       s, count,
-      [&](const Stage<T>& stage) {
-        IssueTransposed<T>(scores, s.tiles[0], stage.a);
+      [&](int stage) {
+        IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
         sm90::WgmmaCommit();
       },
       softmax,
-      [&](const Stage<T>& stage) {
+      [&](int stage) {
         Rescale(o, correction);
-        IssueProductsAndSums<T>(o, prob, stage.b, s.ones.rows);
+        IssueProductsAndSums<T>(o, prob, sm90::DescriptorFirstBlockPlus(d.b_ones, stage * kStageUnits<T>));
       },
       [&] { Pack<T>(prob, scores); }, [&] { sm90::FenceRegisters(scores); }, [&] { sm90::FenceRegisters(o); });
   // lse from the float32 sums; out divided by the sums of P as rounded for P V (every column 64..71 of row h
@@ -538,24 +580,25 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) 
   }
   float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   uint32_t ds[kChunk / 16][4];
-  const auto issue_scores = [&](const Stage<T>& stage) {
-    IssueTransposed<T>(scores, s.tiles[0], stage.a);
-    IssueTransposed<T>(dp, s.tiles[1], stage.b);
+  const Descriptors d = DescriptorsOf(s);
+  const auto issue_scores = [&](int stage) {
+    IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
+    IssueTransposed<T>(dp, d.tiles[1], AtStage<T>(d.b, stage));
     sm90::WgmmaCommit();
   };
   const auto score_gradients = [&](int i) {  // S(i), dP(i) complete: dS(i) into scores
-    const ChunkMask mask = MaskOf(p, s.info[i % kStages], warp, points.u, points.step);
-    ApplyMask(scores, mask, t);
+    const ChunkInfo& info = s.info[i % kStages];
+    Mask(scores, p, info, warp, points, t);
 #pragma unroll
     for (int e = 0; e < kChunk / 2; ++e) {
       const int h = (e >> 1) & 1;
-      scores[e] = Exp2(fmaf(scores[e], p.scale_log2, mask.bias - lse_log2[h])) * (dp[e] - delta[h]);
+      scores[e] = Exp2(fmaf(scores[e], p.scale_log2, info.bias - lse_log2[h])) * (dp[e] - delta[h]);
     }
   };
   MbarrierWait(&s.tiles_full, 0);
   WalkChunks<1>(
       s, count, issue_scores, score_gradients,
-      [&](const Stage<T>& stage) { IssueAccumulate<T>(dq, ds, stage.a); }, [&] { Pack<T>(ds, scores); },
+      [&](int stage) { IssueAccumulate<T>(dq, ds, AtStage<T>(d.a, stage)); }, [&] { Pack<T>(ds, scores); },
       [&] {
         sm90::FenceRegisters(scores);
         sm90::FenceRegisters(dp);
@@ -576,15 +619,15 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count
   const float key_bias = KeyBias(p, points.row, p.nlat_walk);
   float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   uint32_t prob[kChunk / 16][4], grad[kChunk / 16][4];
-  const auto issue_scores = [&](const Stage<T>& stage) {
-    IssueTransposed<T>(scores, s.tiles[0], stage.a);
-    IssueTransposed<T>(dp, s.tiles[1], stage.b);
+  const Descriptors d = DescriptorsOf(s);
+  const auto issue_scores = [&](int stage) {
+    IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
+    IssueTransposed<T>(dp, d.tiles[1], AtStage<T>(d.b, stage));
     sm90::WgmmaCommit();
   };
   const auto gradients = [&](int i) {  // S^T(i), dP^T(i) complete: P^T(i) into scores, dS^T(i) into dp
     const ChunkInfo& info = s.info[i % kStages];
-    const ChunkMask mask = MaskOf(p, info, warp, points.u, points.step);
-    ApplyMask(scores, mask, t);
+    Mask(scores, p, info, warp, points, t);
 #pragma unroll
     for (int e = 0; e < kChunk / 2; ++e) {
       const int n = 2 * t + ColumnOf(e);
@@ -595,9 +638,9 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count
   MbarrierWait(&s.tiles_full, 0);
   WalkChunks<2>(
       s, count, issue_scores, gradients,
-      [&](const Stage<T>& stage) {
-        IssueAccumulate<T>(dv, prob, stage.b);
-        IssueAccumulate<T>(dk, grad, stage.a);
+      [&](int stage) {
+        IssueAccumulate<T>(dv, prob, AtStage<T>(d.b, stage));
+        IssueAccumulate<T>(dk, grad, AtStage<T>(d.a, stage));
       },
       [&] {
         Pack<T>(prob, scores);

@@ -54,6 +54,13 @@ __host__ __device__ constexpr uint64_t DescriptorPlus(uint64_t descriptor, uint3
   return (descriptor & ~uint64_t{0xFFFFFFFF}) | uint32_t(uint32_t(descriptor) + units);
 }
 
+// The descriptor of a two-block MN-major B (SwizzledDescriptorAt's `next_block`) with its first block advanced by
+// `units` 16-byte units and its second where it was: the start grows and the leading offset shrinks by `units`
+// (which it exceeds), in one 32-bit addition without carries between the fields.
+__host__ __device__ constexpr uint64_t DescriptorFirstBlockPlus(uint64_t descriptor, uint32_t units) {
+  return DescriptorPlus(descriptor, units - (units << 16));
+}
+
 #if defined(S2ATTN_HOST_EMULATION)
 
 uint64_t SwizzledTileDescriptor(const void* tile);
