@@ -2,13 +2,14 @@
 # On an H200 (or any sm_90 GPU) with jax, nvcc and the build tools installed and no network: builds the
 # package against the local jax, then runs the GPU tests, the sanitizers and the benchmark.
 # Usage (from the repository root): bash benchmarks/run_h200.sh [tests|sanitize|bench|profile|all] ...
-# Logs and CSVs go to $OUT (default ./out). "profile" (not part of "all") writes ncu's raw metrics of the
-# tiled kernels, stall reasons included. TORCH_HARMONICS_SRC (an unpacked torch-harmonics 0.9.3 wheel or
-# sdist) builds it in the background while the tests run, for the benchmark's torch-harmonics column
-# (about 4 minutes). BENCH_ARGS are passed to benchmarks/attention.py. GPU_TESTS (default: tests) picks the test
-# files or node ids of "tests", so that the suite can run in parts; TEST_TIMEOUT bounds each part; the tests run in
-# GPU_TEST_WORKERS pytest-xdist processes (default 6; 1 runs them in this process), which share the GPU without
-# preallocating its memory. The CSVs' commit column reads JAX_S2ATTN_COMMIT when set: a copied tree's .git can be stale.
+# Logs and CSVs go to $OUT (default ./out). "profile" (not part of "all") writes ncu's reports and raw metrics
+# (stall reasons included) of each scheduled kernel and of the tiled ones. TORCH_HARMONICS_SRC (an unpacked
+# torch-harmonics 0.9.3 wheel or sdist) builds it in the background while the tests run, for the benchmark's
+# torch-harmonics column (about 4 minutes). BENCH_ARGS are passed to benchmarks/attention.py. GPU_TESTS (default:
+# tests) picks the test files or node ids of "tests", so that the suite can run in parts; TEST_TIMEOUT bounds each
+# part; the tests run in GPU_TEST_WORKERS pytest-xdist processes (default 6; 1 runs them in this process), which
+# share the GPU without preallocating its memory. The CSVs' commit column reads JAX_S2ATTN_COMMIT when set: a
+# copied tree's .git can be stale.
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -68,16 +69,23 @@ if has sanitize; then
 fi
 if [[ " $steps " == *" profile "* ]]; then
   wait_for_torch_harmonics
-  # --clock-control none: ncu leaves the GPU's clock settings as they are. The report is exported
-  # whole, then its raw metrics (stall reasons included) are written as CSV.
-  for name in qdeg_tc003:"--theta-cutoff 0.03" qdeg_default:""; do
-    report="$OUT/ncu-${name%%:*}"
-    timeout ${PROFILE_TIMEOUT:-300} ncu --clock-control none -k regex:Tiled --launch-skip 1 --launch-count 3 \
-      --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
-      --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      --export "$report" --force-overwrite python3 benchmarks/profile_tiled.py --grid 721 1440 ${name#*:} \
+  # --clock-control none: ncu leaves the GPU's clock settings as they are. One kernel per ncu call (its replay of
+  # a 2 ms kernel takes a minute or more), each report exported whole, then its raw metrics (stall reasons
+  # included) as CSV. profile_kernels.py runs a forward, then a forward+backward: of the kernels a regex selects,
+  # launch 1 is the differentiated forward, 2 dq, 3 dk/dv. The scheduled kernels at tc 0.03; the tiled ones
+  # (forward, dq, dk/dv in one report) at the default cutoff, where they run.
+  sections=(--section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats
+            --section InstructionStats --section SourceCounters)
+  tc003="--theta-cutoff 0.03 --implementation ffi"
+  for spec in "sched-fwd:ScheduledAttention:1:1:$tc003" "sched-dq:ScheduledAttention:2:1:$tc003" \
+              "sched-dkv:ScheduledAttention:3:1:$tc003" "tiled-default:Tiled:1:3:"; do
+    IFS=: read -r name regex skip count arguments <<< "$spec"
+    report="$OUT/ncu-$name"
+    timeout ${PROFILE_TIMEOUT:-400} ncu --clock-control none -k "regex:$regex" --launch-skip "$skip" \
+      --launch-count "$count" "${sections[@]}" --export "$report" --force-overwrite \
+      python3 -P benchmarks/profile_kernels.py --grid 721 1440 $arguments \
       > "$report.log" 2>&1 && ncu --import "$report.ncu-rep" --page raw --csv > "$report.csv"
-    rc=$?; echo "ncu ${name%%:*}: exit $rc"
+    rc=$?; echo "ncu $name: exit $rc"
     status=$(( status | rc ))
   done
 fi

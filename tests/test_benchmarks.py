@@ -254,7 +254,7 @@ def test_occupancy_takes_each_kernels_shape_from_its_includes():
 @pytest.mark.slow
 def test_profile_driver_runs_each_configuration(tmp_path):
     # The ncu driver of run_h200.sh, on the CPU with the reference: one line per configuration.
-    out = _run("profile_tiled.py", "--grid", "9", "18", "--theta-cutoff", "0.8", "--grid", "12", "24",
+    out = _run("profile_kernels.py", "--grid", "9", "18", "--theta-cutoff", "0.8", "--grid", "12", "24",
                "--theta-cutoff", "0.5", "--implementation", "reference", "--dtype", "float32", cwd=tmp_path)
     assert [line.split(":")[0] for line in out.splitlines()] == [
         "(9, 18) theta_cutoff=0.8", "(12, 24) theta_cutoff=0.5"

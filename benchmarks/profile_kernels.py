@@ -1,11 +1,13 @@
-"""Runs the tiled kernels once per configuration (a forward, then a forward+backward) for a profiler.
+"""Runs the native kernels once per configuration (a forward, then a forward+backward) for a profiler.
 
 Meant to run under Nsight Compute, which selects the kernels by name; ``run_h200.sh profile``
-does that and keeps the report. Per configuration the kernels run as a forward (one launch), then
-as a forward+backward (forward, dq, dk/dv); ``ncu --launch-skip 1 --launch-count 3`` takes the
-three kernels of the second, one configuration per ncu call.
+does that and keeps the reports. Per configuration the kernels run as a forward (one launch), then
+as a forward+backward (forward, dq, dk/dv); ``ncu -k regex:Tiled --launch-skip 1 --launch-count 3`` takes
+the three kernels of the second, one configuration per ncu call. ``--implementation`` picks the kernels as
+``neighborhood_attention`` does (default ``ffi-tiled``; ``ffi`` runs the scheduled kernels where they apply,
+``regex:ScheduledAttention``).
 
-Run: ``python benchmarks/profile_tiled.py --grid 721 1440 --theta-cutoff 0.03 [--grid ...]``.
+Run: ``python benchmarks/profile_kernels.py --grid 721 1440 --theta-cutoff 0.03 [--grid ...]``.
 """
 
 from __future__ import annotations
