@@ -73,12 +73,14 @@ if [[ " $steps " == *" profile "* ]]; then
   # a 2 ms kernel takes a minute or more), each report exported whole, then its raw metrics (stall reasons
   # included) as CSV. profile_kernels.py runs a forward, then a forward+backward: of the kernels a regex selects,
   # launch 1 is the differentiated forward, 2 dq, 3 dk/dv. The scheduled kernels at tc 0.03; the tiled ones
-  # (forward, dq, dk/dv in one report) at the default cutoff, where they run.
+  # (forward, dq, dk/dv in one report) at tc 0.03 and at the default cutoff.
   sections=(--section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats
-            --section InstructionStats --section SourceCounters)
+            --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
+            --section SourceCounters)
   tc003="--theta-cutoff 0.03 --implementation ffi"
   for spec in "sched-fwd:ScheduledAttention:1:1:$tc003" "sched-dq:ScheduledAttention:2:1:$tc003" \
-              "sched-dkv:ScheduledAttention:3:1:$tc003" "tiled-default:Tiled:1:3:"; do
+              "sched-dkv:ScheduledAttention:3:1:$tc003" "tiled-tc003:Tiled:1:3:--theta-cutoff 0.03" \
+              "tiled-default:Tiled:1:3:"; do
     IFS=: read -r name regex skip count arguments <<< "$spec"
     report="$OUT/ncu-$name"
     timeout ${PROFILE_TIMEOUT:-400} ncu --clock-control none -k "regex:$regex" --launch-skip "$skip" \
