@@ -277,23 +277,30 @@ def test_soak_repeats_its_losses_bit_for_bit(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_compare_builds_times_two_trees_alternately(tmp_path):
-    # Two exports of the working tree's package (CPU module only), one tiny config, two rounds each.
+def test_compare_builds_times_three_trees_in_turn(tmp_path):
+    # Three exports of the working tree's package (CPU module only), one tiny config, two rounds each.
     script = ROOT / "benchmarks" / "compare_builds.sh"
-    for name in ("a", "b"):
-        shutil.copytree(ROOT, tmp_path / name, ignore=shutil.ignore_patterns(".git", ".venv", "build", "out", "*.so"))
+    for name in ("a", "b", "c"):
+        shutil.copytree(ROOT, tmp_path / name, ignore=shutil.ignore_patterns(".git", ".venv", ".carry", "build", "out",
+                                                                            "*.so"))
     env = {**os.environ, "OUT": str(tmp_path / "out"), "TMPDIR": str(tmp_path), "JAX_S2ATTN_CUDA": "OFF",
            "PYTHON": sys.executable}
     result = subprocess.run(
-        ["bash", str(script), str(tmp_path / "a"), str(tmp_path / "b"), "--configs", "1deg_tc0017", "--dtypes",
-         "float32", "--reps", "3", "--input-sets", "1", "--reference-max-pairs", "0"],
-        capture_output=True, text=True, timeout=900, env=env,
+        ["bash", str(script), str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "c"), "--configs",
+         "1deg_tc0017", "--dtypes", "float32", "--reps", "3", "--input-sets", "1", "--reference-max-pairs", "0"],
+        capture_output=True, text=True, timeout=1200, env=env,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert sorted(p.name for p in (tmp_path / "out" / "ab").glob("[AB]-[12]")) == ["A-1", "A-2", "B-1", "B-2"]
+    rounds = sorted(p.name for p in (tmp_path / "out" / "ab").glob("[ABC]-[12]"))
+    assert rounds == ["A-1", "A-2", "B-1", "B-2", "C-1", "C-2"]
+    header = next(line.split() for line in result.stdout.splitlines() if line.startswith("config"))
+    assert header[3:] == ["A", "ms", "B", "ms", "C", "ms", "B/A", "C/A"]
     table = [line.split() for line in result.stdout.splitlines() if line.startswith("1deg_tc0017")]
     assert {row[2] for row in table} >= {"ffi_fwd_ms", "ffi_fwdbwd_ms"}
-    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in table)
+    for row in table:
+        a, b, c, b_over_a, c_over_a = map(float, row[3:])
+        assert min(a, b, c) > 0
+        assert b_over_a == pytest.approx(b / a, abs=1e-3) and c_over_a == pytest.approx(c / a, abs=1e-3)
 
 
 def test_schedule_shapes_reports_every_shape(tmp_path):
