@@ -166,10 +166,27 @@ __device__ __forceinline__ int2 TileChunks(const Problem& p) {
   return make_int2(begin, end - begin);
 }
 
+// dk/dv's producer loads a chunk's queries' lse and delta this many chunks before it stages the chunk, so that
+// its loop does not wait on global memory once per chunk.
+constexpr int kQueryRowsAhead = 4;
+static_assert(kChunk == 32, "a chunk's query rows are loaded a lane per column");
+
+// Lane `lane`'s query of a chunk of 32 queries at (row, lon) with `valid` columns: its lse (+inf off the grid or
+// past `valid`, so that P = 0 there) and delta (0 there), as loaded; Log2Lse converts the lse when it is staged.
+__device__ __forceinline__ float2 QueryRowOf(const Problem& p, const Slab& slab, int row, int lon, int valid,
+                                             int lane) {
+  const bool real = lane < valid && static_cast<unsigned>(row) < static_cast<unsigned>(p.nlat_other) &&
+                    static_cast<unsigned>(lon + lane) < static_cast<unsigned>(p.nlon_other);
+  if (!real) return make_float2(-kNegInf, 0.f);
+  const size_t point = PointIndex(p, slab, p.nlat_other, p.nlon_other, row, lon + lane);
+  return make_float2(__ldg(p.lse + point), __ldg(p.delta + point));
+}
+
 // The producer warp: the tile's points, then per chunk of its list the chunk's description and its two boxes
 // (lane 0 asks for the boxes). The descriptions are read 32 chunks at a time, lane x the chunk x of the batch
-// (with its records when a tile row has one class), so that the loop waits on global memory once per batch.
-// Every lane arrives on the stage's barrier after its writes.
+// (with its records when a tile row has one class), so that the loop waits on global memory once per batch;
+// dk/dv's lse and delta of a chunk's queries (a lane per column) kQueryRowsAhead chunks ahead. Every lane
+// arrives on the stage's barrier after its writes.
 template <typename T, Kind kKind>
 __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind>& s, int first, int count) {
   const Slab slab = SlabOf(p);
@@ -201,38 +218,50 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind>& s,
         }
       }
     }
-    for (int k = 0; k < 32 && batch_start + k < count; ++k) {
-      const int i = batch_start + k, stage = i % kStages;
-      MbarrierWait(&s.empty[stage], ((i / kStages) & 1) ^ 1);
-      ChunkInfo& info = s.info[stage];
-      if (lane == k) {
-        info.offset = field[2], info.valid = field[3], info.flags = field[4], info.bias = bias;
-        if (p.classes == 1) {
+    const int in_batch = min(32, count - batch_start);
+    const auto query_row = [&](int k) {  // chunk k of the batch's lse and delta for this lane (dk/dv)
+      return QueryRowOf(p, slab, __shfl_sync(0xffffffffu, field[0], k), __shfl_sync(0xffffffffu, field[1], k),
+                        __shfl_sync(0xffffffffu, field[3], k), lane);
+    };
+    constexpr int kAhead = kKind == Kind::kDkv ? kQueryRowsAhead : 1;  // forward, dq: one chunk per step
+    float2 ahead[kAhead] = {};
+    if constexpr (kKind == Kind::kDkv) {
 #pragma unroll
-          for (int a = 0; a < kTileRows; ++a) info.records[a] = records[a];
+      for (int j = 0; j < kAhead; ++j) {
+        if (j < in_batch) ahead[j] = query_row(j);
+      }
+    }
+    for (int k0 = 0; k0 < in_batch; k0 += kAhead) {
+#pragma unroll
+      for (int j = 0; j < kAhead; ++j) {  // unrolled: ahead[j] stays a register
+        const int k = k0 + j, i = batch_start + k, stage = i % kStages;
+        if (k >= in_batch) break;
+        MbarrierWait(&s.empty[stage], ((i / kStages) & 1) ^ 1);
+        ChunkInfo& info = s.info[stage];
+        if (lane == k) {
+          info.offset = field[2], info.valid = field[3], info.flags = field[4], info.bias = bias;
+          if (p.classes == 1) {
+#pragma unroll
+            for (int a = 0; a < kTileRows; ++a) info.records[a] = records[a];
+          }
         }
-      }
-      if (p.classes != 1) {  // several classes a row: the lanes copy the staging's records together
-        const int2* from = p.records + static_cast<size_t>(__shfl_sync(0xffffffffu, field[5], k)) * per_staging;
-        for (int x = lane; x < per_staging; x += 32) info.records[x] = __ldg(from + x);
-      }
-      const int row = __shfl_sync(0xffffffffu, field[0], k), lon = __shfl_sync(0xffffffffu, field[1], k);
-      if constexpr (kKind == Kind::kDkv) {  // the chunk's queries' lse and delta, a lane per column
-        const int valid = __shfl_sync(0xffffffffu, field[3], k);
-        for (int x = lane; x < kChunk; x += 32) {
-          const bool real = x < valid && static_cast<unsigned>(row) < static_cast<unsigned>(p.nlat_other) &&
-                            static_cast<unsigned>(lon + x) < static_cast<unsigned>(p.nlon_other);
-          const size_t point = real ? PointIndex(p, slab, p.nlat_other, p.nlon_other, row, lon + x) : 0;
-          info.lse_log2[x] = real ? Log2Lse(__ldg(p.lse + point)) : -kNegInf;
-          info.delta[x] = real ? __ldg(p.delta + point) : 0.f;
+        if (p.classes != 1) {  // several classes a row: the lanes copy the staging's records together
+          const int2* from = p.records + static_cast<size_t>(__shfl_sync(0xffffffffu, field[5], k)) * per_staging;
+          for (int x = lane; x < per_staging; x += 32) info.records[x] = __ldg(from + x);
         }
-      }
-      if (lane == 0) {
-        sm90::MbarrierArriveExpectBytes(&s.full[stage], 2 * kChunkBytes);
-        sm90::LoadBox5d(s.stages[stage].a, &maps.a, 0, slab.head, lon, row, batch, &s.full[stage]);
-        sm90::LoadBox5d(s.stages[stage].b, &maps.b, 0, slab.head, lon, row, batch, &s.full[stage]);
-      } else {
-        MbarrierArrive(&s.full[stage]);
+        if constexpr (kKind == Kind::kDkv) {  // the chunk's queries' lse and delta, a lane per column
+          info.lse_log2[lane] = Log2Lse(ahead[j].x);
+          info.delta[lane] = ahead[j].y;
+          if (k + kAhead < in_batch) ahead[j] = query_row(k + kAhead);
+        }
+        const int row = __shfl_sync(0xffffffffu, field[0], k), lon = __shfl_sync(0xffffffffu, field[1], k);
+        if (lane == 0) {
+          sm90::MbarrierArriveExpectBytes(&s.full[stage], 2 * kChunkBytes);
+          sm90::LoadBox5d(s.stages[stage].a, &maps.a, 0, slab.head, lon, row, batch, &s.full[stage]);
+          sm90::LoadBox5d(s.stages[stage].b, &maps.b, 0, slab.head, lon, row, batch, &s.full[stage]);
+        } else {
+          MbarrierArrive(&s.full[stage]);
+        }
       }
     }
   }
