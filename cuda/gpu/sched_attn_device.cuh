@@ -483,28 +483,38 @@ __device__ __forceinline__ void IssueProductsAndSums(float (&o)[kForwardAccumula
 }
 
 // A consumer warpgroup's walk over its tile's chunks, in FlashAttention-3's intra-warpgroup order: with chunk j's
-// operands formed and rounded, issue_scores(stage j + 1) (one group, committed), issue_products(stage j)
-// (kProductGroups groups), wait for the scores, form(j + 1) while the products run, wait for them, release stage
-// j, round() chunk j + 1. fence_scores / fence_products fence the registers each wait completed.
-template <int kProductGroups, typename SharedState, typename IssueScores, typename Form, typename IssueProducts,
-          typename Round, typename FenceScores, typename FenceProducts>
+// operands formed and rounded, issue_scores(stage j + 1) (kScoreGroups groups, committed), issue_products(stage j)
+// (kProductGroups groups), then per score group g: wait for it, fence_scores(g), form(j + 1, g), while the later
+// groups run; then wait for the products, release stage j, round() chunk j + 1. fence_products fences the
+// registers the products completed.
+template <int kScoreGroups, int kProductGroups, typename SharedState, typename IssueScores, typename Form,
+          typename IssueProducts, typename Round, typename FenceScores, typename FenceProducts>
 __device__ __forceinline__ void WalkChunks(SharedState& s, int count, const IssueScores& issue_scores, const Form& form,
                                            const IssueProducts& issue_products, const Round& round,
                                            const FenceScores& fence_scores, const FenceProducts& fence_products) {
+  static_assert(kScoreGroups == 1 || kScoreGroups == 2, "one or two groups of scores a chunk");
+  // Chunk i's score groups, each formed as soon as it is complete; kLater groups were committed after them.
+  const auto form_scores = [&](auto later, int i) {
+    constexpr int kLater = decltype(later)::value;
+    if constexpr (kScoreGroups == 2) {
+      sm90::WgmmaWait<kLater + 1>();
+      fence_scores(0);
+      form(i, 0);
+    }
+    sm90::WgmmaWait<kLater>();
+    fence_scores(kScoreGroups - 1);
+    form(i, kScoreGroups - 1);
+  };
   MbarrierWait(&s.full[0], 0);
   issue_scores(0);
-  sm90::WgmmaWait<0>();
-  fence_scores();
-  form(0);
+  form_scores(std::integral_constant<int, 0>{}, 0);
   round();
   for (int j = 0; j + 1 < count; ++j) {
     const int next = (j + 1) % kStages;
     MbarrierWait(&s.full[next], ((j + 1) / kStages) & 1);
     issue_scores(next);
     issue_products(j % kStages);
-    sm90::WgmmaWait<kProductGroups>();
-    fence_scores();
-    form(j + 1);
+    form_scores(std::integral_constant<int, kProductGroups>{}, j + 1);
     sm90::WgmmaWait<0>();
     fence_products();
     MbarrierArrive(&s.empty[j % kStages]);
@@ -554,13 +564,13 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, i
   float correction[2];
   uint32_t prob[kChunk / 16][4];
   const Descriptors d = DescriptorsOf(s);
-  const auto softmax = [&](int i) {  // S(i) complete in scores: P(i) in place
+  const auto softmax = [&](int i, int) {  // S(i) complete in scores: P(i) in place
     const ChunkInfo& info = s.info[i % kStages];
     Mask(scores, p, info, warp, points, t);
     Exponentiate(scores, info.bias, p.scale_log2, m, l, correction);
   };
   MbarrierWait(&s.tiles_full, 0);
-  WalkChunks<1>(
+  WalkChunks<1, 1>(
       s, count,
       [&](int stage) {
         IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
@@ -571,7 +581,7 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, i
         Rescale(o, correction);
         IssueProductsAndSums<T>(o, prob, sm90::DescriptorFirstBlockPlus(d.b_ones, stage * kStageUnits<T>));
       },
-      [&] { Pack<T>(prob, scores); }, [&] { sm90::FenceRegisters(scores); }, [&] { sm90::FenceRegisters(o); });
+      [&] { Pack<T>(prob, scores); }, [&](int) { sm90::FenceRegisters(scores); }, [&] { sm90::FenceRegisters(o); });
   // lse from the float32 sums; out divided by the sums of P as rounded for P V (every column 64..71 of row h
   // holds the whole row's: o[kD / 2 + 2 h]).
   const Slab slab = SlabOf(p);
@@ -591,8 +601,8 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, i
 }
 
 // dq of the consumer warpgroup, in the forward's order: per chunk j + 1 issue S(j+1) = Q K^T and dP(j+1) = dO V^T
-// as one group, issue dq += dS(j) K(j), wait for the first group, then form dS(j+1) = P (dP - delta) with
-// P = exp2(S scale log2(e) + bias - lse log2(e)) on the chunk's mask while dq's product runs.
+// as two groups, issue dq += dS(j) K(j), wait for S, form P = exp2(S scale log2(e) + bias - lse log2(e)) on the
+// chunk's mask while dP and dq's product run, wait for dP, then form dS(j+1) = P (dP - delta).
 template <typename T>
 __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) {
   const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
@@ -610,27 +620,36 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) 
   float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   uint32_t ds[kChunk / 16][4];
   const Descriptors d = DescriptorsOf(s);
-  const auto issue_scores = [&](int stage) {
+  const auto issue_scores = [&](int stage) {  // S, then dP: two groups
     IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
+    sm90::WgmmaCommit();
     IssueTransposed<T>(dp, d.tiles[1], AtStage<T>(d.b, stage));
     sm90::WgmmaCommit();
   };
-  const auto score_gradients = [&](int i) {  // S(i), dP(i) complete: dS(i) into scores
-    const ChunkInfo& info = s.info[i % kStages];
-    Mask(scores, p, info, warp, points, t);
+  // S(i) complete: P(i) into scores, while dP(i) runs; then dP(i) complete: dS(i) into scores.
+  const auto score_gradients = [&](int i, int group) {
+    if (group == 0) {
+      const ChunkInfo& info = s.info[i % kStages];
+      Mask(scores, p, info, warp, points, t);
 #pragma unroll
-    for (int e = 0; e < kChunk / 2; ++e) {
-      const int h = (e >> 1) & 1;
-      scores[e] = Exp2(fmaf(scores[e], p.scale_log2, info.bias - lse_log2[h])) * (dp[e] - delta[h]);
+      for (int e = 0; e < kChunk / 2; ++e) {
+        scores[e] = Exp2(fmaf(scores[e], p.scale_log2, info.bias - lse_log2[(e >> 1) & 1]));
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kChunk / 2; ++e) scores[e] *= dp[e] - delta[(e >> 1) & 1];
     }
   };
   MbarrierWait(&s.tiles_full, 0);
-  WalkChunks<1>(
+  WalkChunks<2, 1>(
       s, count, issue_scores, score_gradients,
       [&](int stage) { IssueAccumulate<T>(dq, ds, AtStage<T>(d.a, stage)); }, [&] { Pack<T>(ds, scores); },
-      [&] {
-        sm90::FenceRegisters(scores);
-        sm90::FenceRegisters(dp);
+      [&](int group) {
+        if (group == 0) {
+          sm90::FenceRegisters(scores);
+        } else {
+          sm90::FenceRegisters(dp);
+        }
       },
       [&] { sm90::FenceRegisters(dq); });
   const float scale[2] = {p.scale, p.scale};
@@ -638,9 +657,9 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) 
 }
 
 // dk and dv of the consumer warpgroup over a tile of keys, walking the backward schedule: per chunk of 32 queries
-// j + 1 issue S^T(j+1) = K Q^T and dP^T(j+1) = V dO^T as one group, issue dv += P^T(j) dO(j) and
-// dk += dS^T(j) Q(j), wait for the first group, then form P^T = exp2(S^T scale log2(e) + key weight - lse log2(e))
-// and dS^T = P^T (dP^T - delta) on the chunk's mask while both products run.
+// j + 1 issue S^T(j+1) = K Q^T and dP^T(j+1) = V dO^T as two groups, issue dv += P^T(j) dO(j) and
+// dk += dS^T(j) Q(j), wait for S^T, form P^T = exp2(S^T scale log2(e) + key weight - lse log2(e)) on the chunk's
+// mask while dP^T and both products run, wait for dP^T, then form dS^T = P^T (dP^T - delta).
 template <typename T>
 __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count) {
   const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
@@ -649,23 +668,28 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count
   float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   uint32_t prob[kChunk / 16][4], grad[kChunk / 16][4];
   const Descriptors d = DescriptorsOf(s);
-  const auto issue_scores = [&](int stage) {
+  const auto issue_scores = [&](int stage) {  // S^T, then dP^T: two groups
     IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
+    sm90::WgmmaCommit();
     IssueTransposed<T>(dp, d.tiles[1], AtStage<T>(d.b, stage));
     sm90::WgmmaCommit();
   };
-  const auto gradients = [&](int i) {  // S^T(i), dP^T(i) complete: P^T(i) into scores, dS^T(i) into dp
+  // S^T(i) complete: P^T(i) into scores, while dP^T(i) runs; then dP^T(i) complete: dS^T(i) into dp.
+  const auto gradients = [&](int i, int group) {
     const ChunkInfo& info = s.info[i % kStages];
-    Mask(scores, p, info, warp, points, t);
+    if (group == 0) {
+      Mask(scores, p, info, warp, points, t);
 #pragma unroll
-    for (int e = 0; e < kChunk / 2; ++e) {
-      const int n = 2 * t + ColumnOf(e);
-      scores[e] = Exp2(fmaf(scores[e], p.scale_log2, key_bias - info.lse_log2[n]));
-      dp[e] = scores[e] * (dp[e] - info.delta[n]);
+      for (int e = 0; e < kChunk / 2; ++e) {
+        scores[e] = Exp2(fmaf(scores[e], p.scale_log2, key_bias - info.lse_log2[2 * t + ColumnOf(e)]));
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kChunk / 2; ++e) dp[e] = scores[e] * (dp[e] - info.delta[2 * t + ColumnOf(e)]);
     }
   };
   MbarrierWait(&s.tiles_full, 0);
-  WalkChunks<2>(
+  WalkChunks<2, 2>(
       s, count, issue_scores, gradients,
       [&](int stage) {
         IssueAccumulate<T>(dv, prob, AtStage<T>(d.b, stage));
@@ -675,9 +699,12 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count
         Pack<T>(prob, scores);
         Pack<T>(grad, dp);
       },
-      [&] {
-        sm90::FenceRegisters(scores);
-        sm90::FenceRegisters(dp);
+      [&](int group) {
+        if (group == 0) {
+          sm90::FenceRegisters(scores);
+        } else {
+          sm90::FenceRegisters(dp);
+        }
       },
       [&] {
         sm90::FenceRegisters(dk);
