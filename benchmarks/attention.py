@@ -105,6 +105,8 @@ CONFIGS = [
     Config("qdeg_tc0017", (721, 1440), (721, 1440), 0.017),
     Config("qdeg_tc003", (721, 1440), (721, 1440), 0.03),
     Config("qdeg_tc003_C256_H4", (721, 1440), (721, 1440), 0.03, channels=256, heads=4),
+    Config("hdeg_tc003_H2", (360, 720), (360, 720), 0.03, channels=64, heads=2),  # head dim 32
+    Config("hdeg_tc003_C128", (360, 720), (360, 720), 0.03, channels=128),  # head dim 128
 ]
 QUICK = ["1deg_tc003", "hdeg_tc003", "h1deg_down_tc003", "1hdeg_up_tc003", "qdeg_default"]
 
