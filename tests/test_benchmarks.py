@@ -303,6 +303,27 @@ def test_compare_builds_times_three_trees_in_turn(tmp_path):
         assert b_over_a == pytest.approx(b / a, abs=1e-3) and c_over_a == pytest.approx(c / a, abs=1e-3)
 
 
+def test_detach_runs_a_command_past_its_caller_and_collects_its_files(tmp_path):
+    # A command that writes into its OUT, then ends: collect waits for it and copies its files and its status;
+    # a second start while one runs is refused; collect without a start says so.
+    script, env = ROOT / "benchmarks" / "detach.sh", {**os.environ, "DETACHED_DIR": str(tmp_path / "detached")}
+
+    def detach(*args, out):
+        return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
+                              env={**env, "OUT": str(out)})  # fmt: skip
+
+    assert detach("collect", out=tmp_path / "none").returncode == 2
+    started = detach("start", "bash", "-c", 'sleep 2; echo written > "$OUT/result.txt"; exit 5', out=tmp_path / "x")
+    assert started.returncode == 0, started.stderr
+    assert detach("start", "true", out=tmp_path / "x").returncode == 2  # the first still runs
+    early = detach("collect", out=tmp_path / "early")
+    assert early.returncode == 3 and not (tmp_path / "early" / "result.txt").exists()
+    done = detach("collect", "30", out=tmp_path / "done")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "done" / "result.txt").read_text() == "written\n"
+    assert (tmp_path / "done" / "detached-status").read_text().strip() == "5"
+
+
 def test_schedule_shapes_reports_every_shape(tmp_path):
     lines = _run("schedule_shapes.py", "--configs", "hdeg_tc003", cwd=tmp_path).splitlines()
     rows = [line.split() for line in lines[1:]]
