@@ -5,7 +5,7 @@
 # Logs and CSVs go to $OUT (default ./out). "profile" (not part of "all") writes ncu's reports and raw metrics
 # (stall reasons included) of each scheduled kernel and of the tiled ones. TORCH_HARMONICS_SRC (an unpacked
 # torch-harmonics 0.9.3 wheel or sdist) builds it in the background while the tests run, for the benchmark's
-# torch-harmonics column (about 4 minutes). BENCH_ARGS are passed to benchmarks/attention.py. GPU_TESTS (default:
+# torch-harmonics column (about 4 minutes) and, after the benchmark, the parity tests against it. BENCH_ARGS are passed to benchmarks/attention.py. GPU_TESTS (default:
 # tests) picks the test files or node ids of "tests", so that the suite can run in parts; TEST_TIMEOUT bounds each
 # part; the tests run in GPU_TEST_WORKERS pytest-xdist processes (default 6; 1 runs them in this process), which
 # share the GPU without preallocating its memory. The CSVs' commit column reads JAX_S2ATTN_COMMIT when set: a
@@ -94,5 +94,11 @@ fi
 if has bench; then
   wait_for_torch_harmonics
   PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-3000} python3 benchmarks/attention.py ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+# The torch-harmonics parity tests, which the suite above skipped while torch-harmonics was still building.
+if has tests && [[ -n "${TORCH_HARMONICS_SRC:-}" ]] && has bench; then
+  timeout 300 python3 -P -m pytest -q -p no:cacheprovider tests/test_torch_parity.py > "$OUT/torch-parity.log" 2>&1
+  rc=$?; echo "torch-harmonics parity tests: exit $rc"; tail -3 "$OUT/torch-parity.log"
+  status=$(( status | rc ))
 fi
 exit "$status"
