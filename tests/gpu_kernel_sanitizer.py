@@ -90,14 +90,17 @@ CASES = [
     ("tiled+stencil", "self-17x72", 32, 32, "bfloat16", {}),
     ("tiled+stencil", "self-9x4", 64, 64, "float16", {}),
     ("tiled+stencil", "lat-10x40-9x40", 128, 128, "bfloat16", {}),
-    # The scheduled kernels (whole grids, D 64): whole rings, shift 2, residues 2, rows of several tiles (nlon
-    # not a multiple of the tile), whole-ring polar rows.
+    # The scheduled kernels (whole grids, D 32, 64 and 128): whole rings, shift 2, residues 2, rows of several tiles
+    # (nlon not a multiple of the tile), whole-ring polar rows.
     ("scheduled", "self", 64, 64, "bfloat16", {}),
     ("scheduled", "down", 64, 64, "float16", {}),
     ("scheduled", "up", 64, 64, "bfloat16", {}),
     ("scheduled", "self-72", 64, 64, "float16", {}),
     ("scheduled", "up-100", 64, 64, "bfloat16", {}),
     ("scheduled", "rings-72", 64, 64, "bfloat16", {}),
+    ("scheduled", "self", 128, 128, "float16", {}),
+    ("scheduled", "self-72", 32, 32, "bfloat16", {}),
+    ("scheduled", "up-100", 128, 128, "bfloat16", {}),
 ]
 
 

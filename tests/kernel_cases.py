@@ -597,7 +597,7 @@ def run_scheduled_kind(
     object with the same ``address(array)`` and ``finish(results)`` (the results copied back) for a GPU."""
     memory = memory or HostMemory()
     q, k, v, dout = case.inputs[:4]
-    batch, heads, _, dv, *_ = case.sizes
+    batch, heads, dk, dv, *_ = case.sizes
     nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[8:12]
     if kind == "forward":
         results = (np.full(q.shape[:-1] + (dv,), np.nan, result_type), np.full(q.shape[:-1], np.nan, np.float32))
@@ -608,7 +608,7 @@ def run_scheduled_kind(
     tables = [np.ascontiguousarray(getattr(schedule, name), np.int32)
               for name in ("tiles", "tile_offsets", "chunks", "records")]  # fmt: skip
     sizes = np.asarray([batch, heads, nlat_q, nlon_q, nlat_k, nlon_k, len(schedule.tiles), len(schedule.chunks),
-                        len(schedule.records), schedule.classes, schedule.shift], np.int64)  # fmt: skip
+                        len(schedule.records), schedule.classes, schedule.shift, dk], np.int64)  # fmt: skip
     weights = np.ascontiguousarray(case.plan.quad_weights, np.float32)
     arrays = (q, k, v, dout, lse, delta, *tables, weights, *results)
     pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in arrays]

@@ -705,13 +705,34 @@ def test_scheduled_matches_float64(emulated_library, rng, plan_name, dtype):
     verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
 
 
+# Head dims 32 (64-byte rows, the 64-byte swizzle) and 128 (two 64-element blocks a row): the directions, several
+# classes, rows of several tiles and whole rings.
+SCHEDULED_HEAD_DIM_PLANS = ("self", "down3", "up3", "self-72", "rings-72")
+SCHEDULED_HEAD_DIM_CASES = [(name, dtype, d) for d in (32, 128) for name in SCHEDULED_HEAD_DIM_PLANS
+                            for dtype in TILED_DTYPES]  # fmt: skip
+
+
+@pytest.mark.parametrize(("plan_name", "dtype", "d"), SCHEDULED_HEAD_DIM_CASES,
+                         ids=[f"{p}-{t}-D{d}" for p, t, d in SCHEDULED_HEAD_DIM_CASES])
+def test_scheduled_head_dims_32_and_128_match_float64(emulated_library, rng, plan_name, dtype, d):
+    """Head dims 32 and 128 on the scheduled kernels (every block of every row staged and multiplied, O and the
+    row sums as separate products) against float64, every element of every result written."""
+    case = prepare_case(rng, SCHEDULED_PLANS[plan_name](), 2, 2, d, d, dtype)
+    bar = tolerance_of("tiled", dtype)
+    verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
+
+
+SMOOTH_SHAPES = [((33, 72), (33, 72)), ((66, 144), (33, 72)), ((33, 72), (65, 144))]
+SMOOTH_CASES = [(shapes, 64) for shapes in SMOOTH_SHAPES] + [(SMOOTH_SHAPES[0], 32), (SMOOTH_SHAPES[0], 128)]
+
+
 @pytest.mark.parametrize("dtype", TILED_DTYPES)
-@pytest.mark.parametrize("shapes", [((33, 72), (33, 72)), ((66, 144), (33, 72)), ((33, 72), (65, 144))], ids=str)
-def test_scheduled_smooth_values_keep_gradients_accurate(emulated_library, rng, dtype, shapes):
+@pytest.mark.parametrize(("shapes", "head_dim"), SMOOTH_CASES, ids=str)
+def test_scheduled_smooth_values_keep_gradients_accurate(emulated_library, rng, dtype, shapes, head_dim):
     """Values smooth in position, where dP - delta nearly cancels: out divided by the row sums of the rounded P
     keeps dq and dk within the bar with P multiplied once (with float32 sums the gradients miss it)."""
     plan = NeighborhoodPlan(*shapes, theta_cutoff=0.15)
-    case = prepare_case(rng, plan, 1, 1, 64, 64, dtype, smooth_values=True)
+    case = prepare_case(rng, plan, 1, 1, head_dim, head_dim, dtype, smooth_values=True)
     bar = tolerance_of("tiled", dtype)
     verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
 
@@ -727,11 +748,13 @@ def test_scheduled_forward_keeps_maxima_that_rise_past_the_rescale_slack(emulate
     verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("dtype", TILED_DTYPES)
-def test_scheduled_results_in_the_activations_type_are_the_rounded_float32_ones(emulated_library, rng, dtype):
+def test_scheduled_results_in_the_activations_type_are_the_rounded_float32_ones(emulated_library, rng, dtype,
+                                                                                 head_dim):
     """out, dq, dk and dv of the activations' type hold the bits of the float32 results rounded to nearest, and
     a second run gives the same bits (no atomics: every result row is written once by its block)."""
-    case = prepare_case(rng, PLANS["up"](), 2, 2, 64, 64, dtype)
+    case = prepare_case(rng, PLANS["up"](), 2, 2, head_dim, head_dim, dtype)
     wide = run_scheduled_case(emulated_library, case)
     narrow = run_scheduled_case(emulated_library, case, DTYPES[dtype][1])
     for name in ("out", "dq", "dk", "dv"):

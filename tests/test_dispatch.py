@@ -83,8 +83,9 @@ SCHEDULED_CHOICES = [
     ("cuda", BF16, 64, 64, True, "scheduled"),
     ("cuda", F16, 64, 64, True, "scheduled"),
     ("cuda", BF16, 64, 64, False, "tiled"),  # blocks of a sharded grid
-    ("cuda", BF16, 32, 32, True, "tiled"),  # head dims the scheduled kernels do not take
-    ("cuda", F16, 128, 128, True, "tiled"),
+    ("cuda", BF16, 32, 32, True, "scheduled"),
+    ("cuda", F16, 128, 128, True, "scheduled"),
+    ("cuda", BF16, 16, 16, True, "arc"),  # head dims no tensor-core kernel takes
     ("cuda", F32, 64, 64, True, "arc"),
     ("cpu", BF16, 64, 64, True, "arc"),
 ]

@@ -1,7 +1,7 @@
 """The scheduled tensor-core kernels (wgmma on the plan's block schedules) on an sm_90 GPU.
 
-``implementation="ffi"`` runs them for 16-bit inputs with ``Dk == Dv == 64`` on whole grids; the op is checked
-against float64 oracles at the 16-bit bar (relative error <= 1e-2 for outputs and q, k, v gradients; lse
+``implementation="ffi"`` runs them for 16-bit inputs with ``Dk == Dv`` of 32, 64 or 128 on whole grids; the op is
+checked against float64 oracles at the 16-bit bar (relative error <= 1e-2 for outputs and q, k, v gradients; lse
 float32-exact, 1e-5), on random and smooth fields, in every direction, on three grids, with odd sizes, longitude
 counts that are not multiples of the tile, polar whole rings, several heads and a batch. The targets' results,
 poisoned with NaN first, are all written; their 16-bit results are the float32 ones rounded; gradients are the
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 EQ, LG, LOB = "equiangular", "legendre-gauss", "lobatto"
 DTYPES = [jnp.bfloat16, jnp.float16]
 
-# (in_shape, out_shape, grid_in, grid_out, theta_cutoff), heads; D 64, batch 2.
+# (in_shape, out_shape, grid_in, grid_out, theta_cutoff), heads; batch 2.
 CASES = [
     (((17, 36), (17, 36), EQ, EQ, None), 4),  # self, odd nlat, nlon not a multiple of 16
     (((33, 72), (33, 72), LG, LG, 0.25), 1),
@@ -43,9 +43,18 @@ CASES = [
 ]
 
 
+# Every case at head dim 64; at 32 (64-byte rows) and 128 (two 64-element blocks a row) self, polar rings, down, up.
+HEAD_DIM_CASES = [(case, 64) for case in CASES] + [(CASES[i], d) for d in (32, 128) for i in (0, 2, 4, 6)]
+
+
 def _case_id(case):
     (in_shape, out_shape, grid_in, _, cutoff), heads = case
     return f"{in_shape}->{out_shape}-{grid_in}-{cutoff}-H{heads}"
+
+
+def _head_dim_case_id(case_and_head_dim):
+    case, head_dim = case_and_head_dim
+    return f"{_case_id(case)}-D{head_dim}"
 
 
 @pytest.fixture(autouse=True)
@@ -56,18 +65,20 @@ def on_the_gpu():
 
 def test_the_op_runs_the_scheduled_kernels_here():
     """On an sm_90 GPU with an sm_90a build (the H200 this suite runs on), "ffi" picks them."""
-    assert _ffi.scheduled_unavailable_reason("cuda", jnp.bfloat16, 64, 64) is None
-    assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, 64, 64) == "scheduled"
+    for head_dim in (32, 64, 128):
+        assert _ffi.scheduled_unavailable_reason("cuda", jnp.bfloat16, head_dim, head_dim) is None
+        assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, head_dim, head_dim) == "scheduled"
+    assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, 16, 16) == "arc"
     assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, 64, 64, whole_grids=False) == "tiled"
 
 
-@pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_matches_float64_oracle(case, exact_random, dense_attention, rel_error):
-    geometry, heads = case
+@pytest.mark.parametrize("case_and_head_dim", HEAD_DIM_CASES, ids=_head_dim_case_id)
+def test_matches_float64_oracle(case_and_head_dim, exact_random, dense_attention, rel_error):
+    (geometry, heads), d = case_and_head_dim
     plan = NeighborhoodPlan(*geometry)
-    q = exact_random(2, *plan.out_shape, heads, 64)
-    k, v = (exact_random(2, *plan.in_shape, heads, 64) for _ in range(2))
-    cotangents = (exact_random(2, *plan.out_shape, heads, 64), exact_random(2, *plan.out_shape, heads))
+    q = exact_random(2, *plan.out_shape, heads, d)
+    k, v = (exact_random(2, *plan.in_shape, heads, d) for _ in range(2))
+    cotangents = (exact_random(2, *plan.out_shape, heads, d), exact_random(2, *plan.out_shape, heads))
     want = _oracle(plan, (q, k, v), cotangents, dense_attention)
     for dtype in DTYPES:
         as_dtype = lambda xs: tuple(jnp.asarray(x, dtype) for x in xs)  # noqa: E731 (exact: see exact_random)
@@ -75,16 +86,17 @@ def test_matches_float64_oracle(case, exact_random, dense_attention, rel_error):
         _check(got, want, rel_error, dtype)
 
 
-@pytest.mark.parametrize("geometry", SMOOTH_CASES, ids=str)
+@pytest.mark.parametrize(("geometry", "d"), [(g, 64) for g in SMOOTH_CASES] + [(SMOOTH_CASES[0], d) for d in (32, 128)],
+                         ids=str)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_smooth_values_keep_gradients_accurate(dtype, geometry, rng, dense_attention, rel_error):
+def test_smooth_values_keep_gradients_accurate(dtype, geometry, d, rng, dense_attention, rel_error):
     """Values smooth in position (+1 % noise): dP - delta nearly cancels, and P multiplied once keeps dq and dk
     within the bar because out is divided by the row sums of the rounded P and kept in float32 for delta."""
     in_shape, out_shape, grid, cutoff = geometry
     plan = NeighborhoodPlan(in_shape, out_shape, grid_in=grid, grid_out=grid, theta_cutoff=cutoff)
-    v = smooth_field(*in_shape, 64, grid)[None, :, :, None, :] + 0.01 * rng.standard_normal((2, *in_shape, 1, 64))
-    q, dout = (rng.standard_normal((2, *out_shape, 1, 64)) for _ in range(2))
-    k = rng.standard_normal((2, *in_shape, 1, 64))
+    v = smooth_field(*in_shape, d, grid)[None, :, :, None, :] + 0.01 * rng.standard_normal((2, *in_shape, 1, d))
+    q, dout = (rng.standard_normal((2, *out_shape, 1, d)) for _ in range(2))
+    k = rng.standard_normal((2, *in_shape, 1, d))
     primals = tuple(_rounded(x, dtype) for x in (q, k, v))
     cotangents = (_rounded(dout, dtype), np.zeros((2, *out_shape, 1)))
     want = _oracle(plan, primals, cotangents, dense_attention)
@@ -95,14 +107,16 @@ def test_smooth_values_keep_gradients_accurate(dtype, geometry, rng, dense_atten
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[6]], ids=_case_id)
-def test_targets_write_every_result(case, dtype, exact_random):
+@pytest.mark.parametrize("case_and_head_dim", [(CASES[0], 64), (CASES[4], 64), (CASES[6], 64), (CASES[6], 32),
+                                               (CASES[6], 128)],
+                         ids=_head_dim_case_id)
+def test_targets_write_every_result(case_and_head_dim, dtype, exact_random):
     """Every result of the three targets, poisoned with NaN first, is written; results in the activations' dtype
     are the float32 ones rounded, bit for bit; and a second call gives the same bits."""
-    geometry, heads = case
+    (geometry, heads), d = case_and_head_dim
     plan = NeighborhoodPlan(*geometry)
-    q, dout = (jnp.asarray(exact_random(2, *plan.out_shape, heads, 64), dtype) for _ in range(2))
-    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, 64), dtype) for _ in range(2))
+    q, dout = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), dtype) for _ in range(2))
+    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, d), dtype) for _ in range(2))
     kwargs = dict(scale=0.125, poison_results=True)
 
     def run(result_dtype):
@@ -121,12 +135,13 @@ def test_targets_write_every_result(case, dtype, exact_random):
         assert n.tobytes() == expected.tobytes(), f"{name}: not the float32 result rounded"
 
 
-def test_gradients_are_the_same_bits_run_to_run(exact_random):
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_gradients_are_the_same_bits_run_to_run(exact_random, d):
     geometry, heads = CASES[0]
     plan = NeighborhoodPlan(*geometry)
-    q = jnp.asarray(exact_random(2, *plan.out_shape, heads, 64), jnp.bfloat16)
-    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, 64), jnp.bfloat16) for _ in range(2))
-    cotangents = (jnp.asarray(exact_random(2, *plan.out_shape, heads, 64), jnp.bfloat16),
+    q = jnp.asarray(exact_random(2, *plan.out_shape, heads, d), jnp.bfloat16)
+    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, d), jnp.bfloat16) for _ in range(2))
+    cotangents = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), jnp.bfloat16),
                   jnp.asarray(exact_random(2, *plan.out_shape, heads), jnp.float32))  # fmt: skip
     first, second = (_compiled_vjp(plan, "ffi")((q, k, v), cotangents) for _ in range(2))
     for a, b in zip(first, second, strict=True):

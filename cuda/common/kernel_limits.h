@@ -26,7 +26,7 @@ inline constexpr int kStencilMaxHalf = 3;
 inline constexpr int kSchedTileRows = 4;
 inline constexpr int kSchedTileCols = 16;
 inline constexpr int kSchedChunkCols = 32;
-inline constexpr int kSchedHeadDims[] = {64};
+inline constexpr int kSchedHeadDims[] = {32, 64, 128};
 inline constexpr const char* kSchedDtypes[] = {"bfloat16", "float16"};
 
 }  // namespace s2attn

@@ -1,5 +1,6 @@
 // The scheduled kernels (sched_attn_kernels.h): forward, dq and dk/dv on the plan's block-sparse schedules, for
-// sm_90a. Included by sched_attn_fwd.cu, sched_attn_dq.cu and sched_attn_dkv.cu, which instantiate one kind each.
+// sm_90a. Included by sched_attn_fwd.cu, sched_attn_dq.cu and sched_attn_dkv.cu, which instantiate one kind each,
+// at each head dim of kSchedHeadDims (32, 64, 128; a box and a swizzled tile per block of up to 64 elements a row).
 //
 // A block takes one tile of the schedule (4 x 16 walking points; blocks in the schedule's order, longest first)
 // and one (batch, head) slab (blockIdx.y). Its producer warp asks for tensor-map boxes of the tile's points,
@@ -47,35 +48,50 @@ namespace sched {
 
 namespace sm90 = s2attn::gpu::sm90;
 
-constexpr int kD = kSchedHeadDim;
 constexpr int kTileRows = kSchedTileRows, kTileCols = kSchedTileCols;  // one wgmma M of 64 walking points
 constexpr int kChunk = kSchedChunkCols;                                // the N of S = Q K^T
 constexpr int kStages = 4;
 constexpr int kThreads = 128 + 32;  // one consumer warpgroup, one producer warp
-constexpr int kChunkBytes = kChunk * kD * 2;
+// Operand rows are blocks of up to 64 16-bit elements, each block its own swizzled tile of all the rows: at head
+// dim 32 one block of 64-byte rows (the 64-byte swizzle), at 64 one of 128-byte rows (the 128-byte swizzle), at 128
+// two of those (wgmma_sm90.cuh).
+template <int kD>
+constexpr int kBlockOf = kD < 64 ? kD : 64;  // elements a row of a block
+template <int kD>
+constexpr int kBlocks = kD / kBlockOf<kD>;
 constexpr int kFull = 1, kRing = 2;  // jax_s2attn.schedule.FULL, RING
 static_assert(kTileRows * kTileCols == 64 && kTileRows == 4, "a tile is the warpgroup's 64 rows, a warp per row");
 static_assert(kChunk == 32, "S = Q K^T is one m64n32 product per k16 step");
-static_assert(kD == 64, "rows of 64 16-bit elements: the 128-byte swizzle of wgmma_sm90.cuh");
 
-// A staged chunk: rows of the other grid, k and v (forward, dq) or q and dout (dk/dv).
-template <typename T>
+// A staged chunk: rows of the other grid, k and v (forward, dq) or q and dout (dk/dv), each kBlocks blocks of
+// kChunk rows.
+template <typename T, int kD>
 struct alignas(1024) Stage {
+  static_assert(kD == 32 || kD == 64 || kD == 128, "head dims 32, 64 and 128");
   T a[kChunk * kD];
   T b[kChunk * kD];
 };
 
-// Operands of a tile's 64 walking points, staged once per block (tile row x longitude, as the box lays them out).
-template <typename T>
+// Operands of a tile's 64 walking points, staged once per block (tile row x longitude, as the box lays them out),
+// kBlocks blocks of 64 rows.
+template <typename T, int kD>
 struct alignas(1024) PointTile {
   T rows[kTileRows * kTileCols * kD];
 };
 
-// A chunk's rows of ones (any layout reads them as ones): the forward's P V reaches them as V's columns 64..71,
-// whose block starts the descriptor's leading offset past V's, so that P's row sums come out of the same wgmma.
+// Bytes of one block of a chunk's rows and of a tile's.
+template <int kD>
+constexpr int kChunkBlockBytes = kChunk * kBlockOf<kD> * 2;
+template <int kD>
+constexpr int kTileBlockBytes = kTileRows * kTileCols * kBlockOf<kD> * 2;
+
+// A chunk's rows of ones, 64 elements a row with the 128-byte swizzle (any layout reads them as ones), for the row
+// sums of the forward's P: at head dim 64 its P V reaches them as V's columns 64..71, whose block starts the
+// descriptor's leading offset past V's, so that P's row sums come out of the same wgmma; at 32 and 128 they are
+// an m64n8 product of their own.
 template <typename T>
 struct alignas(1024) OnesTile {
-  T rows[kChunk * kD];
+  T rows[kChunk * 64];
 };
 struct NoTile {};
 
@@ -92,15 +108,17 @@ enum class Kind { kForward, kDq, kDkv };
 // Walking-grid tiles a kernel stages once: q; q and dout; k and v.
 __host__ __device__ constexpr int TilesOf(Kind kind) { return kind == Kind::kForward ? 1 : 2; }
 // Blocks per SM each kind asks for (dq holds S, dP and dq, dk/dv S, dP, dk and dv: with more blocks, and so fewer
-// registers, ptxas serialises their wgmmas).
-__host__ __device__ constexpr int BlocksPerSm(Kind kind) {
+// registers, ptxas serialises their wgmmas). At head dim 128 the accumulators double and a block's shared memory
+// nearly does.
+__host__ __device__ constexpr int BlocksPerSm(Kind kind, int head_dim) {
+  if (head_dim > 64) return kind == Kind::kDkv ? 1 : 2;
   return kind == Kind::kForward ? 4 : kind == Kind::kDq ? 3 : 2;
 }
 
-template <typename T, Kind kKind>
+template <typename T, Kind kKind, int kD>
 struct Shared {
-  Stage<T> stages[kStages];
-  PointTile<T> tiles[TilesOf(kKind)];
+  Stage<T, kD> stages[kStages];
+  PointTile<T, kD> tiles[TilesOf(kKind)];
   // After every stage: the descriptor's leading offset from a stage's V to the ones must be positive (where it is
   // not, SwizzledDescriptorAt falls back to 1 and the host emulation's products go wrong).
   std::conditional_t<kKind == Kind::kForward, OnesTile<T>, NoTile> ones;
@@ -187,17 +205,20 @@ __device__ __forceinline__ float2 QueryRowOf(const Problem& p, const Slab& slab,
 // (with its records when a tile row has one class), so that the loop waits on global memory once per batch;
 // dk/dv's lse and delta of a chunk's queries (a lane per column) kQueryRowsAhead chunks ahead. Every lane
 // arrives on the stage's barrier after its writes.
-template <typename T, Kind kKind>
-__device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind>& s, int first, int count) {
+template <typename T, Kind kKind, int kD>
+__device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>& s, int first, int count) {
   const Slab slab = SlabOf(p);
   const int tile = blockIdx.x, lane = threadIdx.x % 32, per_staging = kTileRows * p.classes;
   const int nlat_keys = kKind == Kind::kDkv ? p.nlat_walk : p.nlat_other;
   const int batch = static_cast<int>(slab.batch);
   if (lane == 0) {
-    sm90::MbarrierArriveExpectBytes(&s.tiles_full, TilesOf(kKind) * sizeof(PointTile<T>));
+    sm90::MbarrierArriveExpectBytes(&s.tiles_full, TilesOf(kKind) * sizeof(PointTile<T, kD>));
     for (int i = 0; i < TilesOf(kKind); ++i) {
-      sm90::LoadBox5d(s.tiles[i].rows, &maps.tiles[i], 0, slab.head, __ldg(p.tiles + 2 * tile + 1),
-                      __ldg(p.tiles + 2 * tile), batch, &s.tiles_full);
+#pragma unroll
+      for (int block = 0; block < kBlocks<kD>; ++block) {
+        sm90::LoadBox5d(s.tiles[i].rows + block * kTileBlockBytes<kD> / 2, &maps.tiles[i], block * kBlockOf<kD>,
+                        slab.head, __ldg(p.tiles + 2 * tile + 1), __ldg(p.tiles + 2 * tile), batch, &s.tiles_full);
+      }
     }
   }
   for (int batch_start = 0; batch_start < count; batch_start += 32) {
@@ -256,9 +277,13 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind>& s,
         }
         const int row = __shfl_sync(0xffffffffu, field[0], k), lon = __shfl_sync(0xffffffffu, field[1], k);
         if (lane == 0) {
-          sm90::MbarrierArriveExpectBytes(&s.full[stage], 2 * kChunkBytes);
-          sm90::LoadBox5d(s.stages[stage].a, &maps.a, 0, slab.head, lon, row, batch, &s.full[stage]);
-          sm90::LoadBox5d(s.stages[stage].b, &maps.b, 0, slab.head, lon, row, batch, &s.full[stage]);
+          sm90::MbarrierArriveExpectBytes(&s.full[stage], sizeof(Stage<T, kD>));
+#pragma unroll
+          for (int block = 0; block < kBlocks<kD>; ++block) {
+            const int at = block * kChunkBlockBytes<kD> / 2, d0 = block * kBlockOf<kD>;
+            sm90::LoadBox5d(s.stages[stage].a + at, &maps.a, d0, slab.head, lon, row, batch, &s.full[stage]);
+            sm90::LoadBox5d(s.stages[stage].b + at, &maps.b, d0, slab.head, lon, row, batch, &s.full[stage]);
+          }
         } else {
           MbarrierArrive(&s.full[stage]);
         }
@@ -383,24 +408,44 @@ __device__ __forceinline__ void Exponentiate(float (&s)[kChunk / 2], float bias,
   }
 }
 
-// The forward's accumulator: O in columns 0..63 of an m64n72 tile, the rounded P's row sums in 64..71.
+// The forward's accumulator: O in its first kD / 2 registers (columns 0..kD-1 of an m64nkD tile), then the rounded
+// P's row sums as the 4 registers of 8 more columns (at head dim 64 one m64n72 tile).
+template <int kD>
 constexpr int kForwardAccumulators = kD / 2 + 4;
 
 // O and the row sums times the corrections, skipped when no maximum of the warp moved (every correction
 // exactly 1).
-__device__ __forceinline__ void Rescale(float (&o)[kForwardAccumulators], const float (&correction)[2]) {
+template <int N>
+__device__ __forceinline__ void Rescale(float (&o)[N], const float (&correction)[2]) {
   if (__any_sync(0xffffffffu, correction[0] != 1.f || correction[1] != 1.f)) {
 #pragma unroll
-    for (int e = 0; e < kForwardAccumulators; ++e) o[e] *= correction[(e >> 1) & 1];
+    for (int e = 0; e < N; ++e) o[e] *= correction[(e >> 1) & 1];
   }
 }
 
-// Descriptors of a block's operands for the consumer's walk, formed once: of its walking tiles, of stage 0's two
-// chunks and (forward) of stage 0's V with the ones tile as its next block; stage i's lie kStageUnits i further
-// (the ones tile stays where it is: DescriptorFirstBlockPlus).
+// Descriptors of a block's operands for the consumer's walk, formed once: of its walking tiles and of stage 0's
+// two chunks (first blocks; K-major reads step to the next block by kTileBlockUnits, kChunkBlockUnits), of those
+// chunks as an MN-major B of kD columns (a_wide, b_wide: at head dim 128 with the second block as the next one),
+// and for the forward's row sums: at head dim 64 of stage 0's V with the ones tile as its next block (b_ones;
+// the ones tile stays where it is: DescriptorFirstBlockPlus), at 32 and 128 of the ones tile alone (ones). Stage
+// i's lie kStageUnits i further.
 struct Descriptors {
-  uint64_t tiles[2], a, b, b_ones;
+  uint64_t tiles[2], a, b, a_wide, b_wide, b_ones, ones;
 };
+template <int kD>
+constexpr uint32_t kTileBlockUnits = kTileBlockBytes<kD> / 16;
+template <int kD>
+constexpr uint32_t kChunkBlockUnits = kChunkBlockBytes<kD> / 16;
+
+// The descriptor of a block of rows of head dim kD at `tile` (the swizzle of its rows' width).
+template <int kD>
+__device__ __forceinline__ uint64_t BlockDescriptor(const void* tile) {
+  if constexpr (kBlockOf<kD> == 64) {
+    return sm90::SwizzledTileDescriptor(tile);
+  } else {
+    return sm90::Swizzled64TileDescriptor(tile);
+  }
+}
 
 // `descriptor` with its low word (start and leading offset) hidden from the compiler, so that it stays in one
 // register instead of being formed again from the shared window's base before every wgmma.
@@ -412,36 +457,48 @@ __device__ __forceinline__ uint64_t Kept(uint64_t descriptor) {
   return (descriptor & ~uint64_t{0xFFFFFFFF}) | low;
 }
 
-template <typename T, Kind kKind>
-__device__ __forceinline__ Descriptors DescriptorsOf(const Shared<T, kKind>& s) {
+template <typename T, Kind kKind, int kD>
+__device__ __forceinline__ Descriptors DescriptorsOf(const Shared<T, kKind, kD>& s) {
   Descriptors d{};
 #pragma unroll
-  for (int i = 0; i < TilesOf(kKind); ++i) d.tiles[i] = Kept(sm90::SwizzledTileDescriptor(s.tiles[i].rows));
-  d.a = Kept(sm90::SwizzledTileDescriptor(s.stages[0].a));
-  d.b = Kept(sm90::SwizzledTileDescriptor(s.stages[0].b));
-  if constexpr (kKind == Kind::kForward) d.b_ones = Kept(sm90::SwizzledTileDescriptor(s.stages[0].b, s.ones.rows));
+  for (int i = 0; i < TilesOf(kKind); ++i) d.tiles[i] = Kept(BlockDescriptor<kD>(s.tiles[i].rows));
+  d.a = Kept(BlockDescriptor<kD>(s.stages[0].a));
+  d.b = Kept(BlockDescriptor<kD>(s.stages[0].b));
+  if constexpr (kBlocks<kD> == 1) {
+    d.a_wide = d.a, d.b_wide = d.b;
+  } else {
+    d.a_wide = Kept(sm90::SwizzledTileDescriptor(s.stages[0].a, s.stages[0].a + kChunk * kBlockOf<kD>));
+    d.b_wide = Kept(sm90::SwizzledTileDescriptor(s.stages[0].b, s.stages[0].b + kChunk * kBlockOf<kD>));
+  }
+  if constexpr (kKind == Kind::kForward && kD == 64) {
+    d.b_ones = Kept(sm90::SwizzledTileDescriptor(s.stages[0].b, s.ones.rows));
+  } else if constexpr (kKind == Kind::kForward) {
+    d.ones = Kept(sm90::SwizzledTileDescriptor(s.ones.rows));
+  }
   return d;
 }
 
 // Stages lie this many 16-byte units apart.
-template <typename T>
-constexpr uint32_t kStageUnits = sizeof(Stage<T>) / 16;
+template <typename T, int kD>
+constexpr uint32_t kStageUnits = sizeof(Stage<T, kD>) / 16;
 
 // Stage `stage`'s descriptor of a chunk operand whose stage-0 descriptor is `first`.
-template <typename T>
+template <typename T, int kD>
 __device__ __forceinline__ uint64_t AtStage(uint64_t first, int stage) {
-  return sm90::DescriptorPlus(first, stage * kStageUnits<T>);
+  return sm90::DescriptorPlus(first, stage * kStageUnits<T, kD>);
 }
 
-// Issues S = A B^T of a tile and a staged chunk's rows (4 k16 steps, by their descriptors), to be committed by the
-// caller.
-template <typename T>
+// Issues S = A B^T of a tile and a staged chunk's rows (kD / 16 k16 steps, 4 a block, by their first blocks'
+// descriptors), to be committed by the caller.
+template <typename T, int kD>
 __device__ __forceinline__ void IssueTransposed(float (&s)[kChunk / 2], uint64_t a, uint64_t b) {
   sm90::FenceRegisters(s);
   sm90::WgmmaFence();
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
-    sm90::WgmmaM64N32K16SharedA<T>(s, sm90::DescriptorPlus(a, 2 * ks), sm90::DescriptorPlus(b, 2 * ks), ks > 0);
+    const uint32_t block = ks / (kBlockOf<kD> / 16), step = 2 * (ks % (kBlockOf<kD> / 16));
+    sm90::WgmmaM64N32K16SharedA<T>(s, sm90::DescriptorPlus(a, block * kTileBlockUnits<kD> + step),
+                                   sm90::DescriptorPlus(b, block * kChunkBlockUnits<kD> + step), ks > 0);
   }
 }
 
@@ -455,30 +512,60 @@ __device__ __forceinline__ void Pack(uint32_t (&a)[kChunk / 16][4], const float 
   }
 }
 
+// d += A B for one k16 step: A in registers, B an MN-major tile of kD columns (its k16 rows by `rows`).
+template <typename T, int kD>
+__device__ __forceinline__ void WgmmaRowsK16(float (&d)[kD / 2], const uint32_t (&a)[4], uint64_t rows) {
+  if constexpr (kD == 32) {
+    sm90::WgmmaM64N32K16<T, 1>(d, a, rows, 1);
+  } else if constexpr (kD == 64) {
+    sm90::WgmmaM64N64K16<T, 1>(d, a, rows, 1);
+  } else {
+    static_assert(kD == 128, "head dims 32, 64 and 128");
+    sm90::WgmmaM64N128K16<T, 1>(d, a, rows, 1);
+  }
+}
+
+// A k16 step's rows of an MN-major chunk operand lie this many 16-byte units past the previous step's (the ones
+// tile's: kRowsK16Units<64>).
+template <int kD>
+constexpr uint32_t kRowsK16Units = 16 * kBlockOf<kD> * 2 / 16;
+
 // Issues d += A B as one group: A the rounded scores of a chunk (dS; P^T, dS^T), B a staged chunk's rows (by their
-// descriptor).
-template <typename T>
+// MN-major descriptor, a_wide or b_wide).
+template <typename T, int kD>
 __device__ __forceinline__ void IssueAccumulate(float (&d)[kD / 2], uint32_t (&a)[kChunk / 16][4], uint64_t rows) {
 #pragma unroll
   for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(a[kk]);
   sm90::FenceRegisters(d);
   sm90::WgmmaFence();
 #pragma unroll
-  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::WgmmaM64N64K16<T, 1>(d, a[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+    WgmmaRowsK16<T, kD>(d, a[kk], sm90::DescriptorPlus(rows, kRowsK16Units<kD> * kk));
+  }
   sm90::WgmmaCommit();
 }
 
-// Issues [O | sums] += P [V | 1] as one group (P the rounded probabilities of a chunk; `rows` the descriptor of
-// its staged V with the ones tile as V's next block of columns).
-template <typename T>
-__device__ __forceinline__ void IssueProductsAndSums(float (&o)[kForwardAccumulators], uint32_t (&prob)[kChunk / 16][4],
-                                                     uint64_t rows) {
+// Issues [O | sums] += P [V | 1] as one group (P the rounded probabilities of a chunk): at head dim 64 by `rows`,
+// the descriptor of its staged V with the ones tile as V's next block of columns (one m64n72 a k16 step); at 32
+// and 128 by `rows`, V's MN-major descriptor, and `ones`, the ones tile's (an m64nkD and an m64n8 a k16 step).
+template <typename T, int kD>
+__device__ __forceinline__ void IssueProductsAndSums(float (&o)[kForwardAccumulators<kD>],
+                                                     uint32_t (&prob)[kChunk / 16][4], uint64_t rows, uint64_t ones) {
 #pragma unroll
   for (int kk = 0; kk < kChunk / 16; ++kk) sm90::FenceRegisters(prob[kk]);
   sm90::FenceRegisters(o);
   sm90::WgmmaFence();
 #pragma unroll
-  for (int kk = 0; kk < kChunk / 16; ++kk) sm90::WgmmaM64N72K16<T>(o, prob[kk], sm90::DescriptorPlus(rows, 128 * kk), 1);
+  for (int kk = 0; kk < kChunk / 16; ++kk) {
+    if constexpr (kD == 64) {
+      sm90::WgmmaM64N72K16<T>(o, prob[kk], sm90::DescriptorPlus(rows, kRowsK16Units<kD> * kk), 1);
+    } else {
+      auto& values = reinterpret_cast<float(&)[kD / 2]>(o);
+      auto& sums = reinterpret_cast<float(&)[4]>(o[kD / 2]);
+      WgmmaRowsK16<T, kD>(values, prob[kk], sm90::DescriptorPlus(rows, kRowsK16Units<kD> * kk));
+      sm90::WgmmaM64N8K16<T, 1>(sums, prob[kk], sm90::DescriptorPlus(ones, kRowsK16Units<64> * kk), 1);
+    }
+  }
   sm90::WgmmaCommit();
 }
 
@@ -527,7 +614,7 @@ __device__ __forceinline__ void WalkChunks(SharedState& s, int count, const Issu
 
 // Stores the thread's rows of a 64 x kD float32 accumulator (the first kD columns of d), times `factor`, into `to`
 // ([slab points, kD] of the walking grid; float32 or T by p.f32_results).
-template <typename T, int N>
+template <typename T, int kD, int N>
 __device__ __forceinline__ void StoreRows(const Problem& p, const ThreadPoints& points, void* to, const float (&d)[N],
                                           const float (&factor)[2]) {
   static_assert(N >= kD / 2, "an accumulator of kD columns or more");
@@ -556,11 +643,11 @@ __device__ __forceinline__ void StoreRows(const Problem& p, const ThreadPoints& 
 
 // The forward of the consumer warpgroup: per chunk S = Q K^T, the mask and online softmax, O += P V and the row
 // sums of the rounded P (both rescaled just before the products are issued); out and lse at the end.
-template <typename T>
-__device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, int count) {
+template <typename T, int kD>
+__device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward, kD>& s, int count) {
   const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
   const ThreadPoints points = PointsOf(p);
-  float o[kForwardAccumulators] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
+  float o[kForwardAccumulators<kD>] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
   float correction[2];
   uint32_t prob[kChunk / 16][4];
   const Descriptors d = DescriptorsOf(s);
@@ -573,17 +660,21 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, i
   WalkChunks<1, 1>(
       s, count,
       [&](int stage) {
-        IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
+        IssueTransposed<T, kD>(scores, d.tiles[0], AtStage<T, kD>(d.a, stage));
         sm90::WgmmaCommit();
       },
       softmax,
       [&](int stage) {
         Rescale(o, correction);
-        IssueProductsAndSums<T>(o, prob, sm90::DescriptorFirstBlockPlus(d.b_ones, stage * kStageUnits<T>));
+        if constexpr (kD == 64) {
+          IssueProductsAndSums<T, kD>(o, prob, sm90::DescriptorFirstBlockPlus(d.b_ones, stage * kStageUnits<T, kD>), 0);
+        } else {
+          IssueProductsAndSums<T, kD>(o, prob, AtStage<T, kD>(d.b_wide, stage), d.ones);
+        }
       },
       [&] { Pack<T>(prob, scores); }, [&](int) { sm90::FenceRegisters(scores); }, [&] { sm90::FenceRegisters(o); });
-  // lse from the float32 sums; out divided by the sums of P as rounded for P V (every column 64..71 of row h
-  // holds the whole row's: o[kD / 2 + 2 h]).
+  // lse from the float32 sums; out divided by the sums of P as rounded for P V (every column of the sums' 8 of
+  // row h holds the whole row's: o[kD / 2 + 2 h]).
   const Slab slab = SlabOf(p);
   float inverse[2];
 #pragma unroll
@@ -597,14 +688,14 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward>& s, i
           l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
     }
   }
-  StoreRows<T>(p, points, p.out, o, inverse);
+  StoreRows<T, kD>(p, points, p.out, o, inverse);
 }
 
 // dq of the consumer warpgroup, in the forward's order: per chunk j + 1 issue S(j+1) = Q K^T and dP(j+1) = dO V^T
 // as two groups, issue dq += dS(j) K(j), wait for S, form P = exp2(S scale log2(e) + bias - lse log2(e)) on the
 // chunk's mask while dP and dq's product run, wait for dP, then form dS(j+1) = P (dP - delta).
-template <typename T>
-__device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) {
+template <typename T, int kD>
+__device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq, kD>& s, int count) {
   const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
   const ThreadPoints points = PointsOf(p);
   const Slab slab = SlabOf(p);
@@ -621,9 +712,9 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) 
   uint32_t ds[kChunk / 16][4];
   const Descriptors d = DescriptorsOf(s);
   const auto issue_scores = [&](int stage) {  // S, then dP: two groups
-    IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
+    IssueTransposed<T, kD>(scores, d.tiles[0], AtStage<T, kD>(d.a, stage));
     sm90::WgmmaCommit();
-    IssueTransposed<T>(dp, d.tiles[1], AtStage<T>(d.b, stage));
+    IssueTransposed<T, kD>(dp, d.tiles[1], AtStage<T, kD>(d.b, stage));
     sm90::WgmmaCommit();
   };
   // S(i) complete: P(i) into scores, while dP(i) runs; then dP(i) complete: dS(i) into scores.
@@ -643,7 +734,8 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) 
   MbarrierWait(&s.tiles_full, 0);
   WalkChunks<2, 1>(
       s, count, issue_scores, score_gradients,
-      [&](int stage) { IssueAccumulate<T>(dq, ds, AtStage<T>(d.a, stage)); }, [&] { Pack<T>(ds, scores); },
+      [&](int stage) { IssueAccumulate<T, kD>(dq, ds, AtStage<T, kD>(d.a_wide, stage)); },
+      [&] { Pack<T>(ds, scores); },
       [&](int group) {
         if (group == 0) {
           sm90::FenceRegisters(scores);
@@ -653,15 +745,15 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq>& s, int count) 
       },
       [&] { sm90::FenceRegisters(dq); });
   const float scale[2] = {p.scale, p.scale};
-  StoreRows<T>(p, points, p.dq, dq, scale);
+  StoreRows<T, kD>(p, points, p.dq, dq, scale);
 }
 
 // dk and dv of the consumer warpgroup over a tile of keys, walking the backward schedule: per chunk of 32 queries
 // j + 1 issue S^T(j+1) = K Q^T and dP^T(j+1) = V dO^T as two groups, issue dv += P^T(j) dO(j) and
 // dk += dS^T(j) Q(j), wait for S^T, form P^T = exp2(S^T scale log2(e) + key weight - lse log2(e)) on the chunk's
 // mask while dP^T and both products run, wait for dP^T, then form dS^T = P^T (dP^T - delta).
-template <typename T>
-__device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count) {
+template <typename T, int kD>
+__device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv, kD>& s, int count) {
   const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
   const ThreadPoints points = PointsOf(p);
   const float key_bias = KeyBias(p, points.row, p.nlat_walk);
@@ -669,9 +761,9 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count
   uint32_t prob[kChunk / 16][4], grad[kChunk / 16][4];
   const Descriptors d = DescriptorsOf(s);
   const auto issue_scores = [&](int stage) {  // S^T, then dP^T: two groups
-    IssueTransposed<T>(scores, d.tiles[0], AtStage<T>(d.a, stage));
+    IssueTransposed<T, kD>(scores, d.tiles[0], AtStage<T, kD>(d.a, stage));
     sm90::WgmmaCommit();
-    IssueTransposed<T>(dp, d.tiles[1], AtStage<T>(d.b, stage));
+    IssueTransposed<T, kD>(dp, d.tiles[1], AtStage<T, kD>(d.b, stage));
     sm90::WgmmaCommit();
   };
   // S^T(i) complete: P^T(i) into scores, while dP^T(i) runs; then dP^T(i) complete: dS^T(i) into dp.
@@ -692,8 +784,8 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count
   WalkChunks<2, 2>(
       s, count, issue_scores, gradients,
       [&](int stage) {
-        IssueAccumulate<T>(dv, prob, AtStage<T>(d.b, stage));
-        IssueAccumulate<T>(dk, grad, AtStage<T>(d.a, stage));
+        IssueAccumulate<T, kD>(dv, prob, AtStage<T, kD>(d.b_wide, stage));
+        IssueAccumulate<T, kD>(dk, grad, AtStage<T, kD>(d.a_wide, stage));
       },
       [&] {
         Pack<T>(prob, scores);
@@ -711,17 +803,17 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv>& s, int count
         sm90::FenceRegisters(dv);
       });
   const float scale[2] = {p.scale, p.scale}, one[2] = {1.f, 1.f};
-  StoreRows<T>(p, points, p.dk, dk, scale);
-  StoreRows<T>(p, points, p.dv, dv, one);
+  StoreRows<T, kD>(p, points, p.dk, dk, scale);
+  StoreRows<T, kD>(p, points, p.dv, dv, one);
 }
 
 // The results of a tile without chunks (its points see no other point): zeros, and lse -inf.
-template <typename T, Kind kKind>
+template <typename T, Kind kKind, int kD>
 __device__ void WriteEmpty(const Problem& p) {
   const ThreadPoints points = PointsOf(p);
   const float zeros[kD / 2] = {}, factor[2] = {1.f, 1.f};
   if constexpr (kKind == Kind::kForward) {
-    StoreRows<T>(p, points, p.out, zeros, factor);
+    StoreRows<T, kD>(p, points, p.out, zeros, factor);
     const Slab slab = SlabOf(p);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -730,23 +822,23 @@ __device__ void WriteEmpty(const Problem& p) {
       }
     }
   } else if constexpr (kKind == Kind::kDq) {
-    StoreRows<T>(p, points, p.dq, zeros, factor);
+    StoreRows<T, kD>(p, points, p.dq, zeros, factor);
   } else {
-    StoreRows<T>(p, points, p.dk, zeros, factor);
-    StoreRows<T>(p, points, p.dv, zeros, factor);
+    StoreRows<T, kD>(p, points, p.dk, zeros, factor);
+    StoreRows<T, kD>(p, points, p.dv, zeros, factor);
   }
 }
 
-template <typename T, Kind kKind>
-__global__ void __launch_bounds__(kThreads, BlocksPerSm(kKind))
+template <typename T, Kind kKind, int kD>
+__global__ void __launch_bounds__(kThreads, BlocksPerSm(kKind, kD))
     ScheduledAttention(const Problem p, const __grid_constant__ Maps maps) {
 #if defined(S2ATTN_HOST_EMULATION) || (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL))
   auto* base = reinterpret_cast<unsigned char*>(DynamicShared());
   base += (1024 - reinterpret_cast<uintptr_t>(base) % 1024) % 1024;
-  auto& s = *reinterpret_cast<Shared<T, kKind>*>(base);
+  auto& s = *reinterpret_cast<Shared<T, kKind, kD>*>(base);
   const int2 chunks = TileChunks(p);
   if (chunks.y == 0) {
-    if (threadIdx.x < 128) WriteEmpty<T, kKind>(p);
+    if (threadIdx.x < 128) WriteEmpty<T, kKind, kD>(p);
     return;
   }
   if constexpr (kKind == Kind::kForward) {  // the ones tile: 4 KiB, 16 bytes a thread
@@ -766,40 +858,43 @@ __global__ void __launch_bounds__(kThreads, BlocksPerSm(kKind))
   }
   __syncthreads();
   if (threadIdx.x / 32 == 4) {
-    Produce<T, kKind>(p, maps, s, chunks.x, chunks.y);
+    Produce<T, kKind, kD>(p, maps, s, chunks.x, chunks.y);
   } else if constexpr (kKind == Kind::kForward) {
-    ConsumeForward<T>(p, s, chunks.y);
+    ConsumeForward<T, kD>(p, s, chunks.y);
   } else if constexpr (kKind == Kind::kDq) {
-    ConsumeDq<T>(p, s, chunks.y);
+    ConsumeDq<T, kD>(p, s, chunks.y);
   } else {
-    ConsumeDkv<T>(p, s, chunks.y);
+    ConsumeDkv<T, kD>(p, s, chunks.y);
   }
 #endif
 }
 
 // ------------------------------------------------------------------------------------------------ host
 
-// A 5-D map of [batch, nlat, nlon, heads, kD] 16-bit activations with boxes of `box_lons` x `box_rows` points of
-// one head.
+// A 5-D map of [batch, nlat, nlon, heads, head_dim] 16-bit activations with boxes of one block of `block` (64 or 32)
+// elements, swizzled over its width, of `box_lons` x `box_rows` points of one head (the producer asks for
+// head_dim / block boxes per operand).
 inline bool EncodeActivations(CUtensorMap* map, ActivationType dtype, const void* data, int64_t batch, int nlat,
-                              int nlon, int64_t heads, int box_lons, int box_rows) {
+                              int nlon, int64_t heads, int head_dim, int block, int box_lons, int box_rows) {
   const sm90::EncodeTiled encode = sm90::FindEncodeTiled();
   if (encode == nullptr) return false;
-  const cuuint64_t dims[5] = {kD, cuuint64_t(heads), cuuint64_t(nlon), cuuint64_t(nlat), cuuint64_t(batch)};
-  const cuuint64_t point = kD * 2;
+  const cuuint64_t dims[5] = {cuuint64_t(head_dim), cuuint64_t(heads), cuuint64_t(nlon), cuuint64_t(nlat),
+                              cuuint64_t(batch)};
+  const cuuint64_t point = cuuint64_t(head_dim) * 2;
   const cuuint64_t strides[4] = {point, point * heads, point * heads * nlon, point * heads * nlon * nlat};
-  const cuuint32_t box[5] = {kD, 1, cuuint32_t(box_lons), cuuint32_t(box_rows), 1};
+  const cuuint32_t box[5] = {cuuint32_t(block), 1, cuuint32_t(box_lons), cuuint32_t(box_rows), 1};
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
   const CUtensorMapDataType type =
       dtype == ActivationType::kF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   return encode(map, type, 5, const_cast<void*>(data), dims, strides, box, element_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, block == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // Launches kind kKind of a call on its schedule: tensor maps of the walking and the other grid's operands, then
 // one launch per kMaxGridYZ slabs.
-template <typename T, Kind kKind>
+template <typename T, Kind kKind, int kD>
 cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
   const bool walk_keys = kKind == Kind::kDkv;
   Problem p{};
@@ -822,36 +917,55 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
   const void* walk_data[2] = {walk_keys ? g.k : g.q, walk_keys ? g.v : (kKind == Kind::kForward ? g.q : g.dout)};
   const void* other_data[2] = {walk_keys ? g.q : g.k, walk_keys ? g.dout : g.v};
   for (int i = 0; i < 2; ++i) {
-    if (!EncodeActivations(&maps.tiles[i], g.dtype, walk_data[i], g.batch, p.nlat_walk, p.nlon_walk, g.heads,
-                           kTileCols, kTileRows)) {
+    if (!EncodeActivations(&maps.tiles[i], g.dtype, walk_data[i], g.batch, p.nlat_walk, p.nlon_walk, g.heads, kD,
+                           kBlockOf<kD>, kTileCols, kTileRows)) {
       return cudaErrorInvalidValue;
     }
   }
-  if (!EncodeActivations(&maps.a, g.dtype, other_data[0], g.batch, p.nlat_other, p.nlon_other, g.heads, kChunk, 1) ||
-      !EncodeActivations(&maps.b, g.dtype, other_data[1], g.batch, p.nlat_other, p.nlon_other, g.heads, kChunk, 1)) {
+  if (!EncodeActivations(&maps.a, g.dtype, other_data[0], g.batch, p.nlat_other, p.nlon_other, g.heads, kD,
+                         kBlockOf<kD>, kChunk, 1) ||
+      !EncodeActivations(&maps.b, g.dtype, other_data[1], g.batch, p.nlat_other, p.nlon_other, g.heads, kD,
+                         kBlockOf<kD>, kChunk, 1)) {
     return cudaErrorInvalidValue;
   }
-  const int shared = static_cast<int>(sizeof(Shared<T, kKind>)) + 1024;  // + the 1024-byte alignment
+  const int shared = static_cast<int>(sizeof(Shared<T, kKind, kD>)) + 1024;  // + the 1024-byte alignment
   cudaError_t status =
-      cudaFuncSetAttribute(ScheduledAttention<T, kKind>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
+      cudaFuncSetAttribute(ScheduledAttention<T, kKind, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
   const int64_t slabs = g.batch * g.heads;
   for (int64_t first = 0; status == cudaSuccess && first < slabs; first += kMaxGridYZ) {
     p.first_slab = first;
     void* args[2] = {&p, &maps};
     // Through cudaLaunchKernel (not <<< >>>), so that the kernels also build for the host emulation.
-    status = cudaLaunchKernel(ScheduledAttention<T, kKind>,
+    status = cudaLaunchKernel(ScheduledAttention<T, kKind, kD>,
                               dim3(static_cast<unsigned>(g.num_tiles), static_cast<unsigned>(std::min(slabs - first, kMaxGridYZ))),
                               dim3(kThreads), args, shared, stream);
   }
   return status;
 }
 
-// The launcher of kKind for the call's activation type.
+// The launcher of kKind for the call's head dim (kSchedHeadDims) and activation type.
+template <Kind kKind, int kD>
+cudaError_t LaunchHeadDim(cudaStream_t stream, const SchedAttnParams& g) {
+  return g.dtype == ActivationType::kF16 ? LaunchKind<__half, kKind, kD>(stream, g)
+                                         : LaunchKind<__nv_bfloat16, kKind, kD>(stream, g);
+}
+
 template <Kind kKind>
 cudaError_t Launch(cudaStream_t stream, const SchedAttnParams& g) {
+  static_assert(sizeof(kSchedHeadDims) / sizeof(int) == 3 && kSchedHeadDims[0] == 32 && kSchedHeadDims[1] == 64 &&
+                    kSchedHeadDims[2] == 128,
+                "a launcher per head dim of kSchedHeadDims");
   if (g.num_tiles == 0 || g.batch * g.heads == 0) return cudaSuccess;
-  return g.dtype == ActivationType::kF16 ? LaunchKind<__half, kKind>(stream, g)
-                                         : LaunchKind<__nv_bfloat16, kKind>(stream, g);
+  switch (g.head_dim) {
+    case 32:
+      return LaunchHeadDim<kKind, 32>(stream, g);
+    case 64:
+      return LaunchHeadDim<kKind, 64>(stream, g);
+    case 128:
+      return LaunchHeadDim<kKind, 128>(stream, g);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace sched

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 
 #include "common/ffi_check.h"
 #include "common/kernel_limits.h"
@@ -85,7 +86,20 @@ ffi::Error CheckDims(const char* name, ffi::Span<const int64_t> dims, std::initi
   return ffi::Error::Success();
 }
 
-// Decodes q, k, v (whole grids of the attributes, 16-bit, Dk == Dv == the kernels' head dim), the schedule's
+// Whether the scheduled kernels are built for head dim `d` (kSchedHeadDims), and those dims as text.
+bool IsSchedHeadDim(int64_t d) {
+  for (const int dim : kSchedHeadDims) {
+    if (d == dim) return true;
+  }
+  return false;
+}
+std::string SchedHeadDimsText() {
+  std::string text;
+  for (const int dim : kSchedHeadDims) text += (text.empty() ? "" : ", ") + std::to_string(dim);
+  return text;
+}
+
+// Decodes q, k, v (whole grids of the attributes, 16-bit, Dk == Dv, one of the kernels' head dims), the schedule's
 // table sizes and the attributes into `g`; `walk_keys` for dk/dv's backward schedule.
 ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const Schedule& s,
                   const SchedAttrs& a, bool walk_keys, SchedAttnParams* g) {
@@ -99,9 +113,9 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
                "q, k, v must share one dtype, bfloat16 or float16 (the scheduled kernels'), got "
                    << DataTypeName(q.element_type()) << ", " << DataTypeName(k.element_type()) << ", "
                    << DataTypeName(v.element_type()));
-  S2ATTN_CHECK(dk == kSchedHeadDim && dk2 == kSchedHeadDim && dv == kSchedHeadDim,
-               "the scheduled kernels take head dims Dk == Dv == " << kSchedHeadDim << ", got " << dk << ", " << dk2
-                                                                   << ", " << dv);
+  S2ATTN_CHECK(dk == dk2 && dk == dv && IsSchedHeadDim(dk),
+               "the scheduled kernels take head dims Dk == Dv in (" << SchedHeadDimsText() << "), got " << dk << ", "
+                                                                    << dk2 << ", " << dv);
   S2ATTN_CHECK(bk == batch && bv == batch && hk == heads && hv == heads,
                "q, k, v must have the same batch dims and heads");
   S2ATTN_CHECK(nq_lat == a.nlat_q && nq_lon == a.nlon_q && nk_lat == a.nlat_k && nk_lon == a.nlon_k &&
@@ -135,6 +149,7 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
                "quad_weights must hold the " << a.nlat_k << " key rows' weights");
   S2ATTN_CHECK(batch * heads <= INT32_MAX, "batch x heads must be below 2^31");
   g->dtype = ToActivationType(q.element_type());
+  g->head_dim = static_cast<int32_t>(dk);
   g->q = q.untyped_data(), g->k = k.untyped_data(), g->v = v.untyped_data();
   g->tiles = s.tiles.typed_data(), g->tile_offsets = s.tile_offsets.typed_data();
   g->chunks = s.chunks.typed_data(), g->records = s.records.typed_data();
@@ -171,7 +186,7 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   const SchedAttrs a{scale, classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), g.batch, nlat_q, nlon_q, g.heads, kSchedHeadDim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse->dimensions(), g.batch, nlat_q, nlon_q, g.heads, -1));
   S2ATTN_RETURN_IF_ERROR(SetResultType("out", {out->element_type()}, q.element_type(), &g));
   g.out = out->untyped_data(), g.lse_out = lse->typed_data();
@@ -183,7 +198,7 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& dout, c
                           const F32Buffer& delta, SchedAttnParams* g) {
   S2ATTN_CHECK(dout.element_type() == q.element_type(), "dout must have the dtype of q");
   S2ATTN_RETURN_IF_ERROR(
-      CheckGridArray("dout", dout.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, kSchedHeadDim));
+      CheckGridArray("dout", dout.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, g->head_dim));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, -1));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, -1));
   g->dout = dout.untyped_data(), g->lse = lse.typed_data(), g->delta = delta.typed_data();
@@ -200,7 +215,7 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), g.batch, nlat_q, nlon_q, g.heads, kSchedHeadDim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
   S2ATTN_RETURN_IF_ERROR(SetResultType("dq", {dq->element_type()}, q.element_type(), &g));
   g.dq = dq->untyped_data();
   return LaunchOnStreamDevice(stream, kTargetScheduledBackwardDq, [&] { return LaunchSchedAttnDq(stream, g); });
@@ -217,8 +232,8 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dk", dk->dimensions(), g.batch, nlat_k, nlon_k, g.heads, kSchedHeadDim));
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dv", dv->dimensions(), g.batch, nlat_k, nlon_k, g.heads, kSchedHeadDim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dk", dk->dimensions(), g.batch, nlat_k, nlon_k, g.heads, g.head_dim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dv", dv->dimensions(), g.batch, nlat_k, nlon_k, g.heads, g.head_dim));
   S2ATTN_RETURN_IF_ERROR(SetResultType("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(), &g));
   g.dk = dk->untyped_data(), g.dv = dv->untyped_data();
   return LaunchOnStreamDevice(stream, kTargetScheduledBackwardDkv, [&] { return LaunchSchedAttnDkv(stream, g); });

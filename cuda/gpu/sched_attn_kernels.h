@@ -13,17 +13,17 @@
 
 namespace s2attn {
 
-// The fields of a chunk of the schedule (other row, longitude, offset, valid, flags, staging) and the head dim
-// the kernels take (the schedule's shape: common/kernel_limits.h).
+// The fields of a chunk of the schedule (other row, longitude, offset, valid, flags, staging; the schedule's shape:
+// common/kernel_limits.h).
 constexpr int kSchedChunkFields = 6;
-constexpr int kSchedHeadDim = kSchedHeadDims[0];
 
 // One call of a scheduled target, passed to the kernels by value. Activations are contiguous row-major
-// [batch, nlat, nlon, heads, kSchedHeadDim] of `dtype` (bfloat16 or float16), 16-byte aligned; "walk" is the
+// [batch, nlat, nlon, heads, head_dim] of `dtype` (bfloat16 or float16), 16-byte aligned; "walk" is the
 // grid whose tiles the schedule lists (queries for the forward and dq, keys for dk/dv), "other" the grid of
 // its chunks.
 struct SchedAttnParams {
   ActivationType dtype = ActivationType::kBF16;
+  int32_t head_dim = 64;  // Dk == Dv, one of kSchedHeadDims
   // float32, or `dtype`: each element the float32 result rounded to nearest (out, dq, dk, dv).
   ActivationType result_dtype = ActivationType::kF32;
   const void* q = nullptr;

@@ -10,13 +10,16 @@
 //   fragment {pack(d[8j], d[8j+1]), pack(d[8j+2], d[8j+3]), pack(d[8j+4], d[8j+5]), pack(d[8j+6], d[8j+7])}.
 //
 // Shared tiles are rows of 64 16-bit elements (128 bytes) with the 128-byte swizzle, 1024-byte aligned:
-// what a tensor-map box of 64 x rows with CU_TENSOR_MAP_SWIZZLE_128B writes (tma_sm90.cuh). Such a tile
+// what a tensor-map box of 64 x rows with CU_TENSOR_MAP_SWIZZLE_128B writes (tma_sm90.cuh); or rows of 32
+// (64 bytes) with the 64-byte swizzle, what a box of 32 x rows with CU_TENSOR_MAP_SWIZZLE_64B writes (the
+// same, with 64 for 128 bytes and 512 for 1024 below: Swizzled64TileDescriptor). Such a tile
 // of n rows is B "K-major" for a product against its transpose (S = Q K^T: rows are keys, advance 32
 // bytes per k16 step; A = Q in shared memory the same way, rows are queries) and B "MN-major" for a
 // product against itself (O = P V: rows are keys = k, advance 2048 bytes = 16 rows per k16 step,
 // kTransB = 1).
-// An MN-major B wider than 64 columns (m64n72) takes its columns 64 j .. 64 j + 63 from a second tile of the
-// same layout, the descriptor's leading byte offset past the first (SwizzledDescriptorAt's `next_block`).
+// An MN-major B wider than 64 columns (m64n72, m64n128) takes its columns 64 j .. 64 j + 63 from the j-th tile of
+// the same layout, j times the descriptor's leading byte offset past the first (SwizzledDescriptorAt's
+// `next_block`).
 //
 // Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are declared here
 // and implemented by the emulation runtime: each warp takes its 16 rows of the product, which land in
@@ -35,15 +38,18 @@ namespace s2attn {
 namespace gpu {
 namespace sm90 {
 
-// Descriptor of a 128-byte-swizzled tile at shared address `address` (1024-byte aligned): start address,
-// leading byte offset and stride of 8-row atoms (1024 bytes) in 16-byte units, swizzle mode 1 (128 bytes) in
-// bits 62-63. The leading offset matters only to an MN-major B of more than 64 columns: `next_block` (above
-// `address`) is where its columns 64 .. 127 start; 64-column shapes ignore it. Adding n to the descriptor
-// advances the start of every block by 16 n bytes.
-__host__ __device__ constexpr uint64_t SwizzledDescriptorAt(uint32_t address, uint32_t next_block = 0) {
+// Descriptor of a swizzled tile of `row_bytes`-byte rows (128: the 128-byte swizzle; 64: the 64-byte one) at
+// shared address `address` (1024-byte aligned): start address, leading byte offset and stride of 8-row atoms
+// (8 rows) in 16-byte units, swizzle mode (1: 128 bytes, 2: 64 bytes) in bits 62-63. The leading offset matters
+// only to an MN-major B wider than a row: `next_block` (above `address`) is where its next row-wide block of
+// columns starts; narrower shapes ignore it. Adding n to the descriptor advances the start of every block by
+// 16 n bytes.
+__host__ __device__ constexpr uint64_t SwizzledDescriptorAt(uint32_t address, uint32_t next_block = 0,
+                                                            uint32_t row_bytes = 128) {
   const uint32_t leading = next_block > address ? (next_block - address) >> 4 : 1;
-  return uint64_t{(address >> 4) & 0x3FFF} | uint64_t{leading & 0x3FFF} << 16 | uint64_t{1024 >> 4} << 32 |
-         uint64_t{1} << 62;
+  const uint64_t mode = row_bytes == 128 ? 1 : 2;
+  return uint64_t{(address >> 4) & 0x3FFF} | uint64_t{leading & 0x3FFF} << 16 | uint64_t{(8 * row_bytes) >> 4} << 32 |
+         mode << 62;
 }
 
 // `descriptor` with its start advanced by `units` 16-byte units. The start field (14 bits of the
@@ -65,6 +71,7 @@ __host__ __device__ constexpr uint64_t DescriptorFirstBlockPlus(uint64_t descrip
 
 uint64_t SwizzledTileDescriptor(const void* tile);
 uint64_t SwizzledTileDescriptor(const void* tile, const void* next_block);
+uint64_t Swizzled64TileDescriptor(const void* tile);
 inline void WgmmaFence() {}
 void WgmmaCommit();
 void WgmmaWaitFor(int pending);
@@ -87,6 +94,10 @@ template <typename T>
 void WgmmaM64N64K16SharedA(float (&d)[32], uint64_t a, uint64_t b, uint32_t accumulate);
 template <typename T>
 void WgmmaM64N72K16(float (&d)[36], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
+template <typename T, int kTransB>
+void WgmmaM64N128K16(float (&d)[64], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
+template <typename T, int kTransB>
+void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate);
 
 #else
 
@@ -98,6 +109,10 @@ __device__ __forceinline__ uint64_t SwizzledTileDescriptor(const void* tile) {
 // (a higher address).
 __device__ __forceinline__ uint64_t SwizzledTileDescriptor(const void* tile, const void* next_block) {
   return SwizzledDescriptorAt(SharedAddress(tile), SharedAddress(next_block));
+}
+// The descriptor of the tile of 64-byte rows with the 64-byte swizzle at `tile`.
+__device__ __forceinline__ uint64_t Swizzled64TileDescriptor(const void* tile) {
+  return SwizzledDescriptorAt(SharedAddress(tile), 0, 64);
 }
 
 // Orders this thread's register writes (A fragments, accumulators) before the next wgmma reads them.
@@ -161,6 +176,22 @@ __device__ __forceinline__ void FenceSharedForWgmma() {
                "{%36,%37,%38,%39}, %40, p, 1, 1, 1;\n}\n"                                                             \
                : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16), S2ATTN_WGMMA_D4(32)                                        \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate))
+#define S2ATTN_WGMMA_M64N128K16(TYPE)                                                                                  \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %70, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                        \
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                               \
+               "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                      \
+               "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                                      \
+               "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "                                    \
+               "{%64,%65,%66,%67}, %68, p, 1, 1, %69;\n}\n"                                                            \
+               : S2ATTN_WGMMA_D16(0), S2ATTN_WGMMA_D16(16), S2ATTN_WGMMA_D16(32), S2ATTN_WGMMA_D16(48)                 \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
+#define S2ATTN_WGMMA_M64N8K16(TYPE)                                                                                    \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"                                                          \
+               "wgmma.mma_async.sync.aligned.m64n8k16.f32." TYPE "." TYPE " "                                          \
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, p, 1, 1, %9;\n}\n"                                                   \
+               : S2ATTN_WGMMA_D4(0)                                                                                    \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB), "r"(accumulate))
 #define S2ATTN_WGMMA_M64N64K16_SHARED_A(TYPE)                                                                          \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"                                                          \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " "                                         \
@@ -229,7 +260,32 @@ __device__ __forceinline__ void WgmmaM64N72K16(float (&d)[36], const uint32_t (&
   }
 }
 
+// d (+)= A B for an m64n128k16 slice (an MN-major B of two blocks: SwizzledTileDescriptor(tile, next_block)).
+template <typename T, int kTransB>
+__device__ __forceinline__ void WgmmaM64N128K16(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
+                                                uint32_t accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
+  if constexpr (std::is_same_v<T, __half>) {
+    S2ATTN_WGMMA_M64N128K16("f16");
+  } else {
+    S2ATTN_WGMMA_M64N128K16("bf16");
+  }
+}
+
+// d (+)= A B for an m64n8k16 slice.
+template <typename T, int kTransB>
+__device__ __forceinline__ void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bfloat16 or float16 operands");
+  if constexpr (std::is_same_v<T, __half>) {
+    S2ATTN_WGMMA_M64N8K16("f16");
+  } else {
+    S2ATTN_WGMMA_M64N8K16("bf16");
+  }
+}
+
 #undef S2ATTN_WGMMA_M64N72K16
+#undef S2ATTN_WGMMA_M64N128K16
+#undef S2ATTN_WGMMA_M64N8K16
 #undef S2ATTN_WGMMA_M64N32K16
 #undef S2ATTN_WGMMA_M64N64K16_SHARED_A
 #undef S2ATTN_WGMMA_M64N64K16

@@ -64,7 +64,7 @@ def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int, wh
     ``None`` takes the native kernels where they can run, the reference elsewhere
     (``platform=None``: a platform without native kernels) and for float64; ``"ffi"``
     the tensor-core kernels where they can run (CUDA, 16-bit inputs, ``Dk == Dv`` in 32/64/128:
-    the scheduled ones on sm_90 at ``Dk == 64``, the tiled ones elsewhere) and the arc kernels
+    the scheduled ones on sm_90 at every one of them, the tiled ones elsewhere) and the arc kernels
     elsewhere; ``"ffi-arc"`` forces the arc kernels, ``"ffi-tiled"`` the tensor cores.
     ``whole_grids=False`` (the blocks of a sharded grid) leaves out the scheduled kernels.
     """

@@ -100,7 +100,7 @@ def neighborhood_attention(
         where they apply.
       * scheduled kernels (native, CUDA sm_90: H100, H200): wgmma on the plan's block schedules
         (:meth:`~jax_s2attn.NeighborhoodPlan.block_schedule`, built once per plan on the host);
-        bfloat16 and float16 inputs with ``Dk == Dv == 64``, whole grids. P is rounded once and out is
+        bfloat16 and float16 inputs with ``Dk == Dv`` of 32, 64 or 128, whole grids. P is rounded once and out is
         divided by the row sums of the rounded P, so that the backward's delta (from a float32 out
         when differentiated) stays consistent on smooth fields; the 16-bit bar as the tiled kernels,
         ``lse`` float32-exact. Run from :data:`SCHEDULED_MIN_NEIGHBORS` neighbours per output point,

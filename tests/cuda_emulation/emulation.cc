@@ -89,6 +89,7 @@ constexpr size_t kFiberStackBytes = 256 * 1024;
 // Dynamic shared memory a launch may use unless cudaFuncSetAttribute raised the kernel's limit.
 constexpr size_t kDefaultSharedLimit = 48 * 1024;
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr unsigned kMaxWgmmaN = 128;  // the widest wgmma the kernels issue (m64n128)
 
 // Aborts the run with a message naming the current block and thread.
 [[noreturn]] __attribute__((format(printf, 1, 2))) void Fail(const char* format, ...) {
@@ -107,7 +108,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 struct PendingWgmma {
   float* d;
   unsigned count;
-  float values[36];
+  float values[kMaxWgmmaN / 2];
 };
 
 struct Fiber {
@@ -211,7 +212,7 @@ struct Meeting {
   union {
     double product[16][8];       // mma: A * B, without the accumulator
     uint16_t matrices[4][8][8];  // ldmatrix: matrix, row, column
-    double rows[16][72];         // wgmma: the warp's 16 rows of A * B
+    double rows[16][kMaxWgmmaN];  // wgmma: the warp's 16 rows of A * B
   } result;
 };
 
@@ -313,31 +314,35 @@ void ReadMatrices(Meeting& m) {
   }
 }
 
-// A tile of wgmma's shared operands (gpu/wgmma_sm90.cuh): 128-byte rows, 8-row atoms `stride` bytes
-// apart, the 128-byte swizzle applied to the address (bits 4-6 XOR bits 7-9), start 16-byte aligned; an
-// MN-major B of more than 64 columns has its columns 64 j .. 64 j + 63 `leading` j bytes past the start.
+// A tile of wgmma's shared operands (gpu/wgmma_sm90.cuh): rows of `row_bytes` (128 or 64), 8-row atoms `stride`
+// bytes apart, the swizzle of that width applied to the address (128 bytes: bits 4-6 XOR bits 7-9; 64: bits 4-5
+// XOR bits 7-8), start 16-byte aligned; an MN-major B wider than a row has its columns n j .. n j + n - 1
+// (n = row_bytes / 2) `leading` j bytes past the start.
 struct SwizzledTile {
-  uint32_t start, stride, leading;
+  uint32_t start, stride, leading, row_bytes;
 };
 
-// Only the form validated on the H200 (the scheduled kernels of cuda/gpu) is emulated: the 128-byte swizzle, no base
-// offset, atoms 1024 bytes apart, and a start inside the first row of an atom with the slice read per
-// row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N <= 64 columns of an MN-major one, 128 for
-// wider ones, which need a leading offset of whole atoms) in it.
+// Only the forms the scheduled kernels of cuda/gpu use are emulated: the 128- and 64-byte swizzles, no base
+// offset, atoms of 8 rows (1024 or 512 bytes) apart, and a start inside the first row of an atom with the slice
+// read per row (`slice_bytes`: 32 for a k16 slice of a K-major tile, 2 N for N columns of an MN-major one within a
+// row, the whole row for wider ones, which need a leading offset of whole atoms) in it.
 SwizzledTile DecodeDescriptor(uint64_t descriptor, uint32_t slice_bytes, bool wide = false) {
   const auto bits = static_cast<unsigned long long>(descriptor);
-  if (descriptor >> 62 != 1) Fail("wgmma: descriptor %#llx is not of a 128-byte-swizzled tile", bits);
+  const uint64_t mode = descriptor >> 62;
+  if (mode != 1 && mode != 2) Fail("wgmma: descriptor %#llx is not of a 128- or 64-byte-swizzled tile", bits);
   if ((descriptor >> 49) & 7) Fail("wgmma: descriptor %#llx has a base offset (not emulated)", bits);
+  const uint32_t row_bytes = mode == 1 ? 128 : 64, atom = 8 * row_bytes;
   const SwizzledTile tile{static_cast<uint32_t>(descriptor & 0x3FFF) << 4,
                           static_cast<uint32_t>((descriptor >> 32) & 0x3FFF) << 4,
-                          static_cast<uint32_t>((descriptor >> 16) & 0x3FFF) << 4};
-  if (tile.stride != 1024) Fail("wgmma: descriptor %#llx: atoms %u bytes apart, not 1024", bits, tile.stride);
-  if ((tile.start & 0x380) != 0 || (tile.start & 127) + slice_bytes > 128) {
+                          static_cast<uint32_t>((descriptor >> 16) & 0x3FFF) << 4, row_bytes};
+  if (tile.stride != atom) Fail("wgmma: descriptor %#llx: atoms %u bytes apart, not %u", bits, tile.stride, atom);
+  slice_bytes = std::min(slice_bytes, row_bytes);
+  if ((tile.start & (atom - 1) & ~(row_bytes - 1)) != 0 || (tile.start & (row_bytes - 1)) + slice_bytes > row_bytes) {
     Fail("wgmma: descriptor %#llx: a %u-byte slice from byte %u of an atom leaves its first row", bits, slice_bytes,
-         tile.start & 1023);
+         tile.start & (atom - 1));
   }
-  if (wide && (tile.leading == 0 || tile.leading % 1024 != 0)) {
-    Fail("wgmma: descriptor %#llx: a B of more than 64 columns with its blocks %u bytes apart", bits, tile.leading);
+  if (wide && (tile.leading == 0 || tile.leading % atom != 0)) {
+    Fail("wgmma: descriptor %#llx: a B wider than a row with its blocks %u bytes apart", bits, tile.leading);
   }
   return tile;
 }
@@ -374,9 +379,10 @@ void CheckWgmmaIssuesComplete() {
   }
 }
 
-// The 16-bit value at (unswizzled) offset `address` of the launch's dynamic shared memory.
-uint16_t SwizzledElement(uint32_t address) {
-  const uint32_t physical = address ^ (((address >> 7) & 7u) << 4);
+// The 16-bit value at (unswizzled) offset `address` of the launch's dynamic shared memory, swizzled over rows of
+// `row_bytes` (128 or 64).
+uint16_t SwizzledElement(uint32_t address, uint32_t row_bytes) {
+  const uint32_t physical = address ^ (((address >> 7) & (row_bytes / 16 - 1)) << 4);
   if (physical + 2 > g_scheduler.shared_bytes) {
     Fail("wgmma: operand address %u past the launch's %zu bytes of dynamic shared memory", physical,
          g_scheduler.shared_bytes);
@@ -388,12 +394,15 @@ uint16_t SwizzledElement(uint32_t address) {
 
 // Element (row, k) of a K-major tile (rows of k: A, or B multiplied against its transpose).
 uint16_t KMajor(const SwizzledTile& tile, int row, int k) {
-  return SwizzledElement(tile.start + (row / 8) * tile.stride + (row % 8) * 128 + 2 * k);
+  return SwizzledElement(tile.start + (row / 8) * tile.stride + (row % 8) * tile.row_bytes + 2 * k, tile.row_bytes);
 }
 
-// Element (k, n) of an MN-major tile (rows of n, one per k: B multiplied as it is stored; 64 columns a block).
+// Element (k, n) of an MN-major tile (rows of n, one per k: B multiplied as it is stored; a row's columns a block).
 uint16_t MnMajor(const SwizzledTile& tile, int k, int n) {
-  return SwizzledElement(tile.start + (n / 64) * tile.leading + (k / 8) * tile.stride + (k % 8) * 128 + 2 * (n % 64));
+  const int per_row = static_cast<int>(tile.row_bytes / 2);
+  return SwizzledElement(tile.start + (n / per_row) * tile.leading + (k / 8) * tile.stride + (k % 8) * tile.row_bytes +
+                             2 * (n % per_row),
+                         tile.row_bytes);
 }
 
 // The warp's 16 rows of an m64nNk16 product: A (its rows 16 w .. 16 w + 15 of the warpgroup's 64) from
@@ -407,7 +416,7 @@ void MultiplyWarpRows(Meeting& m) {
   }
   RecordWgmma(first);
   const unsigned warp_in_group = threadIdx.x / 32 % 4;
-  double a[16][16], b[16][72];
+  double a[16][16], b[16][kMaxWgmmaN];
   if (first.a_desc != 0) {
     const SwizzledTile tile = DecodeDescriptor(first.a_desc, 32);
     for (int row = 0; row < 16; ++row) {
@@ -416,8 +425,9 @@ void MultiplyWarpRows(Meeting& m) {
   } else {
     ReadFragmentsA(m, [](const LaneInput& in) -> const uint32_t(&)[4] { return in.wgmma.a; }, a);
   }
-  const bool wide = first.trans_b && first.n > 64;
-  const SwizzledTile tile = DecodeDescriptor(first.b_desc, first.trans_b ? 2 * std::min(first.n, 64u) : 32, wide);
+  const uint32_t b_row_bytes = first.b_desc >> 62 == 2 ? 64 : 128;
+  const bool wide = first.trans_b && 2 * first.n > b_row_bytes;
+  const SwizzledTile tile = DecodeDescriptor(first.b_desc, first.trans_b ? 2 * first.n : 32, wide);
   for (int k = 0; k < 16; ++k) {
     for (unsigned n = 0; n < first.n; ++n) {
       b[k][n] = Widen(m.kind, first.trans_b ? MnMajor(tile, k, n) : KMajor(tile, n, k));
@@ -807,6 +817,10 @@ uint64_t SwizzledTileDescriptor(const void* tile, const void* next_block) {
                               SharedOffset("SwizzledTileDescriptor", next_block, 1024, 128));
 }
 
+uint64_t Swizzled64TileDescriptor(const void* tile) {
+  return SwizzledDescriptorAt(SharedOffset("Swizzled64TileDescriptor", tile, 1024, 64), 0, 64);
+}
+
 namespace {
 void EmulatedWgmma(Collective kind, float* d, unsigned n, const uint32_t* a, uint64_t a_desc, uint64_t b_desc,
                    bool trans_b, uint32_t accumulate) {
@@ -881,14 +895,29 @@ template <typename T>
 void WgmmaM64N72K16(float (&d)[36], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
   EmulatedWgmma(KindOf<T>(), d, 72, a, 0, b, true, accumulate);
 }
+template <typename T, int kTransB>
+void WgmmaM64N128K16(float (&d)[64], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
+  EmulatedWgmma(KindOf<T>(), d, 128, a, 0, b, kTransB, accumulate);
+}
+template <typename T, int kTransB>
+void WgmmaM64N8K16(float (&d)[4], const uint32_t (&a)[4], uint64_t b, uint32_t accumulate) {
+  EmulatedWgmma(KindOf<T>(), d, 8, a, 0, b, kTransB, accumulate);
+}
 // The forms the kernels of cuda/gpu use (sched_attn_device.cuh: m64n32 and m64n64 with A in shared memory, m64n64
-// and m64n72 with A in registers), in bfloat16 and float16, and the register-A m64n32 form the self-test checks too.
+// m64n32, m64n72, m64n128 and m64n8 with A in registers), in bfloat16 and float16, and the register-A m64n32 form
+// with K-major B the self-test checks too.
 template void WgmmaM64N72K16<__nv_bfloat16>(float (&)[36], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N72K16<__half>(float (&)[36], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N128K16<__nv_bfloat16, 1>(float (&)[64], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N128K16<__half, 1>(float (&)[64], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N8K16<__nv_bfloat16, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N8K16<__half, 1>(float (&)[4], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__half>(float (&)[16], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N64K16<__half, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N64K16SharedA<__half>(float (&)[32], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N32K16<__nv_bfloat16, 0>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N32K16<__nv_bfloat16, 1>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
+template void WgmmaM64N32K16<__half, 1>(float (&)[16], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N32K16SharedA<__nv_bfloat16>(float (&)[16], uint64_t, uint64_t, uint32_t);
 template void WgmmaM64N64K16<__nv_bfloat16, 1>(float (&)[32], const uint32_t (&)[4], uint64_t, uint32_t);
 template void WgmmaM64N64K16SharedA<__nv_bfloat16>(float (&)[32], uint64_t, uint64_t, uint32_t);
@@ -899,12 +928,13 @@ template void WgmmaM64N64K16SharedA<__nv_bfloat16>(float (&)[32], uint64_t, uint
 //
 // The emulation's cuTensorMapEncodeTiled writes its own description into the map's opaque bytes
 // (tagged, so that a map from elsewhere is refused): only what the kernels use is emulated (element
-// strides 1, no interleave, no swizzle or the 128-byte one over 128-byte box rows, zeros out of bounds).
+// strides 1, no interleave, no swizzle, the 128-byte one over 128-byte box rows or the 64-byte one over 64-byte
+// rows, zeros out of bounds).
 namespace {
 struct EmulatedTensorMap {
   uint64_t tag;
   const char* base;
-  uint32_t rank, element_bytes, swizzle_128;
+  uint32_t rank, element_bytes, swizzle_bytes;  // swizzle_bytes 0: none
   uint32_t dims[5];
   uint64_t strides[5];  // bytes; strides[0] is the element size
   uint16_t box[5];
@@ -929,10 +959,11 @@ CUresult CUDAAPI EncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint3
   }
   if (rank < 1 || rank > 5 || reinterpret_cast<uintptr_t>(base) % 16 != 0 ||
       interleave != CU_TENSOR_MAP_INTERLEAVE_NONE || fill != CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE ||
-      (swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && swizzle != CU_TENSOR_MAP_SWIZZLE_128B)) {
+      (swizzle != CU_TENSOR_MAP_SWIZZLE_NONE && swizzle != CU_TENSOR_MAP_SWIZZLE_128B &&
+       swizzle != CU_TENSOR_MAP_SWIZZLE_64B)) {
     return CUDA_ERROR_INVALID_VALUE;
   }
-  e.swizzle_128 = swizzle == CU_TENSOR_MAP_SWIZZLE_128B;
+  e.swizzle_bytes = swizzle == CU_TENSOR_MAP_SWIZZLE_128B ? 128 : swizzle == CU_TENSOR_MAP_SWIZZLE_64B ? 64 : 0;
   e.strides[0] = e.element_bytes;
   for (cuuint32_t i = 0; i < rank; ++i) {
     if (dims[i] == 0 || dims[i] > UINT32_MAX || box[i] == 0 || box[i] > 256 || element_strides[i] != 1) {
@@ -945,8 +976,8 @@ CUresult CUDAAPI EncodeTiled(CUtensorMap* map, CUtensorMapDataType type, cuuint3
       e.strides[i] = strides[i - 1];
     }
   }
-  if ((e.swizzle_128 && box[0] * e.element_bytes != 128) || box[0] * e.element_bytes % 16 != 0) {
-    return CUDA_ERROR_INVALID_VALUE;  // swizzled rows other than 128 bytes: not emulated
+  if ((e.swizzle_bytes != 0 && box[0] * e.element_bytes != e.swizzle_bytes) || box[0] * e.element_bytes % 16 != 0) {
+    return CUDA_ERROR_INVALID_VALUE;  // swizzled rows other than the swizzle's width: not emulated
   }
   std::memset(map, 0, sizeof *map);
   std::memcpy(map, &e, sizeof e);
@@ -968,7 +999,8 @@ void LoadBox(const char* what, void* destination, const CUtensorMap* map, uint32
   const uint32_t row_bytes = e.box[0] * e.element_bytes;
   uint32_t rows = 1;
   for (uint32_t d = 1; d < rank; ++d) rows *= e.box[d];
-  const uint32_t first = SharedOffset(what, destination, e.swizzle_128 ? 1024 : 128, row_bytes * rows);
+  const uint32_t first = SharedOffset(what, destination, e.swizzle_bytes != 0 ? 8 * e.swizzle_bytes : 128,
+                                      row_bytes * rows);
   char* shared = reinterpret_cast<char*>(s2attn_dynamic_shared);
   for (uint32_t row = 0; row < rows; ++row) {
     bool inside = true;
@@ -981,7 +1013,7 @@ void LoadBox(const char* what, void* destination, const CUtensorMap* map, uint32
     for (uint32_t i = 0; i < e.box[0]; ++i) {
       const int64_t column = start[0] + int64_t(i);
       uint32_t address = first + row * row_bytes + i * e.element_bytes;
-      if (e.swizzle_128) address ^= ((address >> 7) & 7u) << 4;
+      if (e.swizzle_bytes != 0) address ^= ((address >> 7) & (e.swizzle_bytes / 16 - 1)) << 4;
       if (inside && column >= 0 && column < e.dims[0]) {
         std::memcpy(shared + address, e.base + column * e.strides[0] + offset, e.element_bytes);
       } else {

@@ -16,7 +16,7 @@
 // immediate. The mbarrier functions of cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a
 // waiter yields until the phase completed. The Hopper primitives of gpu/wgmma_sm90.cuh and
 // gpu/tma_sm90.cuh likewise: a wgmma is a collective of each warp (its 16 rows of the
-// warpgroup's product; operands in shared memory read through the 128-byte swizzle at the call; the
+// warpgroup's product; operands in shared memory read through their 128- or 64-byte swizzle at the call; the
 // result lands in the accumulator registers at the WgmmaWait that completes its group, which read NaN
 // until then), a tensor-map box lands at the call (zeros outside the tensor, swizzled as
 // its map says) and counts its bytes on the mbarrier, whose phase then needs both its arrivals and
@@ -27,9 +27,9 @@
 // while others wait for it at __syncthreads or a warp collective (stricter than the hardware,
 // which lets exited threads off some barriers), lanes of one mask meeting at different kinds of
 // collective, a deadlock (listing what each thread waits at), ldmatrix rows or cp.async
-// destinations not aligned to their size inside the launch's dynamic shared memory (tensor-map boxes
-// and wgmma tiles: 1024 bytes where swizzled), a wgmma not issued alike by all four warps of a whole
-// warpgroup (or by all lanes), wgmma descriptors of other forms than the H200 validated (see
+// destinations not aligned to their size inside the launch's dynamic shared memory (swizzled tensor-map
+// boxes: 8 rows, 1024 or 512 bytes; wgmma tiles: 1024 bytes), a wgmma not issued alike by all four warps of a
+// whole warpgroup (or by all lanes), wgmma descriptors of other forms than the kernels use (see
 // DecodeDescriptor), wgmma results never waited for, box bytes announced to an mbarrier but never
 // landed by the end of a block,
 // more arrivals on an mbarrier than it counts, a thread that
