@@ -612,6 +612,16 @@ __device__ __forceinline__ void WalkChunks(SharedState& s, int count, const Issu
   fence_products();
 }
 
+// The backward's two score groups: group 0 completes S (or S^T) in `scores`, group 1 dP (or dP^T) in `dp`.
+template <int N>
+__device__ __forceinline__ void FenceScoreGroup(int group, float (&scores)[N], float (&dp)[N]) {
+  if (group == 0) {
+    sm90::FenceRegisters(scores);
+  } else {
+    sm90::FenceRegisters(dp);
+  }
+}
+
 // Stores the thread's rows of a 64 x kD float32 accumulator (the first kD columns of d), times `factor`, into `to`
 // ([slab points, kD] of the walking grid; float32 or T by p.f32_results).
 template <typename T, int kD, int N>
@@ -736,13 +746,7 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq, kD>& s, int cou
       s, count, issue_scores, score_gradients,
       [&](int stage) { IssueAccumulate<T, kD>(dq, ds, AtStage<T, kD>(d.a_wide, stage)); },
       [&] { Pack<T>(ds, scores); },
-      [&](int group) {
-        if (group == 0) {
-          sm90::FenceRegisters(scores);
-        } else {
-          sm90::FenceRegisters(dp);
-        }
-      },
+      [&](int group) { FenceScoreGroup(group, scores, dp); },
       [&] { sm90::FenceRegisters(dq); });
   const float scale[2] = {p.scale, p.scale};
   StoreRows<T, kD>(p, points, p.dq, dq, scale);
@@ -791,13 +795,7 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv, kD>& s, int c
         Pack<T>(prob, scores);
         Pack<T>(grad, dp);
       },
-      [&](int group) {
-        if (group == 0) {
-          sm90::FenceRegisters(scores);
-        } else {
-          sm90::FenceRegisters(dp);
-        }
-      },
+      [&](int group) { FenceScoreGroup(group, scores, dp); },
       [&] {
         sm90::FenceRegisters(dk);
         sm90::FenceRegisters(dv);
