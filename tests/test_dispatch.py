@@ -112,10 +112,10 @@ def test_the_op_runs_the_scheduled_kernels_from_the_neighbourhood_gate():
 
 def test_scheduled_reason_names_every_unmet_condition(monkeypatch):
     monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: None)
-    reason = _ffi.scheduled_unavailable_reason("cpu", F32, 32, 32)
+    reason = _ffi.scheduled_unavailable_reason("cpu", F32, 16, 16)
     assert "only on CUDA GPUs, not on cpu" in reason
     assert "bfloat16 or float16 inputs, got float32" in reason
-    assert "Dk == Dv in (64), got Dk=32, Dv=32" in reason
+    assert "Dk == Dv in (32, 64, 128), got Dk=16, Dv=16" in reason
     monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: "no sm_90 device (test)")
     assert "no sm_90 device (test)" in _ffi.scheduled_unavailable_reason("cuda", BF16, 64, 64)
 
