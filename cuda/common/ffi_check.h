@@ -2,6 +2,7 @@
 // message naming the operand and the values seen. Nothing throws across the XLA boundary.
 #pragma once
 
+#include <cstddef>
 #include <cstdio>
 #include <string>
 #include <string_view>
@@ -16,6 +17,21 @@ namespace ffi = xla::ffi;
 // An error message built from text and numbers with std::string alone. No iostreams: inside jax's
 // CUDA process, formatting a number through a std::ostringstream in this module read a null pointer
 // inside the stream's number formatting and killed the process (cuda/README.md, "Handler errors").
+// "a, b or c" of a list of kernel_limits.h, for messages.
+template <typename T, size_t N>
+std::string Alternatives(const T (&values)[N]) {
+  std::string text;
+  for (size_t i = 0; i < N; ++i) {
+    text += (i == 0 ? "" : i + 1 == N ? " or " : ", ");
+    if constexpr (std::is_arithmetic_v<T>) {
+      text += std::to_string(values[i]);
+    } else {
+      text += values[i];
+    }
+  }
+  return text;
+}
+
 class Message {
  public:
   Message& operator<<(std::string_view text) {

@@ -30,21 +30,6 @@
 namespace s2attn {
 namespace {
 
-// "a, b or c" of a list of kernel_limits.h, for messages.
-template <typename T, size_t N>
-std::string Alternatives(const T (&values)[N]) {
-  std::string text;
-  for (size_t i = 0; i < N; ++i) {
-    text += (i == 0 ? "" : i + 1 == N ? " or " : ", ");
-    if constexpr (std::is_arithmetic_v<T>) {
-      text += std::to_string(values[i]);
-    } else {
-      text += values[i];
-    }
-  }
-  return text;
-}
-
 using F32Result = ffi::ResultBuffer<ffi::F32>;
 using AnyResult = ffi::Result<ffi::AnyBuffer>;
 using CudaStream = ffi::PlatformStream<cudaStream_t>;

@@ -86,19 +86,13 @@ ffi::Error CheckDims(const char* name, ffi::Span<const int64_t> dims, std::initi
   return ffi::Error::Success();
 }
 
-// Whether the scheduled kernels are built for head dim `d` (kSchedHeadDims), and those dims as text.
+// Whether the scheduled kernels are built for head dim `d` (kSchedHeadDims).
 bool IsSchedHeadDim(int64_t d) {
   for (const int dim : kSchedHeadDims) {
     if (d == dim) return true;
   }
   return false;
 }
-std::string SchedHeadDimsText() {
-  std::string text;
-  for (const int dim : kSchedHeadDims) text += (text.empty() ? "" : ", ") + std::to_string(dim);
-  return text;
-}
-
 // Decodes q, k, v (whole grids of the attributes, 16-bit, Dk == Dv, one of the kernels' head dims), the schedule's
 // table sizes and the attributes into `g`; `walk_keys` for dk/dv's backward schedule.
 ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const Schedule& s,
@@ -114,8 +108,8 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
                    << DataTypeName(q.element_type()) << ", " << DataTypeName(k.element_type()) << ", "
                    << DataTypeName(v.element_type()));
   S2ATTN_CHECK(dk == dk2 && dk == dv && IsSchedHeadDim(dk),
-               "the scheduled kernels take head dims Dk == Dv in (" << SchedHeadDimsText() << "), got " << dk << ", "
-                                                                    << dk2 << ", " << dv);
+               "the scheduled kernels take head dims Dk == Dv, one of " << Alternatives(kSchedHeadDims) << ", got "
+                                                                        << dk << ", " << dk2 << ", " << dv);
   S2ATTN_CHECK(bk == batch && bv == batch && hk == heads && hv == heads,
                "q, k, v must have the same batch dims and heads");
   S2ATTN_CHECK(nq_lat == a.nlat_q && nq_lon == a.nlon_q && nk_lat == a.nlat_k && nk_lon == a.nlon_k &&
