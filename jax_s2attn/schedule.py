@@ -13,8 +13,8 @@ every column once). Each staging holds, for each tile row ``a`` and *class* ``u 
 record ``(start, length)``: point ``j = u + classes * t`` of row ``a`` sees the unwrapped columns
 ``start + shift * t + i`` for ``i < length`` (in ring mode modulo ``nlon``). ``classes`` is
 ``min(R, tile_cols)`` for a segment table of ``R`` residues, so one record serves every point of a
-residue class; a grid whose rings have their own point counts would store one record per point
-(``classes == tile_cols``) without changing the format.
+residue class; a window with padding longitudes (below), or a grid whose rings have their own point counts,
+stores one record per point (``classes == tile_cols``) in the same format.
 
 **Chunks** ``(other row, longitude, offset, valid, flags, staging)``: the producer stages ``valid``
 columns from ``longitude`` (a chunk never crosses longitude ``nlon``: a window crossing it is cut
@@ -31,6 +31,16 @@ come by other row, then in window (``offset``) order.
 
 Points of a tile past the walking grid (the last rows, or longitudes past ``nlon_walk``) take part in
 no window and no ``FULL`` test; the kernels compute them and do not write them.
+
+**Windows** (:class:`WalkWindow`: the blocks of one shard of a sharded grid, cuda/README.md "Windows"). The
+walking grid is then the shard's local arrays (its real block and padding) and the other grid the other
+window's block, both in local coordinates: tiles cover the local arrays, chunks name local rows and
+longitudes. Only pairs of a real walking point and a real other point are listed: stagings of other rows
+outside the other window are dropped, and a staging's chunks are cut from its parts inside the other
+window's longitudes (at most two, and the cut at longitude ``nlon`` is the case of a whole ring). Records
+and offsets keep their global meaning (``nlon`` stays the other grid's ring), padding points get empty
+records (per point where padding longitudes share a row with real ones), and a tile with padding points has no
+``FULL`` chunks, so that padding results are zeros.
 """
 
 from __future__ import annotations
@@ -41,7 +51,9 @@ import numpy as np
 
 from . import _validate
 
-__all__ = ["FULL", "RING", "BlockSchedule", "build_schedule", "check_shape"]
+__all__ = [
+    "FULL", "RING", "BlockSchedule", "ScheduleSet", "WalkWindow", "build_schedule", "check_shape", "join_schedules"
+]  # fmt: skip
 
 #: Chunk flag: every on-grid point of the tile sees every column: no mask.
 FULL = 1
@@ -51,6 +63,24 @@ RING = 2
 # Bounds the temporaries: candidate (tile, other row) stagings, and then their chunks, are expanded per
 # point ~2M entries at a time.
 _BATCH_POINTS = 1 << 21
+
+
+class WalkWindow(NamedTuple):
+    """A windowed walk's blocks: the walking grid's real block ``(lat0, lon0, nlat, nlon)`` (global first row and
+    longitude, rows and longitudes), its local arrays' ``block_nlat x block_nlon`` (the real block first, then
+    padding), and the other grid's real block ``(other_lat0, other_lon0, other_nlat, other_nlon)``. Blocks do
+    not wrap in longitude."""
+
+    lat0: int
+    lon0: int
+    nlat: int
+    nlon: int
+    block_nlat: int
+    block_nlon: int
+    other_lat0: int
+    other_lon0: int
+    other_nlat: int
+    other_nlon: int
 
 
 class BlockSchedule(NamedTuple):
@@ -64,7 +94,8 @@ class BlockSchedule(NamedTuple):
       records: ``[num_stagings, tile_rows, classes, 2]`` ``(start, length)`` per tile row and class.
       tile_rows, tile_cols, chunk_cols: the shape of a tile and of a chunk.
       classes, shift: point ``j`` of a tile row uses record ``j % classes``, shifted by ``shift * (j // classes)``.
-      nlat_walk, nlon_walk: the walking grid; nlon: longitudes of the other grid.
+      nlat_walk, nlon_walk: the walking grid's arrays (a window's local block); nlon: longitudes of the other
+        grid's ring.
     """
 
     tiles: np.ndarray
@@ -91,6 +122,44 @@ class BlockSchedule(NamedTuple):
         return float((self.chunks[:, 4] & FULL).astype(bool).mean()) if self.chunks.size else 0.0
 
 
+class ScheduleSet(NamedTuple("_ScheduleSet", list(BlockSchedule.__annotations__.items()))):
+    """The schedules of several windows of one walk (the shards and ring steps of a sharded layout), joined so
+    that a call picks one by index: each window's ``tiles`` and ``tile_offsets`` (offsets into the joined
+    ``chunks``, whose staging fields count into the joined ``records``). Host numpy, int32.
+
+    Attributes:
+      tiles: ``[windows, num_tiles, 2]``.
+      tile_offsets: ``[windows, num_tiles + 1]``.
+      chunks: ``[num_chunks, 6]``, every window's in turn.
+      records: ``[num_stagings, tile_rows, classes, 2]``, every window's in turn.
+      tile_rows, tile_cols, chunk_cols, classes, shift, nlat_walk, nlon_walk, nlon: as for
+        :class:`BlockSchedule` (the windows share them), whose fields these are.
+    """
+
+    __slots__ = ()
+
+
+def join_schedules(schedules) -> ScheduleSet:
+    """One :class:`ScheduleSet` of ``schedules`` (a sequence of :class:`BlockSchedule` of one shape: the same
+    tile counts, classes and grids), in their order."""
+    schedules = list(schedules)
+    shape = schedules[0][4:]
+    if any(s[4:] != shape or s.tiles.shape != schedules[0].tiles.shape for s in schedules):
+        raise ValueError("joined schedules must share tile counts, tile and chunk shape, classes, shift and grids.")
+    chunks_before = np.cumsum([0] + [s.chunks.shape[0] for s in schedules[:-1]])
+    stagings_before = np.cumsum([0] + [s.records.shape[0] for s in schedules[:-1]])
+    chunks = [s.chunks + np.array([0, 0, 0, 0, 0, n], np.int32) for s, n in zip(schedules, stagings_before)]
+    if chunks_before[-1] + schedules[-1].chunks.shape[0] >= 1 << 31:
+        raise ValueError("the joined schedules exceed the kernels' 32-bit indices.")
+    return ScheduleSet(
+        tiles=np.stack([s.tiles for s in schedules]),
+        tile_offsets=np.stack([s.tile_offsets + n for s, n in zip(schedules, chunks_before)]).astype(np.int32),
+        chunks=np.ascontiguousarray(np.concatenate(chunks)),
+        records=np.ascontiguousarray(np.concatenate([s.records for s in schedules])),
+        **dict(zip(BlockSchedule._fields[4:], shape)),
+    )
+
+
 def check_shape(name: str, value, multiple: int) -> int:
     """``value`` as an ``int`` if it is a positive integer multiple of ``multiple``; a ``TypeError`` or
     ``ValueError`` naming ``name`` otherwise."""
@@ -101,16 +170,27 @@ def check_shape(name: str, value, multiple: int) -> int:
 
 
 def build_schedule(
-    segments, nlat_walk: int, nlon_walk: int, *, tile_rows: int = 4, tile_cols: int = 16, chunk_cols: int = 32
+    segments,
+    nlat_walk: int,
+    nlon_walk: int,
+    *,
+    tile_rows: int = 4,
+    tile_cols: int = 16,
+    chunk_cols: int = 32,
+    window: WalkWindow | None = None,
+    per_point_records: bool = False,
 ) -> BlockSchedule:
     """The schedule of the walk described by a :class:`~jax_s2attn.plan.SegmentTable`.
 
     Args:
       segments: the walk's segment table (``plan.forward_segments`` over the query grid, or
         ``plan.backward_segments`` over the key grid).
-      nlat_walk, nlon_walk: shape of the walking grid.
+      nlat_walk, nlon_walk: shape of the (global) walking grid.
       tile_rows, tile_cols: walking rows and longitudes of a tile (their product is the kernels' M).
       chunk_cols: other-grid columns of a chunk, a multiple of 16 (the k-step of P·V).
+      window: the blocks of a windowed walk (local coordinates, see the module's docs); None for whole grids.
+      per_point_records: one record per tile point (``classes == tile_cols``) instead of one per residue class;
+        always so for a window with padding longitudes, whose points share no class with the real ones.
     """
     tile_rows = check_shape("tile_rows", tile_rows, 1)
     tile_cols = check_shape("tile_cols", tile_cols, 1)
@@ -123,12 +203,19 @@ def build_schedule(
         )
     if segments.segments.shape[0] == 0:
         raise ValueError("the segment table is empty: a plan's walk has at least one neighbour per point.")
-    classes = min(residues, tile_cols)
+    if window is None:
+        window = WalkWindow(0, 0, nlat_walk, nlon_walk, nlat_walk, nlon_walk, 0, 0, 1 << 31, nlon)
+    window = _checked_window(window, nlat_walk, nlon_walk, nlon)
+    per_point_records = per_point_records or window.block_nlon > window.nlon
+    classes = tile_cols if per_point_records else min(residues, tile_cols)
 
-    # One entry per (band of tile_rows walking rows, other row): each tile row's segment there.
+    # One entry per (band of tile_rows local walking rows, other row) of the window: each tile row's segment there.
     walk_row = np.repeat(np.arange(nlat_walk), np.diff(segments.offsets))
     table = segments.segments.astype(np.int64)
-    nrows = int(table[:, 0].max()) + 1
+    inside = (walk_row >= window.lat0) & (walk_row < window.lat0 + window.nlat)
+    inside &= (table[:, 0] >= window.other_lat0) & (table[:, 0] < window.other_lat0 + window.other_nlat)
+    walk_row, table = walk_row[inside] - window.lat0, table[inside]
+    nrows = int(table[:, 0].max(initial=0)) + 1
     band_keys, band_entry = np.unique((walk_row // tile_rows) * nrows + table[:, 0], return_inverse=True)
     band_lo = np.zeros((band_keys.size, tile_rows, residues), np.int64)
     band_len = np.zeros((band_keys.size, tile_rows, residues), np.int64)
@@ -140,16 +227,16 @@ def build_schedule(
     band_lo -= nlon * np.floor_divide(centre + residues * nlon, 2 * residues * nlon)
     band, band_other = np.divmod(band_keys, nrows)
 
-    tiles_per_row = -(-nlon_walk // tile_cols)
+    tiles_per_row = -(-window.block_nlon // tile_cols)
     column = np.arange(tile_cols)
     parts = []
     per_batch = max(1, _BATCH_POINTS // (tile_rows * tile_cols))
     candidates = band_keys.size * tiles_per_row
     stagings_before = 0
-    for first in range(0, candidates, per_batch):
+    for first in range(0, max(candidates, 1), per_batch):
         entry = np.arange(first, min(first + per_batch, candidates))
         part = _stagings(entry // tiles_per_row, entry % tiles_per_row * tile_cols, band, band_lo, band_len, column,
-                         (nlat_walk, nlon_walk), residues, shift, nlon, classes, chunk_cols)  # fmt: skip
+                         window, residues, shift, nlon, classes, chunk_cols)  # fmt: skip
         part[5] += stagings_before  # chunk -> staging, numbered across batches
         stagings_before += part[0].size
         parts.append(part)
@@ -159,7 +246,7 @@ def build_schedule(
     # Every tile (band, first longitude) in work order, those without chunks (points no other point sees)
     # last; chunks grouped by tile, then other row, then offset.
     g_other = band_other[g_band]
-    num_tiles = -(-nlat_walk // tile_rows) * tiles_per_row
+    num_tiles = -(-window.block_nlat // tile_rows) * tiles_per_row
     chunk_tile = (band[g_band] * tiles_per_row + g_lon0 // tile_cols)[c_staging]
     chunk_count = np.bincount(chunk_tile, minlength=num_tiles)
     rank = np.empty(num_tiles, np.int64)
@@ -173,10 +260,10 @@ def build_schedule(
     renumber[staging_order] = np.arange(staging_order.size)
 
     ring = g_ring[c_staging]
-    longitude = np.where(ring, c_offset, (g_base[c_staging] + c_offset) % nlon)
+    longitude = (g_base[c_staging] + c_offset) % nlon - window.other_lon0
     flags = np.where(c_full, FULL, 0) | np.where(ring, RING, 0)
     chunks = np.stack(
-        [g_other[c_staging], longitude, c_offset, c_valid, flags, renumber[c_staging]], axis=1
+        [g_other[c_staging] - window.other_lat0, longitude, c_offset, c_valid, flags, renumber[c_staging]], axis=1
     ).astype(np.int32)
     tile_order = np.argsort(rank)
     tiles = np.stack([tile_order // tiles_per_row * tile_rows, tile_order % tiles_per_row * tile_cols],
@@ -186,38 +273,50 @@ def build_schedule(
     return BlockSchedule(
         tiles=tiles,
         tile_offsets=tile_offsets,
-        chunks=np.ascontiguousarray(chunks),
-        records=np.ascontiguousarray(g_records[staging_order].astype(np.int32)),
+        chunks=np.ascontiguousarray(chunks.reshape(-1, 6)),
+        records=np.ascontiguousarray(g_records[staging_order].astype(np.int32).reshape(-1, tile_rows, classes, 2)),
         tile_rows=tile_rows,
         tile_cols=tile_cols,
         chunk_cols=chunk_cols,
         classes=classes,
         shift=shift,
-        nlat_walk=nlat_walk,
-        nlon_walk=nlon_walk,
+        nlat_walk=window.block_nlat,
+        nlon_walk=window.block_nlon,
         nlon=nlon,
     )
 
 
-def _stagings(band_index, lon0, band, band_lo, band_len, column, walk_shape, residues, shift, nlon, classes,
+def _checked_window(window, nlat_walk: int, nlon_walk: int, nlon: int) -> WalkWindow:
+    """``window`` as a :class:`WalkWindow` of ints, or a ``ValueError`` saying which block leaves its grid."""
+    window = WalkWindow(*(_validate.integer(x, f"window.{name}", 0) for name, x in zip(WalkWindow._fields, window)))
+    if window.lat0 + window.nlat > nlat_walk or window.lon0 + window.nlon > nlon_walk:
+        raise ValueError(f"the walking block of {window} leaves the {nlat_walk}x{nlon_walk} walking grid.")
+    if window.block_nlat < window.nlat or window.block_nlon < window.nlon or window.block_nlat * window.block_nlon < 1:
+        raise ValueError(f"the local arrays of {window} are smaller than its walking block (or empty).")
+    if window.other_lon0 + window.other_nlon > nlon:
+        raise ValueError(f"the other block of {window} wraps past longitude {nlon} (blocks do not wrap).")
+    return window
+
+
+def _stagings(band_index, lon0, band, band_lo, band_len, column, window, residues, shift, nlon, classes,
               chunk_cols):  # fmt: skip
-    """The stagings and chunks of a batch of candidate (band entry, first tile longitude) pairs."""
+    """The stagings and chunks of a batch of candidate (band entry, first local tile longitude) pairs."""
     tile_rows = band_lo.shape[1]
-    nlat_walk, nlon_walk = walk_shape
-    lon = lon0[:, None] + column[None, :]  # [n, tile_cols] walking longitudes
+    lon = lon0[:, None] + column[None, :]  # [n, tile_cols] local walking longitudes
     row = band[band_index][:, None] * tile_rows + np.arange(tile_rows)[None, :]
-    on_grid = (row < nlat_walk)[:, :, None] & (lon < nlon_walk)[:, None, :]  # [n, tile_rows, tile_cols]
-    residue = np.broadcast_to((lon % residues)[:, None, :], (lon.shape[0], tile_rows, lon.shape[1]))
-    start = np.take_along_axis(band_lo[band_index], residue, axis=2) + shift * (lon // residues)[:, None, :]
-    length = np.take_along_axis(band_len[band_index], residue, axis=2)
-    length = np.where(on_grid, length, 0)  # [n, tile_rows, tile_cols]
+    real = (row < window.nlat)[:, :, None] & (lon < window.nlon)[:, None, :]  # [n, tile_rows, tile_cols]
+    written = (row < window.block_nlat)[:, :, None] & (lon < window.block_nlon)[:, None, :]
+    global_lon = np.broadcast_to((window.lon0 + lon)[:, None, :], real.shape)
+    start = np.take_along_axis(band_lo[band_index], global_lon % residues, axis=2) + shift * (global_lon // residues)
+    length = np.take_along_axis(band_len[band_index], global_lon % residues, axis=2)
+    length = np.where(real, length, 0)  # [n, tile_rows, tile_cols]
 
     seen = length > 0
     lo = np.where(seen, start, np.iinfo(np.int64).max).min(axis=(1, 2))
     hi = np.where(seen, start + length, np.iinfo(np.int64).min).max(axis=(1, 2))
     keep = seen.any(axis=(1, 2))
-    band_index, lon0, start, length, on_grid, lo, hi = (
-        x[keep] for x in (band_index, lon0, start, length, on_grid, lo, hi)
+    band_index, lon0, start, length, written, lo, hi = (
+        x[keep] for x in (band_index, lon0, start, length, written, lo, hi)
     )
     ring = hi - lo >= nlon
     base = np.where(ring, 0, lo)
@@ -225,32 +324,39 @@ def _stagings(band_index, lon0, band, band_lo, band_len, column, walk_shape, res
     relative = np.where(ring[:, None, None], start % nlon, start - base[:, None, None])
     records = np.stack([relative[:, :, :classes], length[:, :, :classes]], axis=-1)
 
-    # Chunks: window mode cuts the window [0, hi - lo) at the seam (unwrapped column of longitude nlon).
+    # Chunks: the staging's unwrapped columns [base, base + width) meet the other window's longitudes, repeated
+    # every nlon, in at most two parts (for a whole ring: the cut at the seam, unwrapped column nlon); each part
+    # is cut into chunks from its first column.
     width = np.where(ring, nlon, hi - lo)
-    seam = np.where(ring, nlon, np.minimum(width, nlon - base % nlon))
-    first_part = -(-seam // chunk_cols)
-    count = first_part + -(-(width - seam) // chunk_cols)
+    copy = window.other_lon0 + nlon * np.floor_divide(base - window.other_lon0, nlon)  # at or before base
+    counts, part_lo, part_hi = [], [], []
+    for first_column in (copy, copy + nlon):
+        lo_p = np.maximum(base, first_column) - base
+        hi_p = np.maximum(np.minimum(base + width, first_column + window.other_nlon) - base, lo_p)
+        part_lo.append(lo_p), part_hi.append(hi_p), counts.append(-(-(hi_p - lo_p) // chunk_cols))
+    count = counts[0] + counts[1]
     staging = np.repeat(np.arange(width.size), count)
     k = np.arange(staging.size) - np.repeat(np.cumsum(count) - count, count)
-    in_first = k < first_part[staging]
-    offset = np.where(in_first, k * chunk_cols, seam[staging] + (k - first_part[staging]) * chunk_cols)
-    part_end = np.where(in_first, seam[staging], width[staging])
+    in_first = k < counts[0][staging]
+    offset = np.where(in_first, part_lo[0][staging] + k * chunk_cols,
+                      part_lo[1][staging] + (k - counts[0][staging]) * chunk_cols)  # fmt: skip
+    part_end = np.where(in_first, part_hi[0][staging], part_hi[1][staging])
     valid = np.minimum(chunk_cols, part_end - offset)
 
-    # Per chunk: whether any point sees a column of it (chunks none sees are dropped) and whether every
-    # on-grid point sees all of them (FULL), a batch of chunks at a time.
+    # Per chunk: whether any real point sees a column of it (chunks none sees are dropped) and whether every
+    # written point sees all of them (FULL), a batch of chunks at a time.
     touched, full = np.empty(staging.size, bool), np.empty(staging.size, bool)
     step = max(1, _BATCH_POINTS // (tile_rows * lon.shape[1]))
     for first in range(0, staging.size, step):
         part = slice(first, first + step)
-        touched[part], full[part] = _covers(relative, length, on_grid, ring, staging[part], offset[part], valid[part],
+        touched[part], full[part] = _covers(relative, length, written, ring, staging[part], offset[part], valid[part],
                                             nlon, chunk_cols)  # fmt: skip
     staging, offset, valid, full = staging[touched], offset[touched], valid[touched], full[touched]
     return [band_index, lon0, base, ring, records, staging, offset, valid, full]
 
 
-def _covers(relative, length, on_grid, ring, staging, offset, valid, nlon, chunk_cols):
-    """Per chunk: whether any point sees one of its columns, and whether every on-grid point sees all."""
+def _covers(relative, length, written, ring, staging, offset, valid, nlon, chunk_cols):
+    """Per chunk: whether any point sees one of its columns, and whether every written point sees all."""
     begin = relative[staging] - offset[:, None, None]  # window mode: the point's first column in the chunk
     length = length[staging]
     valid_columns = valid[:, None, None]
@@ -261,5 +367,5 @@ def _covers(relative, length, on_grid, ring, staging, offset, valid, nlon, chunk
     sees_all = np.where(ring, (length == nlon) | (d + valid_columns <= length),
                         (begin <= 0) & (begin + length >= valid_columns))  # fmt: skip
     touched = (sees_any & (length > 0)).any(axis=(1, 2))
-    full = (valid == chunk_cols) & np.where(on_grid[staging], sees_all, True).all(axis=(1, 2))
+    full = (valid == chunk_cols) & np.where(written[staging], sees_all, True).all(axis=(1, 2))
     return touched, full

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jax_s2attn.plan import NeighborhoodPlan
-from jax_s2attn.schedule import FULL, RING, BlockSchedule, build_schedule
+from jax_s2attn.schedule import FULL, RING, BlockSchedule, WalkWindow, build_schedule
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import psi_pairs  # noqa: E402
@@ -51,13 +51,19 @@ def _plan_pairs(plan: NeighborhoodPlan) -> np.ndarray:
     return pairs[np.lexsort(pairs.T[::-1])]
 
 
-def _expand(s: BlockSchedule) -> np.ndarray:
-    """``(walking point, other point)`` of every column a kernel keeps, in schedule order; asserts the
-    contract's invariants on the way (FULL chunks need no mask, chunks stay inside the ring)."""
+def _expand(s: BlockSchedule, window: WalkWindow | None = None, nlon_walk: int | None = None) -> np.ndarray:
+    """``(walking point, other point)`` (global flat indices) of every column a kernel keeps, in schedule order;
+    asserts the contract's invariants on the way (FULL chunks need no mask, chunks stay inside the ring and the
+    other window, padding points are in no FULL chunk). ``window``: the schedule's, with ``nlon_walk`` the global
+    walking grid's longitudes."""
+    if window is None:
+        window = WalkWindow(0, 0, s.nlat_walk, s.nlon_walk, s.nlat_walk, s.nlon_walk, 0, 0, 1 << 31, s.nlon)
+        nlon_walk = s.nlon_walk
     tile_of_chunk = np.repeat(np.arange(s.tiles.shape[0]), np.diff(s.tile_offsets))
     other, lon, offset, valid, flags, staging = s.chunks.T
     assert ((valid >= 1) & (valid <= s.chunk_cols)).all()
-    assert ((lon >= 0) & (lon + valid <= s.nlon)).all(), "a chunk crosses longitude nlon"
+    assert ((lon >= 0) & (lon + valid <= window.other_nlon)).all(), "a chunk leaves the other window's longitudes"
+    assert ((other >= 0) & (other < window.other_nlat)).all(), "a chunk leaves the other window's rows"
     a, j = np.divmod(np.arange(s.tile_rows * s.tile_cols), s.tile_cols)  # tile point -> (row, column)
     record = s.records[staging][:, a, j % s.classes]  # [chunks, points, 2]
     start = record[..., 0] + s.shift * (j // s.classes) - offset[:, None]
@@ -68,20 +74,31 @@ def _expand(s: BlockSchedule) -> np.ndarray:
     keeps = (x >= 0) & (x < record[..., 1:2]) & (column < valid[:, None, None])
     walk_row = s.tiles[tile_of_chunk, 0][:, None] + a[None, :]
     walk_lon = s.tiles[tile_of_chunk, 1][:, None] + j[None, :]
-    on_grid = (walk_row < s.nlat_walk) & (walk_lon < s.nlon_walk)
+    written = (walk_row < s.nlat_walk) & (walk_lon < s.nlon_walk)
+    real = (walk_row < window.nlat) & (walk_lon < window.nlon)
     # The kernels reduce a ring start modulo nlon by one conditional add or subtract.
     ring_chunk = ring[:, 0, 0]
     assert ((record[ring_chunk, :, 0] >= 0) & (record[ring_chunk, :, 0] < s.nlon)).all()
-    reach = start[ring_chunk][on_grid[ring_chunk]]
+    reach = start[ring_chunk][written[ring_chunk]]
     assert ((reach > -s.nlon) & (reach < 2 * s.nlon)).all(), "a ring start the kernels cannot reduce"
+    assert not (keeps & (written & ~real)[..., None]).any(), "a padding point keeps a column"
     full = (flags & FULL).astype(bool)
-    assert (keeps | ~on_grid[..., None])[full].all(), "a FULL chunk has columns some point does not see"
+    assert (keeps | ~written[..., None])[full].all(), "a FULL chunk has columns some written point does not see"
     assert (valid[full] == s.chunk_cols).all()
-    keeps &= on_grid[..., None]
+    keeps &= real[..., None]
     assert keeps.any(axis=(1, 2)).all(), "a chunk no point sees is listed"
     c, p, n = np.nonzero(keeps)
-    walk = walk_row[c, p] * s.nlon_walk + walk_lon[c, p]
-    return np.stack([walk, other[c] * s.nlon + lon[c] + n], axis=1)
+    walk = (walk_row[c, p] + window.lat0) * nlon_walk + walk_lon[c, p] + window.lon0
+    return np.stack([walk, (other[c] + window.other_lat0) * s.nlon + lon[c] + window.other_lon0 + n], axis=1)
+
+
+def _sorted_pairs(got: np.ndarray, walk: str) -> np.ndarray:
+    """``(query, key)`` pairs of a walk's expansion, sorted; asserts that none is listed twice."""
+    got = got[:, ::-1] if walk == "backward" else got
+    got = got[np.lexsort(got.T[::-1])]
+    duplicates = int((np.diff(got, axis=0) == 0).all(axis=1).sum())
+    assert duplicates == 0, f"{walk}: {duplicates} pairs computed twice"
+    return got
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -93,13 +110,57 @@ def test_schedule_covers_the_plans_pairs_once(args, shape):
     for walk, segments, walk_shape in [("forward", plan.forward_segments, plan.out_shape),
                                        ("backward", plan.backward_segments, plan.in_shape)]:  # fmt: skip
         s = build_schedule(segments, *walk_shape, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
-        got = _expand(s)
-        if walk == "backward":
-            got = got[:, ::-1]
-        got = got[np.lexsort(got.T[::-1])]
-        duplicates = int((np.diff(got, axis=0) == 0).all(axis=1).sum())
-        assert duplicates == 0, f"{walk}: {duplicates} pairs computed twice"
-        np.testing.assert_array_equal(got, expected, err_msg=f"{walk} walk")
+        np.testing.assert_array_equal(_sorted_pairs(_expand(s), walk), expected, err_msg=f"{walk} walk")
+
+
+def _windows(plan: NeighborhoodPlan, rng) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, int, int, int]]]:
+    """Query and key blocks ``(lat0, lon0, nlat, nlon)`` of shards and padding ``(q_lat, q_lon, k_lat, k_lon)``:
+    blocks from mid-ring, one ending at the seam, a whole key ring on some rows, a single row and column."""
+    (nq_lat, nq_lon), (nk_lat, nk_lon) = plan.out_shape, plan.in_shape
+
+    def block(nlat, nlon, at_seam=False, whole_ring=False):
+        rows = int(rng.integers(1, nlat + 1))
+        lat0 = int(rng.integers(0, nlat - rows + 1))
+        cols = nlon if whole_ring else int(rng.integers(1, nlon + 1))
+        lon0 = nlon - cols if at_seam else int(rng.integers(0, nlon - cols + 1))
+        return lat0, lon0, rows, cols
+
+    return [
+        (block(nq_lat, nq_lon), block(nk_lat, nk_lon), (1, 3, 0, 2)),
+        (block(nq_lat, nq_lon, at_seam=True), block(nk_lat, nk_lon, at_seam=True), (0, 0, 2, 0)),
+        (block(nq_lat, nq_lon), block(nk_lat, nk_lon, whole_ring=True), (2, 17, 1, 1)),
+        ((nq_lat // 2, nq_lon // 3, 1, 1), block(nk_lat, nk_lon), (0, 0, 0, 0)),
+    ]
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[4:], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("args", PLANS, ids=lambda a: f"{a[0][0]}x{a[0][1]}-{a[1][0]}x{a[1][1]}-{a[2]}-{a[3]}")
+def test_windowed_schedules_cover_the_windows_pairs_once(args, shape):
+    """A shard's schedule (local coordinates, padding in the local arrays) covers exactly the plan's pairs of a
+    real query of its query block and a real key of its key block, for both walks."""
+    plan = _plan(args)
+    tile_rows, tile_cols, chunk_cols = shape
+    pairs = _plan_pairs(plan)
+    (_, nq_lon), (_, nk_lon) = plan.out_shape, plan.in_shape
+    q_lat, q_lon = np.divmod(pairs[:, 0], nq_lon)
+    k_lat, k_lon = np.divmod(pairs[:, 1], nk_lon)
+    inside = lambda lat, lon, b: (lat >= b[0]) & (lat < b[0] + b[2]) & (lon >= b[1]) & (lon < b[1] + b[3])  # noqa: E731
+    for q_block, k_block, (pq_lat, pq_lon, pk_lat, pk_lon) in _windows(plan, np.random.default_rng(sum(args[0]))):
+        expected = pairs[inside(q_lat, q_lon, q_block) & inside(k_lat, k_lon, k_block)]
+        walks = [
+            ("forward", plan.forward_segments, plan.out_shape,
+             WalkWindow(*q_block, q_block[2] + pq_lat, q_block[3] + pq_lon, *k_block)),
+            ("backward", plan.backward_segments, plan.in_shape,
+             WalkWindow(*k_block, k_block[2] + pk_lat, k_block[3] + pk_lon, *q_block)),
+        ]  # fmt: skip
+        for walk, segments, walk_shape, window in walks:
+            s = build_schedule(segments, *walk_shape, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols,
+                               window=window)  # fmt: skip
+            assert (s.nlat_walk, s.nlon_walk) == (window.block_nlat, window.block_nlon)
+            tiles = {(r, c) for r in range(0, s.nlat_walk, tile_rows) for c in range(0, s.nlon_walk, tile_cols)}
+            assert sorted(map(tuple, s.tiles.tolist())) == sorted(tiles), "tiles do not cover the local arrays"
+            got = _sorted_pairs(_expand(s, window, walk_shape[1]), walk)
+            np.testing.assert_array_equal(got, expected, err_msg=f"{walk} walk on {window}")
 
 
 @pytest.mark.parametrize("args", PLANS[:4] + PLANS[7:9] + PLANS[-1:], ids=lambda a: f"{a[0]}-{a[1]}-{a[3]}")
