@@ -54,11 +54,13 @@ from kernel_cases import (  # noqa: E402
     run_dq_forming_delta,
     run_narrow_forward,
     run_scheduled_case,
+    run_scheduled_windows,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
     verify_narrow_forward,
     verify_one_part_forward,
+    whole_grids,
 )
 
 NOT_AVAILABLE = 2
@@ -101,6 +103,10 @@ CASES = [
     ("scheduled", "self", 128, 128, "float16", {}),
     ("scheduled", "self-72", 32, 32, "bfloat16", {}),
     ("scheduled", "up-100", 128, 128, "bfloat16", {}),
+    # Windows: padding on every side; blocks from mid-ring over rows of several tiles (R = 2 from an odd longitude).
+    ("scheduled", "self", 64, 64, "bfloat16", WINDOWED),
+    ("scheduled", "self-72", 32, 32, "float16", LONG_ROW_WINDOWS["self-72"]),
+    ("scheduled", "up-100", 128, 128, "bfloat16", LONG_ROW_WINDOWS["up-100"]),
 ]
 
 
@@ -208,8 +214,9 @@ def main(argv=None) -> int:
             try:
                 if kernel == "scheduled":  # float32 results, then the activations' type (the op's)
                     bar = tolerance_of("tiled", case.dtype)
-                    verify_case(case, run_scheduled_case(lib, case, memory=DeviceMemory(cupy)), bar, out_tolerance=bar)
-                    narrow = run_scheduled_case(lib, case, DTYPES[case.dtype][1], DeviceMemory(cupy))
+                    run_scheduled = run_scheduled_case if whole_grids(case) else run_scheduled_windows
+                    verify_case(case, run_scheduled(lib, case, memory=DeviceMemory(cupy)), bar, out_tolerance=bar)
+                    narrow = run_scheduled(lib, case, DTYPES[case.dtype][1], DeviceMemory(cupy))
                     narrow = {name: result.astype(np.float32) for name, result in narrow.items()}
                     verify_case(case, narrow, bar, out_tolerance=bar)
                     print(f"ok   {name}")

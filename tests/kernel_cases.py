@@ -31,6 +31,7 @@ from jax_s2attn import native_status
 from jax_s2attn._native import kernel_limits
 from jax_s2attn.grids import precompute_latitudes, precompute_longitudes
 from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
+from jax_s2attn.schedule import BlockSchedule, WalkWindow, build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
@@ -597,8 +598,8 @@ def run_scheduled_kind(
     object with the same ``address(array)`` and ``finish(results)`` (the results copied back) for a GPU."""
     memory = memory or HostMemory()
     q, k, v, dout = case.inputs[:4]
-    batch, heads, dk, dv, *_ = case.sizes
-    nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[8:12]
+    batch, heads, dk, dv, nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[:8]  # the local arrays' grids
+    ring_nlon = case.plan.nlon_out if kind == "dkv" else case.plan.nlon_in
     if kind == "forward":
         results = (np.full(q.shape[:-1] + (dv,), np.nan, result_type), np.full(q.shape[:-1], np.nan, np.float32))
     elif kind == "dq":
@@ -608,8 +609,8 @@ def run_scheduled_kind(
     tables = [np.ascontiguousarray(getattr(schedule, name), np.int32)
               for name in ("tiles", "tile_offsets", "chunks", "records")]  # fmt: skip
     sizes = np.asarray([batch, heads, nlat_q, nlon_q, nlat_k, nlon_k, len(schedule.tiles), len(schedule.chunks),
-                        len(schedule.records), schedule.classes, schedule.shift, dk], np.int64)  # fmt: skip
-    weights = np.ascontiguousarray(case.plan.quad_weights, np.float32)
+                        len(schedule.records), schedule.classes, schedule.shift, dk, ring_nlon], np.int64)  # fmt: skip
+    weights = local_key_weights(case)
     arrays = (q, k, v, dout, lse, delta, *tables, weights, *results)
     pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in arrays]
     result_code = next(code for code, storage in DTYPES.values() if np.dtype(storage) == np.dtype(result_type))
@@ -622,15 +623,53 @@ def run_scheduled_kind(
     return results
 
 
+def local_key_weights(case: KernelCase) -> np.ndarray:
+    """The quadrature weights of ``case``'s local key rows (rows past the grid: the last row's), float32."""
+    rows = case.k_window[0] + np.arange(case.sizes[6])
+    return np.ascontiguousarray(case.plan.quad_weights[np.minimum(rows, case.plan.nlat_in - 1)], np.float32)
+
+
+def whole_grids(case: KernelCase) -> bool:
+    """Whether ``case``'s arrays are its plan's whole grids (no window, no padding)."""
+    plan = case.plan
+    blocks = (tuple(case.sizes[4:6]), tuple(case.sizes[6:8]), tuple(case.q_window), tuple(case.k_window))
+    return blocks == (plan.out_shape, plan.in_shape, (0, 0, *plan.out_shape), (0, 0, *plan.in_shape))
+
+
+def scheduled_schedules(case: KernelCase) -> tuple[BlockSchedule, BlockSchedule]:
+    """The forward and backward schedules of ``case``: the plan's for whole grids, else its windows'."""
+    plan = case.plan
+    tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
+    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    if whole_grids(case):
+        return tuple(plan.block_schedule(walk, **shape) for walk in ("forward", "backward"))
+    q_block, k_block = tuple(case.sizes[4:6]), tuple(case.sizes[6:8])
+    forward = WalkWindow(*case.q_window, *q_block, *case.k_window)
+    backward = WalkWindow(*case.k_window, *k_block, *case.q_window)
+    return (build_schedule(plan.forward_segments, *plan.out_shape, window=forward, **shape),
+            build_schedule(plan.backward_segments, *plan.in_shape, window=backward, **shape))  # fmt: skip
+
+
+def run_scheduled_windows(
+    lib, case: KernelCase, result_type=np.float32, memory=None, schedules=None
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """The scheduled forward, dq and dk/dv on ``case``'s windows and ``schedules`` (forward, backward; by default
+    :func:`scheduled_schedules`), the backward with the case's global lse and delta (as the sharded op feeds
+    them)."""
+    forward, backward = schedules or scheduled_schedules(case)
+    lse_in, delta = case.inputs[4:6]
+    out, lse = run_scheduled_kind(lib, case, "forward", result_type, forward, memory=memory)
+    (dq, _) = run_scheduled_kind(lib, case, "dq", result_type, forward, lse_in, delta, memory)
+    dk, dv = run_scheduled_kind(lib, case, "dkv", result_type, backward, lse_in, delta, memory)
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
 def run_scheduled_case(lib, case: KernelCase, result_type=np.float32, memory=None) -> dict[str, np.ndarray]:
     """The scheduled forward, dq and dk/dv on ``case`` (whole grids) as the op runs them: the forward's out in
     float32 feeds delta = rowsum(dout * out) (in float64, then float32, as the delta target forms it), the
     backward takes the forward's lse; out, dq, dk and dv of numpy type ``result_type``; ``memory`` as for
     :func:`run_scheduled_kind`."""
-    plan = case.plan
-    tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
-    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
-    forward, backward = (plan.block_schedule(walk, **shape) for walk in ("forward", "backward"))
+    forward, backward = scheduled_schedules(case)
     out32, lse = run_scheduled_kind(lib, case, "forward", np.float32, forward, memory=memory)
     out = out32 if np.dtype(result_type) == np.float32 else run_scheduled_kind(lib, case, "forward", result_type,
                                                                                forward, memory=memory)[0]  # fmt: skip

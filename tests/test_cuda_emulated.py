@@ -31,7 +31,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from jax_s2attn._native import kernel_limits
+from jax_s2attn.parallel import shard_layout
+from jax_s2attn.parallel.layout import window_schedules
 from jax_s2attn.plan import NeighborhoodPlan
+from jax_s2attn.schedule import BlockSchedule
 
 sys.path.insert(0, str(Path(__file__).parent))  # emulation_build.py, kernel_cases.py (shared with the GPU harness)
 from emulation_build import address_sanitizer_preload, build_emulated_library  # noqa: E402
@@ -57,6 +61,7 @@ from kernel_cases import (  # noqa: E402
     run_forward,
     run_narrow_forward,
     run_scheduled_case,
+    run_scheduled_windows,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
@@ -720,6 +725,49 @@ def test_scheduled_head_dims_32_and_128_match_float64(emulated_library, rng, pla
     case = prepare_case(rng, SCHEDULED_PLANS[plan_name](), 2, 2, d, d, dtype)
     bar = tolerance_of("tiled", dtype)
     verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
+
+
+# Windows of a sharded grid on the scheduled kernels: the 8x16 self plan's WINDOWS (a block seeing no key, a key
+# block of whole rings, padding on every side), blocks from mid-ring over rows of several tiles (an R = 2 walk from
+# an odd longitude), resampling windows and whole rings.
+SCHEDULED_WINDOW_CASES = (
+    [("self", *w) for w in WINDOWS]
+    + [(name, w["q_window"], w["k_window"], w["padding"]) for name, w in LONG_ROW_WINDOWS.items()]
+    + [("down", (1, 2, 2, 4), (0, 8, 7, 8), (1, 1, 1, 1)), ("up3", (1, 3, 10, 17), (2, 0, 4, 8), (1, 3, 0, 1)),
+       ("rings-72", (1, 0, 4, 72), (0, 30, 6, 42), (0, 5, 2, 0))]
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", TILED_DTYPES)
+@pytest.mark.parametrize(("plan_name", "q_window", "k_window", "padding"), SCHEDULED_WINDOW_CASES,
+                         ids=[f"{c[0]}-q{c[1]}-k{c[2]}" for c in SCHEDULED_WINDOW_CASES])  # fmt: skip
+def test_scheduled_windows_with_padding(emulated_library, rng, plan_name, q_window, k_window, padding, dtype):
+    """A shard's blocks on the scheduled kernels (the window's schedule in local coordinates, the local key rows'
+    weights, the other grid's ring as the modulus): out and lse over the key block, dq over its keys and dk/dv
+    over the query block against float64, every element written, padding zero (lse -inf)."""
+    plan = SCHEDULED_PLANS[plan_name]()
+    case = prepare_case(rng, plan, 2, 2, 64, 64, dtype, q_window, k_window, padding)
+    bar = tolerance_of("tiled", dtype)
+    verify_case(case, run_scheduled_windows(emulated_library, case), bar, out_tolerance=bar)
+
+
+@pytest.mark.parametrize(("shapes", "lat_parts", "lon_parts"), [(((17, 36), (17, 36)), 2, 5),
+                                                                (((24, 48), (12, 24)), 3, 2)], ids=str)  # fmt: skip
+def test_scheduled_windows_of_a_layout(emulated_library, rng, shapes, lat_parts, lon_parts):
+    """The windows of a sharded layout on the schedules the sharded op runs (jax_s2attn.parallel.layout's
+    window_schedules: every window's schedule joined into one set, a window's tiles and offsets picked by its
+    index): each against float64, padding zero."""
+    plan = NeighborhoodPlan(*shapes, theta_cutoff=0.4)
+    layout = shard_layout(plan, lat_parts, lon_parts)
+    sets = window_schedules(plan, layout, *kernel_limits().scheduled_shape)
+    q_block, k_block = (layout.q_lat.block, layout.q_lon.block), (layout.k_ext_block, layout.k_lon.block)
+    for index in rng.choice(len(layout.windows), 4, replace=False):
+        window = layout.windows[index].tolist()
+        padding = (q_block[0] - window[2], q_block[1] - window[3], k_block[0] - window[6], k_block[1] - window[7])
+        case = prepare_case(rng, plan, 1, 2, 64, 64, "bfloat16", tuple(window[:4]), tuple(window[4:]), padding)
+        picked = [BlockSchedule(s.tiles[index], s.tile_offsets[index], s.chunks, s.records, *s[4:]) for s in sets]
+        bar = tolerance_of("tiled", "bfloat16")
+        verify_case(case, run_scheduled_windows(emulated_library, case, schedules=picked), bar, out_tolerance=bar)
 
 
 SMOOTH_SHAPES = [((33, 72), (33, 72)), ((66, 144), (33, 72)), ((33, 72), (65, 144))]

@@ -78,24 +78,24 @@ def test_choose_kernel_truth_table(tiled_build, platform, dtype, dk, dv, kernel)
     assert (_ffi.tiled_unavailable_reason(platform, dtype, dk, dv) is None) == (kernel == "tiled")
 
 
-# (platform, dtype, Dk, Dv, whole grids) -> kernel of implementation="ffi" where the scheduled kernels can run.
+# (platform, dtype, Dk, Dv) -> kernel of implementation="ffi" where the scheduled kernels can run (whole grids and
+# the blocks of a sharded grid alike).
 SCHEDULED_CHOICES = [
-    ("cuda", BF16, 64, 64, True, "scheduled"),
-    ("cuda", F16, 64, 64, True, "scheduled"),
-    ("cuda", BF16, 64, 64, False, "tiled"),  # blocks of a sharded grid
-    ("cuda", BF16, 32, 32, True, "scheduled"),
-    ("cuda", F16, 128, 128, True, "scheduled"),
-    ("cuda", BF16, 16, 16, True, "arc"),  # head dims no tensor-core kernel takes
-    ("cuda", F32, 64, 64, True, "arc"),
-    ("cpu", BF16, 64, 64, True, "arc"),
+    ("cuda", BF16, 64, 64, "scheduled"),
+    ("cuda", F16, 64, 64, "scheduled"),
+    ("cuda", BF16, 32, 32, "scheduled"),
+    ("cuda", F16, 128, 128, "scheduled"),
+    ("cuda", BF16, 16, 16, "arc"),  # head dims no tensor-core kernel takes
+    ("cuda", F32, 64, 64, "arc"),
+    ("cpu", BF16, 64, 64, "arc"),
 ]
 
 
-@pytest.mark.parametrize("platform, dtype, dk, dv, whole_grids, kernel", SCHEDULED_CHOICES)
-def test_choose_kernel_with_the_scheduled_kernels(scheduled_build, platform, dtype, dk, dv, whole_grids, kernel):
-    assert _ffi.choose_kernel(platform, dtype, dk, dv, whole_grids) == kernel
+@pytest.mark.parametrize("platform, dtype, dk, dv, kernel", SCHEDULED_CHOICES)
+def test_choose_kernel_with_the_scheduled_kernels(scheduled_build, platform, dtype, dk, dv, kernel):
+    assert _ffi.choose_kernel(platform, dtype, dk, dv) == kernel
     if kernel != "arc":  # "ffi-tiled" names the tensor cores: the same choice between the two families
-        assert _checks.kernel_for("ffi-tiled", platform, dtype, dk, dv, whole_grids) == kernel
+        assert _checks.kernel_for("ffi-tiled", platform, dtype, dk, dv) == kernel
 
 
 def test_the_op_runs_the_scheduled_kernels_from_the_neighbourhood_gate():

@@ -5,11 +5,14 @@ checked against float64 oracles at the 16-bit bar (relative error <= 1e-2 for ou
 float32-exact, 1e-5), on random and smooth fields, in every direction, on three grids, with odd sizes, longitude
 counts that are not multiples of the tile, polar whole rings, several heads and a batch. The targets' results,
 poisoned with NaN first, are all written; their 16-bit results are the float32 ones rounded; gradients are the
-same bits run to run.
+same bits run to run. On the windows of sharded layouts (local blocks with padding, halo-extended key rows, the
+window's schedule picked by a traced index) every partial matches the arc kernels' partial of the same window, and
+the sharded op on one GPU runs them.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -18,11 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_s2attn
 from jax_s2attn import NeighborhoodPlan
-from jax_s2attn.ops import _checks, _ffi
+from jax_s2attn.ops import _checks, _ffi, local
+from jax_s2attn.parallel import shard_layout, sharded_neighborhood_attention
+from jax_s2attn.parallel.layout import window_schedules
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_tiled_gpu import SMOOTH_CASES, _check, _compiled_vjp, _oracle, _rounded  # noqa: E402
+from test_tiled_gpu import NAMES, OUT_TOLERANCE, SMOOTH_CASES, _check, _compiled_vjp, _oracle, _rounded  # noqa: E402
+from test_nbhd_ffi import _Block  # noqa: E402
 from kernel_cases import smooth_field  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -69,7 +76,6 @@ def test_the_op_runs_the_scheduled_kernels_here():
         assert _ffi.scheduled_unavailable_reason("cuda", jnp.bfloat16, head_dim, head_dim) is None
         assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, head_dim, head_dim) == "scheduled"
     assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, 16, 16) == "arc"
-    assert _checks.kernel_for("ffi", "cuda", jnp.bfloat16, 64, 64, whole_grids=False) == "tiled"
 
 
 @pytest.mark.parametrize("case_and_head_dim", HEAD_DIM_CASES, ids=_head_dim_case_id)
@@ -148,12 +154,109 @@ def test_gradients_are_the_same_bits_run_to_run(exact_random, d):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+# (plan geometry, lat parts, lon parts): a self-attention with padding longitudes (36 over 5: blocks of 8, the last of
+# 4), a downsampling over 3 x 4 (halo rows), an upsampling over 2 x 3.
+LAYOUT_CASES = [
+    (((17, 36), (17, 36), EQ, EQ, None), 2, 5),
+    (((66, 144), (33, 72), LG, LG, 0.2), 3, 4),
+    (((17, 36), (33, 72), EQ, EQ, None), 2, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("geometry", "lat_parts", "lon_parts"), LAYOUT_CASES, ids=str)
+def test_windows_of_a_layout_match_the_arc_kernels(geometry, lat_parts, lon_parts, dtype, rng, exact_random,
+                                                   rel_error):  # fmt: skip
+    """Every window of a sharded layout (each shard with each key chunk; local blocks padded with noise, key rows
+    halo-extended) on the scheduled kernels, the window's schedules picked by a traced index: every result
+    (poisoned with NaN first) is written, padding holds zeros (-inf for lse), and out, lse, dq, dk and dv match
+    the arc kernels' partials of the same window."""
+    plan = NeighborhoodPlan(*geometry)
+    layout = shard_layout(plan, lat_parts, lon_parts)
+    forward, backward = window_schedules(plan, layout, *_ffi.kernel_limits().scheduled_shape)
+    q, dout = (_rounded(exact_random(2, *plan.out_shape, 2, 64), dtype).astype(np.float32) for _ in range(2))
+    k, v = (_rounded(exact_random(2, *plan.in_shape, 2, 64), dtype).astype(np.float32) for _ in range(2))
+    # The global lse and delta the backward takes, from the arc kernels on the whole grids.
+    out, lse = (np.asarray(x) for x in _ffi.ffi_forward(q, k, v, plan, local.full_window(plan),
+                                                        plan.tables.forward_row_order, scale=0.125))  # fmt: skip
+    delta = np.sum(dout * out, axis=-1)
+    q_shape, k_shape = (layout.q_lat.block, layout.q_lon.block), (layout.k_ext_block, layout.k_lon.block)
+
+    def run(kernel, q, k, v, dout, lse, delta, window, index):
+        kwargs = dict(scale=0.125, kernel=kernel)
+        if kernel == "scheduled":
+            kwargs["schedules"] = _ffi.WindowSchedules(forward, backward, index)
+        q_rows = local.local_row_order(plan, "forward", window[0], q.shape[1])
+        k_rows = local.local_row_order(plan, "backward", window[4], k.shape[1])
+        backward_args = (q, k, v, dout, lse, delta, plan, window)
+        return (*local.local_forward(q, k, v, plan, window, q_rows, **kwargs),
+                local.local_backward_dq(*backward_args, q_rows, **kwargs),
+                *local.local_backward_dkv(*backward_args, k_rows, **kwargs))  # fmt: skip
+
+    scheduled, arc = jax.jit(functools.partial(run, "scheduled")), jax.jit(functools.partial(run, "arc"))
+    seen = 0
+    for index, window in enumerate(layout.windows.tolist()):
+        qb, kb = _Block(*window[:4], q_shape), _Block(*window[4:], k_shape)
+        blocks = [qb.extract(x, rng) for x in (q, k, v, dout, lse, delta)]
+        blocks[1:3] = [kb.extract(x, rng) for x in (k, v)]
+        operands = [jnp.asarray(x, dtype) for x in blocks[:4]] + [jnp.asarray(x) for x in blocks[4:]]
+        got = [np.asarray(x) for x in scheduled(*operands, jnp.asarray(window, jnp.int32), jnp.int32(index))]
+        want = [np.asarray(x) for x in arc(*operands, jnp.asarray(window, jnp.int32), 0)]
+        for name, g, w, block in zip(NAMES, got, want, (qb, qb, qb, kb, kb), strict=True):
+            assert not np.isnan(g).any(), f"window {window}: {name} has unwritten elements"
+            assert (block.padding(g) == (-np.inf if name == "lse" else 0)).all(), f"window {window}: {name} padding"
+            if name == "lse":
+                np.testing.assert_array_equal(g == -np.inf, w == -np.inf)
+                finite = np.isfinite(w)
+                assert not finite.any() or rel_error(g[finite], w[finite]) <= 1e-5, f"window {window}: lse"
+            else:
+                bar = OUT_TOLERANCE if name == "out" else 1e-2
+                assert rel_error(g, w) <= bar or np.abs(w).max() == 0 == np.abs(g).max(), f"window {window}: {name}"
+        seen += np.isfinite(got[1]).any()
+    assert seen >= len(layout.windows) // 3  # most windows see keys
+
+
+def _meshes() -> list[tuple[int, int]]:
+    """(lat, lon) mesh shapes this process's GPUs can make: one GPU; with two or more, also 2 x 1 and 1 x 2."""
+    return [(1, 1)] + ([(2, 1), (1, 2)] if len(jax.devices("gpu")) >= 2 else [])
+
+
+def test_the_sharded_op_runs_the_scheduled_kernels(exact_random, rel_error):
+    """The sharded op picks the scheduled kernels where the serial op does, on every mesh of this machine's GPUs
+    (halo rows and a ring of key chunks from two GPUs), and its output and gradients match the serial op's within
+    a bfloat16 rounding or two; every device's program runs the scheduled targets alone."""
+    plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.25)
+    primals = tuple(jnp.asarray(exact_random(2, 33, 72, 2, 64), jnp.bfloat16) for _ in range(3))
+    dout = jnp.asarray(exact_random(2, 33, 72, 2, 64), jnp.bfloat16)
+
+    def value_and_grads(attention):
+        def run(primals):
+            out, pullback = jax.vjp(attention, *primals)
+            return out, *pullback(dout)
+
+        return jax.jit(run)
+
+    want = value_and_grads(lambda q, k, v: jax_s2attn.neighborhood_attention(q, k, v, plan, implementation="ffi"))(
+        primals
+    )
+    for shape in _meshes():
+        mesh = jax.make_mesh(shape, ("lat", "lon"), devices=jax.devices("gpu")[: shape[0] * shape[1]])
+        sharded = value_and_grads(lambda q, k, v: sharded_neighborhood_attention(q, k, v, plan, mesh=mesh,
+                                                                                 implementation="ffi"))  # fmt: skip
+        text = sharded.lower(primals).as_text()
+        assert all(f"@{target}(" in text for target in _ffi.SCHEDULED_TARGETS), shape
+        assert not any(f"@{target}(" in text for target in (*_ffi.TILED_TARGETS, *_ffi.TARGETS)), shape
+        for name, g, w in zip(("out", "dq", "dk", "dv"), sharded(primals), want):
+            assert rel_error(g, w) <= 2**-7, f"{shape}: {name}"  # a bfloat16 rounding or two apart
+
+
 def test_a_schedule_of_another_plan_is_refused(exact_random):
     """The handler checks the schedule's tile count against the grids: a call with another plan's schedule fails
     with INVALID_ARGUMENT instead of running."""
     other = NeighborhoodPlan((33, 72), (33, 72))
     q, k, v = (jnp.asarray(exact_random(1, 17, 36, 1, 64), jnp.bfloat16) for _ in range(3))
-    schedule, attributes = _ffi._scheduled_operands(other, "forward", 0.125)
+    grid = jax.ShapeDtypeStruct((1, 33, 72, 1, 64), jnp.bfloat16)
+    schedule, attributes = _ffi._scheduled_operands(other, "forward", 0.125, grid, grid)
     attributes.update(nlat_q=np.int64(17), nlon_q=np.int64(36), nlat_k=np.int64(17), nlon_k=np.int64(36))
     shapes = [(1, 17, 36, 1, 64), (1, 17, 36, 1)]
     with pytest.raises(Exception, match="the schedule lists"):

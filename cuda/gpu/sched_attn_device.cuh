@@ -136,7 +136,8 @@ struct Maps {
 
 // One launch: a call's slabs from `first_slab` (blockIdx.y counts on from it).
 struct Problem {
-  int nlat_walk, nlon_walk, nlat_other, nlon_other, heads;
+  int nlat_walk, nlon_walk, nlat_other, nlon_other, heads;  // the arrays' grids
+  int ring_nlon;                                            // the other grid's ring (RING chunks' modulus)
   int64_t first_slab;
   const int* tiles;
   const int* tile_offsets;
@@ -352,11 +353,11 @@ __device__ __forceinline__ ChunkMask MaskOf(const Problem& p, const ChunkInfo& i
       // start modulo nlon: |start| < 2 nlon for the points that are written (offset and record.x in [0, nlon),
       // shift * step < nlon; tests/test_schedule.py checks it). Other points may get wrong masks: their rows
       // are computed, not written.
-      start += start < 0 ? p.nlon_other : 0;
-      start -= start >= p.nlon_other ? p.nlon_other : 0;
-      keep = length >= p.nlon_other ? ColumnBits(0, valid)
-                                    : ColumnBits(start, min(start + length, valid)) |
-                                          ColumnBits(0, min(start + length - p.nlon_other, valid));
+      start += start < 0 ? p.ring_nlon : 0;
+      start -= start >= p.ring_nlon ? p.ring_nlon : 0;
+      keep = length >= p.ring_nlon ? ColumnBits(0, valid)
+                                   : ColumnBits(start, min(start + length, valid)) |
+                                         ColumnBits(0, min(start + length - p.ring_nlon, valid));
     } else {
       keep = ColumnBits(start, min(start + length, valid));
     }
@@ -900,6 +901,7 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
   p.nlon_walk = walk_keys ? g.nlon_k : g.nlon_q;
   p.nlat_other = walk_keys ? g.nlat_q : g.nlat_k;
   p.nlon_other = walk_keys ? g.nlon_q : g.nlon_k;
+  p.ring_nlon = g.ring_nlon;
   p.heads = static_cast<int>(g.heads);
   p.tiles = g.tiles, p.tile_offsets = g.tile_offsets, p.chunks = g.chunks;
   p.records = reinterpret_cast<const int2*>(g.records);
@@ -954,6 +956,7 @@ cudaError_t Launch(cudaStream_t stream, const SchedAttnParams& g) {
                     kSchedHeadDims[2] == 128,
                 "a launcher per head dim of kSchedHeadDims");
   if (g.num_tiles == 0 || g.batch * g.heads == 0) return cudaSuccess;
+  if (g.ring_nlon < 1) return cudaErrorInvalidValue;
   switch (g.head_dim) {
     case 32:
       return LaunchHeadDim<kKind, 32>(stream, g);

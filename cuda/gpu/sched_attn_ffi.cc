@@ -1,7 +1,8 @@
 // CUDA handlers of the scheduled targets (contract: cuda/README.md, "Scheduled targets"): forward, dq and dk/dv
 // on the plan's block schedules (sched_attn_kernels.h). A handler checks everything visible on the host (shapes,
 // dtypes, attributes, the schedule's table sizes against its shape), fills one SchedAttnParams and launches on
-// XLA's stream; the schedule's contents are device memory, which the kernels clamp. Whole grids only.
+// XLA's stream; the schedule's contents are device memory, which the kernels clamp. Whole grids, or the local
+// blocks of a window's schedule.
 #include "gpu/sched_attn_ffi.h"
 
 #include <cuda_runtime_api.h>
@@ -24,11 +25,12 @@ using AnyResult = ffi::Result<ffi::AnyBuffer>;
 using F32Result = ffi::ResultBuffer<ffi::F32>;
 using CudaStream = ffi::PlatformStream<cudaStream_t>;
 
-// The attributes of every scheduled target: the softmax scale, the walk's classes and shift, the global grids and
-// the schedule's shape (which must be the kernels').
+// The attributes of every scheduled target: the softmax scale, the walk's classes and shift, the arrays' grids
+// (whole grids, or a window's local blocks), the other grid's ring and the schedule's shape (which must be the
+// kernels').
 struct SchedAttrs {
   float scale;
-  int64_t classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols;
+  int64_t classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols;
 };
 
 template <typename Binding>
@@ -41,6 +43,7 @@ auto BindSchedAttrs(Binding&& binding) {
       .template Attr<int64_t>("nlon_q")
       .template Attr<int64_t>("nlat_k")
       .template Attr<int64_t>("nlon_k")
+      .template Attr<int64_t>("ring_nlon")
       .template Attr<int64_t>("tile_rows")
       .template Attr<int64_t>("tile_cols")
       .template Attr<int64_t>("chunk_cols");
@@ -93,6 +96,7 @@ bool IsSchedHeadDim(int64_t d) {
   }
   return false;
 }
+
 // Decodes q, k, v (whole grids of the attributes, 16-bit, Dk == Dv, one of the kernels' head dims), the schedule's
 // table sizes and the attributes into `g`; `walk_keys` for dk/dv's backward schedule.
 ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const Schedule& s,
@@ -114,9 +118,9 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
                "q, k, v must have the same batch dims and heads");
   S2ATTN_CHECK(nq_lat == a.nlat_q && nq_lon == a.nlon_q && nk_lat == a.nlat_k && nk_lon == a.nlon_k &&
                    nv_lat == a.nlat_k && nv_lon == a.nlon_k,
-               "the scheduled kernels take whole grids: q " << nq_lat << "x" << nq_lon << " and k, v " << nk_lat << "x"
-                                                             << nk_lon << " must be the plan's " << a.nlat_q << "x"
-                                                             << a.nlon_q << " and " << a.nlat_k << "x" << a.nlon_k);
+               "q " << nq_lat << "x" << nq_lon << " and k, v " << nk_lat << "x" << nk_lon
+                    << " must have the attributes' grids " << a.nlat_q << "x" << a.nlon_q << " and " << a.nlat_k
+                    << "x" << a.nlon_k);
   S2ATTN_CHECK(a.tile_rows == kSchedTileRows && a.tile_cols == kSchedTileCols && a.chunk_cols == kSchedChunkCols,
                "the schedule's shape " << a.tile_rows << "x" << a.tile_cols << ", " << a.chunk_cols
                                        << " columns is not the kernels' " << kSchedTileRows << "x" << kSchedTileCols
@@ -126,6 +130,8 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   constexpr int64_t kMaxExtent = int64_t{1} << 29;
   S2ATTN_CHECK(a.nlat_q < kMaxExtent && a.nlon_q < kMaxExtent && a.nlat_k < kMaxExtent && a.nlon_k < kMaxExtent,
                "grid sizes must be below 2^29");
+  S2ATTN_CHECK(a.ring_nlon >= 1 && a.ring_nlon < kMaxExtent,
+               "ring_nlon (the other grid's longitudes) must be in [1, 2^29), got " << a.ring_nlon);
   const auto tile_dims = s.tiles.dimensions(), chunk_dims = s.chunks.dimensions();
   S2ATTN_CHECK(tile_dims.size() == 2 && tile_dims[1] == 2, "tiles must be int32 [tiles, 2]");
   S2ATTN_CHECK(chunk_dims.size() == 2 && chunk_dims[1] == kSchedChunkFields,
@@ -153,11 +159,12 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   g->batch = batch, g->heads = heads;
   g->nlat_q = static_cast<int32_t>(a.nlat_q), g->nlon_q = static_cast<int32_t>(a.nlon_q);
   g->nlat_k = static_cast<int32_t>(a.nlat_k), g->nlon_k = static_cast<int32_t>(a.nlon_k);
+  g->ring_nlon = static_cast<int32_t>(a.ring_nlon);
   g->scale = a.scale;
   const int64_t walk_tiles = ((walk_keys ? a.nlat_k : a.nlat_q) + kSchedTileRows - 1) / kSchedTileRows *
                              (((walk_keys ? a.nlon_k : a.nlon_q) + kSchedTileCols - 1) / kSchedTileCols);
   S2ATTN_CHECK(num_tiles == walk_tiles, "the schedule lists " << num_tiles << " tiles; the walking grid has "
-                                                              << walk_tiles << " (pass the plan's "
+                                                              << walk_tiles << " (pass the plan's, or the window's, "
                                                               << (walk_keys ? "backward" : "forward") << " schedule)");
   return ffi::Error::Success();
 }
@@ -174,10 +181,11 @@ ffi::Error SetResultType(const char* names, std::initializer_list<ffi::DataType>
 ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer tiles,
                    I32Buffer tile_offsets, I32Buffer chunks, I32Buffer records, F32Buffer quad_weights,
                    ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale, int64_t classes,
-                   int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t tile_rows,
-                   int64_t tile_cols, int64_t chunk_cols) {
+                   int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t ring_nlon,
+                   int64_t tile_rows, int64_t tile_cols, int64_t chunk_cols) {
   SchedAttnParams g;
-  const SchedAttrs a{scale, classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols};
+  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,    nlat_k,
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
@@ -203,9 +211,11 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                       F32Buffer lse, F32Buffer delta, I32Buffer tiles, I32Buffer tile_offsets, I32Buffer chunks,
                       I32Buffer records, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
                       float scale, int64_t classes, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
-                      int64_t nlon_k, int64_t tile_rows, int64_t tile_cols, int64_t chunk_cols) {
+                      int64_t nlon_k, int64_t ring_nlon, int64_t tile_rows, int64_t tile_cols,
+                      int64_t chunk_cols) {
   SchedAttnParams g;
-  const SchedAttrs a{scale, classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols};
+  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,    nlat_k,
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));
@@ -219,10 +229,11 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        F32Buffer lse, F32Buffer delta, I32Buffer tiles, I32Buffer tile_offsets, I32Buffer chunks,
                        I32Buffer records, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/,
                        AnyResult dk, AnyResult dv, float scale, int64_t classes, int64_t shift, int64_t nlat_q,
-                       int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t tile_rows, int64_t tile_cols,
-                       int64_t chunk_cols) {
+                       int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t ring_nlon, int64_t tile_rows,
+                       int64_t tile_cols, int64_t chunk_cols) {
   SchedAttnParams g;
-  const SchedAttrs a{scale, classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, tile_rows, tile_cols, chunk_cols};
+  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,    nlat_k,
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));

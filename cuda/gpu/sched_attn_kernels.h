@@ -1,7 +1,8 @@
 // Launchers of the scheduled tensor-core kernels (sm_90a: wgmma and tensor-map copies), which walk the plan's
 // block-sparse schedules (jax_s2attn/schedule.py, docs/block-schedule.md) instead of its segment tables: the
 // forward and dq walk the forward schedule (query tiles over key chunks), dk/dv the backward one (key tiles over
-// query chunks). Whole grids only (no windows); plain C++ and CUDA runtime types.
+// query chunks). Whole grids, or the local blocks of a window's schedule (jax_s2attn/schedule.py, "Windows"):
+// the grids below are the arrays', `ring_nlon` the other grid's whole ring. Plain C++ and CUDA runtime types.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -37,11 +38,14 @@ struct SchedAttnParams {
   const int32_t* tile_offsets = nullptr;  // [num_tiles + 1]
   const int32_t* chunks = nullptr;        // [num_chunks, kSchedChunkFields]
   const int32_t* records = nullptr;       // [num_stagings, kSchedTileRows, classes, 2]
-  const float* quad_weights = nullptr;    // [nlat_k]
+  const float* quad_weights = nullptr;    // [nlat_k]: the key arrays' rows
   int64_t num_tiles = 0, num_chunks = 0, num_stagings = 0;
   int32_t classes = 1, shift = 1;
   int64_t batch = 0, heads = 0;
-  int32_t nlat_q = 0, nlon_q = 0, nlat_k = 0, nlon_k = 0;
+  int32_t nlat_q = 0, nlon_q = 0, nlat_k = 0, nlon_k = 0;  // the arrays' grids
+  // Longitudes of the other grid's ring (the modulus of RING chunks): nlon_k of the key grid for the forward
+  // and dq, nlon_q for dk/dv; the arrays' own for whole grids.
+  int32_t ring_nlon = 0;
   float scale = 1.f;
   // Results.
   void* out = nullptr;        // forward: [batch, nlat_q, nlon_q, heads, D] of result_dtype

@@ -57,7 +57,7 @@ def check_runnable(implementation, platform: str, dtype, dk: int, dv: int, *, wh
     raise ValueError(f"implementation={implementation!r} cannot run {where}: {reason}. {fix}")
 
 
-def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int, whole_grids: bool = True) -> str:
+def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int) -> str:
     """What a checked ``implementation`` runs on ``platform``: ``"reference"`` (pure JAX) or
     the native kernel ``"arc"``, ``"tiled"`` or ``"scheduled"``.
 
@@ -66,17 +66,16 @@ def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int, wh
     the tensor-core kernels where they can run (CUDA, 16-bit inputs, ``Dk == Dv`` in 32/64/128:
     the scheduled ones on sm_90 at every one of them, the tiled ones elsewhere) and the arc kernels
     elsewhere; ``"ffi-arc"`` forces the arc kernels, ``"ffi-tiled"`` the tensor cores.
-    ``whole_grids=False`` (the blocks of a sharded grid) leaves out the scheduled kernels.
     """
     if implementation == "reference":
         return "reference"
     if implementation == "ffi-tiled":
-        return _ffi.choose_tensor_core_kernel(platform, dtype, dk, dv, whole_grids)
+        return _ffi.choose_tensor_core_kernel(platform, dtype, dk, dv)
     if implementation in _FORCED_KERNELS:
         return _FORCED_KERNELS[implementation]
     if implementation is None and _native_reason("ffi", platform, dtype, dk, dv) is not None:
         return "reference"
-    return _ffi.choose_kernel(platform, dtype, dk, dv, whole_grids)
+    return _ffi.choose_kernel(platform, dtype, dk, dv)
 
 
 def check_arrays(query, key, value) -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .._native import HAS_CPU_EXT, HAS_CUDA_EXT, MODULES, kernel_limits, native_backends, native_status
+from ..schedule import ScheduleSet
 
 __all__ = [
     "BACKWARD_DKV_TARGET",
@@ -35,6 +37,7 @@ __all__ = [
     "TILED_BACKWARD_DQ_TARGET",
     "TILED_FORWARD_TARGET",
     "TILED_TARGETS",
+    "WindowSchedules",
     "choose_kernel",
     "ensure_registered",
     "export_disabled_checks",
@@ -216,7 +219,7 @@ def scheduled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str 
     channels on ``platform``; None if they can.
 
     They need a CUDA module built for sm_90a, an sm_90 device, and the dtypes and head dims of
-    :func:`kernel_limits` (``scheduled_*``); they take whole grids (the serial op's, not a sharded block).
+    :func:`kernel_limits` (``scheduled_*``); they take whole grids and the blocks of a sharded grid alike.
     """
     reasons = []
     if platform != "cuda":
@@ -235,19 +238,16 @@ def scheduled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str 
     return f"the scheduled kernels cannot run: {'; '.join(reasons)}" if reasons else None
 
 
-def choose_tensor_core_kernel(platform: str, dtype, dk: int, dv: int, whole_grids: bool = True) -> str:
-    """The tensor-core family for these inputs: ``"scheduled"`` where it can run (whole grids), else
-    ``"tiled"``."""
-    scheduled = whole_grids and scheduled_unavailable_reason(platform, dtype, dk, dv) is None
-    return "scheduled" if scheduled else "tiled"
+def choose_tensor_core_kernel(platform: str, dtype, dk: int, dv: int) -> str:
+    """The tensor-core family for these inputs: ``"scheduled"`` where it can run, else ``"tiled"``."""
+    return "scheduled" if scheduled_unavailable_reason(platform, dtype, dk, dv) is None else "tiled"
 
 
-def choose_kernel(platform: str, dtype, dk: int, dv: int, whole_grids: bool = True) -> str:
+def choose_kernel(platform: str, dtype, dk: int, dv: int) -> str:
     """The native kernel for these inputs on ``platform``: the tensor-core families where they can
-    run (faster; :func:`choose_tensor_core_kernel`), ``"arc"`` (the general path) everywhere else.
-    ``whole_grids=False`` (blocks of a sharded grid) leaves out the scheduled kernels."""
+    run (faster; :func:`choose_tensor_core_kernel`), ``"arc"`` (the general path) everywhere else."""
     if tiled_unavailable_reason(platform, dtype, dk, dv) is None:
-        return choose_tensor_core_kernel(platform, dtype, dk, dv, whole_grids)
+        return choose_tensor_core_kernel(platform, dtype, dk, dv)
     return "arc"
 
 
@@ -515,25 +515,56 @@ def ffi_backward_dkv(
     return dk, dv
 
 
-def _scheduled_operands(plan, walk: str, scale) -> tuple[tuple, dict]:
+class WindowSchedules(NamedTuple):
+    """The scheduled kernels' walks for the calls of one sharded layout: the forward (query tiles over key chunks)
+    and backward (key tiles over query chunks) :class:`~jax_s2attn.schedule.ScheduleSet` of every window the
+    layout has, and ``index`` (int32, may be traced) of this call's window in both."""
+
+    forward: ScheduleSet
+    backward: ScheduleSet
+    index: jax.Array
+
+
+def _scheduled_operands(plan, walk: str, scale, query, key, window=None, schedules=None) -> tuple[tuple, dict]:
     """The schedule operands (tiles, tile_offsets, chunks, records, quad_weights) of ``walk`` in the kernels'
-    shape and the attributes of a scheduled call."""
+    shape and the attributes of a scheduled call on ``query``'s and ``key``'s grids: the plan's schedule for whole
+    grids, or with ``window`` (int32 ``[8]``) and ``schedules`` (:class:`WindowSchedules`) the window's, with the
+    quadrature weights of the key arrays' rows."""
     tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
-    s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
-    operands = (s.tiles, s.tile_offsets, s.chunks, s.records, plan.quad_weights)
+    if schedules is None:
+        s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+        tiles, tile_offsets, weights = s.tiles, s.tile_offsets, plan.quad_weights
+    else:
+        s = schedules.forward if walk == "forward" else schedules.backward
+        if (s.tile_rows, s.tile_cols, s.chunk_cols) != (tile_rows, tile_cols, chunk_cols):
+            kernels = (tile_rows, tile_cols, chunk_cols)
+            raise ValueError(f"the window schedules' shape {tuple(s[4:7])} is not the kernels' {kernels}.")
+        index = _index(schedules.index)
+        tiles, tile_offsets = jnp.asarray(s.tiles)[index], jnp.asarray(s.tile_offsets)[index]
+        rows = _index(window)[4] + jnp.arange(key.shape[-4], dtype=jnp.int32)
+        weights = jnp.asarray(plan.quad_weights)[jnp.clip(rows, 0, plan.nlat_in - 1)]
+    _, nq_lat, nq_lon, _ = _grid_dims("query", query)
+    _, nk_lat, nk_lon, _ = _grid_dims("key", key)
+    if schedules is None and ((nq_lat, nq_lon), (nk_lat, nk_lon)) != (plan.out_shape, plan.in_shape):
+        raise ValueError(
+            f"query grid {nq_lat}x{nq_lon} and key grid {nk_lat}x{nk_lon} must be the plan's {plan.out_shape} and "
+            f"{plan.in_shape} (or pass window and schedules for a shard's blocks)."
+        )
+    operands = (_index(tiles), _index(tile_offsets), _index(s.chunks), _index(s.records), weights)
     attributes = {
         "scale": np.float32(scale),
         "classes": np.int64(s.classes),
         "shift": np.int64(s.shift),
-        "nlat_q": np.int64(plan.nlat_out),
-        "nlon_q": np.int64(plan.nlon_out),
-        "nlat_k": np.int64(plan.nlat_in),
-        "nlon_k": np.int64(plan.nlon_in),
+        "nlat_q": np.int64(nq_lat),
+        "nlon_q": np.int64(nq_lon),
+        "nlat_k": np.int64(nk_lat),
+        "nlon_k": np.int64(nk_lon),
+        "ring_nlon": np.int64(plan.nlon_in if walk == "forward" else plan.nlon_out),
         "tile_rows": np.int64(tile_rows),
         "tile_cols": np.int64(tile_cols),
         "chunk_cols": np.int64(chunk_cols),
     }
-    return tuple(_index(x) if x.dtype != np.float32 else x for x in operands), attributes
+    return operands, attributes
 
 
 def _scheduled_result_dtype(dtype, query, name: str) -> jnp.dtype:
@@ -544,9 +575,14 @@ def _scheduled_result_dtype(dtype, query, name: str) -> jnp.dtype:
     raise ValueError(f"{name} must be float32 or {jnp.dtype(query.dtype).name} (the dtype of query), got {dtype.name}.")
 
 
-def ffi_scheduled_forward(query, key, value, plan, *, scale, out_dtype=jnp.float32, poison_results=False):
+def ffi_scheduled_forward(
+    query, key, value, plan, *, scale, out_dtype=jnp.float32, poison_results=False, window=None, schedules=None
+):  # fmt: skip
     """The scheduled forward target: ``(out, lse)`` of whole grids (``query [..., nlat_out, nlon_out, H, D]``,
-    ``key``/``value [..., nlat_in, nlon_in, H, D]``), on ``plan``'s forward block schedule.
+    ``key``/``value [..., nlat_in, nlon_in, H, D]``) on ``plan``'s forward block schedule, or of a shard's local
+    blocks over the keys inside ``window`` (int32 ``[8]``, cuda/README.md "Windows") on its schedule in
+    ``schedules`` (:class:`WindowSchedules`): results as the other targets' over a window (padding: out 0, lse
+    -inf).
 
     P is rounded once to the activations' dtype for P·V and out divided by the row sums of that rounded P
     (a delta formed from a float32 out then agrees with the backward's probabilities on smooth fields);
@@ -555,7 +591,7 @@ def ffi_scheduled_forward(query, key, value, plan, *, scale, out_dtype=jnp.float
     run (:func:`scheduled_unavailable_reason`); the handler checks shapes and dtypes.
     """
     dtype = _scheduled_result_dtype(out_dtype, query, "out_dtype")
-    schedule, attributes = _scheduled_operands(plan, "forward", scale)
+    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, window, schedules)
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
     return tuple(_call(SCHEDULED_FORWARD_TARGET, (query, key, value, *schedule), shapes, attributes, poison_results,
@@ -563,24 +599,28 @@ def ffi_scheduled_forward(query, key, value, plan, *, scale, out_dtype=jnp.float
 
 
 def ffi_scheduled_dq(
-    query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False
+    query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False,
+    window=None, schedules=None,
 ):  # fmt: skip
     """The scheduled dq target (shaped like ``query``): ``lse`` and ``delta = sum(dout * out, -1) - dlse``
-    float32 ``[..., nlat_out, nlon_out, H]``; ``gradient_dtype`` float32 or the activations' dtype."""
+    float32 ``[..., nlat_out, nlon_out, H]`` (global: the whole grid's); ``gradient_dtype`` float32 or the
+    activations' dtype; ``window`` and ``schedules`` as for :func:`ffi_scheduled_forward` (dq over the window's
+    keys)."""
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
-    schedule, attributes = _scheduled_operands(plan, "forward", scale)
+    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, window, schedules)
     operands = (query, key, value, dout, lse, delta, *schedule)
     (dq,) = _call(SCHEDULED_BACKWARD_DQ_TARGET, operands, [query.shape], attributes, poison_results, dtype)
     return dq
 
 
 def ffi_scheduled_dkv(
-    query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False
+    query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False,
+    window=None, schedules=None,
 ):  # fmt: skip
-    """The scheduled dk/dv target on ``plan``'s backward block schedule: ``(dk, dv)`` shaped like ``key`` and
-    ``value``; operands as :func:`ffi_scheduled_dq`."""
+    """The scheduled dk/dv target on ``plan``'s backward block schedule (or the window's: over the window's
+    queries): ``(dk, dv)`` shaped like ``key`` and ``value``; operands as :func:`ffi_scheduled_dq`."""
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
-    schedule, attributes = _scheduled_operands(plan, "backward", scale)
+    schedule, attributes = _scheduled_operands(plan, "backward", scale, query, key, window, schedules)
     operands = (query, key, value, dout, lse, delta, *schedule)
     return tuple(_call(SCHEDULED_BACKWARD_DKV_TARGET, operands, [key.shape, value.shape], attributes,
                        poison_results, dtype))  # fmt: skip

@@ -2,8 +2,9 @@
 of the serial op's native path and of the sharded op (:mod:`jax_s2attn.parallel`).
 
 Each function runs one ``kernel``: ``"reference"`` (pure JAX) or a native kernel family,
-``"arc"`` or ``"tiled"`` (:data:`jax_s2attn.ops._ffi.KERNELS`; the caller checks that it
-can run), all with identical semantics, documented in ``cuda/README.md``:
+``"arc"``, ``"tiled"`` or ``"scheduled"`` (:data:`jax_s2attn.ops._ffi.KERNELS`; the caller checks that it
+can run; the scheduled kernels also take the window's schedules, :class:`~jax_s2attn.ops._ffi.WindowSchedules`,
+in place of ``row_order``), all with identical semantics, documented in ``cuda/README.md``:
 forward results over a key window merge exactly through their log-sum-exp, and
 the backward pieces are additive over key windows (dq) and query windows (dk, dv)
 given the *global* ``lse`` and ``delta = sum(dout * out)``.
@@ -57,30 +58,48 @@ def _check_kernel(kernel: str) -> None:
         raise ValueError(f"kernel must be 'reference' or one of {_ffi.KERNELS}, got {kernel!r}.")
 
 
-def _local_op(kernel: str, reference_op, native_op):
-    """``reference_op`` for ``"reference"``, else the native op bound to ``kernel``."""
+def _local_op(kernel: str, reference_op, native_op, scheduled_op, schedules):
+    """``reference_op`` for ``"reference"``, ``scheduled_op`` (on ``schedules``, without a row order) for
+    ``"scheduled"``, else the native op bound to ``kernel``."""
     _check_kernel(kernel)
-    return reference_op if kernel == "reference" else functools.partial(native_op, kernel=kernel)
+    if kernel == "reference":
+        return reference_op
+    if kernel == "scheduled":
+        if schedules is None:
+            raise ValueError("kernel='scheduled' needs the window's schedules (schedules=WindowSchedules(...)).")
+
+        def scheduled(*args, scale):
+            *operands, window, _ = args  # the schedule orders the work: no row order
+            return scheduled_op(*operands, window=window, schedules=schedules, scale=scale)
+
+        return scheduled
+    return functools.partial(native_op, kernel=kernel)
 
 
-def local_forward(query, key, value, plan, window, row_order, *, scale: float, kernel: str):
+def local_forward(query, key, value, plan, window, row_order, *, scale: float, kernel: str, schedules=None):
     """``(out, lse)`` in float32 of ``query`` over the keys inside ``window``."""
-    fn = _local_op(kernel, reference.reference_local_forward, _ffi.ffi_forward)
+    fn = _local_op(kernel, reference.reference_local_forward, _ffi.ffi_forward, _ffi.ffi_scheduled_forward, schedules)
     return fn(query, key, value, plan, window, row_order, scale=scale)
 
 
-def local_backward_dq(query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, kernel: str):
+def local_backward_dq(
+    query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, kernel: str, schedules=None
+):  # fmt: skip
     """dq (float32) from the keys inside ``window``, given global ``lse`` and ``delta``.
 
     float32 (the targets' default ``gradient_dtype``) because the callers sum these partial
     gradients over key blocks: rounding each partial to 16 bits would lose precision."""
-    fn = _local_op(kernel, reference.reference_local_backward_dq, _ffi.ffi_backward_dq)
+    fn = _local_op(kernel, reference.reference_local_backward_dq, _ffi.ffi_backward_dq, _ffi.ffi_scheduled_dq,
+                   schedules)  # fmt: skip
     return fn(query, key, value, dout, lse, delta, plan, window, row_order, scale=scale)
 
 
-def local_backward_dkv(query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, kernel: str):
+def local_backward_dkv(
+    query, key, value, dout, lse, delta, plan, window, row_order, *, scale: float, kernel: str, schedules=None
+):  # fmt: skip
     """``(dk, dv)`` (float32) from the queries inside ``window``, given global ``lse`` and ``delta``."""
-    fn = _local_op(kernel, reference.reference_local_backward_dkv, _ffi.ffi_backward_dkv)
+    fn = _local_op(kernel, reference.reference_local_backward_dkv, _ffi.ffi_backward_dkv, _ffi.ffi_scheduled_dkv,
+                   schedules)  # fmt: skip
     return fn(query, key, value, dout, lse, delta, plan, window, row_order, scale=scale)
 
 

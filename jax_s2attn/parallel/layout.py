@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..plan import NeighborhoodPlan
+from ..schedule import WalkWindow, build_schedule, join_schedules
 
-__all__ = ["AxisSplit", "ShardLayout", "shard_layout"]
+__all__ = ["AxisSplit", "ShardLayout", "shard_layout", "window_schedules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,27 @@ class ShardLayout:
         """Rows of a shard's halo-extended key block (real rows first)."""
         return self.radius_top + self.k_lat.block + self.radius_bottom
 
+    @functools.cached_property
+    def windows(self) -> np.ndarray:
+        """Every kernel window of the layout, int32 ``[lat parts * lon parts * lon parts, 8]``: row
+        :meth:`window_index` ``(lat_index, lon_index, chunk_index)`` is :meth:`window`'s."""
+        rows = []
+        for lat in range(self.q_lat.parts):
+            top, bottom = self.halo_top[lat], self.halo_bottom[lat]
+            for lon in range(self.q_lon.parts):
+                for chunk in range(self.k_lon.parts):
+                    rows.append((self.q_lat.starts[lat], self.q_lon.starts[lon], self.q_lat.counts[lat],
+                                 self.q_lon.counts[lon], self.k_lat.starts[lat] - top, self.k_lon.starts[chunk],
+                                 top + self.k_lat.counts[lat] + bottom, self.k_lon.counts[chunk]))  # fmt: skip
+        table = np.asarray(rows, np.int32)
+        table.setflags(write=False)
+        return table
+
+    def window_index(self, lat_index, lon_index, chunk_index):
+        """Row of :attr:`windows` of shard ``(lat_index, lon_index)`` holding key chunk ``chunk_index`` (the
+        indices may be traced)."""
+        return (lat_index * self.q_lon.parts + lon_index) * self.k_lon.parts + chunk_index
+
     def window(self, lat_index, lon_index, chunk_index):
         """The kernel window of shard ``(lat_index, lon_index)`` holding key chunk ``chunk_index``.
 
@@ -121,21 +143,30 @@ class ShardLayout:
         the shard's queries, and the halo-extended key rows of its latitude shard on the
         longitudes of longitude shard ``chunk_index``. Indices may be traced.
         """
-        table = lambda values: jnp.asarray(np.asarray(values, dtype=np.int32))  # noqa: E731
-        top, bottom = table(self.halo_top)[lat_index], table(self.halo_bottom)[lat_index]
-        k_nlat = table(self.k_lat.counts)[lat_index]
-        return jnp.stack(
-            [
-                table(self.q_lat.starts)[lat_index],
-                table(self.q_lon.starts)[lon_index],
-                table(self.q_lat.counts)[lat_index],
-                table(self.q_lon.counts)[lon_index],
-                table(self.k_lat.starts)[lat_index] - top,
-                table(self.k_lon.starts)[chunk_index],
-                top + k_nlat + bottom,
-                table(self.k_lon.counts)[chunk_index],
-            ]
-        )
+        return jnp.asarray(self.windows)[self.window_index(lat_index, lon_index, chunk_index)]
+
+
+@functools.lru_cache(maxsize=16)
+def window_schedules(plan: NeighborhoodPlan, layout: ShardLayout, tile_rows: int, tile_cols: int, chunk_cols: int):
+    """The scheduled kernels' ``(forward, backward)`` :class:`~jax_s2attn.schedule.ScheduleSet` of every window of
+    ``layout`` (in the order of :attr:`ShardLayout.windows`): the query blocks' tiles over the key blocks' chunks,
+    and the halo-extended key blocks' tiles over the query blocks' chunks, in local coordinates."""
+    plan = plan._host
+    q_block = (layout.q_lat.block, layout.q_lon.block)
+    k_block = (layout.k_ext_block, layout.k_lon.block)
+    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    # One record per point for every window where any window needs it (padding longitudes): a set has one format.
+    per_point = layout.q_lon.padded_size != layout.q_lon.size or layout.k_lon.padded_size != layout.k_lon.size
+    forward, backward = [], []
+    for q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon in layout.windows.tolist():
+        q_lat0, k_lat0 = min(q_lat0, plan.nlat_out - q_nlat), min(k_lat0, plan.nlat_in - k_nlat)  # empty shards
+        q_lon0, k_lon0 = min(q_lon0, plan.nlon_out - q_nlon), min(k_lon0, plan.nlon_in - k_nlon)
+        queries, keys = (q_lat0, q_lon0, q_nlat, q_nlon), (k_lat0, k_lon0, k_nlat, k_nlon)
+        forward.append(build_schedule(plan.forward_segments, *plan.out_shape, **shape, per_point_records=per_point,
+                                      window=WalkWindow(*queries, *q_block, *keys)))  # fmt: skip
+        backward.append(build_schedule(plan.backward_segments, *plan.in_shape, **shape, per_point_records=per_point,
+                                       window=WalkWindow(*keys, *k_block, *queries)))  # fmt: skip
+    return join_schedules(forward), join_schedules(backward)
 
 
 def _needed_key_rows(plan: NeighborhoodPlan, q_start: int, q_stop: int) -> tuple[int, int]:

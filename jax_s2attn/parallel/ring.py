@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from ..ops import RESIDUAL_NAME, local
-from .layout import ShardLayout
+from ..ops import RESIDUAL_NAME, _ffi, local
+from .layout import ShardLayout, window_schedules
 
 __all__ = ["RingConfig", "merge_partials", "ring_attention"]
 
@@ -33,7 +33,7 @@ __all__ = ["RingConfig", "merge_partials", "ring_attention"]
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
     """Static parameters of the ring (hashable); ``kernel`` is what each step runs:
-    ``"reference"``, ``"arc"`` or ``"tiled"`` (see :mod:`jax_s2attn.ops.local`)."""
+    ``"reference"``, ``"arc"``, ``"tiled"`` or ``"scheduled"`` (see :mod:`jax_s2attn.ops.local`)."""
 
     layout: ShardLayout
     scale: float
@@ -74,8 +74,21 @@ class _Ring:
         self.lon_index = jax.lax.axis_index(layout.lon_axis)
 
     def window(self, step):
-        chunk = (self.lon_index + step) % self.parts
-        return self.config.layout.window(self.lat_index, self.lon_index, chunk)
+        return self.config.layout.window(self.lat_index, self.lon_index, self.chunk(step))
+
+    def chunk(self, step):
+        return (self.lon_index + step) % self.parts
+
+    def local_kwargs(self, plan, step) -> dict:
+        """The local ops' keyword arguments at ``step``: the scheduled kernels also take the step's window
+        schedules."""
+        kwargs = {"scale": self.config.scale, "kernel": self.config.kernel}
+        if self.config.kernel == "scheduled":
+            tile_shape = _ffi.kernel_limits().scheduled_shape
+            forward, backward = window_schedules(plan, self.config.layout, *tile_shape)
+            index = self.config.layout.window_index(self.lat_index, self.lon_index, self.chunk(step))
+            kwargs["schedules"] = _ffi.WindowSchedules(forward, backward, index)
+        return kwargs
 
     def pass_on(self, tree):
         """Send ``tree`` one hop backwards round the ring (to shard ``r - 1``)."""
@@ -100,17 +113,13 @@ class _Ring:
         return compute(state, chunk, self.parts - 1)
 
 
-def _local_kwargs(config: RingConfig):
-    return {"scale": config.scale, "kernel": config.kernel}
-
-
 def _forward(config: RingConfig, query, key, value, plan):
     ring = _Ring(config)
     q_rows = local.local_row_order(plan, "forward", ring.window(0)[0], query.shape[1])
 
     def step(state, chunk, s):
         k, v = chunk
-        out, lse = local.local_forward(query, k, v, plan, ring.window(s), q_rows, **_local_kwargs(config))
+        out, lse = local.local_forward(query, k, v, plan, ring.window(s), q_rows, **ring.local_kwargs(plan, s))
         return merge_partials(*state, out, lse)
 
     out0 = jnp.zeros((*query.shape[:-1], value.shape[-1]), jnp.float32)
@@ -152,11 +161,10 @@ def _ring_bwd(config, residuals, dout):
     q_rows = local.local_row_order(plan, "forward", window[0], query.shape[1])
     k_rows = local.local_row_order(plan, "backward", window[4], key.shape[1])
     delta = local.local_delta(dout, out, kernel=config.kernel)
-    kwargs = _local_kwargs(config)
 
     def step(state, chunk, s):
         (k, v), (dq, dk, dv) = chunk, state
-        w = ring.window(s)
+        w, kwargs = ring.window(s), ring.local_kwargs(plan, s)
         dq = dq + local.local_backward_dq(query, k, v, dout, lse, delta, plan, w, q_rows, **kwargs)
         dk_s, dv_s = local.local_backward_dkv(query, k, v, dout, lse, delta, plan, w, k_rows, **kwargs)
         return dq, dk + dk_s, dv + dv_s

@@ -135,8 +135,8 @@ extern "C" int RunDelta(int dtype, const void* dout, const float* out, const flo
 }
 
 // A scheduled target (sched_attn_kernels.h): `kind` 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv), on the
-// walk's schedule (tiles, tile_offsets, chunks, records). sizes: batch, heads, nlat_q, nlon_q, nlat_k, nlon_k,
-// num_tiles, num_chunks, num_stagings, classes, shift, head_dim. dtype and result_dtype: ActivationType of the
+// walk's schedule (tiles, tile_offsets, chunks, records). sizes: batch, heads, nlat_q, nlon_q, nlat_k, nlon_k (the
+// arrays' grids), num_tiles, num_chunks, num_stagings, classes, shift, head_dim, ring_nlon. dtype and result_dtype: ActivationType of the
 // activations and of out, dq, dk, dv (lse is float32). Returns the launcher's cudaError_t.
 extern "C" int RunScheduledTarget(int kind, int dtype, int result_dtype, const void* q, const void* k, const void* v,
                                   const void* dout, const float* lse, const float* delta, const int32_t* tiles,
@@ -155,6 +155,7 @@ extern "C" int RunScheduledTarget(int kind, int dtype, int result_dtype, const v
   p.num_tiles = sizes[6], p.num_chunks = sizes[7], p.num_stagings = sizes[8];
   p.classes = static_cast<int32_t>(sizes[9]), p.shift = static_cast<int32_t>(sizes[10]);
   p.head_dim = static_cast<int32_t>(sizes[11]);
+  p.ring_nlon = static_cast<int32_t>(sizes[12]);
   p.scale = scale;
   switch (kind) {
     case 0:
