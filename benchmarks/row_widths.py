@@ -8,13 +8,16 @@ forward and dq walk; backward: key rows, which dk/dv walk) and per bound W on a 
 prints how many rows have all arcs within W, their share of the pairs and their pairs per point, and
 the same for the remaining rows.
 
-With ``--time KERNEL`` ("tiled" on a GPU, "arc" anywhere a native module runs), it also times the
-forward target of that kernel (bf16, C 64, one head) on every row and, per split of the forward walk, on
-the band of query rows from its first to its last short-arc row (a window of those rows; the short-arc
-rows of a self-attention plan are one band around the equator, and the count of rows in the band says
-whether others lie inside): what that kernel spends on the rows a stencil kernel could take.
+With ``--time KERNEL ...`` ("tiled" or "scheduled" on a GPU, "arc" anywhere a native module runs), it
+also times, per kernel, the forward target (bf16, C 64, one head) on every row and, per split of the forward
+walk, on the band of query rows from its first to its last short-arc row (a window of those rows; the
+short-arc rows of a self-attention plan are one band around the equator, and the count of rows in the band
+says whether others lie inside): what that kernel spends on the rows a stencil kernel could take. Where the
+plan has stencil rows, it times the forward target on the query rows outside the forward walk's stencil
+pairs and the dk/dv target on the key rows outside the backward walk's, one window per band of such rows
+(the polar rows at the default cutoff): what the kernel beside the stencil kernels costs.
 
-Usage: ``python benchmarks/row_widths.py [--grid NLAT NLON [--theta-cutoff TC]] ... [--time KERNEL]``
+Usage: ``python benchmarks/row_widths.py [--grid NLAT NLON [--theta-cutoff TC]] ... [--time KERNEL ...]``
 (default: the benchmark's 721x1440 default cutoff, 721x1440 tc 0.03 and 360x720 tc 0.03, self-attention).
 """
 
@@ -73,30 +76,78 @@ def row_split(plan: NeighborhoodPlan, walk: str, width: int) -> RowSplit:
     return RowSplit(int(narrow.sum()), len(longest), int(pairs[narrow].sum()), int(pairs.sum()), points_per_row)
 
 
-def forward_ms(plan: NeighborhoodPlan, kernel: str, lat0: int, nrows: int, reps: int = 20) -> float:
-    """Median ms of ``kernel``'s forward target on the query rows ``lat0 .. lat0 + nrows - 1`` alone (a
-    window of those rows over every key; bf16, C 64, one head)."""
+def _activations(shapes, sets: int = 3) -> list[tuple]:
+    """``sets`` tuples of bf16 normal arrays of ``shapes`` (timing rotates among them)."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    return [tuple(jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16) for s in shapes) for _ in range(sets)]
+
+
+def _band_schedules(plan: NeighborhoodPlan, window: np.ndarray):
+    """The scheduled kernels' :class:`~jax_s2attn.ops._ffi.WindowSchedules` of one ``window`` (int32 ``[8]``)."""
+    from jax_s2attn import _native
+    from jax_s2attn.ops import _ffi
+    from jax_s2attn.schedule import WalkWindow, build_schedule, join_schedules
+
+    tile_rows, tile_cols, chunk_cols = _native.kernel_limits().scheduled_shape
+    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon = (int(x) for x in window)
+    queries, keys = (q_lat0, q_lon0, q_nlat, q_nlon), (k_lat0, k_lon0, k_nlat, k_nlon)
+    forward = build_schedule(plan.forward_segments, *plan.out_shape, **shape,
+                             window=WalkWindow(*queries, q_nlat, q_nlon, *keys))  # fmt: skip
+    backward = build_schedule(plan.backward_segments, *plan.in_shape, **shape,
+                              window=WalkWindow(*keys, k_nlat, k_nlon, *queries))  # fmt: skip
+    return _ffi.WindowSchedules(join_schedules([forward]), join_schedules([backward]), np.int32(0))
+
+
+def band_ms(plan: NeighborhoodPlan, kernel: str, walk: str, lat0: int, nrows: int, reps: int = 20) -> float:
+    """Median ms of ``kernel``'s forward target on the query rows ``lat0 .. lat0 + nrows - 1`` (``walk``
+    "forward") or its dk/dv target on those key rows (``walk`` "backward"), alone: a window of those rows over
+    every point of the other grid (bf16, C 64, one head; dk/dv with normal lse and delta)."""
     import jax
     import jax.numpy as jnp
 
-    from jax_s2attn.ops import _ffi
-    from jax_s2attn.ops.local import local_row_order
+    from jax_s2attn.ops import local
 
-    rng = np.random.default_rng(0)
-    nlon_q = plan.out_shape[1]
-    shapes = [(1, nrows, nlon_q, 1, 64), (1, *plan.in_shape, 1, 64), (1, *plan.in_shape, 1, 64)]
-    inputs = [tuple(jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16) for s in shapes) for _ in range(3)]
-    window = np.array([lat0, 0, nrows, nlon_q, 0, 0, *plan.in_shape], np.int32)
-    order = local_row_order(plan, "forward", lat0, nrows)
-    forward = jax.jit(lambda q, k, v: _ffi.ffi_forward(q, k, v, plan, window, order, scale=0.125, kernel=kernel))
-    return median_ms(forward, inputs, reps)
+    nlat_q, nlon_q = plan.out_shape
+    nlat_k, nlon_k = plan.in_shape
+    if walk == "forward":
+        q_rows, k_rows, window = nrows, nlat_k, [lat0, 0, nrows, nlon_q, 0, 0, nlat_k, nlon_k]
+    else:
+        q_rows, k_rows, window = nlat_q, nrows, [0, 0, nlat_q, nlon_q, lat0, 0, nrows, nlon_k]
+    window = np.array(window, np.int32)
+    schedules = _band_schedules(plan, window) if kernel == "scheduled" else None
+    options = dict(scale=0.125, kernel=kernel, schedules=schedules)
+    queries, keys = (1, q_rows, nlon_q, 1, 64), (1, k_rows, nlon_k, 1, 64)
+    if walk == "forward":
+        order = local.local_row_order(plan, "forward", lat0, nrows)
+        fn = jax.jit(lambda q, k, v: local.local_forward(q, k, v, plan, window, order, **options))
+        return median_ms(fn, _activations([queries, keys, keys]), reps)
+    order = local.local_row_order(plan, "backward", lat0, nrows)
+    rng = np.random.default_rng(1)
+    lse, delta = (jnp.asarray(rng.standard_normal(queries[:-1], np.float32)) for _ in range(2))
+    fn = jax.jit(lambda q, k, v, g: local.local_backward_dkv(q, k, v, g, lse, delta, plan, window, order, **options))
+    return median_ms(fn, _activations([queries, keys, keys, queries]), reps)
+
+
+def bands_outside(rows: int, pairs: np.ndarray) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each run of consecutive rows of ``0 .. rows - 1`` outside the row pairs
+    ``pairs`` (int ``[n, 2]``, a stencil table's)."""
+    inside = np.zeros(rows + 2, bool)  # padded by one row each side
+    inside[[0, -1]] = True
+    inside[np.asarray(pairs, np.int64).reshape(-1) + 1] = True
+    starts = np.flatnonzero(inside[:-1] & ~inside[1:])
+    stops = np.flatnonzero(~inside[:-1] & inside[1:])
+    return [(int(a), int(b - a)) for a, b in zip(starts, stops, strict=True)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", type=int, nargs=2, action="append", metavar=("NLAT", "NLON"))
     parser.add_argument("--theta-cutoff", type=float, action="append", help="one per --grid; omit for the default")
-    parser.add_argument("--time", metavar="KERNEL", help="time this kernel's forward on each split's rows")
+    parser.add_argument("--time", metavar="KERNEL", nargs="+", default=[],
+                        help="time these kernels' targets on each split's rows")  # fmt: skip
     args = parser.parse_args()
     if args.grid:
         cutoffs = args.theta_cutoff or [None] * len(args.grid)
@@ -107,8 +158,8 @@ def main() -> None:
         plan = NeighborhoodPlan(shape, shape, theta_cutoff=cutoff)
         per_point = plan.num_pairs / np.prod(shape)
         print(f"{shape[0]}x{shape[1]}, theta_cutoff {plan.theta_cutoff:.4g}: {per_point:.1f} pairs/point")
-        if args.time:
-            print(f"  {args.time} forward, every row: {forward_ms(plan, args.time, 0, shape[0]):.4f} ms")
+        for kernel in args.time:
+            print(f"  {kernel} forward, every row: {band_ms(plan, kernel, "forward", 0, shape[0]):.4f} ms")
         for walk in ("forward", "backward"):
             for width in WIDTHS:
                 s = row_split(plan, walk, width)
@@ -118,12 +169,23 @@ def main() -> None:
                 line = (f"  {walk:8s} arcs <= {width:2d}: rows {s.narrow_rows:4d} ({s.narrow_rows / s.rows:6.1%}), "
                         f"pairs {s.narrow_pairs / s.pairs:6.1%}, {narrow_per_point:6.1f} per point; "
                         f"the other {wide_rows:4d} rows {wide_per_point:7.1f} per point")
-                if args.time and walk == "forward" and s.narrow_rows:
+                if walk == "forward" and s.narrow_rows:
                     rows = narrow_rows(plan, walk, width)
                     band = rows[-1] - rows[0] + 1
-                    line += f"; {args.time} forward on rows {rows[0]}..{rows[-1]} ({band} rows): "
-                    line += f"{forward_ms(plan, args.time, int(rows[0]), int(band)):.4f} ms"
+                    for kernel in args.time:
+                        line += f"; {kernel} forward on rows {rows[0]}..{rows[-1]} ({band} rows): "
+                        line += f"{band_ms(plan, kernel, "forward", int(rows[0]), int(band)):.4f} ms"
                 print(line)
+        for walk, target in (("forward", "forward"), ("backward", "dk/dv")):
+            pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
+            if not args.time or len(pairs) == 0:
+                continue
+            bands = bands_outside(plan.out_shape[0] if walk == "forward" else plan.in_shape[0], pairs)
+            names = ", ".join(f"{a}..{a + n - 1}" for a, n in bands)
+            for kernel in args.time:
+                ms = sum(band_ms(plan, kernel, walk, a, n) for a, n in bands)
+                rows = sum(n for _, n in bands)
+                print(f"  {kernel} {target} outside the {walk} stencil pairs ({rows} rows: {names}): {ms:.4f} ms")
 
 
 if __name__ == "__main__":

@@ -203,9 +203,19 @@ def test_row_widths_split_the_plans_pairs(shapes):
 @pytest.mark.slow
 def test_row_widths_times_a_kernel_on_each_band(tmp_path):
     lines = _run("row_widths.py", "--grid", "17", "36", "--theta-cutoff", "0.3", "--time", "arc", cwd=tmp_path)
-    timed = [line for line in lines.splitlines() if "arc forward" in line]
-    # every row, then each of the forward walk's four splits (each has short-arc rows here)
-    assert len(timed) == 5 and all(float(line.split()[-2]) > 0 for line in timed), lines
+    timed = [line for line in lines.splitlines() if "arc forward" in line or "arc dk/dv" in line]
+    # every row, each of the forward walk's four splits (each has short-arc rows here), then the rows outside
+    # the forward and the backward stencil pairs: rows 0..2 and 13..16 of this plan in both walks
+    assert len(timed) == 7 and all(float(line.split()[-2]) > 0 for line in timed), lines
+    assert [line.split("(")[1].split(")")[0] for line in timed[-2:]] == ["7 rows: 0..2, 13..16"] * 2, lines
+
+
+def test_row_widths_bands_outside_the_stencil_pairs():
+    bands_outside = _benchmark_module("row_widths").bands_outside
+    assert bands_outside(10, np.array([[3, 4], [5, 6]])) == [(0, 3), (7, 3)]
+    assert bands_outside(6, np.array([[0, 1], [4, 5]])) == [(2, 2)]
+    assert bands_outside(4, np.zeros((0, 2), int)) == [(0, 4)]
+    assert bands_outside(4, np.array([[0, 1], [2, 3]])) == []
 
 
 def test_torch_harmonics_build_leaves_a_wheels_prebuilt_extensions_behind(tmp_path):
