@@ -143,6 +143,8 @@ def join_schedules(schedules) -> ScheduleSet:
     """One :class:`ScheduleSet` of ``schedules`` (a sequence of :class:`BlockSchedule` of one shape: the same
     tile counts, classes and grids), in their order."""
     schedules = list(schedules)
+    if not schedules:
+        raise ValueError("join_schedules needs at least one schedule.")
     shape = schedules[0][4:]
     if any(s[4:] != shape or s.tiles.shape != schedules[0].tiles.shape for s in schedules):
         raise ValueError("joined schedules must share tile counts, tile and chunk shape, classes, shift and grids.")

@@ -669,6 +669,7 @@ def run_scheduled_case(lib, case: KernelCase, result_type=np.float32, memory=Non
     float32 feeds delta = rowsum(dout * out) (in float64, then float32, as the delta target forms it), the
     backward takes the forward's lse; out, dq, dk and dv of numpy type ``result_type``; ``memory`` as for
     :func:`run_scheduled_kind`."""
+    assert whole_grids(case), "run_scheduled_case forms delta from its own forward: whole grids only"
     forward, backward = scheduled_schedules(case)
     out32, lse = run_scheduled_kind(lib, case, "forward", np.float32, forward, memory=memory)
     out = out32 if np.dtype(result_type) == np.float32 else run_scheduled_kind(lib, case, "forward", result_type,

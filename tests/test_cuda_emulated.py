@@ -756,12 +756,16 @@ def test_scheduled_windows_with_padding(emulated_library, rng, plan_name, q_wind
 def test_scheduled_windows_of_a_layout(emulated_library, rng, shapes, lat_parts, lon_parts):
     """The windows of a sharded layout on the schedules the sharded op runs (jax_s2attn.parallel.layout's
     window_schedules: every window's schedule joined into one set, a window's tiles and offsets picked by its
-    index): each against float64, padding zero."""
+    index): the first shard's own window, the last shard's (padding), the last longitude shard's first ring step
+    (padding queries over the first key chunk) and a middle latitude shard's last one (halo rows), each against
+    float64, padding zero."""
     plan = NeighborhoodPlan(*shapes, theta_cutoff=0.4)
     layout = shard_layout(plan, lat_parts, lon_parts)
     sets = window_schedules(plan, layout, *kernel_limits().scheduled_shape)
     q_block, k_block = (layout.q_lat.block, layout.q_lon.block), (layout.k_ext_block, layout.k_lon.block)
-    for index in rng.choice(len(layout.windows), 4, replace=False):
+    steps = {(0, 0, 0), (lat_parts - 1, lon_parts - 1, lon_parts - 1), (0, lon_parts - 1, 0),
+             (lat_parts // 2, 0, lon_parts - 1)}  # (latitude shard, longitude shard, key chunk)
+    for index in sorted(layout.window_index(*step) for step in steps):
         window = layout.windows[index].tolist()
         padding = (q_block[0] - window[2], q_block[1] - window[3], k_block[0] - window[6], k_block[1] - window[7])
         case = prepare_case(rng, plan, 1, 2, 64, 64, "bfloat16", tuple(window[:4]), tuple(window[4:]), padding)

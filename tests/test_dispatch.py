@@ -398,3 +398,57 @@ def test_export_for_cpu_and_cuda_chooses_per_platform(tiled_build):
     module = _exported_module("ffi", BF16, 64, 64, ["cpu", "cuda"])
     assert _calls(module, _ffi.TILED_TARGETS) == OP_TILED_TARGETS
     assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
+
+
+# ----------------------------------------------------------------------------- a window's scheduled operands
+
+
+def _window_case(index: int):
+    """A 2 x 3 layout of PLAN (halo rows, padding longitudes), its window schedules and window ``index``'s
+    local blocks (bf16, 2 heads of 64)."""
+    from jax_s2attn.parallel.layout import shard_layout, window_schedules
+
+    layout = shard_layout(PLAN, 2, 3)
+    forward, backward = window_schedules(PLAN, layout, *_ffi.kernel_limits().scheduled_shape)
+    schedules = _ffi.WindowSchedules(forward, backward, jnp.int32(index))
+    query = jnp.zeros((1, layout.q_lat.block, layout.q_lon.block, 2, 64), BF16)
+    key = jnp.zeros((1, layout.k_ext_block, layout.k_lon.block, 2, 64), BF16)
+    return layout, schedules, query, key
+
+
+@native
+@pytest.mark.parametrize("walk", ["forward", "backward"])
+def test_a_windows_scheduled_operands_are_its_own(walk):
+    """The operands of a scheduled call on a window: the window's tiles and offsets picked from the joined set by
+    its index, the joined chunks and records, the quadrature weights of the key block's global rows (clamped to
+    the grid), and the other grid's ring as the modulus."""
+    for index in (0, 4, 11):
+        layout, schedules, query, key = _window_case(index)
+        window = layout.windows[index]
+        (tiles, offsets, chunks, records, weights), attributes = _ffi._scheduled_operands(
+            PLAN, walk, 0.125, query, key, window, schedules
+        )
+        joined = schedules.forward if walk == "forward" else schedules.backward
+        np.testing.assert_array_equal(tiles, joined.tiles[index])
+        np.testing.assert_array_equal(offsets, joined.tile_offsets[index])
+        np.testing.assert_array_equal(chunks, joined.chunks)
+        np.testing.assert_array_equal(records, joined.records)
+        rows = np.clip(window[4] + np.arange(layout.k_ext_block), 0, PLAN.nlat_in - 1)
+        np.testing.assert_array_equal(weights, np.asarray(PLAN.quad_weights)[rows])
+        assert attributes["ring_nlon"] == (PLAN.nlon_in if walk == "forward" else PLAN.nlon_out)
+        assert (attributes["nlat_q"], attributes["nlon_q"]) == query.shape[1:3]
+        assert (attributes["nlat_k"], attributes["nlon_k"]) == key.shape[1:3]
+
+
+@native
+def test_a_windows_scheduled_operands_are_refused_without_their_pair_or_on_other_blocks():
+    layout, schedules, query, key = _window_case(0)
+    window = layout.windows[0]
+    with pytest.raises(ValueError, match="window and schedules go together"):
+        _ffi._scheduled_operands(PLAN, "forward", 0.125, query, key, window, None)
+    with pytest.raises(ValueError, match="window and schedules go together"):
+        _ffi._scheduled_operands(PLAN, "forward", 0.125, query, key, None, schedules)
+    with pytest.raises(ValueError, match="the query blocks are .* window schedules' walking blocks"):
+        _ffi._scheduled_operands(PLAN, "forward", 0.125, query[:, :-1], key, window, schedules)
+    with pytest.raises(ValueError, match="the key blocks are .* window schedules' walking blocks"):
+        _ffi._scheduled_operands(PLAN, "backward", 0.125, query, key[:, :, :-1], window, schedules)

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jax_s2attn.parallel.layout import shard_layout, window_schedules
 from jax_s2attn.plan import NeighborhoodPlan
-from jax_s2attn.schedule import FULL, RING, BlockSchedule, WalkWindow, build_schedule
+from jax_s2attn.schedule import FULL, RING, BlockSchedule, WalkWindow, build_schedule, join_schedules
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import psi_pairs  # noqa: E402
@@ -161,6 +162,37 @@ def test_windowed_schedules_cover_the_windows_pairs_once(args, shape):
             assert sorted(map(tuple, s.tiles.tolist())) == sorted(tiles), "tiles do not cover the local arrays"
             got = _sorted_pairs(_expand(s, window, walk_shape[1]), walk)
             np.testing.assert_array_equal(got, expected, err_msg=f"{walk} walk on {window}")
+
+
+@pytest.mark.parametrize(("args", "lat_parts", "lon_parts"), [
+    (((17, 36), (17, 36), "equiangular", 0.3), 8, 5),  # two empty latitude shards; padding longitudes
+    (((16, 32), (8, 16), "equiangular", 0.4), 3, 2),  # downsampling: halos of two key rows a query row
+    (((8, 16), (16, 32), "equiangular", 0.4), 2, 3),  # upsampling, padding longitudes on both grids
+], ids=str)  # fmt: skip
+def test_a_layouts_window_schedules_cover_the_plans_pairs_once(args, lat_parts, lon_parts):
+    """The joined window schedules of a sharded layout (parallel.layout.window_schedules, each window's tiles and
+    offsets picked by its index as the sharded op picks them): together, every plan pair once for both walks."""
+    plan = _plan(args)
+    layout = shard_layout(plan, lat_parts, lon_parts)
+    sets = window_schedules(plan, layout, 4, 16, 32)
+    q_block, k_block = (layout.q_lat.block, layout.q_lon.block), (layout.k_ext_block, layout.k_lon.block)
+    for walk, joined, walk_shape in [("forward", sets[0], plan.out_shape), ("backward", sets[1], plan.in_shape)]:
+        assert joined.tiles.shape[0] == len(layout.windows)
+        got = []
+        for index, row in enumerate(layout.windows.tolist()):
+            queries, keys = row[:4], row[4:]
+            window = (WalkWindow(*queries, *q_block, *keys) if walk == "forward"
+                      else WalkWindow(*keys, *k_block, *queries))  # fmt: skip
+            first, last = joined.tile_offsets[index][[0, -1]]
+            picked = BlockSchedule(joined.tiles[index], joined.tile_offsets[index] - first,
+                                   joined.chunks[first:last], joined.records, *joined[4:])  # fmt: skip
+            got.append(_expand(picked, window, walk_shape[1]))
+        np.testing.assert_array_equal(_sorted_pairs(np.concatenate(got), walk), _plan_pairs(plan), err_msg=walk)
+
+
+def test_joining_no_schedules_is_refused():
+    with pytest.raises(ValueError, match="at least one schedule"):
+        join_schedules([])
 
 
 @pytest.mark.parametrize("args", PLANS[:4] + PLANS[7:9] + PLANS[-1:], ids=lambda a: f"{a[0]}-{a[1]}-{a[3]}")

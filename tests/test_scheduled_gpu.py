@@ -223,8 +223,9 @@ def _meshes() -> list[tuple[int, int]]:
 
 def test_the_sharded_op_runs_the_scheduled_kernels(exact_random, rel_error):
     """The sharded op picks the scheduled kernels where the serial op does, on every mesh of this machine's GPUs
-    (halo rows and a ring of key chunks from two GPUs), and its output and gradients match the serial op's within
-    a bfloat16 rounding or two; every device's program runs the scheduled targets alone."""
+    (one GPU: the 1 x 1 mesh, a single whole-grid window; halo rows and a ring of key chunks need two), and its
+    output and gradients match the serial op's within a bfloat16 rounding or two; every device's program runs the
+    scheduled targets alone."""
     plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.25)
     primals = tuple(jnp.asarray(exact_random(2, 33, 72, 2, 64), jnp.bfloat16) for _ in range(3))
     dout = jnp.asarray(exact_random(2, 33, 72, 2, 64), jnp.bfloat16)
@@ -260,6 +261,21 @@ def test_a_schedule_of_another_plan_is_refused(exact_random):
     attributes.update(nlat_q=np.int64(17), nlon_q=np.int64(36), nlat_k=np.int64(17), nlon_k=np.int64(36))
     shapes = [(1, 17, 36, 1, 64), (1, 17, 36, 1)]
     with pytest.raises(Exception, match="the schedule lists"):
+        out, _ = _ffi._call(_ffi.SCHEDULED_FORWARD_TARGET, (q, k, v, *schedule), shapes, attributes, False,
+                            (jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)))  # fmt: skip
+        np.asarray(out)
+
+
+@pytest.mark.parametrize("ring_nlon", [0, -36, 1 << 29])
+def test_a_ring_modulus_out_of_range_is_refused(exact_random, ring_nlon):
+    """The handler checks the RING chunks' modulus (the other grid's longitudes): one out of [1, 2^29) fails with
+    INVALID_ARGUMENT naming ring_nlon instead of running."""
+    plan = NeighborhoodPlan((17, 36), (17, 36), theta_cutoff=0.3)
+    q, k, v = (jnp.asarray(exact_random(1, 17, 36, 1, 64), jnp.bfloat16) for _ in range(3))
+    schedule, attributes = _ffi._scheduled_operands(plan, "forward", 0.125, q, k)
+    attributes["ring_nlon"] = np.int64(ring_nlon)
+    shapes = [(1, 17, 36, 1, 64), (1, 17, 36, 1)]
+    with pytest.raises(Exception, match="ring_nlon"):
         out, _ = _ffi._call(_ffi.SCHEDULED_FORWARD_TARGET, (q, k, v, *schedule), shapes, attributes, False,
                             (jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)))  # fmt: skip
         np.asarray(out)

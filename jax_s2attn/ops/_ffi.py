@@ -85,7 +85,8 @@ TILED_TARGETS = (
     TILED_FORWARD_TARGET, TILED_BACKWARD_DQ_TARGET, TILED_BACKWARD_DKV_TARGET, TILED_BACKWARD_DQ_DELTA_TARGET
 )
 
-# The scheduled tensor-core kernels (CUDA, sm_90a): the plan's block schedules in place of its tables, whole grids.
+# The scheduled tensor-core kernels (CUDA, sm_90a): block schedules in place of the plan's tables, of whole grids
+# (the plan's) or of a shard's windows.
 SCHEDULED_FORWARD_TARGET = "jax_s2attn_sched_fwd"
 SCHEDULED_BACKWARD_DQ_TARGET = "jax_s2attn_sched_bwd_dq"
 SCHEDULED_BACKWARD_DKV_TARGET = "jax_s2attn_sched_bwd_dkv"
@@ -113,7 +114,7 @@ def export_disabled_checks() -> list:
 #: The native kernel families: ``"arc"`` (arc-segment walk on CUDA cores or the CPU, the
 #: dtypes of :attr:`~jax_s2attn._native.KernelLimits.arc_dtypes` and any head dims),
 #: ``"tiled"`` (tensor cores by mma.sync on the plan's segment tables, see :func:`tiled_unavailable_reason`) and
-#: ``"scheduled"`` (tensor cores by wgmma on the plan's block schedules, whole grids, see
+#: ``"scheduled"`` (tensor cores by wgmma on block schedules, of whole grids or a shard's windows, see
 #: :func:`scheduled_unavailable_reason`).
 KERNELS = ("arc", "tiled", "scheduled")
 
@@ -531,6 +532,8 @@ def _scheduled_operands(plan, walk: str, scale, query, key, window=None, schedul
     grids, or with ``window`` (int32 ``[8]``) and ``schedules`` (:class:`WindowSchedules`) the window's, with the
     quadrature weights of the key arrays' rows."""
     tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
+    if (window is None) != (schedules is None):
+        raise ValueError("window and schedules go together: pass both (a shard's blocks) or neither (whole grids).")
     if schedules is None:
         s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
         tiles, tile_offsets, weights = s.tiles, s.tile_offsets, plan.quad_weights
@@ -550,6 +553,12 @@ def _scheduled_operands(plan, walk: str, scale, query, key, window=None, schedul
             f"query grid {nq_lat}x{nq_lon} and key grid {nk_lat}x{nk_lon} must be the plan's {plan.out_shape} and "
             f"{plan.in_shape} (or pass window and schedules for a shard's blocks)."
         )
+    walking, (nlat_walk, nlon_walk) = ("query", (nq_lat, nq_lon)) if walk == "forward" else ("key", (nk_lat, nk_lon))
+    if schedules is not None and (nlat_walk, nlon_walk) != (s.nlat_walk, s.nlon_walk):
+        raise ValueError(
+            f"the {walking} blocks are {nlat_walk}x{nlon_walk}, the window schedules' walking blocks "
+            f"{s.nlat_walk}x{s.nlon_walk}: build the schedules for these blocks (parallel.layout.window_schedules)."
+        )
     operands = (_index(tiles), _index(tile_offsets), _index(s.chunks), _index(s.records), weights)
     attributes = {
         "scale": np.float32(scale),
@@ -559,7 +568,7 @@ def _scheduled_operands(plan, walk: str, scale, query, key, window=None, schedul
         "nlon_q": np.int64(nq_lon),
         "nlat_k": np.int64(nk_lat),
         "nlon_k": np.int64(nk_lon),
-        "ring_nlon": np.int64(plan.nlon_in if walk == "forward" else plan.nlon_out),
+        "ring_nlon": np.int64(s.nlon),
         "tile_rows": np.int64(tile_rows),
         "tile_cols": np.int64(tile_cols),
         "chunk_cols": np.int64(chunk_cols),

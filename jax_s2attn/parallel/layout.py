@@ -159,8 +159,6 @@ def window_schedules(plan: NeighborhoodPlan, layout: ShardLayout, tile_rows: int
     per_point = layout.q_lon.padded_size != layout.q_lon.size or layout.k_lon.padded_size != layout.k_lon.size
     forward, backward = [], []
     for q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon in layout.windows.tolist():
-        q_lat0, k_lat0 = min(q_lat0, plan.nlat_out - q_nlat), min(k_lat0, plan.nlat_in - k_nlat)  # empty shards
-        q_lon0, k_lon0 = min(q_lon0, plan.nlon_out - q_nlon), min(k_lon0, plan.nlon_in - k_nlon)
         queries, keys = (q_lat0, q_lon0, q_nlat, q_nlon), (k_lat0, k_lon0, k_nlat, k_nlon)
         forward.append(build_schedule(plan.forward_segments, *plan.out_shape, **shape, per_point_records=per_point,
                                       window=WalkWindow(*queries, *q_block, *keys)))  # fmt: skip
