@@ -332,8 +332,8 @@ __device__ __forceinline__ uint32_t ColumnsBelow(int n) {
 __device__ __forceinline__ uint32_t ColumnBits(int lo, int hi) { return ColumnsBelow(hi) & ~ColumnsBelow(lo); }
 
 // A partial chunk's mask for the thread's two accumulator rows h: bit c of keep[h] says whether column 2 t + c is
-// kept (n with start <= n < start + length and n < valid; RING chunks with start modulo nlon, and also the arc's
-// part past longitude nlon, from the chunk's first column).
+// kept (n with start <= n < start + length and n < valid; RING chunks with start modulo ring_nlon, and also the
+// arc's part past longitude ring_nlon, from the chunk's first column).
 struct ChunkMask {
   uint32_t keep[2];
 };
@@ -350,9 +350,9 @@ __device__ __forceinline__ ChunkMask MaskOf(const Problem& p, const ChunkInfo& i
     const int length = record.y;
     uint32_t keep;
     if (ring) {
-      // start modulo nlon: |start| < 2 nlon for the points that are written (offset and record.x in [0, nlon),
-      // shift * step < nlon; tests/test_schedule.py checks it). Other points may get wrong masks: their rows
-      // are computed, not written.
+      // start modulo ring_nlon: |start| < 2 ring_nlon for the points that are written (offset and record.x in
+      // [0, ring_nlon), shift * step < ring_nlon; tests/test_schedule.py checks it). Other points may get wrong
+      // masks: their rows are computed, not written.
       start += start < 0 ? p.ring_nlon : 0;
       start -= start >= p.ring_nlon ? p.ring_nlon : 0;
       keep = length >= p.ring_nlon ? ColumnBits(0, valid)

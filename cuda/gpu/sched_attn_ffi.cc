@@ -97,8 +97,9 @@ bool IsSchedHeadDim(int64_t d) {
   return false;
 }
 
-// Decodes q, k, v (whole grids of the attributes, 16-bit, Dk == Dv, one of the kernels' head dims), the schedule's
-// table sizes and the attributes into `g`; `walk_keys` for dk/dv's backward schedule.
+// Decodes q, k, v (of the attributes' grids: whole grids or a window's local blocks; 16-bit, Dk == Dv, one of the
+// kernels' head dims), the schedule's table sizes and the attributes into `g`; `walk_keys` for dk/dv's backward
+// schedule.
 ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const Schedule& s,
                   const SchedAttrs& a, bool walk_keys, SchedAttnParams* g) {
   S2ATTN_CHECK(SchedAttnAvailable(), "the scheduled kernels need an sm_90 GPU (H100, H200) and a build for sm_90a");
