@@ -28,7 +28,7 @@ from jax_s2attn.parallel import shard_layout, sharded_neighborhood_attention
 from jax_s2attn.parallel.layout import window_schedules
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_tiled_gpu import NAMES, OUT_TOLERANCE, SMOOTH_CASES, _check, _compiled_vjp, _oracle, _rounded  # noqa: E402
+from test_tiled_gpu import NAMES, SMOOTH_CASES, _check, _compiled_vjp, _oracle, _rounded  # noqa: E402
 from test_nbhd_ffi import _Block  # noqa: E402
 from kernel_cases import smooth_field  # noqa: E402
 
@@ -170,7 +170,8 @@ def test_windows_of_a_layout_match_the_arc_kernels(geometry, lat_parts, lon_part
     """Every window of a sharded layout (each shard with each key chunk; local blocks padded with noise, key rows
     halo-extended) on the scheduled kernels, the window's schedules picked by a traced index: every result
     (poisoned with NaN first) is written, padding holds zeros (-inf for lse), and out, lse, dq, dk and dv match
-    the arc kernels' partials of the same window."""
+    the arc kernels' partials of the same window (lse to 1e-5; the rest to 1e-2, out included: the scheduled
+    forward multiplies P rounded once to the activations' dtype)."""
     plan = NeighborhoodPlan(*geometry)
     layout = shard_layout(plan, lat_parts, lon_parts)
     forward, backward = window_schedules(plan, layout, *_ffi.kernel_limits().scheduled_shape)
@@ -210,8 +211,7 @@ def test_windows_of_a_layout_match_the_arc_kernels(geometry, lat_parts, lon_part
                 finite = np.isfinite(w)
                 assert not finite.any() or rel_error(g[finite], w[finite]) <= 1e-5, f"window {window}: lse"
             else:
-                bar = OUT_TOLERANCE if name == "out" else 1e-2
-                assert rel_error(g, w) <= bar or np.abs(w).max() == 0 == np.abs(g).max(), f"window {window}: {name}"
+                assert rel_error(g, w) <= 1e-2 or np.abs(w).max() == 0 == np.abs(g).max(), f"window {window}: {name}"
         seen += np.isfinite(got[1]).any()
     assert seen >= len(layout.windows) // 3  # most windows see keys
 
