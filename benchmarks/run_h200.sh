@@ -71,20 +71,22 @@ if [[ " $steps " == *" profile "* ]]; then
   wait_for_torch_harmonics
   # --clock-control none: ncu leaves the GPU's clock settings as they are. One kernel per ncu call (its replay of
   # a 2 ms kernel takes a minute or more), each report exported whole, then its raw metrics (stall reasons
-  # included) as CSV. profile_kernels.py runs a forward, then a forward+backward: of the kernels a regex selects,
-  # launch 1 is the differentiated forward, 2 dq, 3 dk/dv. The scheduled kernels at tc 0.03; the tiled ones
-  # (forward, dq, dk/dv in one report) at tc 0.03 and at the default cutoff.
+  # included) as CSV. profile_kernels.py runs a forward, then a forward+backward. Kernels are picked by their
+  # demangled names: a scheduled kernel by its kind (ScheduledAttention<T, kind, D>: 0 forward, 1 dq, 2 dk/dv,
+  # whatever order XLA launches dq and dk/dv in; the forward's launch 1 is the differentiated one); the tiled ones
+  # (forward, dq, dk/dv in one report, launches 1 to 3) at tc 0.03 and at the default cutoff.
   sections=(--section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats
             --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
             --section SourceCounters)
   tc003="--theta-cutoff 0.03 --implementation ffi"
-  for spec in "sched-fwd:ScheduledAttention:1:1:$tc003" "sched-dq:ScheduledAttention:2:1:$tc003" \
-              "sched-dkv:ScheduledAttention:3:1:$tc003" "tiled-tc003:Tiled:1:3:--theta-cutoff 0.03" \
+  for spec in "sched-fwd:ScheduledAttention<[^,]+, 0,:1:1:$tc003" \
+              "sched-dq:ScheduledAttention<[^,]+, 1,:0:1:$tc003" \
+              "sched-dkv:ScheduledAttention<[^,]+, 2,:0:1:$tc003" "tiled-tc003:Tiled:1:3:--theta-cutoff 0.03" \
               "tiled-default:Tiled:1:3:"; do
     IFS=: read -r name regex skip count arguments <<< "$spec"
     report="$OUT/ncu-$name"
-    timeout ${PROFILE_TIMEOUT:-400} ncu --clock-control none -k "regex:$regex" --launch-skip "$skip" \
-      --launch-count "$count" "${sections[@]}" --export "$report" --force-overwrite \
+    timeout ${PROFILE_TIMEOUT:-400} ncu --clock-control none --kernel-name-base demangled -k "regex:$regex" \
+      --launch-skip "$skip" --launch-count "$count" "${sections[@]}" --export "$report" --force-overwrite \
       python3 -P benchmarks/profile_kernels.py --grid 721 1440 $arguments \
       > "$report.log" 2>&1 && ncu --import "$report.ncu-rep" --page raw --csv > "$report.csv"
     rc=$?; echo "ncu $name: exit $rc"
