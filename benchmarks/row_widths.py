@@ -85,20 +85,16 @@ def _activations(shapes, sets: int = 3) -> list[tuple]:
 
 
 def _band_schedules(plan: NeighborhoodPlan, window: np.ndarray):
-    """The scheduled kernels' :class:`~jax_s2attn.ops._ffi.WindowSchedules` of one ``window`` (int32 ``[8]``)."""
+    """The scheduled kernels' :class:`~jax_s2attn.ops._ffi.WindowSchedules` of one ``window`` (int32 ``[8]``) on
+    arrays of its blocks alone."""
     from jax_s2attn import _native
     from jax_s2attn.ops import _ffi
-    from jax_s2attn.schedule import WalkWindow, build_schedule, join_schedules
+    from jax_s2attn.parallel.layout import schedules_of_window
+    from jax_s2attn.schedule import join_schedules
 
-    tile_rows, tile_cols, chunk_cols = _native.kernel_limits().scheduled_shape
-    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
-    q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon = (int(x) for x in window)
-    queries, keys = (q_lat0, q_lon0, q_nlat, q_nlon), (k_lat0, k_lon0, k_nlat, k_nlon)
-    forward = build_schedule(plan.forward_segments, *plan.out_shape, **shape,
-                             window=WalkWindow(*queries, q_nlat, q_nlon, *keys))  # fmt: skip
-    backward = build_schedule(plan.backward_segments, *plan.in_shape, **shape,
-                              window=WalkWindow(*keys, k_nlat, k_nlon, *queries))  # fmt: skip
-    return _ffi.WindowSchedules(join_schedules([forward]), join_schedules([backward]), np.int32(0))
+    blocks = (int(window[2]), int(window[3])), (int(window[6]), int(window[7]))
+    walks = schedules_of_window(plan, window, *blocks, *_native.kernel_limits().scheduled_shape)
+    return _ffi.WindowSchedules(*(join_schedules([s]) for s in walks), np.int32(0))
 
 
 def band_ms(plan: NeighborhoodPlan, kernel: str, walk: str, lat0: int, nrows: int, reps: int = 20) -> float:

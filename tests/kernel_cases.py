@@ -30,8 +30,9 @@ import numpy as np
 from jax_s2attn import native_status
 from jax_s2attn._native import kernel_limits
 from jax_s2attn.grids import precompute_latitudes, precompute_longitudes
+from jax_s2attn.parallel.layout import schedules_of_window
 from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
-from jax_s2attn.schedule import BlockSchedule, WalkWindow, build_schedule
+from jax_s2attn.schedule import BlockSchedule
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
@@ -643,11 +644,8 @@ def scheduled_schedules(case: KernelCase) -> tuple[BlockSchedule, BlockSchedule]
     shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
     if whole_grids(case):
         return tuple(plan.block_schedule(walk, **shape) for walk in ("forward", "backward"))
-    q_block, k_block = tuple(case.sizes[4:6]), tuple(case.sizes[6:8])
-    forward = WalkWindow(*case.q_window, *q_block, *case.k_window)
-    backward = WalkWindow(*case.k_window, *k_block, *case.q_window)
-    return (build_schedule(plan.forward_segments, *plan.out_shape, window=forward, **shape),
-            build_schedule(plan.backward_segments, *plan.in_shape, window=backward, **shape))  # fmt: skip
+    window = (*case.q_window, *case.k_window)
+    return schedules_of_window(plan, window, tuple(case.sizes[4:6]), tuple(case.sizes[6:8]), **shape)
 
 
 def run_scheduled_windows(

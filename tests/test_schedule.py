@@ -8,9 +8,12 @@ membership test).
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -188,6 +191,20 @@ def test_a_layouts_window_schedules_cover_the_plans_pairs_once(args, lat_parts, 
                                    joined.chunks[first:last], joined.records, *joined[4:])  # fmt: skip
             got.append(_expand(picked, window, walk_shape[1]))
         np.testing.assert_array_equal(_sorted_pairs(np.concatenate(got), walk), _plan_pairs(plan), err_msg=walk)
+
+
+def test_a_layouts_window_schedules_keep_no_plan_but_the_host_plan():
+    """A plan whose tables are other arrays (under jit: tracers) gets its host plan's window schedules, and the
+    cache keeps neither it nor its tables alive."""
+    plan = _plan(PLANS[1])
+    layout = shard_layout(plan, 2, 3)
+    copy = jax.tree.map(np.array, plan)
+    table = weakref.ref(copy.tables[0])
+    built = window_schedules(copy, layout, 4, 16, 16)
+    assert window_schedules(plan, layout, 4, 16, 16) is built
+    del copy
+    gc.collect()
+    assert table() is None, "the cache keeps the plan it was called with"
 
 
 def test_joining_no_schedules_is_refused():

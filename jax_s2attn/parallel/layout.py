@@ -31,7 +31,7 @@ import numpy as np
 from ..plan import NeighborhoodPlan
 from ..schedule import WalkWindow, build_schedule, join_schedules
 
-__all__ = ["AxisSplit", "ShardLayout", "shard_layout", "window_schedules"]
+__all__ = ["AxisSplit", "ShardLayout", "schedules_of_window", "shard_layout", "window_schedules"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,25 +146,41 @@ class ShardLayout:
         return jnp.asarray(self.windows)[self.window_index(lat_index, lon_index, chunk_index)]
 
 
-@functools.lru_cache(maxsize=16)
 def window_schedules(plan: NeighborhoodPlan, layout: ShardLayout, tile_rows: int, tile_cols: int, chunk_cols: int):
     """The scheduled kernels' ``(forward, backward)`` :class:`~jax_s2attn.schedule.ScheduleSet` of every window of
     ``layout`` (in the order of :attr:`ShardLayout.windows`): the query blocks' tiles over the key blocks' chunks,
-    and the halo-extended key blocks' tiles over the query blocks' chunks, in local coordinates."""
-    plan = plan._host
+    and the halo-extended key blocks' tiles over the query blocks' chunks, in local coordinates. Built once per
+    host plan (a plan whose tables are traced shares its host plan's), layout and shape."""
+    return _window_schedules(plan._host, layout, tile_rows, tile_cols, chunk_cols)
+
+
+@functools.lru_cache(maxsize=16)
+def _window_schedules(plan: NeighborhoodPlan, layout: ShardLayout, tile_rows: int, tile_cols: int, chunk_cols: int):
     q_block = (layout.q_lat.block, layout.q_lon.block)
     k_block = (layout.k_ext_block, layout.k_lon.block)
-    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
     # One record per point for every window where any window needs it (padding longitudes): a set has one format.
     per_point = layout.q_lon.padded_size != layout.q_lon.size or layout.k_lon.padded_size != layout.k_lon.size
-    forward, backward = [], []
-    for q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon in layout.windows.tolist():
-        queries, keys = (q_lat0, q_lon0, q_nlat, q_nlon), (k_lat0, k_lon0, k_nlat, k_nlon)
-        forward.append(build_schedule(plan.forward_segments, *plan.out_shape, **shape, per_point_records=per_point,
-                                      window=WalkWindow(*queries, *q_block, *keys)))  # fmt: skip
-        backward.append(build_schedule(plan.backward_segments, *plan.in_shape, **shape, per_point_records=per_point,
-                                       window=WalkWindow(*keys, *k_block, *queries)))  # fmt: skip
-    return join_schedules(forward), join_schedules(backward)
+    pairs = [schedules_of_window(plan, window, q_block, k_block, tile_rows, tile_cols, chunk_cols, per_point)
+             for window in layout.windows.tolist()]  # fmt: skip
+    return join_schedules([f for f, _ in pairs]), join_schedules([b for _, b in pairs])
+
+
+def schedules_of_window(
+    plan: NeighborhoodPlan, window, q_block: tuple[int, int], k_block: tuple[int, int], tile_rows: int,
+    tile_cols: int, chunk_cols: int, per_point_records: bool = False,
+):  # fmt: skip
+    """The ``(forward, backward)`` :class:`~jax_s2attn.schedule.BlockSchedule` of one kernel window (int ``[8]``:
+    the query block ``(lat0, lon0, nlat, nlon)``, then the key block) whose local arrays are ``q_block`` and
+    ``k_block`` (rows, longitudes; the real block first, then padding): the query tiles over the key chunks, and
+    the key tiles over the query chunks, in local coordinates."""
+    plan = plan._host
+    queries, keys = tuple(int(x) for x in window[:4]), tuple(int(x) for x in window[4:])
+    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols, per_point_records=per_point_records)
+    forward = build_schedule(plan.forward_segments, *plan.out_shape, window=WalkWindow(*queries, *q_block, *keys),
+                             **shape)  # fmt: skip
+    backward = build_schedule(plan.backward_segments, *plan.in_shape, window=WalkWindow(*keys, *k_block, *queries),
+                              **shape)  # fmt: skip
+    return forward, backward
 
 
 def _needed_key_rows(plan: NeighborhoodPlan, q_start: int, q_stop: int) -> tuple[int, int]:

@@ -85,7 +85,7 @@ class _Ring:
         kwargs = {"scale": self.config.scale, "kernel": self.config.kernel}
         if self.config.kernel == "scheduled":
             tile_shape = _ffi.kernel_limits().scheduled_shape
-            forward, backward = window_schedules(plan._host, self.config.layout, *tile_shape)  # no tracers in its cache
+            forward, backward = window_schedules(plan, self.config.layout, *tile_shape)
             index = self.config.layout.window_index(self.lat_index, self.lon_index, self.chunk(step))
             kwargs["schedules"] = _ffi.WindowSchedules(forward, backward, index)
         return kwargs
