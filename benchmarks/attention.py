@@ -10,7 +10,7 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
 * the native kernel families side by side, each as the op runs it (its custom VJP): the arc kernels
   (``ffi_arc_*``, every row), the tiled tensor-core kernels (``ffi_tiled_*``, CUDA rows they support:
   16-bit inputs, head dims 32/64/128) and the scheduled ones (``ffi_scheduled_*``, sm_90 rows with head
-  dim 64), the ratios ``arc_over_tiled_*`` and ``tiled_over_scheduled_*``, and as ``ffi_*`` the one that
+  dims 32/64/128), both with the stencil kernels on rows of short arcs where the op runs them, the ratios ``arc_over_tiled_*`` and ``tiled_over_scheduled_*``, and as ``ffi_*`` the one that
   ``implementation="ffi"`` picks (``ffi_kernel``);
 * the floor: max(bytes / copy bandwidth, FLOPs / peak) with each input read and each output
   written once (forward: q, k, v, out; backward adds out, dout, dq, dk, dv) and the useful
@@ -27,7 +27,7 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
   measured time (computed TFLOP/s over 790 is the kernels' own efficiency, tile waste aside). The
   scheduled kernels' computed pairs are their block schedules' (``sched_util_*`` = useful / computed),
   and ``ffi_scheduled_eta_<target>`` = computed TFLOP/s of each target alone over 790 (4d, 6d and 8d per
-  computed pair for the forward, dQ and dK/dV);
+  computed pair for the forward, dQ and dK/dV); none where the scheduled targets run beside the stencil ones;
 * each native kernel family's targets alone (``ffi_<kernel>_{forward,dq,dkv,delta}_target_ms``:
   the forward, dQ, dK/dV and delta custom calls on their own, fed with the forward's lse and a
   delta from the same inputs; the tiled family also ``dq_delta``, its dQ that forms delta, which
@@ -213,12 +213,18 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
 
 def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
     """Median ms of the scheduled forward (out in float32, as differentiated), dq, dkv and delta targets, each
-    alone, the backward ones fed with the forward's lse and a delta of its out."""
-    scale = float(input_sets[0][0].shape[-1]) ** -0.5
-    gradients = dict(scale=scale, gradient_dtype=input_sets[0][0].dtype)
-    forward = jax.jit(lambda q, k, v, p: _ffi.ffi_scheduled_forward(q, k, v, p, scale=scale))
-    dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dq(q, k, v, g, lse, delta, p, **gradients))
-    dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dkv(q, k, v, g, lse, delta, p, **gradients))
+    alone, the backward ones fed with the forward's lse and a delta of its out; each with the stencil targets on
+    the plan's tile stencil pairs where the op runs them."""
+    q0 = input_sets[0][0]
+    scale = float(q0.shape[-1]) ** -0.5
+    stencil = {walk: uses_stencil_rows(plan, q0, "scheduled", walk) for walk in ("forward", "backward")}
+    gradients = dict(scale=scale, gradient_dtype=q0.dtype)
+    forward = jax.jit(lambda q, k, v, p: _ffi.ffi_scheduled_forward(q, k, v, p, scale=scale,
+                                                                    stencil=stencil["forward"]))  # fmt: skip
+    dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dq(q, k, v, g, lse, delta, p, **gradients,
+                                                                         stencil=stencil["forward"]))  # fmt: skip
+    dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dkv(q, k, v, g, lse, delta, p, **gradients,
+                                                                           stencil=stencil["backward"]))  # fmt: skip
     delta = jax.jit(_ffi.ffi_delta)
     delta_sets, backward_sets = [], []
     for q, k, v, g in input_sets:
@@ -301,12 +307,14 @@ def _kernel_metrics(cfg: Config, plan, row: dict) -> dict:
             metrics[f"ffi_tiled_computed_tflops_{step}"] = _tflops(_computed_flops(cfg, stats, backward), tiled_ms)
         if f"ffi_scheduled_{step}_ms" in row and f"ffi_tiled_{step}_ms" in row:
             metrics[f"tiled_over_scheduled_{step}"] = row[f"ffi_tiled_{step}_ms"] / row[f"ffi_scheduled_{step}_ms"]
-    if "ffi_scheduled_forward_target_ms" in row:
+    d = cfg.channels // cfg.heads
+    query = jax.ShapeDtypeStruct((cfg.batch, *cfg.out_shape, cfg.heads, d), jnp.bfloat16)
+    beside_stencil = any(uses_stencil_rows(plan, query, "scheduled", walk) for walk in ("forward", "backward"))
+    if "ffi_scheduled_forward_target_ms" in row and not beside_stencil:  # the targets' time is then not all wgmma
         shape = dict(zip(("tile_rows", "tile_cols", "chunk_cols"), _ffi.kernel_limits().scheduled_shape, strict=True))
         walks = {walk: plan.block_schedule(walk, **shape) for walk in ("forward", "backward")}
         metrics.update(sched_util_fwd=plan.num_pairs / walks["forward"].computed_pairs,
                        sched_util_bwd=plan.num_pairs / walks["backward"].computed_pairs)  # fmt: skip
-        d = cfg.channels // cfg.heads
         for target, per_pair, walk in (("forward", 4, "forward"), ("dq", 6, "forward"), ("dkv", 8, "backward")):
             flops = per_pair * d * walks[walk].computed_pairs * cfg.batch * cfg.heads
             tflops = _tflops(flops, row[f"ffi_scheduled_{target}_target_ms"])

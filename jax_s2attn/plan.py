@@ -41,7 +41,7 @@ from .grids import (
     validate_grid,
     validate_shape,
 )
-from .schedule import BlockSchedule, build_schedule, check_shape
+from .schedule import BlockSchedule, build_schedule, check_shape, tile_stencil_pairs, without_row_tiles
 
 __all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "THETA_CUTOFF_EPS", "stencil_pairs"]
 
@@ -426,7 +426,7 @@ class NeighborhoodPlan:
                 )
 
     def block_schedule(
-        self, walk: str, *, tile_rows: int = 4, tile_cols: int = 16, chunk_cols: int = 32
+        self, walk: str, *, tile_rows: int = 4, tile_cols: int = 16, chunk_cols: int = 32, stencil: bool = False
     ) -> BlockSchedule:
         """The block-sparse schedule of one walk (:mod:`jax_s2attn.schedule`), built once per plan and shape.
 
@@ -434,12 +434,20 @@ class NeighborhoodPlan:
           walk: ``"forward"`` (query tiles over key chunks: the forward pass and dQ) or ``"backward"``
             (key tiles over query chunks: dK/dV).
           tile_rows, tile_cols, chunk_cols: the shape of a tile and of a chunk.
+          stencil: leave out the tiles of the rows :meth:`tile_stencil_pairs` gives the stencil kernels.
         """
-        if walk not in ("forward", "backward"):
-            raise ValueError(f"walk={walk!r} must be 'forward' (queries over keys) or 'backward' (keys over queries).")
+        walk = _check_walk(walk)
+        stencil = _validate.boolean(stencil, "stencil")
         # Checked before the cache, whose keys would take True for 1 and 16.0 for 16.
         shape = check_shape("tile_rows", tile_rows, 1), check_shape("tile_cols", tile_cols, 1)
-        return _block_schedule(self._key, walk, *shape, check_shape("chunk_cols", chunk_cols, 16))
+        return _block_schedule(self._key, walk, *shape, check_shape("chunk_cols", chunk_cols, 16), stencil)
+
+    def tile_stencil_pairs(self, walk: str, *, tile_rows: int = 4) -> np.ndarray:
+        """The stencil pairs of one walk (:attr:`forward_stencil_pairs` or :attr:`backward_stencil_pairs`) whose
+        tiles of ``tile_rows`` rows hold no other rows: what the stencil kernels take beside the scheduled ones,
+        whose schedule (:meth:`block_schedule` with ``stencil=True``) lists the other tiles. Int32 ``[pairs, 2]``."""
+        walk = _check_walk(walk)
+        return _tile_stencil_pairs(self._key, walk, check_shape("tile_rows", tile_rows, 1))
 
     @property
     def max_neighbors(self) -> int:
@@ -606,17 +614,40 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
     return plan
 
 
-# A schedule is ~40 bytes a chunk (23 MB per walk at 721x1440, tc 0.03): a few plans' worth are kept.
-@functools.lru_cache(maxsize=8)
-def _block_schedule(key: _PlanKey, walk: str, tile_rows: int, tile_cols: int, chunk_cols: int) -> BlockSchedule:
+def _check_walk(walk) -> str:
+    if walk not in ("forward", "backward"):
+        raise ValueError(f"walk={walk!r} must be 'forward' (queries over keys) or 'backward' (keys over queries).")
+    return walk
+
+
+# A schedule is ~40 bytes a chunk (23 MB per walk at 721x1440, tc 0.03): a few plans' worth are kept (with and
+# without the stencil rows' tiles).
+@functools.lru_cache(maxsize=16)
+def _block_schedule(key: _PlanKey, walk: str, tile_rows: int, tile_cols: int, chunk_cols: int,
+                    stencil: bool) -> BlockSchedule:  # fmt: skip
     plan = _build_plan(key)
-    segments, shape = (
-        (plan.forward_segments, plan.out_shape) if walk == "forward" else (plan.backward_segments, plan.in_shape)
-    )
-    schedule = build_schedule(segments, *shape, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    if stencil:
+        schedule = without_row_tiles(_block_schedule(key, walk, tile_rows, tile_cols, chunk_cols, False),
+                                     _tile_stencil_pairs(key, walk, tile_rows))  # fmt: skip
+    else:
+        segments, shape = (
+            (plan.forward_segments, plan.out_shape) if walk == "forward" else (plan.backward_segments, plan.in_shape)
+        )
+        schedule = build_schedule(segments, *shape, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
     for table in schedule[:4]:
         table.setflags(write=False)
     return schedule
+
+
+@functools.lru_cache(maxsize=16)
+def _tile_stencil_pairs(key: _PlanKey, walk: str, tile_rows: int) -> np.ndarray:
+    plan = _build_plan(key)
+    if walk == "forward":
+        pairs = tile_stencil_pairs(plan.forward_stencil_pairs, plan.nlat_out, tile_rows)
+    else:
+        pairs = tile_stencil_pairs(plan.backward_stencil_pairs, plan.nlat_in, tile_rows)
+    pairs.setflags(write=False)
+    return pairs
 
 
 def _flatten_plan(plan: NeighborhoodPlan):

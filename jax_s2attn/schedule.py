@@ -32,6 +32,11 @@ come by other row, then in window (``offset``) order.
 Points of a tile past the walking grid (the last rows, or longitudes past ``nlon_walk``) take part in
 no window and no ``FULL`` test; the kernels compute them and do not write them.
 
+**Stencil rows.** Beside the stencil kernels (rows of short arcs, on CUDA cores) a whole-grid schedule leaves
+out the tiles whose rows are all the stencil kernels' (:func:`tile_stencil_pairs` keeps the stencil pairs whose
+tile holds no other row, :func:`without_row_tiles` drops those tiles): the two families then write disjoint rows,
+and every other tile is listed as before.
+
 **Windows** (:class:`WalkWindow`: the blocks of one shard of a sharded grid, cuda/README.md "Windows"). The
 walking grid is then the shard's local arrays (its real block and padding) and the other grid the other
 window's block, both in local coordinates: tiles cover the local arrays, chunks name local rows and
@@ -52,7 +57,8 @@ import numpy as np
 from . import _validate
 
 __all__ = [
-    "FULL", "RING", "BlockSchedule", "ScheduleSet", "WalkWindow", "build_schedule", "check_shape", "join_schedules"
+    "FULL", "RING", "BlockSchedule", "ScheduleSet", "WalkWindow", "build_schedule", "check_shape", "join_schedules",
+    "tile_stencil_pairs", "without_row_tiles",
 ]  # fmt: skip
 
 #: Chunk flag: every on-grid point of the tile sees every column: no mask.
@@ -160,6 +166,52 @@ def join_schedules(schedules) -> ScheduleSet:
         records=np.ascontiguousarray(np.concatenate([s.records for s in schedules])),
         **dict(zip(BlockSchedule._fields[4:], shape)),
     )
+
+
+def tile_stencil_pairs(pairs: np.ndarray, nlat_walk: int, tile_rows: int) -> np.ndarray:
+    """The row pairs of ``pairs`` (a stencil table, ``[n, 2]`` rows of (first walking row, first other row): the
+    walking rows ``2i, 2i + 1``) whose tile, ``tile_rows`` walking rows from a multiple of ``tile_rows``, holds
+    only rows of ``pairs`` or rows past the ``nlat_walk`` rows of the grid: those the stencil kernels take beside
+    a schedule without their tiles (:func:`without_row_tiles`)."""
+    pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+    while True:  # a pair dropped can leave its tile's other pairs in a tile no longer whole (odd tile_rows)
+        padded = np.ones(-(-nlat_walk // tile_rows) * tile_rows, bool)
+        padded[:nlat_walk] = _row_mask(pairs, nlat_walk)
+        whole = padded.reshape(-1, tile_rows).all(axis=1)
+        first_rows = pairs[:, 0].astype(np.int64)
+        keep = whole[first_rows // tile_rows] & whole[(first_rows + 1) // tile_rows]
+        if keep.all():
+            return np.ascontiguousarray(pairs)
+        pairs = pairs[keep]
+
+
+def without_row_tiles(schedule: BlockSchedule, pairs: np.ndarray) -> BlockSchedule:
+    """``schedule`` (of whole grids) without the tiles whose rows all belong to the row pairs ``pairs`` (from
+    :func:`tile_stencil_pairs`, whose every row then lies in such a tile) or lie past the walking grid, with their
+    chunks; the other tiles keep their order, stagings are renumbered by first use."""
+    s = schedule
+    padded = np.ones(s.nlat_walk + s.tile_rows, bool)
+    padded[: s.nlat_walk] = _row_mask(pairs, s.nlat_walk)
+    drop = padded[s.tiles[:, 0, None] + np.arange(s.tile_rows)[None, :]].all(axis=1)
+    counts = np.diff(s.tile_offsets)
+    chunks = s.chunks[np.repeat(~drop, counts)].copy()
+    used, first = np.unique(chunks[:, 5], return_index=True)
+    order = used[np.argsort(first)]  # the kept stagings in order of first use
+    renumber = np.zeros(s.records.shape[0], np.int32)
+    renumber[order] = np.arange(order.size, dtype=np.int32)
+    chunks[:, 5] = renumber[chunks[:, 5]]
+    tile_offsets = np.zeros(int((~drop).sum()) + 1, np.int32)
+    np.cumsum(counts[~drop], out=tile_offsets[1:])
+    return s._replace(tiles=np.ascontiguousarray(s.tiles[~drop]), tile_offsets=tile_offsets,
+                      chunks=np.ascontiguousarray(chunks), records=np.ascontiguousarray(s.records[order]))  # fmt: skip
+
+
+def _row_mask(pairs: np.ndarray, nlat_walk: int) -> np.ndarray:
+    """Whether each of ``nlat_walk`` walking rows belongs to a row pair of ``pairs``."""
+    mask = np.zeros(nlat_walk, bool)
+    first_rows = np.asarray(pairs, np.int64).reshape(-1, 2)[:, 0]
+    mask[first_rows], mask[first_rows + 1] = True, True
+    return mask
 
 
 def check_shape(name: str, value, multiple: int) -> int:

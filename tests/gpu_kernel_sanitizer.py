@@ -4,7 +4,8 @@ Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}
 ``cuda/gpu/stencil_attn_{fwd,dq,dkv}.cu``, ``cuda/gpu/sched_attn_{fwd,dq,dkv}.cu`` and the C entry point
 ``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library, uploads the inputs of a few
 small cases with cupy (every buffer its own ``cudaMalloc``, results poisoned with NaN), runs forward, dq and dkv
-of the arc-segment, the tiled or the scheduled kernels (and the tiled dq that forms delta) on the default stream,
+of the arc-segment, the tiled or the scheduled kernels (the latter two also beside the stencil kernels; and the
+tiled dq that forms delta) on the default stream,
 synchronises after every launch and checks the results against the float64 reference of ``kernel_cases.py``
 (the one the host-emulation tests use), including that every result element was written.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import shutil
 import subprocess
@@ -107,6 +109,10 @@ CASES = [
     ("scheduled", "self", 64, 64, "bfloat16", WINDOWED),
     ("scheduled", "self-72", 32, 32, "float16", LONG_ROW_WINDOWS["self-72"]),
     ("scheduled", "up-100", 128, 128, "bfloat16", LONG_ROW_WINDOWS["up-100"]),
+    # The scheduled kernels beside the stencil targets (the plan's tile stencil pairs), writing one set of results.
+    ("scheduled+stencil", "self-17x72", 64, 64, "bfloat16", {}),
+    ("scheduled+stencil", "lat-10x40-9x40", 128, 128, "float16", {}),
+    ("scheduled+stencil", "legendre-gauss", 32, 32, "bfloat16", {}),
 ]
 
 
@@ -214,7 +220,10 @@ def main(argv=None) -> int:
             try:
                 if kernel == "scheduled":  # float32 results, then the activations' type (the op's)
                     bar = tolerance_of("tiled", case.dtype)
-                    run_scheduled = run_scheduled_case if whole_grids(case) else run_scheduled_windows
+                    if whole_grids(case):
+                        run_scheduled = functools.partial(run_scheduled_case, stencil=stencil)
+                    else:
+                        run_scheduled = run_scheduled_windows
                     verify_case(case, run_scheduled(lib, case, memory=DeviceMemory(cupy)), bar, out_tolerance=bar)
                     narrow = run_scheduled(lib, case, DTYPES[case.dtype][1], DeviceMemory(cupy))
                     narrow = {name: result.astype(np.float32) for name, result in narrow.items()}

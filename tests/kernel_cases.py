@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,12 +47,14 @@ RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
 # dtype name -> (ActivationType of nbhd_attn_kernels.h, numpy storage type)
 DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
-# Targets of run_target.cc: the arc kernels' forward, dq and dkv; the tiled ones' are 3 further.
+# Targets of run_target.cc: the arc kernels' forward, dq and dkv; the tiled ones' are 3 further, the stencil
+# targets' 6 further.
 FORWARD, DQ, DKV = 0, 1, 2
 TILED_TARGET_OFFSET = 3
+STENCIL_TARGET_OFFSET = 6
 # The tiled dq that forms delta itself (run_target.cc's RunTiledDqFormingDelta): a launch of it takes
 # (forward out, its remainder or None, dlse) in place of delta and gives (dq, delta).
-TILED_DQ_FORMING_DELTA = 6
+TILED_DQ_FORMING_DELTA = 9
 # Its delta against float64, per row relative to sum |dout * out| + |dlse| (float32 sums of Dv terms).
 FORMED_DELTA_TOLERANCE = 1e-6
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
@@ -590,13 +593,15 @@ class HostMemory:
 
 
 def run_scheduled_kind(
-    lib, case: KernelCase, kind: str, result_type, schedule, lse=None, delta=None, memory=None
+    lib, case: KernelCase, kind: str, result_type, schedule, lse=None, delta=None, memory=None, stencil_pairs=None
 ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
     """One scheduled kernel (``lib``: ctypes, the emulated library or a GPU build) on ``case``'s whole grids and
     ``schedule`` (:class:`~jax_s2attn.schedule.BlockSchedule` of the kernel's walk), results of numpy type
     ``result_type`` (lse float32) poisoned with NaN first: ``(out, lse)``, ``(dq, None)`` or ``(dk, dv)``. dq and
     dk/dv take ``lse`` and ``delta``. ``memory``: where the buffers live, :class:`HostMemory` by default, or an
-    object with the same ``address(array)`` and ``finish(results)`` (the results copied back) for a GPU."""
+    object with the same ``address(array)`` and ``finish(results)`` (the results copied back) for a GPU.
+    ``stencil_pairs`` (whole grids; the schedule without their tiles): the stencil target then writes their rows
+    into the same results."""
     memory = memory or HostMemory()
     q, k, v, dout = case.inputs[:4]
     batch, heads, dk, dv, nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[:8]  # the local arrays' grids
@@ -620,8 +625,28 @@ def run_scheduled_kind(
         ctypes.c_void_p(sizes.ctypes.data), ctypes.c_float(case.scale),
     )  # fmt: skip
     assert status == 0, f"scheduled {kind}: launcher returned cudaError {status}"
+    if stencil_pairs is not None:
+        _run_stencil_kind(lib, case, kind, results, lse, delta, memory, stencil_pairs)
     memory.finish(results)
     return results
+
+
+def _run_stencil_kind(lib, case: KernelCase, kind: str, results, lse, delta, memory, stencil_pairs) -> None:
+    """The stencil target of ``kind`` on ``case``'s whole grids, writing the rows of ``stencil_pairs`` into
+    ``results`` (a scheduled kind's, in ``memory``)."""
+    q, k, v, dout, *_, window = case.inputs
+    walk_keys = kind == "dkv"
+    table = case.plan.backward_segments if walk_keys else case.plan.forward_segments
+    order = case.bwd_order if walk_keys else case.fwd_order
+    first, second = results
+    narrow_out = kind == "forward" and first.dtype != np.float32
+    r0, r1, r2 = (None, second, first) if narrow_out else (first, second, None)
+    target = STENCIL_TARGET_OFFSET + {"forward": FORWARD, "dq": DQ, "dkv": DKV}[kind]
+    inputs = (q, k, v, None, None, None) if kind == "forward" else (q, k, v, dout, lse, delta)
+    pairs = np.ascontiguousarray(stencil_pairs, np.int32)
+    status = call_run_target(lib, memory.address, target, case.dtype, case.sizes[:12], case.scale, *inputs, window,
+                             order, table, case.plan.quad_weights, r0, r1, r2, stencil_pairs=pairs)  # fmt: skip
+    assert status == 0, f"stencil {kind}: launcher returned cudaError {status}"
 
 
 def local_key_weights(case: KernelCase) -> np.ndarray:
@@ -637,13 +662,16 @@ def whole_grids(case: KernelCase) -> bool:
     return blocks == (plan.out_shape, plan.in_shape, (0, 0, *plan.out_shape), (0, 0, *plan.in_shape))
 
 
-def scheduled_schedules(case: KernelCase) -> tuple[BlockSchedule, BlockSchedule]:
-    """The forward and backward schedules of ``case``: the plan's for whole grids, else its windows'."""
+def scheduled_schedules(case: KernelCase, stencil: bool = False) -> tuple[BlockSchedule, BlockSchedule]:
+    """The forward and backward schedules of ``case``: the plan's for whole grids (with ``stencil``, without the
+    tiles of its tile stencil pairs), else its windows'."""
     plan = case.plan
     tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
     shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
     if whole_grids(case):
-        return tuple(plan.block_schedule(walk, **shape) for walk in ("forward", "backward"))
+        return tuple(plan.block_schedule(walk, stencil=stencil, **shape) for walk in ("forward", "backward"))
+    if stencil:
+        raise ValueError("the stencil rows need whole grids (no windows, no padding)")
     window = (*case.q_window, *case.k_window)
     return schedules_of_window(plan, window, tuple(case.sizes[4:6]), tuple(case.sizes[6:8]), **shape)
 
@@ -662,18 +690,25 @@ def run_scheduled_windows(
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def run_scheduled_case(lib, case: KernelCase, result_type=np.float32, memory=None) -> dict[str, np.ndarray]:
+def run_scheduled_case(
+    lib, case: KernelCase, result_type=np.float32, memory=None, stencil: bool = False
+) -> dict[str, np.ndarray]:  # fmt: skip
     """The scheduled forward, dq and dk/dv on ``case`` (whole grids) as the op runs them: the forward's out in
     float32 feeds delta = rowsum(dout * out) (in float64, then float32, as the delta target forms it), the
     backward takes the forward's lse; out, dq, dk and dv of numpy type ``result_type``; ``memory`` as for
-    :func:`run_scheduled_kind`."""
+    :func:`run_scheduled_kind`. ``stencil``: the stencil targets take the rows of the plan's tile stencil pairs,
+    the scheduled kernels the others."""
     assert whole_grids(case), "run_scheduled_case forms delta from its own forward: whole grids only"
-    forward, backward = scheduled_schedules(case)
-    out32, lse = run_scheduled_kind(lib, case, "forward", np.float32, forward, memory=memory)
-    out = out32 if np.dtype(result_type) == np.float32 else run_scheduled_kind(lib, case, "forward", result_type,
-                                                                               forward, memory=memory)[0]  # fmt: skip
+    forward, backward = scheduled_schedules(case, stencil)
+    tile_rows = kernel_limits().scheduled_shape[0]
+    pairs = {walk: case.plan.tile_stencil_pairs(walk, tile_rows=tile_rows) if stencil else None
+             for walk in ("forward", "backward")}  # fmt: skip
+    run = functools.partial(run_scheduled_kind, lib, case, memory=memory)
+    out32, lse = run("forward", np.float32, forward, stencil_pairs=pairs["forward"])
+    out = out32 if np.dtype(result_type) == np.float32 else run("forward", result_type, forward,
+                                                                stencil_pairs=pairs["forward"])[0]  # fmt: skip
     dout = case.inputs[3].astype(np.float64)
     delta = (dout * out32).sum(axis=-1).astype(np.float32)
-    (dq, _) = run_scheduled_kind(lib, case, "dq", result_type, forward, lse, delta, memory)
-    dk, dv = run_scheduled_kind(lib, case, "dkv", result_type, backward, lse, delta, memory)
+    (dq, _) = run("dq", result_type, forward, lse, delta, stencil_pairs=pairs["forward"])
+    dk, dv = run("dkv", result_type, backward, lse, delta, stencil_pairs=pairs["backward"])
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "out32": out32}

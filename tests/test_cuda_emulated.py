@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -61,7 +62,9 @@ from kernel_cases import (  # noqa: E402
     run_forward,
     run_narrow_forward,
     run_scheduled_case,
+    run_scheduled_kind,
     run_scheduled_windows,
+    scheduled_schedules,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
@@ -798,6 +801,48 @@ def test_scheduled_forward_keeps_maxima_that_rise_past_the_rescale_slack(emulate
     case = prepare_case(rng, plan, 1, 2, 64, 64, dtype, logit_gain=8.0)
     bar = tolerance_of("tiled", dtype)
     verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
+
+
+# Plans whose walks leave whole tiles of rows to the stencil kernels beside the scheduled ones
+# (NeighborhoodPlan.tile_stencil_pairs): Legendre-Gauss rows from the pole, a band in mid-grid, every row,
+# more key rows than query rows (the two walks' pairs differ).
+SCHEDULED_STENCIL_CASES = [
+    ("legendre-gauss", 32, "float16"), ("self-17x72", 64, "bfloat16"), ("self-17x72", 128, "float16"),
+    ("self-9x4", 64, "bfloat16"), ("lat-10x40-9x40", 64, "float16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("plan_name", "d", "dtype"), SCHEDULED_STENCIL_CASES,
+                         ids=[f"{p}-d{d}-{t}" for p, d, t in SCHEDULED_STENCIL_CASES])  # fmt: skip
+def test_scheduled_beside_the_stencil_rows_matches_float64(emulated_library, rng, plan_name, d, dtype):
+    """The scheduled kernels on the schedule without the stencil rows' tiles, then the stencil targets on those
+    rows into the same NaN-poisoned results (as the op runs them): every element written, out, lse and the
+    gradients against float64 to the 16-bit bar. Given float64's lse and delta, the stencil rows (float32
+    throughout: P and dS never rounded) hold out, dq, dk and dv within float32 round-off, which the scheduled
+    kernels' rows do not; results in the activations' type are the float32 ones rounded, bit for bit."""
+    plan = STENCIL_PLANS[plan_name]()
+    pairs = {walk: plan.tile_stencil_pairs(walk) for walk in ("forward", "backward")}
+    assert all(len(p) for p in pairs.values()), "the plan must leave whole tiles to the stencil kernels"
+    case = prepare_case(rng, plan, 2, 2, d, d, dtype)
+    bar = tolerance_of("tiled", dtype)
+    wide = run_scheduled_case(emulated_library, case, stencil=True)
+    verify_case(case, wide, bar, out_tolerance=bar)
+    forward, backward = scheduled_schedules(case, stencil=True)
+    exact = case.inputs[4:6]  # float64's lse and delta
+    run = functools.partial(run_scheduled_kind, emulated_library, case, result_type=np.float32)
+    given = {"out": wide["out"], "dq": run("dq", schedule=forward, lse=exact[0], delta=exact[1],
+                                           stencil_pairs=pairs["forward"])[0]}  # fmt: skip
+    given["dk"], given["dv"] = run("dkv", schedule=backward, lse=exact[0], delta=exact[1],
+                                   stencil_pairs=pairs["backward"])  # fmt: skip
+    for name, walk in [("out", "forward"), ("dq", "forward"), ("dk", "backward"), ("dv", "backward")]:
+        walked = np.zeros(case.expected[name].shape[1], bool)
+        walked[pairs[walk][:, 0]] = walked[pairs[walk][:, 0] + 1] = True
+        error = np.abs(given[name] - case.expected[name]).max(axis=(0, 2, 3, 4)) / np.abs(case.expected[name]).max()
+        assert (error[walked] <= 2e-5).all(), f"{name}: stencil rows {error[walked]}"
+        assert error[~walked].max() > 2e-5, f"{name}: the scheduled kernels' rows are within float32 round-off"
+    narrow = run_scheduled_case(emulated_library, case, DTYPES[dtype][1], stencil=True)
+    for name in ("out", "dq", "dk", "dv"):
+        assert narrow[name].tobytes() == wide[name].astype(narrow[name].dtype).tobytes(), name
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])

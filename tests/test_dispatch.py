@@ -452,3 +452,31 @@ def test_a_windows_scheduled_operands_are_refused_without_their_pair_or_on_other
         _ffi._scheduled_operands(PLAN, "forward", 0.125, query[:, :-1], key, window, schedules)
     with pytest.raises(ValueError, match="the key blocks are .* window schedules' walking blocks"):
         _ffi._scheduled_operands(PLAN, "backward", 0.125, query, key[:, :, :-1], window, schedules)
+
+
+@native
+def test_export_for_cuda_runs_the_stencil_targets_beside_the_scheduled_ones(scheduled_build):
+    """The op on the scheduled kernels at 360x720 and the default cutoff (one head: the rows of whole tiles of
+    stencil pairs pass the stencil gate), exported for CUDA: forward, dq and dk/dv each a scheduled target whose
+    schedule leaves out the stencil rows' tiles (its stencil_tiles attribute counts them) and a stencil target
+    that updates the scheduled target's results in place (aliased operands)."""
+    plan = NeighborhoodPlan((360, 720), (360, 720))
+    pairs = plan.tile_stencil_pairs("forward")
+    assert len(pairs) > 0 and np.array_equal(pairs, plan.tile_stencil_pairs("backward"))
+    left_out = len(np.unique(pairs[:, 0] // 4)) * (720 // 16)
+
+    def loss(q, k, v, plan):
+        return neighborhood._native_attention(q, k, v, plan, 0.125, "scheduled")[0].astype(jnp.float32).sum()
+
+    args = [jax.ShapeDtypeStruct((1, 360, 720, 1, 64), BF16)] * 3
+    shapes = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), plan)
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                 disabled_checks=_ffi.export_disabled_checks())(*args, shapes)  # fmt: skip
+    calls = [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call @jax_s2attn" in line]
+    for target in (*_ffi.SCHEDULED_TARGETS, *_ffi.STENCIL_TARGETS):
+        assert sum(f"@{target}(" in line for line in calls) == 1, target
+    for line in calls:
+        if "@jax_s2attn_sched_" in line:
+            assert f"stencil_tiles = {left_out} : i64" in line
+        if "@jax_s2attn_stencil_" in line:
+            assert "output_operand_aliases" in line

@@ -17,9 +17,12 @@ import jax
 import numpy as np
 import pytest
 
+from jax_s2attn._native import kernel_limits
 from jax_s2attn.parallel.layout import shard_layout, window_schedules
 from jax_s2attn.plan import NeighborhoodPlan
-from jax_s2attn.schedule import FULL, RING, BlockSchedule, WalkWindow, build_schedule, join_schedules
+from jax_s2attn.schedule import (
+    FULL, RING, BlockSchedule, WalkWindow, build_schedule, join_schedules, tile_stencil_pairs
+)  # fmt: skip
 
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import psi_pairs  # noqa: E402
@@ -205,6 +208,52 @@ def test_a_layouts_window_schedules_keep_no_plan_but_the_host_plan():
     del copy
     gc.collect()
     assert table() is None, "the cache keeps the plan it was called with"
+
+
+def test_tile_stencil_pairs_are_the_pairs_of_whole_tiles():
+    pairs = np.array([[2, 0], [4, 3], [6, 5], [8, 7], [10, 9], [12, 11]], np.int32)  # rows 2..13
+    np.testing.assert_array_equal(tile_stencil_pairs(pairs, 16, 4)[:, 0], [4, 6, 8, 10])
+    np.testing.assert_array_equal(tile_stencil_pairs(pairs, 14, 4)[:, 0], [4, 6, 8, 10, 12])  # rows 14, 15: none
+    # Tiles of 3 rows: (2, 3) straddles the first tile, which is not whole; dropping it leaves (4, 5)'s tile short.
+    np.testing.assert_array_equal(tile_stencil_pairs(pairs, 14, 3)[:, 0], [6, 8, 10, 12])
+    np.testing.assert_array_equal(tile_stencil_pairs(pairs, 16, 2), pairs)
+    assert tile_stencil_pairs(np.zeros((0, 2), np.int32), 8, 4).shape == (0, 2)
+
+
+# Self-attention plans at the default cutoff, whose walks leave row pairs to the stencil kernels: pairs in whole
+# tiles only (17x72), pairs at both ends of the band in tiles shared with other rows (65x144), every row (9x4).
+STENCIL_PLANS = [((17, 72), (17, 72)), ((65, 144), (65, 144)), ((9, 4), (9, 4))]
+
+
+@pytest.mark.skipif(kernel_limits() is None, reason="stencil pairs need a native module's limits (CI has one)")
+@pytest.mark.parametrize("shapes", STENCIL_PLANS, ids=str)
+@pytest.mark.parametrize("tile_rows", [4, 3])
+def test_a_schedule_beside_the_stencil_rows_covers_every_other_row_once(shapes, tile_rows):
+    """The schedule without the stencil rows' tiles lists no tile with a row of the pairs the stencil kernels take,
+    and covers every plan pair of the other walking rows once; those pairs' rows are all of the tiles it leaves
+    out."""
+    plan = NeighborhoodPlan(*shapes)
+    pairs = _plan_pairs(plan)
+    for walk, segments, walk_shape, column in [("forward", plan.forward_segments, plan.out_shape, 0),
+                                               ("backward", plan.backward_segments, plan.in_shape, 1)]:  # fmt: skip
+        stencil_pairs = plan.tile_stencil_pairs(walk, tile_rows=tile_rows)
+        s = plan.block_schedule(walk, tile_rows=tile_rows, stencil=True)
+        assert len(stencil_pairs) > 0 or shapes == ((65, 144), (65, 144)) and tile_rows == 3, walk
+        stencil_rows = np.zeros(walk_shape[0], bool)
+        stencil_rows[stencil_pairs[:, 0]] = stencil_rows[stencil_pairs[:, 0] + 1] = True
+        tile_rows_listed = (s.tiles[:, :1] + np.arange(tile_rows)).clip(max=walk_shape[0] - 1)
+        assert not stencil_rows[tile_rows_listed].any(), f"{walk}: a listed tile holds a stencil row"
+        tiles_per_row = -(-walk_shape[1] // s.tile_cols)
+        listed_bands = np.unique(s.tiles[:, 0] // tile_rows)
+        assert s.tiles.shape[0] == listed_bands.size * tiles_per_row
+        covered = np.zeros(walk_shape[0], bool)
+        for band in listed_bands:
+            covered[band * tile_rows : (band + 1) * tile_rows] = True
+        np.testing.assert_array_equal(covered, ~stencil_rows, err_msg=f"{walk}: listed and stencil rows")
+        expected = pairs[~stencil_rows[pairs[:, column] // walk_shape[1]]]
+        np.testing.assert_array_equal(_sorted_pairs(_expand(s), walk), expected, err_msg=f"{walk} walk")
+        full = plan.block_schedule(walk, tile_rows=tile_rows)
+        assert s.chunks.shape[0] < full.chunks.shape[0] or len(stencil_pairs) == 0
 
 
 def test_joining_no_schedules_is_refused():

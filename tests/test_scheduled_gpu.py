@@ -23,7 +23,7 @@ import pytest
 
 import jax_s2attn
 from jax_s2attn import NeighborhoodPlan
-from jax_s2attn.ops import _checks, _ffi, local
+from jax_s2attn.ops import _checks, _ffi, local, neighborhood
 from jax_s2attn.parallel import shard_layout, sharded_neighborhood_attention
 from jax_s2attn.parallel.layout import window_schedules
 
@@ -112,6 +112,19 @@ def test_smooth_values_keep_gradients_accurate(dtype, geometry, d, rng, dense_at
     _check(got, want, rel_error, dtype)
 
 
+def _run_targets(plan, q, k, v, dout, result_dtype, **kwargs) -> list[np.ndarray]:
+    """``(out, lse, dq, dk, dv)`` of the three scheduled targets, results poisoned with NaN first, of
+    ``result_dtype`` (lse float32); the backward from this forward's lse and a delta of its float32 out, as the
+    op runs it. ``kwargs``: the targets' ``scale`` and ``stencil``."""
+    kwargs["poison_results"] = True
+    out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, out_dtype=result_dtype, **kwargs)
+    out32, _ = _ffi.ffi_scheduled_forward(q, k, v, plan, **kwargs)
+    delta = _ffi.ffi_delta(dout, out32)
+    dq = _ffi.ffi_scheduled_dq(q, k, v, dout, lse, delta, plan, gradient_dtype=result_dtype, **kwargs)
+    dk, dv = _ffi.ffi_scheduled_dkv(q, k, v, dout, lse, delta, plan, gradient_dtype=result_dtype, **kwargs)
+    return [np.asarray(x) for x in (out, lse, dq, dk, dv)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case_and_head_dim", [(CASES[0], 64), (CASES[4], 64), (CASES[6], 64), (CASES[6], 32),
                                                (CASES[6], 128)],
@@ -123,16 +136,7 @@ def test_targets_write_every_result(case_and_head_dim, dtype, exact_random):
     plan = NeighborhoodPlan(*geometry)
     q, dout = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), dtype) for _ in range(2))
     k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, d), dtype) for _ in range(2))
-    kwargs = dict(scale=0.125, poison_results=True)
-
-    def run(result_dtype):
-        out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, out_dtype=result_dtype, **kwargs)
-        out32, _ = _ffi.ffi_scheduled_forward(q, k, v, plan, **kwargs)
-        delta = _ffi.ffi_delta(dout, out32)
-        dq = _ffi.ffi_scheduled_dq(q, k, v, dout, lse, delta, plan, gradient_dtype=result_dtype, **kwargs)
-        dk, dv = _ffi.ffi_scheduled_dkv(q, k, v, dout, lse, delta, plan, gradient_dtype=result_dtype, **kwargs)
-        return [np.asarray(x) for x in (out, lse, dq, dk, dv)]
-
+    run = functools.partial(_run_targets, plan, q, k, v, dout, scale=0.125)
     wide, narrow, again = run(jnp.float32), run(dtype), run(jnp.float32)
     for name, w, n, a in zip(("out", "lse", "dq", "dk", "dv"), wide, narrow, again, strict=True):
         assert not np.isnan(w).any() and not np.isnan(n).any(), f"{name}: unwritten elements"
@@ -279,3 +283,61 @@ def test_a_ring_modulus_out_of_range_is_refused(exact_random, ring_nlon):
         out, _ = _ffi._call(_ffi.SCHEDULED_FORWARD_TARGET, (q, k, v, *schedule), shapes, attributes, False,
                             (jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)))  # fmt: skip
         np.asarray(out)
+
+
+# Plans whose walks leave whole tiles of rows to the stencil kernels (NeighborhoodPlan.tile_stencil_pairs): a band
+# in mid-grid, the same at a longer ring, more key rows than query rows; heads, head dim.
+STENCIL_CASES = [
+    (((17, 72), (17, 72), EQ, EQ, None), 2, 64),
+    (((65, 144), (65, 144), EQ, EQ, None), 1, 32),
+    (((10, 40), (9, 40), EQ, EQ, 0.2), 2, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", STENCIL_CASES, ids=str)
+def test_targets_beside_the_stencil_rows_match_float64(case, dtype, exact_random, dense_attention, rel_error):
+    """The scheduled targets on the schedules without the stencil rows' tiles, the stencil targets writing those
+    rows into the same results (poisoned with NaN first): every element written, out, lse and the gradients
+    against float64 (the backward from this forward's lse and a delta from its float32 out, as the op runs it);
+    results in the activations' dtype the float32 ones rounded, bit for bit."""
+    geometry, heads, d = case
+    plan = NeighborhoodPlan(*geometry)
+    assert all(len(plan.tile_stencil_pairs(walk)) for walk in ("forward", "backward"))
+    q = exact_random(2, *plan.out_shape, heads, d)
+    k, v = (exact_random(2, *plan.in_shape, heads, d) for _ in range(2))
+    dout = exact_random(2, *plan.out_shape, heads, d)
+    want = _oracle(plan, (q, k, v), (dout, np.zeros(dout.shape[:-1])), dense_attention)
+    q, k, v, dout = (jnp.asarray(x, dtype) for x in (q, k, v, dout))
+    run = functools.partial(_run_targets, plan, q, k, v, dout, scale=1 / np.sqrt(d), stencil=True)
+    wide, narrow = run(jnp.float32), run(dtype)
+    for name, w, n, expected in zip(NAMES, wide, narrow, want, strict=True):
+        assert not np.isnan(w).any() and not np.isnan(n).any(), f"{name}: unwritten elements"
+        assert rel_error(w, expected) <= (1e-5 if name == "lse" else 1e-2), (name, rel_error(w, expected))
+        rounded = w if name == "lse" else np.asarray(jnp.asarray(w).astype(dtype))
+        assert n.tobytes() == rounded.tobytes(), f"{name}: not the float32 result rounded"
+
+
+def test_the_scheduled_op_leaves_the_stencil_rows_to_the_stencil_targets(exact_random, rel_error):
+    """At 360x720 and the default cutoff, one head, the rows of whole tiles of stencil pairs pass the stencil gate
+    in both walks: the op on the scheduled kernels runs the stencil targets beside them in its forward, dq and
+    dk/dv, and its out and gradients match the arc kernels' within the 16-bit bar."""
+    plan = NeighborhoodPlan((360, 720), (360, 720))
+    q, k, v, dout = (jnp.asarray(exact_random(1, 360, 720, 1, 64), jnp.bfloat16) for _ in range(4))
+    assert all(neighborhood.uses_stencil_rows(plan, q, "scheduled", walk) for walk in ("forward", "backward"))
+
+    def value_and_grads(kernel):
+        def run(q, k, v, dout):
+            out, pullback = jax.vjp(lambda q, k, v: neighborhood._native_attention(q, k, v, plan, 0.125, kernel)[0],
+                                    q, k, v)  # fmt: skip
+            return out, *pullback(dout)
+
+        return jax.jit(run)
+
+    scheduled = value_and_grads("scheduled")
+    program = scheduled.lower(q, k, v, dout).as_text()
+    for target in _ffi.STENCIL_TARGETS:
+        assert program.count(f"@{target}(") == 1, target
+    arc = value_and_grads("arc")(q, k, v, dout)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), scheduled(q, k, v, dout), arc, strict=True):
+        assert rel_error(got, want) <= 1e-2, (name, rel_error(got, want))

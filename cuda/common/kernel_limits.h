@@ -13,6 +13,10 @@ inline constexpr const char* kTiledDtypes[] = {"bfloat16", "float16"};
 // Head dims (Dk == Dv) the tiled kernels are instantiated for (gpu/tiled_attn_dispatch.cuh).
 inline constexpr int kTiledHeadDims[] = {32, 64, 128};
 
+// Head dims (Dk == Dv) the CUDA stencil kernels are instantiated for (gpu/sixteen_bit_dispatch.cuh): those of the
+// tensor-core kernels, beside which they take the rows of short arcs.
+inline constexpr int kStencilHeadDims[] = {32, 64, 128};
+
 // The shape a row pair of the CUDA stencil kernels must fit (gpu/stencil_attn_kernels.h), which the plan's
 // stencil pairs follow: the pair stages at most kStencilMaxOtherRows consecutive rows of the other grid, and
 // every arc of its points lies within kStencilMaxHalf longitudes of the point (a 7-column window, sized for

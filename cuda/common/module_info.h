@@ -70,6 +70,14 @@ void AddTiledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_d
   targets[kTargetTiledBackwardDqDelta] = HandlerCapsule(backward_dq_delta);
 }
 
+// Adds the stencil targets (CUDA only) to a registrations() dict.
+template <typename Fwd, typename Dq, typename Dkv>
+void AddStencilRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+  targets[kTargetStencilForward] = HandlerCapsule(forward);
+  targets[kTargetStencilBackwardDq] = HandlerCapsule(backward_dq);
+  targets[kTargetStencilBackwardDkv] = HandlerCapsule(backward_dkv);
+}
+
 // Adds the scheduled targets (CUDA only) to a registrations() dict.
 template <typename Fwd, typename Dq, typename Dkv>
 void AddScheduledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {

@@ -50,16 +50,17 @@ auto BindTables(Binding&& binding) {
 }
 
 // jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse);
-// kTiled (jax_s2attn_tiled_fwd): the stencil pairs after them, and out's rounding remainder after lse.
-template <bool kTiled = false, typename Binding>
+// kStencilPairs (jax_s2attn_tiled_fwd, jax_s2attn_stencil_fwd): the stencil pairs after them; kRemainder
+// (jax_s2attn_tiled_fwd): out's rounding remainder after lse.
+template <bool kStencilPairs = false, bool kRemainder = kStencilPairs, typename Binding>
 auto BindForward(Binding&& binding) {
-  auto results = BindTables<kTiled>(std::move(binding)
-                                        .template Arg<ffi::AnyBuffer>()   // q
-                                        .template Arg<ffi::AnyBuffer>()   // k
-                                        .template Arg<ffi::AnyBuffer>())  // v
-                     .template Ret<ffi::AnyBuffer>()                      // out (type checked by the handler)
-                     .template Ret<F32Buffer>();                          // lse
-  if constexpr (kTiled) {
+  auto results = BindTables<kStencilPairs>(std::move(binding)
+                                               .template Arg<ffi::AnyBuffer>()   // q
+                                               .template Arg<ffi::AnyBuffer>()   // k
+                                               .template Arg<ffi::AnyBuffer>())  // v
+                     .template Ret<ffi::AnyBuffer>()                             // out (type checked by the handler)
+                     .template Ret<F32Buffer>();                                 // lse
+  if constexpr (kRemainder) {
     return BindAttrs(std::move(results).template Ret<ffi::AnyBuffer>());  // out_remainder (or empty)
   } else {
     return BindAttrs(std::move(results));

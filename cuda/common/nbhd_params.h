@@ -21,11 +21,16 @@ inline constexpr char kTargetTiledBackwardDkv[] = "jax_s2attn_tiled_bwd_dkv";
 // The tiled dq with the forward's out (float32, or in q's type with its remainder) and dlse in place of delta: it
 // forms delta and returns it.
 inline constexpr char kTargetTiledBackwardDqDelta[] = "jax_s2attn_tiled_bwd_dq_delta";
-// The backward's delta = sum(dout * out, -1) - dlse, in a fixed summation order (common/delta_binding.h).
 // The scheduled tensor-core kernels (CUDA, sm_90a): the plan's block schedules instead of its tables.
 inline constexpr char kTargetScheduledForward[] = "jax_s2attn_sched_fwd";
 inline constexpr char kTargetScheduledBackwardDq[] = "jax_s2attn_sched_bwd_dq";
 inline constexpr char kTargetScheduledBackwardDkv[] = "jax_s2attn_sched_bwd_dkv";
+// The stencil kernels alone (CUDA only): the tiled targets' operands, writing only the stencil pairs' rows of
+// results aliased to the scheduled targets' (the rows the scheduled kernels leave out).
+inline constexpr char kTargetStencilForward[] = "jax_s2attn_stencil_fwd";
+inline constexpr char kTargetStencilBackwardDq[] = "jax_s2attn_stencil_bwd_dq";
+inline constexpr char kTargetStencilBackwardDkv[] = "jax_s2attn_stencil_bwd_dkv";
+// The backward's delta = sum(dout * out, -1) - dlse, in a fixed summation order (common/delta_binding.h).
 inline constexpr char kTargetDelta[] = "jax_s2attn_delta";
 
 // What the `arc_offsets` / `arcs` operands hold: the arc table (offsets per pattern, rows of

@@ -15,6 +15,8 @@ NB_MODULE(_s2attn_cuda, m) {
                                   S2AttnTiledBackwardDkvCuda, S2AttnTiledBackwardDqDeltaCuda);
     s2attn::AddScheduledRegistrations(targets, S2AttnScheduledForwardCuda, S2AttnScheduledBackwardDqCuda,
                                       S2AttnScheduledBackwardDkvCuda);
+    s2attn::AddStencilRegistrations(targets, S2AttnStencilForwardCuda, S2AttnStencilBackwardDqCuda,
+                                    S2AttnStencilBackwardDkvCuda);
     return targets;
   });
   m.def("build_info", []() {

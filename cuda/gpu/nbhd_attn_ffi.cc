@@ -1,6 +1,6 @@
 // CUDA handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
-// arc-segment targets and their three tiled tensor-core twins, one handler template each, the
-// tiled dq that forms delta itself, and the backward's delta.
+// arc-segment targets, their three tiled tensor-core twins and the three stencil targets, one handler template
+// each, the tiled dq that forms delta itself, and the backward's delta.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
 // table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream with its device current
@@ -25,6 +25,7 @@
 #include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/ffi_launch.h"
+#include "gpu/stencil_attn_kernels.h"
 #include "gpu/tiled_attn_kernels.h"
 
 namespace s2attn {
@@ -99,7 +100,7 @@ NbhdAttnGpuParams GpuParams(const NbhdParams& p, const ffi::AnyBuffer& q, const 
   return g;
 }
 
-// The two kernel families behind one handler template: table form, target names, launchers, whether
+// The kernel families behind one handler template: table form, target names, launchers, whether
 // results may be written in the activations' type, and what a family cannot run (reported before
 // launching).
 struct ArcKernels {
@@ -131,6 +132,29 @@ struct TiledKernels {
                                                                   << g.head_dim_k << ", Dv = " << g.head_dim_v
                                                                   << "); use the arc-segment targets "
                                                                      "(implementation='ffi-arc')");
+    return ffi::Error::Success();
+  }
+};
+
+// The stencil kernels alone: the tiled targets' operands; they write the stencil pairs' rows of results aliased to
+// the scheduled targets' (which write every other row), and nothing else.
+struct StencilKernels {
+  static constexpr TableForm kForm = TableForm::kSegments;
+  static constexpr const char* kForward = kTargetStencilForward;
+  static constexpr const char* kBackwardDq = kTargetStencilBackwardDq;
+  static constexpr const char* kBackwardDkv = kTargetStencilBackwardDkv;
+  static constexpr bool kNarrowResults = true;
+  static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchStencilAttnFwd(s, g); }
+  static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchStencilAttnBwdDq(s, g); }
+  static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchStencilAttnBwdDkv(s, g); }
+  static ffi::Error Check(const NbhdAttnGpuParams& g) {
+    S2ATTN_CHECK(StencilAttnSupported(g), "the stencil targets take " << Alternatives(kTiledDtypes)
+                                                                      << " activations with Dk == Dv of "
+                                                                      << Alternatives(kStencilHeadDims)
+                                                                      << ", 16-byte aligned buffers and at least one "
+                                                                         "stencil pair (got Dk = "
+                                                                      << g.head_dim_k << ", Dv = " << g.head_dim_v
+                                                                      << ", " << g.num_stencil_pairs << " pairs)");
     return ffi::Error::Success();
   }
 };
@@ -169,9 +193,9 @@ ffi::Error SetStencilPairs(const I32Buffer& stencil_pairs, bool walk_keys, NbhdA
   return ffi::Error::Success();
 }
 
-// out is float32, or on the tiled kernels also the activations' type (`out_narrow`); `stencil_pairs`
-// (tiled only, else null) are the query row pairs the tiled launcher leaves to the stencil kernel, and
-// `out_remainder` (tiled only, else null; empty for none) what rounding out to that type left.
+// out is float32, or on the tiled and stencil kernels also the activations' type (`out_narrow`); `stencil_pairs`
+// (tiled and stencil targets, else null) are the query row pairs of the stencil kernel, and `out_remainder` (tiled
+// only, else null; empty for none) what rounding out to that type left.
 template <typename Kernels>
 ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const I32Buffer& window, const I32Buffer& row_order, const I32Buffer& arc_offsets,
@@ -230,6 +254,17 @@ ffi::Error TiledForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                  MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
+// jax_s2attn_stencil_fwd: the tiled forward's operands; out (float32 or q's type) and lse of the stencil rows.
+ffi::Error StencilForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
+                          I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
+                          I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult out,
+                          F32Result lse, float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q,
+                          int64_t nlat_k, int64_t nlon_k) {
+  return ForwardOf<StencilKernels>(stream, q, k, v, window, row_order, arc_offsets, arcs, quad_weights,
+                                   &stencil_pairs, out, lse, nullptr,
+                                   MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+}
+
 // Decodes the operands shared by the backward targets; `per_row` is the operand after lse (delta,
 // or dlse where the kernel forms delta), checked under `row_name` and left to the caller.
 ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
@@ -268,7 +303,7 @@ ffi::Error SetDqResult(AnyResult dq, ffi::DataType activations, bool narrow_allo
   return ffi::Error::Success();
 }
 
-// dq of either family; `stencil_pairs` as in ForwardOf.
+// dq of any family; `stencil_pairs` as in ForwardOf.
 template <typename Kernels>
 ffi::Error BackwardDqOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                         const ffi::AnyBuffer& dout, const F32Buffer& lse, const F32Buffer& delta,
@@ -308,8 +343,20 @@ ffi::Error TiledBackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                                     MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// dk and dv of either family; `stencil_pairs` (tiled only, else null) are the key row pairs the tiled
-// launcher leaves to the stencil kernel.
+// jax_s2attn_stencil_bwd_dq: the tiled dq's operands; dq of the stencil rows.
+ffi::Error StencilBackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window,
+                             I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
+                             I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
+                             float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q,
+                             int64_t nlat_k, int64_t nlon_k) {
+  return BackwardDqOf<StencilKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
+                                      quad_weights, &stencil_pairs, dq,
+                                      MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+}
+
+// dk and dv of any family; `stencil_pairs` (tiled and stencil targets, else null) are the key row pairs of the
+// stencil kernel.
 template <typename Kernels>
 ffi::Error BackwardDkvOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          const ffi::AnyBuffer& v, const ffi::AnyBuffer& dout, const F32Buffer& lse,
@@ -355,6 +402,18 @@ ffi::Error TiledBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   return BackwardDkvOf<TiledKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
                                      quad_weights, &stencil_pairs, dk, dv,
                                      MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+}
+
+// jax_s2attn_stencil_bwd_dkv: the tiled dk/dv's operands; dk and dv of the stencil key rows.
+ffi::Error StencilBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window,
+                              I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
+                              I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dk,
+                              AnyResult dv, float scale, int64_t residues, int64_t shift, int64_t nlat_q,
+                              int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
+  return BackwardDkvOf<StencilKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
+                                       quad_weights, &stencil_pairs, dk, dv,
+                                       MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
 // jax_s2attn_tiled_bwd_dq_delta: the tiled dq, forming delta = sum(dout * out, -1) - dlse from the
@@ -422,19 +481,23 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
 }  // namespace
 }  // namespace s2attn
 
-#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, FORWARD, BACKWARD_DQ, BACKWARD_DKV, TILED)                               \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(PREFIX##ForwardCuda, FORWARD,                                                        \
-                                s2attn::BindForward<TILED>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));        \
+// STENCIL_PAIRS: the targets take the stencil pairs; REMAINDER: the forward returns out's rounding remainder.
+#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, FORWARD, BACKWARD_DQ, BACKWARD_DKV, STENCIL_PAIRS, REMAINDER)            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                     \
+      PREFIX##ForwardCuda, FORWARD,                                                                                  \
+      (s2attn::BindForward<STENCIL_PAIRS, REMAINDER>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>())));             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                     \
       PREFIX##BackwardDqCuda, BACKWARD_DQ,                                                                           \
-      s2attn::BindBackwardDq<TILED>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                               \
+      s2attn::BindBackwardDq<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                     \
       PREFIX##BackwardDkvCuda, BACKWARD_DKV,                                                                         \
-      s2attn::BindBackwardDkv<TILED>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
+      s2attn::BindBackwardDkv<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
 
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::Forward, s2attn::BackwardDq, s2attn::BackwardDkv, false);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::Forward, s2attn::BackwardDq, s2attn::BackwardDkv, false, false);
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledForward, s2attn::TiledBackwardDq, s2attn::TiledBackwardDkv,
-                            true);
+                            true, true);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnStencil, s2attn::StencilForward, s2attn::StencilBackwardDq,
+                            s2attn::StencilBackwardDkv, true, false);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::TiledBackwardDqDelta,
                               s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCuda, s2attn::Delta,

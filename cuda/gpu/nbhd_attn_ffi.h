@@ -14,6 +14,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDqCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDkvCuda);
+// jax_s2attn_stencil_fwd / _bwd_dq / _bwd_dkv: the tiled targets' operands (no remainder); only the stencil
+// pairs' rows of their results, which alias the scheduled targets' (stencil_attn_kernels.h).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilForwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDqCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDkvCuda);
 // jax_s2attn_tiled_bwd_dq_delta: (q, k, v, dout, lse, out, dlse, window, row_order, ...) -> (dq, delta)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda);
 // jax_s2attn_delta: (dout, out, dlse) -> delta = sum(dout * out, -1) - dlse

@@ -26,11 +26,11 @@ using F32Result = ffi::ResultBuffer<ffi::F32>;
 using CudaStream = ffi::PlatformStream<cudaStream_t>;
 
 // The attributes of every scheduled target: the softmax scale, the walk's classes and shift, the arrays' grids
-// (whole grids, or a window's local blocks), the other grid's ring and the schedule's shape (which must be the
-// kernels').
+// (whole grids, or a window's local blocks), the other grid's ring, the schedule's shape (which must be the
+// kernels') and the walking grid's tiles it leaves to the stencil targets (stencil_tiles).
 struct SchedAttrs {
   float scale;
-  int64_t classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols;
+  int64_t classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles;
 };
 
 template <typename Binding>
@@ -46,7 +46,8 @@ auto BindSchedAttrs(Binding&& binding) {
       .template Attr<int64_t>("ring_nlon")
       .template Attr<int64_t>("tile_rows")
       .template Attr<int64_t>("tile_cols")
-      .template Attr<int64_t>("chunk_cols");
+      .template Attr<int64_t>("chunk_cols")
+      .template Attr<int64_t>("stencil_tiles");
 }
 
 // The walk's schedule (tiles, tile_offsets, chunks, records) and the quadrature weights, then the operands
@@ -164,9 +165,11 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   g->scale = a.scale;
   const int64_t walk_tiles = ((walk_keys ? a.nlat_k : a.nlat_q) + kSchedTileRows - 1) / kSchedTileRows *
                              (((walk_keys ? a.nlon_k : a.nlon_q) + kSchedTileCols - 1) / kSchedTileCols);
-  S2ATTN_CHECK(num_tiles == walk_tiles, "the schedule lists " << num_tiles << " tiles; the walking grid has "
-                                                              << walk_tiles << " (pass the plan's, or the window's, "
-                                                              << (walk_keys ? "backward" : "forward") << " schedule)");
+  S2ATTN_CHECK(a.stencil_tiles >= 0 && num_tiles + a.stencil_tiles == walk_tiles,
+               "the schedule lists " << num_tiles << " tiles and leaves " << a.stencil_tiles
+                                     << " to the stencil targets; the walking grid has " << walk_tiles
+                                     << " (pass the plan's, or the window's, " << (walk_keys ? "backward" : "forward")
+                                     << " schedule)");
   return ffi::Error::Success();
 }
 
@@ -183,10 +186,10 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    I32Buffer tile_offsets, I32Buffer chunks, I32Buffer records, F32Buffer quad_weights,
                    ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale, int64_t classes,
                    int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t ring_nlon,
-                   int64_t tile_rows, int64_t tile_cols, int64_t chunk_cols) {
+                   int64_t tile_rows, int64_t tile_cols, int64_t chunk_cols, int64_t stencil_tiles) {
   SchedAttnParams g;
-  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,    nlat_k,
-                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols};
+  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,     nlat_k,
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
@@ -213,10 +216,10 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                       I32Buffer records, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
                       float scale, int64_t classes, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                       int64_t nlon_k, int64_t ring_nlon, int64_t tile_rows, int64_t tile_cols,
-                      int64_t chunk_cols) {
+                      int64_t chunk_cols, int64_t stencil_tiles) {
   SchedAttnParams g;
-  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,    nlat_k,
-                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols};
+  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,     nlat_k,
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));
@@ -231,10 +234,10 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        I32Buffer records, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/,
                        AnyResult dk, AnyResult dv, float scale, int64_t classes, int64_t shift, int64_t nlat_q,
                        int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t ring_nlon, int64_t tile_rows,
-                       int64_t tile_cols, int64_t chunk_cols) {
+                       int64_t tile_cols, int64_t chunk_cols, int64_t stencil_tiles) {
   SchedAttnParams g;
-  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,    nlat_k,
-                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols};
+  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,     nlat_k,
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));

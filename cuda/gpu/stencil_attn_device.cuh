@@ -21,6 +21,7 @@
 #include "gpu/device_common.cuh"
 #include "gpu/mbarrier_sm90.cuh"
 #include "gpu/mma_sm80.cuh"
+#include "gpu/sixteen_bit_dispatch.cuh"
 #include "gpu/stencil_attn_kernels.h"
 
 namespace s2attn {
@@ -273,6 +274,17 @@ template <typename T, int D, bool kKeyWalk = false>
 cudaError_t LaunchPairs(void (*kernel)(NbhdAttnGpuParams), cudaStream_t stream, const NbhdAttnGpuParams& p) {
   const int64_t tiles = (int64_t{kKeyWalk ? p.nk_lon : p.nq_lon} + Shape<D>::kLons - 1) / Shape<D>::kLons;
   return LaunchRowGrid(kernel, stream, p, p.num_stencil_pairs, tiles, kThreads, sizeof(Staged<T, D, kKeyWalk>));
+}
+
+static_assert(sizeof(kStencilHeadDims) == 3 * sizeof(int) && kStencilHeadDims[0] == 32 && kStencilHeadDims[1] == 64 &&
+                  kStencilHeadDims[2] == 128,
+              "DispatchSixteenBit instantiates exactly the stencil head dims of common/kernel_limits.h");
+
+// A stencil target: launch(SixteenBitVariant<T, D>{}) for the call's type and head dim, where
+// StencilAttnSupported holds.
+template <typename Launch>
+cudaError_t DispatchStencil(const NbhdAttnGpuParams& p, Launch&& launch) {
+  return StencilAttnSupported(p) ? DispatchSixteenBit(p, launch) : cudaErrorInvalidValue;
 }
 
 }  // namespace stencil

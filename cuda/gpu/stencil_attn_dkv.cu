@@ -62,4 +62,12 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilDkv);
 
 }  // namespace stencil
 }  // namespace gpu
+
+cudaError_t LaunchStencilAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::stencil::DispatchStencil(p, [&](auto variant) {
+    using V = decltype(variant);
+    return gpu::stencil::LaunchStencilDkv<typename V::Element, V::kDim>(stream, p);
+  });
+}
+
 }  // namespace s2attn

@@ -71,4 +71,12 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilDq);
 
 }  // namespace stencil
 }  // namespace gpu
+
+cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::stencil::DispatchStencil(p, [&](auto variant) {
+    using V = decltype(variant);
+    return gpu::stencil::LaunchStencilDq<typename V::Element, V::kDim>(stream, p);
+  });
+}
+
 }  // namespace s2attn

@@ -63,4 +63,17 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilFwd);
 
 }  // namespace stencil
 }  // namespace gpu
+
+bool StencilAttnSupported(const NbhdAttnGpuParams& p) {
+  return gpu::SixteenBitTypes(p, kStencilHeadDims) && p.num_stencil_pairs > 0 && p.stencil_pairs != nullptr &&
+         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.out_narrow});
+}
+
+cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::stencil::DispatchStencil(p, [&](auto variant) {
+    using V = decltype(variant);
+    return gpu::stencil::LaunchStencilFwd<typename V::Element, V::kDim>(stream, p);
+  });
+}
+
 }  // namespace s2attn

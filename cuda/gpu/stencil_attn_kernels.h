@@ -1,6 +1,7 @@
 // Launchers of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu, stencil_attn_dkv.cu): the rows of
-// short arcs, on CUDA cores, launched by the tiled launchers for the rows the plan leaves to them
-// (NbhdAttnGpuParams::stencil_pairs). Plain C++ and CUDA runtime types.
+// short arcs, on CUDA cores (NbhdAttnGpuParams::stencil_pairs). The tiled launchers run them after their own
+// kernels; the stencil targets run them alone, beside the scheduled kernels, whose schedule leaves out the pairs'
+// tiles (jax_s2attn.schedule, "Stencil rows"). Plain C++ and CUDA runtime types.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -35,4 +36,17 @@ cudaError_t LaunchStencilDkv(cudaStream_t stream, const NbhdAttnGpuParams& p);
 
 }  // namespace stencil
 }  // namespace gpu
+
+// Whether the stencil targets run this call: 16-bit activations, Dk == Dv in kStencilHeadDims, results of float32
+// or the activations' type, 16-byte aligned activations, and row pairs to walk. The handlers turn `false` into
+// INVALID_ARGUMENT.
+bool StencilAttnSupported(const NbhdAttnGpuParams& p);
+
+// The stencil targets: the launchers above for the call's type and head dim, writing only the rows of
+// p.stencil_pairs (out or out_narrow and lse_out; dq, with p.delta; dk and dv); cudaErrorInvalidValue where
+// StencilAttnSupported is false.
+cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
+cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p);
+cudaError_t LaunchStencilAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p);
+
 }  // namespace s2attn

@@ -7,6 +7,7 @@
 
 #include "common/kernel_limits.h"
 #include "gpu/device_common.cuh"
+#include "gpu/sixteen_bit_dispatch.cuh"
 #include "gpu/tiled_attn_device.cuh"
 #include "gpu/tiled_attn_kernels.h"
 
@@ -15,31 +16,16 @@ namespace gpu {
 namespace tiled {
 inline namespace S2ATTN_TILED_SHAPE {
 
-template <typename T, int D>
-struct Variant {
-  using Element = T;
-  static constexpr int kDim = D;
-};
-
 static_assert(sizeof(kTiledHeadDims) == 3 * sizeof(int) && kTiledHeadDims[0] == 32 && kTiledHeadDims[1] == 64 &&
                   kTiledHeadDims[2] == 128,
-              "DispatchTiled instantiates exactly the head dims of common/kernel_limits.h");
+              "DispatchSixteenBit instantiates exactly the head dims of common/kernel_limits.h");
 
-// Calls launch(Variant<T, D>{}) for 16-bit T and Dk == Dv == D in kTiledHeadDims; anything
+// Calls launch(SixteenBitVariant<T, D>{}) for 16-bit T and Dk == Dv == D in kTiledHeadDims; anything
 // else is cudaErrorInvalidValue (the handlers check TiledAttnSupported first).
 template <typename Launch>
 cudaError_t DispatchTiled(const NbhdAttnGpuParams& p, Launch&& launch) {
   if (!TiledAttnSupported(p)) return cudaErrorInvalidValue;
-  const auto by_dim = [&](auto element) -> cudaError_t {
-    using T = decltype(element);
-    switch (p.head_dim_k) {
-      case 32: return launch(Variant<T, 32>{});
-      case 64: return launch(Variant<T, 64>{});
-      case 128: return launch(Variant<T, 128>{});
-      default: return cudaErrorInvalidValue;
-    }
-  };
-  return p.dtype == ActivationType::kBF16 ? by_dim(__nv_bfloat16{}) : by_dim(__half{});
+  return DispatchSixteenBit(p, launch);
 }
 
 // One block per unit of kTilePoints longitudes of every local row of the walking grid.

@@ -142,11 +142,7 @@ auto KernelFor(const NbhdAttnGpuParams& p) {
 }  // namespace gpu
 
 bool TiledAttnSupported(const NbhdAttnGpuParams& p) {
-  const bool sixteen_bit = p.dtype == ActivationType::kBF16 || p.dtype == ActivationType::kF16;
-  bool dims = false;
-  for (const int d : kTiledHeadDims) dims = dims || (p.head_dim_k == d && p.head_dim_v == d);
-  const bool gradients = p.gradient_dtype == ActivationType::kF32 || p.gradient_dtype == p.dtype;
-  return sixteen_bit && dims && gradients &&
+  return gpu::SixteenBitTypes(p, kTiledHeadDims) &&
          gpu::Aligned16({p.q, p.k, p.v, p.dout, p.forward_out, p.forward_out_narrow, p.forward_out_remainder,
                          p.out_narrow, p.out_remainder});
 }

@@ -31,6 +31,10 @@ __all__ = [
     "SCHEDULED_BACKWARD_DQ_TARGET",
     "SCHEDULED_FORWARD_TARGET",
     "SCHEDULED_TARGETS",
+    "STENCIL_BACKWARD_DKV_TARGET",
+    "STENCIL_BACKWARD_DQ_TARGET",
+    "STENCIL_FORWARD_TARGET",
+    "STENCIL_TARGETS",
     "TARGETS",
     "TILED_BACKWARD_DKV_TARGET",
     "TILED_BACKWARD_DQ_DELTA_TARGET",
@@ -49,6 +53,7 @@ __all__ = [
     "ffi_scheduled_dkv",
     "ffi_scheduled_dq",
     "ffi_scheduled_forward",
+    "full_window",
     "kernel_limits",
     "native_backends",
     "native_status",
@@ -92,13 +97,20 @@ SCHEDULED_BACKWARD_DQ_TARGET = "jax_s2attn_sched_bwd_dq"
 SCHEDULED_BACKWARD_DKV_TARGET = "jax_s2attn_sched_bwd_dkv"
 SCHEDULED_TARGETS = (SCHEDULED_FORWARD_TARGET, SCHEDULED_BACKWARD_DQ_TARGET, SCHEDULED_BACKWARD_DKV_TARGET)
 
+# The stencil kernels alone (CUDA): the tiled targets' operands; they write the rows of the stencil pairs into
+# results aliased to a scheduled target's, whose schedule leaves those rows' tiles out (whole grids).
+STENCIL_FORWARD_TARGET = "jax_s2attn_stencil_fwd"
+STENCIL_BACKWARD_DQ_TARGET = "jax_s2attn_stencil_bwd_dq"
+STENCIL_BACKWARD_DKV_TARGET = "jax_s2attn_stencil_bwd_dkv"
+STENCIL_TARGETS = (STENCIL_FORWARD_TARGET, STENCIL_BACKWARD_DQ_TARGET, STENCIL_BACKWARD_DKV_TARGET)
+
 # The backward's delta = sum(dout * out, -1) - dlse: both modules, every kernel family. A target
 # of its own because XLA fuses that reduction differently in different programs (changing its
 # last bit, and so the gradients'); the kernels sum in an order fixed by Dv alone.
 DELTA_TARGET = "jax_s2attn_delta"
 
 #: Every custom-call target a jax_s2attn program may contain (``jax.export`` needs them named).
-CUSTOM_CALL_TARGETS = (*TARGETS, *TILED_TARGETS, *SCHEDULED_TARGETS, DELTA_TARGET)
+CUSTOM_CALL_TARGETS = (*TARGETS, *TILED_TARGETS, *SCHEDULED_TARGETS, *STENCIL_TARGETS, DELTA_TARGET)
 
 
 def export_disabled_checks() -> list:
@@ -347,22 +359,26 @@ def _result_type(like, shape, dtype) -> jax.ShapeDtypeStruct:
     )
 
 
-def _call(target, operands, result_shapes, attributes, poison_results, result_dtype=jnp.float32):
+def _call(target, operands, result_shapes, attributes, poison_results, result_dtype=jnp.float32, initial=None):
     """One ``ffi_call`` with results of ``result_shapes``, all of ``result_dtype`` (or, a tuple,
     one dtype per result).
 
     With ``poison_results`` (a test aid) every result buffer starts as NaN: NaN-filled
     operands are appended and aliased to the results, so an element a kernel forgets
-    to write stays NaN. The handlers ignore the extra operands.
+    to write stays NaN. ``initial`` (arrays of the results' shapes and dtypes) is appended and aliased the
+    same way: the call updates them in place (the stencil targets write their rows into a scheduled target's
+    results). The handlers ignore the extra operands.
     """
     dtypes = result_dtype if isinstance(result_dtype, tuple) else (result_dtype,) * len(result_shapes)
     operands = [jnp.asarray(x) for x in operands]
-    if poison_results:
-        operands += [jnp.full(shape, jnp.nan, dtype) for shape, dtype in zip(result_shapes, dtypes, strict=True)]
+    if poison_results and initial is None:
+        initial = [jnp.full(shape, jnp.nan, dtype) for shape, dtype in zip(result_shapes, dtypes, strict=True)]
+    if initial is not None:
+        operands += [jnp.asarray(x) for x in initial]
     operands = _vary_together(operands)
     results = [_result_type(operands[0], shape, dtype) for shape, dtype in zip(result_shapes, dtypes, strict=True)]
     first_alias = len(operands) - len(result_shapes)
-    aliases = {first_alias + i: i for i in range(len(result_shapes))} if poison_results else None
+    aliases = {first_alias + i: i for i in range(len(result_shapes))} if initial is not None else None
     call = jax.ffi.ffi_call(target, results, vmap_method="broadcast_all", input_output_aliases=aliases)
     return call(*operands, **attributes)
 
@@ -526,17 +542,31 @@ class WindowSchedules(NamedTuple):
     index: jax.Array
 
 
-def _scheduled_operands(plan, walk: str, scale, query, key, window=None, schedules=None) -> tuple[tuple, dict]:
+def full_window(plan) -> np.ndarray:
+    """The window of a serial call: every query and every key, int32 ``[8]``."""
+    return np.array([0, 0, *plan.out_shape, 0, 0, *plan.in_shape], dtype=np.int32)
+
+
+def _scheduled_operands(
+    plan, walk: str, scale, query, key, window=None, schedules=None, stencil=False
+) -> tuple[tuple, dict]:  # fmt: skip
     """The schedule operands (tiles, tile_offsets, chunks, records, quad_weights) of ``walk`` in the kernels'
     shape and the attributes of a scheduled call on ``query``'s and ``key``'s grids: the plan's schedule for whole
-    grids, or with ``window`` (int32 ``[8]``) and ``schedules`` (:class:`WindowSchedules`) the window's, with the
+    grids (with ``stencil``, without the tiles of the stencil rows, :meth:`NeighborhoodPlan.tile_stencil_pairs`),
+    or with ``window`` (int32 ``[8]``) and ``schedules`` (:class:`WindowSchedules`) the window's, with the
     quadrature weights of the key arrays' rows."""
     tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
     if (window is None) != (schedules is None):
         raise ValueError("window and schedules go together: pass both (a shard's blocks) or neither (whole grids).")
+    if stencil and schedules is not None:
+        raise ValueError("stencil=True needs whole grids; the blocks of a sharded grid take no stencil rows.")
+    stencil_tiles = 0
     if schedules is None:
-        s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+        s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols, stencil=stencil)
         tiles, tile_offsets, weights = s.tiles, s.tile_offsets, plan.quad_weights
+        if stencil:  # the stencil pairs' tiles: whole bands of tile_rows rows
+            bands = np.unique(plan.tile_stencil_pairs(walk, tile_rows=tile_rows)[:, 0] // tile_rows).size
+            stencil_tiles = bands * -(-s.nlon_walk // tile_cols)
     else:
         s = schedules.forward if walk == "forward" else schedules.backward
         if (s.tile_rows, s.tile_cols, s.chunk_cols) != (tile_rows, tile_cols, chunk_cols):
@@ -572,8 +602,20 @@ def _scheduled_operands(plan, walk: str, scale, query, key, window=None, schedul
         "tile_rows": np.int64(tile_rows),
         "tile_cols": np.int64(tile_cols),
         "chunk_cols": np.int64(chunk_cols),
+        "stencil_tiles": np.int64(stencil_tiles),
     }
     return operands, attributes
+
+
+def _stencil_rows(target, walk: str, operands, plan, scale, results, dtypes) -> tuple:
+    """``results`` of a scheduled call on whole grids whose schedule left out the stencil rows' tiles, with those
+    rows (of :meth:`NeighborhoodPlan.tile_stencil_pairs` of ``walk``) written in place by the stencil target
+    ``target`` on the activations ``operands`` (the scheduled call's)."""
+    tables = (getattr(plan.tables, f"{walk}_{name}") for name in ("row_order", "segment_offsets", "segments"))
+    pairs = plan.tile_stencil_pairs(walk, tile_rows=kernel_limits().scheduled_shape[0])
+    operands = (*operands, full_window(plan), *tables, plan.quad_weights, pairs)
+    attributes = _attributes(plan, getattr(plan, f"{walk}_segments"), scale)
+    return tuple(_call(target, operands, [x.shape for x in results], attributes, False, dtypes, initial=results))
 
 
 def _scheduled_result_dtype(dtype, query, name: str) -> jnp.dtype:
@@ -585,7 +627,8 @@ def _scheduled_result_dtype(dtype, query, name: str) -> jnp.dtype:
 
 
 def ffi_scheduled_forward(
-    query, key, value, plan, *, scale, out_dtype=jnp.float32, poison_results=False, window=None, schedules=None
+    query, key, value, plan, *, scale, out_dtype=jnp.float32, poison_results=False, window=None, schedules=None,
+    stencil=False,
 ):  # fmt: skip
     """The scheduled forward target: ``(out, lse)`` of whole grids (``query [..., nlat_out, nlon_out, H, D]``,
     ``key``/``value [..., nlat_in, nlon_in, H, D]``) on ``plan``'s forward block schedule, or of a shard's local
@@ -598,41 +641,56 @@ def ffi_scheduled_forward(
     ``lse`` comes from float32 sums. ``out_dtype``: float32 (what the differentiated op keeps for delta) or
     the activations' dtype (the float32 result rounded to nearest). The caller checks that the kernels can
     run (:func:`scheduled_unavailable_reason`); the handler checks shapes and dtypes.
+
+    ``stencil`` (all three scheduled targets; whole grids): the stencil kernels take the rows of the plan's
+    :meth:`~jax_s2attn.NeighborhoodPlan.tile_stencil_pairs` (the stencil target, writing into the scheduled
+    call's results), the scheduled kernels every other row.
     """
     dtype = _scheduled_result_dtype(out_dtype, query, "out_dtype")
-    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, window, schedules)
+    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, window, schedules, stencil)
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
-    return tuple(_call(SCHEDULED_FORWARD_TARGET, (query, key, value, *schedule), shapes, attributes, poison_results,
-                       (dtype, jnp.dtype(jnp.float32))))  # fmt: skip
+    dtypes = (dtype, jnp.dtype(jnp.float32))
+    results = _call(SCHEDULED_FORWARD_TARGET, (query, key, value, *schedule), shapes, attributes, poison_results,
+                    dtypes)  # fmt: skip
+    if stencil:
+        results = _stencil_rows(STENCIL_FORWARD_TARGET, "forward", (query, key, value), plan, scale, results, dtypes)
+    return tuple(results)
 
 
 def ffi_scheduled_dq(
     query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False,
-    window=None, schedules=None,
+    window=None, schedules=None, stencil=False,
 ):  # fmt: skip
     """The scheduled dq target (shaped like ``query``): ``lse`` and ``delta = sum(dout * out, -1) - dlse``
     float32 ``[..., nlat_out, nlon_out, H]`` (global: the whole grid's); ``gradient_dtype`` float32 or the
-    activations' dtype; ``window`` and ``schedules`` as for :func:`ffi_scheduled_forward` (dq over the window's
-    keys)."""
+    activations' dtype; ``window``, ``schedules`` and ``stencil`` as for :func:`ffi_scheduled_forward` (dq over
+    the window's keys)."""
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
-    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, window, schedules)
-    operands = (query, key, value, dout, lse, delta, *schedule)
-    (dq,) = _call(SCHEDULED_BACKWARD_DQ_TARGET, operands, [query.shape], attributes, poison_results, dtype)
-    return dq
+    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, window, schedules, stencil)
+    operands = (query, key, value, dout, lse, delta)
+    results = _call(SCHEDULED_BACKWARD_DQ_TARGET, (*operands, *schedule), [query.shape], attributes, poison_results,
+                    dtype)  # fmt: skip
+    if stencil:
+        results = _stencil_rows(STENCIL_BACKWARD_DQ_TARGET, "forward", operands, plan, scale, results, dtype)
+    return results[0]
 
 
 def ffi_scheduled_dkv(
     query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False,
-    window=None, schedules=None,
+    window=None, schedules=None, stencil=False,
 ):  # fmt: skip
     """The scheduled dk/dv target on ``plan``'s backward block schedule (or the window's: over the window's
-    queries): ``(dk, dv)`` shaped like ``key`` and ``value``; operands as :func:`ffi_scheduled_dq`."""
+    queries): ``(dk, dv)`` shaped like ``key`` and ``value``; operands as :func:`ffi_scheduled_dq` (``stencil``:
+    the key rows of the backward walk's stencil pairs on the stencil target)."""
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
-    schedule, attributes = _scheduled_operands(plan, "backward", scale, query, key, window, schedules)
-    operands = (query, key, value, dout, lse, delta, *schedule)
-    return tuple(_call(SCHEDULED_BACKWARD_DKV_TARGET, operands, [key.shape, value.shape], attributes,
-                       poison_results, dtype))  # fmt: skip
+    schedule, attributes = _scheduled_operands(plan, "backward", scale, query, key, window, schedules, stencil)
+    operands = (query, key, value, dout, lse, delta)
+    results = _call(SCHEDULED_BACKWARD_DKV_TARGET, (*operands, *schedule), [key.shape, value.shape], attributes,
+                    poison_results, dtype)  # fmt: skip
+    if stencil:
+        results = _stencil_rows(STENCIL_BACKWARD_DKV_TARGET, "backward", operands, plan, scale, results, dtype)
+    return tuple(results)
 
 
 def op_result_dtype(kernel: str, dtype) -> jnp.dtype:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
-import numpy as np
 
 from ..plan import NeighborhoodPlan
 from . import _ffi, reference
+from ._ffi import full_window
 
 __all__ = [
     "full_window",
@@ -28,11 +28,6 @@ __all__ = [
     "local_backward_dkv",
     "local_delta",
 ]
-
-
-def full_window(plan: NeighborhoodPlan) -> np.ndarray:
-    """The window of a serial call: every query and every key, int32 ``[8]``."""
-    return np.array([0, 0, *plan.out_shape, 0, 0, *plan.in_shape], dtype=np.int32)
 
 
 def local_row_order(plan: NeighborhoodPlan, walk: str, lat0, nrows: int):

@@ -25,12 +25,12 @@ __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
 #: native forward is not run a second time in the backward pass.
 RESIDUAL_NAME = "s2attn_residual"
 
-#: Points per batch entry (rows x longitudes x heads) of a walk's stencil pairs from which the op's tiled
-#: kernels of that walk leave the pairs to the stencil kernels. A tiled kernel and its stencil
-#: kernel run one after the other, so the stencil rows pay only when their work outweighs the tiled
-#: kernel's tail on the other (polar) rows; on the H200 that holds from about 2^17 points (360x720 with one
-#: head, 216k points, and larger grids gain; measured: docs/performance.md). Batch dims do not count, so
-#: that vmap and batch dims pick the same kernels (and give the same bits).
+#: Points per batch entry (rows x longitudes x heads) of a walk's stencil pairs from which the op's tensor-core
+#: kernels of that walk leave the pairs to the stencil kernels. A tensor-core kernel and its stencil
+#: kernel run one after the other, so the stencil rows pay only when their work outweighs the tensor-core
+#: kernel's tail on the other (polar) rows; for the tiled kernels on the H200 that holds from about 2^17 points
+#: (360x720 with one head, 216k points, and larger grids gain; measured: docs/performance.md). Batch dims do not
+#: count, so that vmap and batch dims pick the same kernels (and give the same bits).
 STENCIL_MIN_POINTS = 1 << 17
 
 #: Mean neighbours per output point from which the op runs the scheduled tensor-core kernels rather than the tiled
@@ -104,7 +104,8 @@ def neighborhood_attention(
         divided by the row sums of the rounded P, so that the backward's delta (from a float32 out
         when differentiated) stays consistent on smooth fields; the 16-bit bar as the tiled kernels,
         ``lse`` float32-exact. Run from :data:`SCHEDULED_MIN_NEIGHBORS` neighbours per output point,
-        where they are faster than the tiled kernels.
+        where they are faster than the tiled kernels; like those, they leave rows of short arcs to
+        CUDA-core stencil kernels (float32 throughout) from :data:`STENCIL_MIN_POINTS` such points.
 
       ``implementation="ffi"`` runs the tensor-core kernels where they apply (scheduled, else tiled)
       and the arc kernels everywhere else; ``"ffi-arc"`` forces the arc kernels and ``"ffi-tiled"``
@@ -207,10 +208,10 @@ def _native_attention(query, key, value, plan, scale, kernel):
 
 
 def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32, remainder=False):
-    if kernel == "scheduled":
-        return _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=out_dtype)
-    window, rows = full_window(plan), plan.tables.forward_row_order
     stencil = uses_stencil_rows(plan, query, kernel)
+    if kernel == "scheduled":
+        return _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=out_dtype, stencil=stencil)
+    window, rows = full_window(plan), plan.tables.forward_row_order
     return _ffi.ffi_forward(
         query, key, value, plan, window, rows, scale=scale, kernel=kernel, out_dtype=out_dtype, stencil=stencil,
         remainder=remainder,
@@ -219,11 +220,18 @@ def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.fl
 
 def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "forward") -> bool:
     """Whether the op on ``kernel`` leaves ``plan``'s stencil pairs of ``walk`` ("forward": its forward and dq;
-    "backward": its dk/dv) to the stencil kernels for queries shaped like ``query``: on the tiled kernels, from
-    :data:`STENCIL_MIN_POINTS` points of the walk's pairs per batch entry (rows x longitudes x heads)."""
-    pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
+    "backward": its dk/dv) to the stencil kernels for queries shaped like ``query``: on the tensor-core kernels,
+    from :data:`STENCIL_MIN_POINTS` points of the pairs per batch entry (rows x longitudes x heads): the walk's
+    pairs on the tiled kernels, those of whole tiles (:meth:`~jax_s2attn.NeighborhoodPlan.tile_stencil_pairs`) on
+    the scheduled ones."""
+    if kernel == "tiled":
+        pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
+    elif kernel == "scheduled":
+        pairs = plan.tile_stencil_pairs(walk, tile_rows=_ffi.kernel_limits().scheduled_shape[0])
+    else:
+        return False
     points = 2 * len(pairs) * (plan.nlon_out if walk == "forward" else plan.nlon_in) * query.shape[-2]
-    return kernel == "tiled" and points >= STENCIL_MIN_POINTS
+    return points >= STENCIL_MIN_POINTS
 
 
 def _native_forward(query, key, value, plan, scale, kernel):
@@ -252,8 +260,10 @@ def _native_backward(scale, kernel, residuals, cotangents):
     gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
     if kernel == "scheduled":
         delta = _ffi.ffi_delta(dout, out, dlse)
-        dq = _ffi.ffi_scheduled_dq(query, key, value, dout, lse, delta, plan, **gradients)
-        dk, dv = _ffi.ffi_scheduled_dkv(query, key, value, dout, lse, delta, plan, **gradients)
+        backward = (query, key, value, dout, lse, delta, plan)
+        dq = _ffi.ffi_scheduled_dq(*backward, stencil=uses_stencil_rows(plan, query, kernel), **gradients)
+        dk, dv = _ffi.ffi_scheduled_dkv(*backward, stencil=uses_stencil_rows(plan, query, kernel, "backward"),
+                                        **gradients)  # fmt: skip
     else:
         dq, dk, dv = _segment_table_backward(query, key, value, out, lse, remainder, plan, dout, dlse, kernel,
                                              gradients)  # fmt: skip

@@ -8,6 +8,7 @@
 #include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/sched_attn_kernels.h"
+#include "gpu/stencil_attn_kernels.h"
 #include "gpu/tiled_attn_kernels.h"
 
 namespace {
@@ -53,13 +54,13 @@ s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q,
 
 // target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv) of the arc-segment kernels;
 // 3, 4, 5 the same of the tiled kernels, whose `arc_offsets`/`arcs` carry the segment table
-// (num_arcs = its row count). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
+// (num_arcs = its row count); 6, 7, 8 the same of the stencil targets (the stencil pairs' rows alone). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
 // nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
 // of the activations and of the gradient results (the forward's lse and result0 out are float32).
-// `result2`: null, or for the tiled forward out in `dtype`, in place of a float32 out (result0 null);
+// `result2`: null, or for the tiled or stencil forward out in `dtype`, in place of a float32 out (result0 null);
 // `result3`: null, or with result2 what rounding out to `dtype` left (out_remainder).
 // `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the tiled targets, the walking row pairs left to
-// the stencil kernels (the last 2 * num_pairs ranks of row_order).
+// the stencil kernels (the last 2 * num_pairs ranks of row_order); for the stencil targets, the pairs they walk.
 // Returns the launcher's cudaError_t.
 extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
                                  const void* v, const void* dout, const float* lse, const float* delta,
@@ -67,7 +68,9 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
                                  const int32_t* arcs, const float* quad_weights, void* result0, void* result1,
                                  void* result2, void* result3, const int64_t* sizes, float scale,
                                  const int32_t* stencil_pairs, int64_t num_pairs) {
-  if (target < 0 || target > 5 || (result2 != nullptr && target != 3)) return cudaErrorInvalidValue;
+  if (target < 0 || target > 8 || (result2 != nullptr && target % 3 != 0) || (result2 != nullptr && target == 0)) {
+    return cudaErrorInvalidValue;
+  }
   if (result3 != nullptr && result2 == nullptr) return cudaErrorInvalidValue;
   if (num_pairs != 0 && target < 3) return cudaErrorInvalidValue;
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
@@ -75,21 +78,27 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
   p.delta = delta;
   p.stencil_pairs = stencil_pairs;
   p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
-  const bool tiled = target >= 3;
+  const int family = target / 3;  // 0 arc, 1 tiled, 2 stencil
   switch (target % 3) {
     case 0:
       p.out = static_cast<float*>(result0);
       p.lse_out = static_cast<float*>(result1);
       p.out_narrow = result2;
       p.out_remainder = result3;
-      return tiled ? s2attn::LaunchTiledAttnFwd(nullptr, p) : s2attn::LaunchNbhdAttnFwd(nullptr, p);
+      return family == 2   ? s2attn::LaunchStencilAttnFwd(nullptr, p)
+             : family == 1 ? s2attn::LaunchTiledAttnFwd(nullptr, p)
+                           : s2attn::LaunchNbhdAttnFwd(nullptr, p);
     case 1:
       p.dq = result0;
-      return tiled ? s2attn::LaunchTiledAttnBwdDq(nullptr, p) : s2attn::LaunchNbhdAttnBwdDq(nullptr, p);
+      return family == 2   ? s2attn::LaunchStencilAttnBwdDq(nullptr, p)
+             : family == 1 ? s2attn::LaunchTiledAttnBwdDq(nullptr, p)
+                           : s2attn::LaunchNbhdAttnBwdDq(nullptr, p);
     default:
       p.dk = result0;
       p.dv = result1;
-      return tiled ? s2attn::LaunchTiledAttnBwdDkv(nullptr, p) : s2attn::LaunchNbhdAttnBwdDkv(nullptr, p);
+      return family == 2   ? s2attn::LaunchStencilAttnBwdDkv(nullptr, p)
+             : family == 1 ? s2attn::LaunchTiledAttnBwdDkv(nullptr, p)
+                           : s2attn::LaunchNbhdAttnBwdDkv(nullptr, p);
   }
 }
 
