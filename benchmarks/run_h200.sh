@@ -72,16 +72,16 @@ if [[ " $steps " == *" profile "* ]]; then
   # --clock-control none: ncu leaves the GPU's clock settings as they are. One kernel per ncu call (its replay of
   # a 2 ms kernel takes a minute or more), each report exported whole, then its raw metrics (stall reasons
   # included) as CSV. profile_kernels.py runs a forward, then a forward+backward. Kernels are picked by their
-  # demangled names: a scheduled kernel by its kind (ScheduledAttention<T, kind, D>: 0 forward, 1 dq, 2 dk/dv,
-  # whatever order XLA launches dq and dk/dv in; the forward's launch 1 is the differentiated one); the tiled ones
-  # (forward, dq, dk/dv in one report, launches 1 to 3) at tc 0.03 and at the default cutoff.
+  # demangled names: a scheduled kernel by its kind (ScheduledAttention<T, (...::Kind)k, (int)D>: k 0 forward,
+  # 1 dq, 2 dk/dv, whatever order XLA launches dq and dk/dv in; the forward's launch 1 is the differentiated one);
+  # the tiled ones (forward, dq, dk/dv in one report, launches 1 to 3) at tc 0.03 and at the default cutoff.
   sections=(--section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats
             --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
             --section SourceCounters)
   tc003="--theta-cutoff 0.03 --implementation ffi"
-  for spec in "sched-fwd:ScheduledAttention<[^,]+, 0,:1:1:$tc003" \
-              "sched-dq:ScheduledAttention<[^,]+, 1,:0:1:$tc003" \
-              "sched-dkv:ScheduledAttention<[^,]+, 2,:0:1:$tc003" "tiled-tc003:Tiled:1:3:--theta-cutoff 0.03" \
+  for spec in "sched-fwd:ScheduledAttention<[^,]+, [^,]*Kind\)0,:1:1:$tc003" \
+              "sched-dq:ScheduledAttention<[^,]+, [^,]*Kind\)1,:0:1:$tc003" \
+              "sched-dkv:ScheduledAttention<[^,]+, [^,]*Kind\)2,:0:1:$tc003" "tiled-tc003:Tiled:1:3:--theta-cutoff 0.03" \
               "tiled-default:Tiled:1:3:"; do
     IFS=: read -r name regex skip count arguments <<< "$spec"
     report="$OUT/ncu-$name"
