@@ -5,7 +5,9 @@ does that and keeps the reports. Per configuration the kernels run as a forward 
 as a forward+backward (forward, dq, dk/dv); ``ncu -k regex:Tiled --launch-skip 1 --launch-count 3`` takes
 the three kernels of the second, one configuration per ncu call. ``--implementation`` picks the kernels as
 ``neighborhood_attention`` does (default ``ffi-tiled``; ``ffi`` runs the scheduled kernels where they apply,
-``regex:ScheduledAttention``).
+``regex:ScheduledAttention``); ``--family tiled`` or ``scheduled`` runs that tensor-core family's forward and
+backward as the native op does (the stencil kernels beside it where the op runs them) whatever the op's dispatch
+would pick, for a per-kernel timeline of either family (``ncu --metrics gpu__time_duration.sum``).
 
 Run: ``python benchmarks/profile_kernels.py --grid 721 1440 --theta-cutoff 0.03 [--grid ...]``.
 """
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_s2attn import NeighborhoodPlan, neighborhood_attention
+from jax_s2attn.ops.neighborhood import _native_attention
 
 
 def main() -> None:
@@ -29,12 +32,23 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--implementation", default="ffi-tiled")
+    parser.add_argument("--family", choices=("tiled", "scheduled"),
+                        help="run this tensor-core family as the native op does, in place of --implementation")
     args = parser.parse_args()
     cutoffs = args.theta_cutoff or [None] * len(args.grid)
     if len(cutoffs) != len(args.grid):
         parser.error("give one --theta-cutoff per --grid, or none")
+    if args.family is not None and jax.default_backend() != "gpu":
+        parser.error(f"--family runs the CUDA kernels; this machine's jax backend is {jax.default_backend()!r}")
 
-    forward = jax.jit(lambda q, k, v, plan: neighborhood_attention(q, k, v, plan, implementation=args.implementation))
+    if args.family is None:
+        def forward(q, k, v, plan):
+            return neighborhood_attention(q, k, v, plan, implementation=args.implementation)
+    else:  # the op's native path with its dispatch bypassed: the family's forward, and its backward under grad
+        def forward(q, k, v, plan):
+            return _native_attention(q, k, v, plan, q.shape[-1] ** -0.5, args.family)[0]
+
+    forward = jax.jit(forward)
 
     def loss(q, k, v, plan, cotangent):
         return jnp.sum(forward(q, k, v, plan).astype(jnp.float32) * cotangent.astype(jnp.float32))

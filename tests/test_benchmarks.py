@@ -271,6 +271,14 @@ def test_profile_driver_runs_each_configuration(tmp_path):
     ]
 
 
+def test_profile_driver_refuses_a_family_without_a_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    script = ROOT / "benchmarks" / "profile_kernels.py"
+    result = subprocess.run([sys.executable, "-P", str(script), "--grid", "9", "18", "--family", "scheduled"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and "--family runs the CUDA kernels" in result.stderr, result.stderr
+
+
 @pytest.mark.slow
 def test_soak_repeats_its_losses_bit_for_bit(tmp_path, monkeypatch):
     # Two CPU runs of a tiny configuration, the second compared with the first: the same losses, bit for bit.
@@ -315,16 +323,22 @@ def test_compare_builds_times_three_trees_in_turn(tmp_path):
 
 def test_detach_runs_a_command_past_its_caller_and_collects_its_files(tmp_path):
     # A command that writes into its OUT, then ends: collect waits for it and copies its files and its status;
-    # a second start while one runs is refused; collect without a start says so.
+    # a second start while one runs is refused; collect without a start says so. The command reads the working
+    # directory as it was at its start, whatever changes there after.
     script, env = ROOT / "benchmarks" / "detach.sh", {**os.environ, "DETACHED_DIR": str(tmp_path / "detached")}
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "input.txt").write_text("written\n")
 
     def detach(*args, out):
-        return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60,
+        return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=60, cwd=work,
                               env={**env, "OUT": str(out)})  # fmt: skip
 
     assert detach("collect", out=tmp_path / "none").returncode == 2
-    started = detach("start", "bash", "-c", 'sleep 2; echo written > "$OUT/result.txt"; exit 5', out=tmp_path / "x")
+    command = 'sleep 2; cat input.txt > "$OUT/result.txt"; exit 5'
+    started = detach("start", "bash", "-c", command, out=tmp_path / "x")
     assert started.returncode == 0, started.stderr
+    (work / "input.txt").unlink()  # a refresh of the working directory under the running command
     assert detach("start", "true", out=tmp_path / "x").returncode == 2  # the first still runs
     early = detach("collect", out=tmp_path / "early")
     assert early.returncode == 3 and not (tmp_path / "early" / "result.txt").exists()
