@@ -30,8 +30,9 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
   computed pair for the forward, dQ and dK/dV); none where the scheduled targets run beside the stencil ones;
 * each native kernel family's targets alone (``ffi_<kernel>_{forward,dq,dkv,delta}_target_ms``:
   the forward, dQ, dK/dV and delta custom calls on their own, fed with the forward's lse and a
-  delta from the same inputs; the tiled family also ``dq_delta``, its dQ that forms delta, which
-  the op runs in place of delta and dQ), so a change can be placed in one walk; forward+backward
+  delta from the same inputs; the tiled family, and the scheduled one without stencil rows beside it, also
+  ``dq_delta``, the dQ that forms delta, which the op runs in place of delta and dQ), so a change can be
+  placed in one walk; forward+backward
   is the op's targets' sum plus XLA's glue;
 * the pure-JAX reference measured in the same run (where it fits in time and memory);
 * torch-harmonics' CUDA module (module level: projections included) when importable;
@@ -214,7 +215,8 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
 def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
     """Median ms of the scheduled forward (out in float32, as differentiated), dq, dkv and delta targets, each
     alone, the backward ones fed with the forward's lse and a delta of its out; each with the stencil targets on
-    the plan's tile stencil pairs where the op runs them."""
+    the plan's tile stencil pairs where the op runs them; where it does not, also the dq that forms delta
+    (``dq_delta``, what the op runs in place of dq and delta)."""
     q0 = input_sets[0][0]
     scale = float(q0.shape[-1]) ** -0.5
     stencil = {walk: uses_stencil_rows(plan, q0, "scheduled", walk) for walk in ("forward", "backward")}
@@ -226,17 +228,23 @@ def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
     dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dkv(q, k, v, g, lse, delta, p, **gradients,
                                                                            stencil=stencil["backward"]))  # fmt: skip
     delta = jax.jit(_ffi.ffi_delta)
-    delta_sets, backward_sets = [], []
+    delta_sets, backward_sets, forming_sets = [], [], []
     for q, k, v, g in input_sets:
         out, lse = forward(q, k, v, plan)
         delta_sets.append((g, out))
         backward_sets.append((q, k, v, g, lse, delta(g, out), plan))
-    return {
+        forming_sets.append((q, k, v, g, lse, out, jnp.zeros_like(lse), plan))
+    times = {
         "forward": median_ms(forward, [(q, k, v, plan) for q, k, v, _ in input_sets], reps),
         "dq": median_ms(dq, backward_sets, reps),
         "dkv": median_ms(dkv, backward_sets, reps),
         "delta": median_ms(delta, delta_sets, reps),
     }
+    if not stencil["forward"]:
+        dq_delta = jax.jit(lambda q, k, v, g, lse, out, dlse, p: _ffi.ffi_scheduled_dq_delta(
+            q, k, v, g, lse, out, dlse, p, **gradients))  # fmt: skip
+        times["dq_delta"] = median_ms(dq_delta, forming_sets, reps)
+    return times
 
 
 def _cuda_wait(_result) -> None:
@@ -461,6 +469,7 @@ def main() -> None:
         "arc f+b": "ffi_arc_fwdbwd_ms", "tiled f+b": "ffi_tiled_fwdbwd_ms", "sched f+b": "ffi_scheduled_fwdbwd_ms",
         "eta fwd": "ffi_scheduled_eta_forward", "eta dq": "ffi_scheduled_eta_dq", "eta dkv": "ffi_scheduled_eta_dkv",
         "dq+delta": "ffi_tiled_dq_delta_target_ms", "tiled dkv": "ffi_tiled_dkv_target_ms",
+        "s dq+dlt": "ffi_scheduled_dq_delta_target_ms",
         "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
         "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",
         "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",

@@ -604,29 +604,62 @@ def run_scheduled_kind(
     into the same results."""
     memory = memory or HostMemory()
     q, k, v, dout = case.inputs[:4]
-    batch, heads, dk, dv, nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[:8]  # the local arrays' grids
-    ring_nlon = case.plan.nlon_out if kind == "dkv" else case.plan.nlon_in
+    dv = case.sizes[3]
     if kind == "forward":
         results = (np.full(q.shape[:-1] + (dv,), np.nan, result_type), np.full(q.shape[:-1], np.nan, np.float32))
     elif kind == "dq":
         results = (np.full(q.shape, np.nan, result_type), None)
     else:
         results = (np.full(k.shape, np.nan, result_type), np.full(v.shape, np.nan, result_type))
-    tables = [np.ascontiguousarray(getattr(schedule, name), np.int32)
-              for name in ("tiles", "tile_offsets", "chunks", "records")]  # fmt: skip
-    sizes = np.asarray([batch, heads, nlat_q, nlon_q, nlat_k, nlon_k, len(schedule.tiles), len(schedule.chunks),
-                        len(schedule.records), schedule.classes, schedule.shift, dk, ring_nlon], np.int64)  # fmt: skip
-    weights = local_key_weights(case)
+    tables, sizes, weights = _schedule_arguments(case, schedule, walk_keys=kind == "dkv")
     arrays = (q, k, v, dout, lse, delta, *tables, weights, *results)
     pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in arrays]
-    result_code = next(code for code, storage in DTYPES.values() if np.dtype(storage) == np.dtype(result_type))
     status = lib.RunScheduledTarget(
-        ctypes.c_int(SCHEDULED_KINDS[kind]), ctypes.c_int(DTYPES[case.dtype][0]), ctypes.c_int(result_code), *pointers,
-        ctypes.c_void_p(sizes.ctypes.data), ctypes.c_float(case.scale),
+        ctypes.c_int(SCHEDULED_KINDS[kind]), ctypes.c_int(DTYPES[case.dtype][0]),
+        ctypes.c_int(_dtype_code(result_type)), *pointers, ctypes.c_void_p(sizes.ctypes.data),
+        ctypes.c_float(case.scale),
     )  # fmt: skip
     assert status == 0, f"scheduled {kind}: launcher returned cudaError {status}"
     if stencil_pairs is not None:
         _run_stencil_kind(lib, case, kind, results, lse, delta, memory, stencil_pairs)
+    memory.finish(results)
+    return results
+
+
+def _dtype_code(result_type) -> int:
+    """The ActivationType code of numpy type ``result_type``."""
+    return next(code for code, storage in DTYPES.values() if np.dtype(storage) == np.dtype(result_type))
+
+
+def _schedule_arguments(case: KernelCase, schedule, walk_keys: bool) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The schedule's tables (tiles, tile_offsets, chunks, records), RunScheduledTarget's ``sizes`` and the local
+    key rows' weights of a scheduled call on ``case`` (``walk_keys``: dk/dv's backward schedule)."""
+    batch, heads, dk, _, nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[:8]  # the local arrays' grids
+    ring_nlon = case.plan.nlon_out if walk_keys else case.plan.nlon_in
+    tables = [np.ascontiguousarray(getattr(schedule, name), np.int32)
+              for name in ("tiles", "tile_offsets", "chunks", "records")]  # fmt: skip
+    sizes = np.asarray([batch, heads, nlat_q, nlon_q, nlat_k, nlon_k, len(schedule.tiles), len(schedule.chunks),
+                        len(schedule.records), schedule.classes, schedule.shift, dk, ring_nlon], np.int64)  # fmt: skip
+    return tables, sizes, local_key_weights(case)
+
+
+def run_scheduled_dq_forming_delta(
+    lib, case: KernelCase, result_type, schedule, lse, out, dlse, memory=None
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """The scheduled dq that forms delta (``lib`` and ``memory`` as for :func:`run_scheduled_kind`) on ``case``'s
+    whole grids and the plan's forward ``schedule``, from the forward's float32 ``out`` and ``dlse``: ``(dq,
+    delta)``, dq of numpy type ``result_type``, both poisoned with NaN first."""
+    memory = memory or HostMemory()
+    q, k, v, dout = case.inputs[:4]
+    results = (np.full(q.shape, np.nan, result_type), np.full(q.shape[:-1], np.nan, np.float32))
+    tables, sizes, weights = _schedule_arguments(case, schedule, walk_keys=False)
+    arrays = (q, k, v, dout, lse, out, dlse, *tables, weights, *results)
+    pointers = [ctypes.c_void_p(memory.address(a)) for a in arrays]
+    status = lib.RunScheduledDqFormingDelta(
+        ctypes.c_int(DTYPES[case.dtype][0]), ctypes.c_int(_dtype_code(result_type)), *pointers,
+        ctypes.c_void_p(sizes.ctypes.data), ctypes.c_float(case.scale),
+    )  # fmt: skip
+    assert status == 0, f"scheduled dq forming delta: launcher returned cudaError {status}"
     memory.finish(results)
     return results
 
@@ -694,8 +727,9 @@ def run_scheduled_case(
     lib, case: KernelCase, result_type=np.float32, memory=None, stencil: bool = False
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """The scheduled forward, dq and dk/dv on ``case`` (whole grids) as the op runs them: the forward's out in
-    float32 feeds delta = rowsum(dout * out) (in float64, then float32, as the delta target forms it), the
-    backward takes the forward's lse; out, dq, dk and dv of numpy type ``result_type``; ``memory`` as for
+    float32 feeds delta = rowsum(dout * out), formed by the dq (:func:`run_scheduled_dq_forming_delta`, dlse 0)
+    or, with ``stencil``, given to it (in float64, then float32, as the delta target forms it); the backward takes
+    the forward's lse; out, dq, dk and dv of numpy type ``result_type``; ``memory`` as for
     :func:`run_scheduled_kind`. ``stencil``: the stencil targets take the rows of the plan's tile stencil pairs,
     the scheduled kernels the others."""
     assert whole_grids(case), "run_scheduled_case forms delta from its own forward: whole grids only"
@@ -707,8 +741,12 @@ def run_scheduled_case(
     out32, lse = run("forward", np.float32, forward, stencil_pairs=pairs["forward"])
     out = out32 if np.dtype(result_type) == np.float32 else run("forward", result_type, forward,
                                                                 stencil_pairs=pairs["forward"])[0]  # fmt: skip
-    dout = case.inputs[3].astype(np.float64)
-    delta = (dout * out32).sum(axis=-1).astype(np.float32)
-    (dq, _) = run("dq", result_type, forward, lse, delta, stencil_pairs=pairs["forward"])
+    if stencil:
+        dout = case.inputs[3].astype(np.float64)
+        delta = (dout * out32).sum(axis=-1).astype(np.float32)
+        (dq, _) = run("dq", result_type, forward, lse, delta, stencil_pairs=pairs["forward"])
+    else:
+        dlse = np.zeros(lse.shape, np.float32)
+        dq, delta = run_scheduled_dq_forming_delta(lib, case, result_type, forward, lse, out32, dlse, memory)
     dk, dv = run("dkv", result_type, backward, lse, delta, stencil_pairs=pairs["backward"])
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "out32": out32}

@@ -62,6 +62,7 @@ from kernel_cases import (  # noqa: E402
     run_forward,
     run_narrow_forward,
     run_scheduled_case,
+    run_scheduled_dq_forming_delta,
     run_scheduled_kind,
     run_scheduled_windows,
     scheduled_schedules,
@@ -711,6 +712,60 @@ def test_scheduled_matches_float64(emulated_library, rng, plan_name, dtype):
     case = prepare_case(rng, SCHEDULED_PLANS[plan_name](), 2, 2, 64, 64, dtype)
     bar = tolerance_of("tiled", dtype)
     verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
+
+
+# The directions, several classes, rows of several tiles and whole rings; head dims 32 and 128 on one plan.
+SCHEDULED_FORMING_DELTA_CASES = [
+    *((name, dtype, 64) for name in ("self", "down3", "up3", "self-72", "rings-72") for dtype in TILED_DTYPES),
+    ("self-72", "bfloat16", 32), ("up3", "float16", 128),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("plan_name", "dtype", "d"), SCHEDULED_FORMING_DELTA_CASES,
+                         ids=[f"{p}-{t}-D{d}" for p, t, d in SCHEDULED_FORMING_DELTA_CASES])  # fmt: skip
+def test_scheduled_dq_forms_delta(emulated_library, rng, plan_name, dtype, d):
+    """The scheduled dq that forms delta from the forward's float32 out and dlse (not zero): delta of every point
+    within FORMED_DELTA_TOLERANCE of float64, dq the bits of the scheduled dq given that delta, every element of
+    both written (NaN-poisoned first)."""
+    case = prepare_case(rng, SCHEDULED_PLANS[plan_name](), 2, 2, d, d, dtype)
+    forward, _ = scheduled_schedules(case)
+    out, lse = run_scheduled_kind(emulated_library, case, "forward", np.float32, forward)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    dq, delta = run_scheduled_dq_forming_delta(emulated_library, case, np.float32, forward, lse, out, dlse)
+    (dq_given, _) = run_scheduled_kind(emulated_library, case, "dq", np.float32, forward, lse, delta)
+    verify_dq_forming_delta(case, out, dlse, {"dq": dq, "delta": delta, "dq_given_delta": dq_given})
+
+
+def _without_chunks(schedule: BlockSchedule, emptied) -> BlockSchedule:
+    """``schedule`` with the chunk lists of the tiles ``emptied`` (indices) taken out."""
+    offsets = schedule.tile_offsets
+    keep = np.ones(len(schedule.chunks), bool)
+    for tile in emptied:
+        keep[offsets[tile]:offsets[tile + 1]] = False
+    counts = np.diff(offsets) * np.isin(np.arange(len(offsets) - 1), emptied, invert=True)
+    new_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return schedule._replace(tile_offsets=new_offsets, chunks=schedule.chunks[keep])
+
+
+def test_scheduled_dq_forms_delta_on_tiles_without_chunks(emulated_library, rng):
+    """A tile whose chunk list is empty writes its results without walking (zeros); the dq that forms delta still
+    forms and writes its points' delta, which dk/dv reads: here two tiles' chunks taken out of the forward
+    schedule (a whole tile and one past the ring's end), every point's delta within FORMED_DELTA_TOLERANCE, dq zero
+    on those tiles and the bits of the dq given that delta."""
+    case = prepare_case(rng, SCHEDULED_PLANS["self-72"](), 2, 2, 64, 64, "bfloat16")
+    forward, _ = scheduled_schedules(case)
+    out, lse = run_scheduled_kind(emulated_library, case, "forward", np.float32, forward)
+    partial = np.flatnonzero(forward.tiles[:, 1] + forward.tile_cols > case.plan.nlon_out)
+    whole = np.flatnonzero(forward.tiles[:, 1] + forward.tile_cols <= case.plan.nlon_out)
+    emptied = [int(whole[0]), int(partial[0])]
+    schedule = _without_chunks(forward, emptied)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    dq, delta = run_scheduled_dq_forming_delta(emulated_library, case, np.float32, schedule, lse, out, dlse)
+    (dq_given, _) = run_scheduled_kind(emulated_library, case, "dq", np.float32, schedule, lse, delta)
+    verify_dq_forming_delta(case, out, dlse, {"dq": dq, "delta": delta, "dq_given_delta": dq_given})
+    for row, lon in forward.tiles[emptied]:
+        block = dq[:, row : row + forward.tile_rows, lon : lon + forward.tile_cols]
+        assert block.size and not block.any(), (row, lon)
 
 
 # Head dims 32 (64-byte rows, the 64-byte swizzle) and 128 (two 64-element blocks a row): the directions, several

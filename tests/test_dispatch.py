@@ -459,7 +459,8 @@ def test_export_for_cuda_runs_the_stencil_targets_beside_the_scheduled_ones(sche
     """The op on the scheduled kernels at 360x720 and the default cutoff (one head: the rows of whole tiles of
     stencil pairs pass the stencil gate), exported for CUDA: forward, dq and dk/dv each a scheduled target whose
     schedule leaves out the stencil rows' tiles (its stencil_tiles attribute counts them) and a stencil target
-    that updates the scheduled target's results in place (aliased operands)."""
+    that updates the scheduled target's results in place (aliased operands); delta by the delta target, the dq
+    given it."""
     plan = NeighborhoodPlan((360, 720), (360, 720))
     pairs = plan.tile_stencil_pairs("forward")
     assert len(pairs) > 0 and np.array_equal(pairs, plan.tile_stencil_pairs("backward"))
@@ -473,10 +474,33 @@ def test_export_for_cuda_runs_the_stencil_targets_beside_the_scheduled_ones(sche
     exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
                                  disabled_checks=_ffi.export_disabled_checks())(*args, shapes)  # fmt: skip
     calls = [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call @jax_s2attn" in line]
-    for target in (*_ffi.SCHEDULED_TARGETS, *_ffi.STENCIL_TARGETS):
+    given_delta = (_ffi.SCHEDULED_FORWARD_TARGET, _ffi.SCHEDULED_BACKWARD_DQ_TARGET, _ffi.SCHEDULED_BACKWARD_DKV_TARGET)
+    for target in (*given_delta, *_ffi.STENCIL_TARGETS, _ffi.DELTA_TARGET):
         assert sum(f"@{target}(" in line for line in calls) == 1, target
+    assert not any(f"@{_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET}(" in line for line in calls)
     for line in calls:
         if "@jax_s2attn_sched_" in line:
             assert f"stencil_tiles = {left_out} : i64" in line
         if "@jax_s2attn_stencil_" in line:
             assert "output_operand_aliases" in line
+
+
+@native
+def test_export_for_cuda_forms_delta_in_the_scheduled_dq_without_stencil_rows(scheduled_build):
+    """The op on the scheduled kernels where no stencil rows run beside them (tc 0.1 on 33x72), exported for
+    CUDA: its backward forms delta in the scheduled dq (the dq_delta target, float32 out and dlse in, dq and
+    delta out) and the dk/dv target reads that delta; no delta target, no stencil target."""
+    plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.1)
+    args = [jax.ShapeDtypeStruct((1, 33, 72, 2, 64), BF16)] * 3
+    assert not neighborhood.uses_stencil_rows(plan, args[0], "scheduled")
+
+    def loss(q, k, v, plan):
+        return neighborhood._native_attention(q, k, v, plan, 0.125, "scheduled")[0].astype(jnp.float32).sum()
+
+    shapes = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), plan)
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                 disabled_checks=_ffi.export_disabled_checks())(*args, shapes)  # fmt: skip
+    text = exported.mlir_module()
+    counts = {t: text.count(f"@{t}(") for t in (*_ffi.SCHEDULED_TARGETS, *_ffi.STENCIL_TARGETS, _ffi.DELTA_TARGET)}
+    assert counts == {**dict.fromkeys(counts, 0), _ffi.SCHEDULED_FORWARD_TARGET: 1,
+                      _ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET: 1, _ffi.SCHEDULED_BACKWARD_DKV_TARGET: 1}  # fmt: skip

@@ -30,7 +30,7 @@ from jax_s2attn.parallel.layout import window_schedules
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tiled_gpu import NAMES, SMOOTH_CASES, _check, _compiled_vjp, _oracle, _rounded  # noqa: E402
 from test_nbhd_ffi import _Block  # noqa: E402
-from kernel_cases import smooth_field  # noqa: E402
+from kernel_cases import FORMED_DELTA_TOLERANCE, smooth_field  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -145,6 +145,66 @@ def test_targets_write_every_result(case_and_head_dim, dtype, exact_random):
         assert n.tobytes() == expected.tobytes(), f"{name}: not the float32 result rounded"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case_and_head_dim", [(CASES[0], 64), (CASES[4], 64), (CASES[6], 64), (CASES[6], 128)],
+                         ids=_head_dim_case_id)  # fmt: skip
+def test_the_dq_that_forms_delta_matches_the_dq_given_delta(case_and_head_dim, dtype, exact_random):
+    """The scheduled dq that forms delta from the float32 out and dlse: both results written (poisoned with NaN
+    first), delta within FORMED_DELTA_TOLERANCE of float64, dq the bits of the scheduled dq given that delta."""
+    (geometry, heads), d = case_and_head_dim
+    plan = NeighborhoodPlan(*geometry)
+    q, dout = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), dtype) for _ in range(2))
+    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, d), dtype) for _ in range(2))
+    dlse = jnp.asarray(exact_random(2, *plan.out_shape, heads), jnp.float32)
+    out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, scale=0.125)
+    dq, delta = _ffi.ffi_scheduled_dq_delta(q, k, v, dout, lse, out, dlse, plan, scale=0.125, poison_results=True)
+    given = _ffi.ffi_scheduled_dq(q, k, v, dout, lse, delta, plan, scale=0.125, poison_results=True)
+    dq, delta, given = (np.asarray(x) for x in (dq, delta, given))
+    assert not np.isnan(dq).any() and not np.isnan(delta).any(), "unwritten elements"
+    terms = np.asarray(dout, np.float64) * np.asarray(out, np.float64)
+    excess = np.abs(delta - (terms.sum(-1) - np.asarray(dlse))) - FORMED_DELTA_TOLERANCE * (
+        np.abs(terms).sum(-1) + np.abs(np.asarray(dlse)))  # fmt: skip
+    assert (excess <= 0).all(), f"delta: error exceeds its bound by up to {excess.max():.2e}"
+    assert dq.tobytes() == given.tobytes(), "dq: not the bits of the dq given its delta"
+
+
+def test_the_dq_that_forms_delta_refuses_a_schedule_beside_the_stencil_rows(exact_random):
+    """Beside the stencil targets the stencil rows' delta would go unformed: the handler refuses a schedule that
+    leaves tiles to them (stencil_tiles > 0) with INVALID_ARGUMENT instead of running."""
+    plan = NeighborhoodPlan((17, 72), (17, 72))
+    q, k, v, dout = (jnp.asarray(exact_random(1, 17, 72, 1, 64), jnp.bfloat16) for _ in range(4))
+    out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, scale=0.125)
+    schedule, attributes = _ffi._scheduled_operands(plan, "forward", 0.125, q, k, stencil=True)
+    assert attributes["stencil_tiles"] > 0
+    with pytest.raises(Exception, match="stencil_tiles"):
+        dq, _ = _ffi._call(_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (q, k, v, dout, lse, out, jnp.zeros_like(lse),
+                           *schedule), [q.shape, lse.shape], attributes, False,
+                           (jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)))  # fmt: skip
+        np.asarray(dq)
+
+
+@pytest.mark.parametrize("name", ["out", "dlse", "delta"])
+def test_the_dq_that_forms_delta_refuses_misshapen_operands(exact_random, name):
+    """The handler checks the forward's out and dlse and the delta result against the query grid (the Python
+    wrapper checks them first, so a raw call reaches these): a wrong shape fails with INVALID_ARGUMENT naming it."""
+    plan = NeighborhoodPlan((17, 36), (17, 36))
+    q, k, v, dout = (jnp.asarray(exact_random(1, 17, 36, 1, 64), jnp.bfloat16) for _ in range(4))
+    out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, scale=0.125)
+    dlse, delta_shape = jnp.zeros_like(lse), lse.shape
+    if name == "out":
+        out = out[:, :, :-1]
+    elif name == "dlse":
+        dlse = dlse[:, :-1]
+    else:
+        delta_shape = (*lse.shape, 1)
+    schedule, attributes = _ffi._scheduled_operands(plan, "forward", 0.125, q, k)
+    with pytest.raises(Exception, match=f"{name} has the wrong shape"):
+        dq, _ = _ffi._call(_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (q, k, v, dout, lse, out, dlse, *schedule),
+                           [q.shape, delta_shape], attributes, False,
+                           (jnp.dtype(jnp.float32), jnp.dtype(jnp.float32)))  # fmt: skip
+        np.asarray(dq)
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_gradients_are_the_same_bits_run_to_run(exact_random, d):
     geometry, heads = CASES[0]
@@ -249,7 +309,11 @@ def test_the_sharded_op_runs_the_scheduled_kernels(exact_random, rel_error):
         sharded = value_and_grads(lambda q, k, v: sharded_neighborhood_attention(q, k, v, plan, mesh=mesh,
                                                                                  implementation="ffi"))  # fmt: skip
         text = sharded.lower(primals).as_text()
-        assert all(f"@{target}(" in text for target in _ffi.SCHEDULED_TARGETS), shape
+        # the windows' targets, dq given delta (the delta target's, formed once)
+        windowed = (_ffi.SCHEDULED_FORWARD_TARGET, _ffi.SCHEDULED_BACKWARD_DQ_TARGET,
+                    _ffi.SCHEDULED_BACKWARD_DKV_TARGET, _ffi.DELTA_TARGET)  # fmt: skip
+        assert all(f"@{target}(" in text for target in windowed), shape
+        assert f"@{_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET}(" not in text, shape
         assert not any(f"@{target}(" in text for target in (*_ffi.TILED_TARGETS, *_ffi.TARGETS)), shape
         for name, g, w in zip(("out", "dq", "dk", "dv"), sharded(primals), want):
             assert rel_error(g, w) <= 2**-7, f"{shape}: {name}"  # a bfloat16 rounding or two apart

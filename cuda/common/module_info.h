@@ -79,11 +79,13 @@ void AddStencilRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward
 }
 
 // Adds the scheduled targets (CUDA only) to a registrations() dict.
-template <typename Fwd, typename Dq, typename Dkv>
-void AddScheduledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+template <typename Fwd, typename Dq, typename Dkv, typename DqDelta>
+void AddScheduledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv,
+                               DqDelta* backward_dq_delta) {
   targets[kTargetScheduledForward] = HandlerCapsule(forward);
   targets[kTargetScheduledBackwardDq] = HandlerCapsule(backward_dq);
   targets[kTargetScheduledBackwardDkv] = HandlerCapsule(backward_dkv);
+  targets[kTargetScheduledBackwardDqDelta] = HandlerCapsule(backward_dq_delta);
 }
 
 }  // namespace s2attn

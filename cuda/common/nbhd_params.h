@@ -25,6 +25,7 @@ inline constexpr char kTargetTiledBackwardDqDelta[] = "jax_s2attn_tiled_bwd_dq_d
 inline constexpr char kTargetScheduledForward[] = "jax_s2attn_sched_fwd";
 inline constexpr char kTargetScheduledBackwardDq[] = "jax_s2attn_sched_bwd_dq";
 inline constexpr char kTargetScheduledBackwardDkv[] = "jax_s2attn_sched_bwd_dkv";
+inline constexpr char kTargetScheduledBackwardDqDelta[] = "jax_s2attn_sched_bwd_dq_delta";
 // The stencil kernels alone (CUDA only): the tiled targets' operands, writing only the stencil pairs' rows of
 // results aliased to the scheduled targets' (the rows the scheduled kernels leave out).
 inline constexpr char kTargetStencilForward[] = "jax_s2attn_stencil_fwd";

@@ -14,7 +14,7 @@ NB_MODULE(_s2attn_cuda, m) {
     s2attn::AddTiledRegistrations(targets, S2AttnTiledForwardCuda, S2AttnTiledBackwardDqCuda,
                                   S2AttnTiledBackwardDkvCuda, S2AttnTiledBackwardDqDeltaCuda);
     s2attn::AddScheduledRegistrations(targets, S2AttnScheduledForwardCuda, S2AttnScheduledBackwardDqCuda,
-                                      S2AttnScheduledBackwardDkvCuda);
+                                      S2AttnScheduledBackwardDkvCuda, S2AttnScheduledBackwardDqDeltaCuda);
     s2attn::AddStencilRegistrations(targets, S2AttnStencilForwardCuda, S2AttnStencilBackwardDqCuda,
                                     S2AttnStencilBackwardDkvCuda);
     return targets;

@@ -23,7 +23,8 @@
 // do, and a delta formed from a float32 out stays consistent with the backward on smooth fields
 // (docs/performance.md, "Accuracy without a second P·V product"); lse comes from float32 sums. The maxima move
 // lazily: only when a row's logits rise by more than kRescaleSlackLog2, so that O is rarely rescaled. dq: S and
-// dP = dO V^T, dS = P (dP - delta), dq += dS K. dk/dv (the backward schedule, the chunk's queries' lse and delta
+// dP = dO V^T, dS = P (dP - delta), dq += dS K, with delta given or formed by the block at its entry from dout and
+// the float32 out (then written for dk/dv). dk/dv (the backward schedule, the chunk's queries' lse and delta
 // staged by the producer): S^T and dP^T, dv += P^T dO, dk += dS^T Q. Every result row is written once, by its
 // block: no atomics, bitwise deterministic.
 #pragma once
@@ -148,6 +149,11 @@ struct Problem {
   float scale, scale_log2;    // softmax scale, and times log2(e)
   const float* lse;           // dq: the walking points'; dk/dv: the other grid's
   const float* delta;
+  // dq forming delta (delta_out not null): dout, the forward's float32 out and dlse of the walking points.
+  const void* dout;
+  const float* forward_out;
+  const float* dlse;
+  float* delta_out;
   bool f32_results;  // results in float32, else in the activations' type
   void* out;
   float* lse_out;
@@ -702,6 +708,36 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward, kD>& 
   StoreRows<T, kD>(p, points, p.out, o, inverse);
 }
 
+// dq forming delta: delta = sum(dout * out, -1) - dlse of the thread's two walking points (0 off the grid). A
+// point's four threads each sum its channels 8 j + 2 t and 8 j + 2 t + 1 in order, then the four sums are added
+// across them (xor 1, then 2): a fixed order, the same bits in every run and in all four threads. t = 0 writes it.
+template <typename T, int kD>
+__device__ __forceinline__ void FormDelta(const Problem& p, const ThreadPoints& points, float (&delta)[2]) {
+  const Slab slab = SlabOf(p);
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = 0.f;
+    size_t point = 0;
+    if (points.real[h]) {
+      point = PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h]);
+      const float* out = p.forward_out + point * kD + 2 * t;
+      const T* dout = static_cast<const T*>(p.dout) + point * kD + 2 * t;
+#pragma unroll
+      for (int j = 0; j < kD / 8; ++j) {
+        const float2 o = __ldg(reinterpret_cast<const float2*>(out + 8 * j));
+        const float2 g = UnpackPair<T>(__ldg(reinterpret_cast<const uint32_t*>(dout + 8 * j)));
+        sum = fmaf(g.x, o.x, sum);
+        sum = fmaf(g.y, o.y, sum);
+      }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    delta[h] = points.real[h] ? sum - __ldg(p.dlse + point) : 0.f;
+    if (points.real[h] && t == 0) p.delta_out[point] = delta[h];
+  }
+}
+
 // dq of the consumer warpgroup, in the forward's order: per chunk j + 1 issue S(j+1) = Q K^T and dP(j+1) = dO V^T
 // as two groups, issue dq += dS(j) K(j), wait for S, form P = exp2(S scale log2(e) + bias - lse log2(e)) on the
 // chunk's mask while dP and dq's product run, wait for dP, then form dS(j+1) = P (dP - delta).
@@ -711,12 +747,13 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq, kD>& s, int cou
   const ThreadPoints points = PointsOf(p);
   const Slab slab = SlabOf(p);
   float lse_log2[2] = {0.f, 0.f}, delta[2] = {0.f, 0.f};
+  if (p.delta_out != nullptr) FormDelta<T, kD>(p, points, delta);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (points.real[h]) {
       const size_t point = PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h]);
       lse_log2[h] = Log2Lse(__ldg(p.lse + point));
-      delta[h] = __ldg(p.delta + point);
+      if (p.delta_out == nullptr) delta[h] = __ldg(p.delta + point);
     }
   }
   float dq[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
@@ -822,6 +859,10 @@ __device__ void WriteEmpty(const Problem& p) {
     }
   } else if constexpr (kKind == Kind::kDq) {
     StoreRows<T, kD>(p, points, p.dq, zeros, factor);
+    if (p.delta_out != nullptr) {  // dk/dv reads every point's delta, these too
+      float delta[2];
+      FormDelta<T, kD>(p, points, delta);
+    }
   } else {
     StoreRows<T, kD>(p, points, p.dk, zeros, factor);
     StoreRows<T, kD>(p, points, p.dv, zeros, factor);
@@ -910,6 +951,7 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
   p.quad_weights = g.quad_weights;
   p.scale = g.scale, p.scale_log2 = g.scale * kLog2e;
   p.lse = g.lse, p.delta = g.delta;
+  p.dout = g.dout, p.forward_out = g.forward_out, p.dlse = g.dlse, p.delta_out = g.delta_out;
   p.f32_results = g.result_dtype == ActivationType::kF32;
   p.out = g.out, p.lse_out = g.lse_out, p.dq = g.dq, p.dk = g.dk, p.dv = g.dv;
 

@@ -63,6 +63,24 @@ auto BindSchedule(Binding&& binding) {
       .RemainingArgs();
 }
 
+// The backward targets' leading operands: the stream, q, k, v, dout, lse, then delta, or with kDeltaFromOut (the dq
+// that forms delta) the forward's float32 out and dlse.
+template <bool kDeltaFromOut, typename Binding>
+auto BindBackwardOperands(Binding&& binding) {
+  auto through_lse = std::move(binding)
+                         .template Ctx<CudaStream>()
+                         .template Arg<ffi::AnyBuffer>()  // q
+                         .template Arg<ffi::AnyBuffer>()  // k
+                         .template Arg<ffi::AnyBuffer>()  // v
+                         .template Arg<ffi::AnyBuffer>()  // dout
+                         .template Arg<F32Buffer>();      // lse
+  if constexpr (kDeltaFromOut) {
+    return std::move(through_lse).template Arg<F32Buffer>().template Arg<F32Buffer>();  // out, dlse
+  } else {
+    return std::move(through_lse).template Arg<F32Buffer>();  // delta
+  }
+}
+
 struct Schedule {
   const I32Buffer& tiles;
   const I32Buffer& tile_offsets;
@@ -199,15 +217,17 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   return LaunchOnStreamDevice(stream, kTargetScheduledForward, [&] { return LaunchSchedAttnFwd(stream, g); });
 }
 
-// The backward targets' dout, lse and delta.
+// The backward targets' dout, lse and the per-point operand after it (`row_name`: delta, or dlse for the dq that
+// forms delta; left to the caller).
 ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& dout, const F32Buffer& lse,
-                          const F32Buffer& delta, SchedAttnParams* g) {
+                          const F32Buffer& per_point, const char* row_name, SchedAttnParams* g) {
   S2ATTN_CHECK(dout.element_type() == q.element_type(), "dout must have the dtype of q");
   S2ATTN_RETURN_IF_ERROR(
       CheckGridArray("dout", dout.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, g->head_dim));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, -1));
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, -1));
-  g->dout = dout.untyped_data(), g->lse = lse.typed_data(), g->delta = delta.typed_data();
+  S2ATTN_RETURN_IF_ERROR(
+      CheckGridArray(row_name, per_point.dimensions(), g->batch, g->nlat_q, g->nlon_q, g->heads, -1));
+  g->dout = dout.untyped_data(), g->lse = lse.typed_data();
   return ffi::Error::Success();
 }
 
@@ -222,11 +242,42 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                      nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
-  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, "delta", &g));
+  g.delta = delta.typed_data();
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
   S2ATTN_RETURN_IF_ERROR(SetResultType("dq", {dq->element_type()}, q.element_type(), &g));
   g.dq = dq->untyped_data();
   return LaunchOnStreamDevice(stream, kTargetScheduledBackwardDq, [&] { return LaunchSchedAttnDq(stream, g); });
+}
+
+// jax_s2attn_sched_bwd_dq_delta: the scheduled dq forming delta = sum(dout * out, -1) - dlse of its points from
+// the forward's float32 out at each block's entry, and returning it for the dk/dv target, so that the op needs no
+// delta target between the passes.
+ffi::Error BackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer dout, F32Buffer lse, F32Buffer out, F32Buffer dlse, I32Buffer tiles,
+                           I32Buffer tile_offsets, I32Buffer chunks, I32Buffer records, F32Buffer quad_weights,
+                           ffi::RemainingArgs /*aliased_results*/, AnyResult dq, F32Result delta, float scale,
+                           int64_t classes, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
+                           int64_t nlon_k, int64_t ring_nlon, int64_t tile_rows, int64_t tile_cols,
+                           int64_t chunk_cols, int64_t stencil_tiles) {
+  SchedAttnParams g;
+  const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,     nlat_k,
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
+  S2ATTN_RETURN_IF_ERROR(
+      Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
+  S2ATTN_CHECK(stencil_tiles == 0,
+               "the dq that forms delta walks every tile (stencil_tiles 0, got " << stencil_tiles
+                                                                                << "): beside the stencil targets, "
+                                                                                   "form delta with the delta target");
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, dlse, "dlse", &g));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
+  S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta->dimensions(), g.batch, nlat_q, nlon_q, g.heads, -1));
+  S2ATTN_RETURN_IF_ERROR(SetResultType("dq", {dq->element_type()}, q.element_type(), &g));
+  g.forward_out = out.typed_data(), g.dlse = dlse.typed_data();
+  g.dq = dq->untyped_data(), g.delta_out = delta->typed_data();
+  return LaunchOnStreamDevice(stream, kTargetScheduledBackwardDqDelta,
+                              [&] { return LaunchSchedAttnDq(stream, g); });
 }
 
 ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
@@ -240,7 +291,8 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                      nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/true, &g));
-  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, &g));
+  S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, "delta", &g));
+  g.delta = delta.typed_data();
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dk", dk->dimensions(), g.batch, nlat_k, nlon_k, g.heads, g.head_dim));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dv", dv->dimensions(), g.batch, nlat_k, nlon_k, g.heads, g.head_dim));
   S2ATTN_RETURN_IF_ERROR(SetResultType("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(), &g));
@@ -263,25 +315,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     S2AttnScheduledBackwardDqCuda, s2attn::BackwardDq,
-    s2attn::BindSchedAttrs(s2attn::BindSchedule(xla::ffi::Ffi::Bind()
-                                                    .Ctx<s2attn::CudaStream>()
-                                                    .Arg<xla::ffi::AnyBuffer>()  // q
-                                                    .Arg<xla::ffi::AnyBuffer>()  // k
-                                                    .Arg<xla::ffi::AnyBuffer>()  // v
-                                                    .Arg<xla::ffi::AnyBuffer>()  // dout
-                                                    .Arg<s2attn::F32Buffer>()    // lse
-                                                    .Arg<s2attn::F32Buffer>())   // delta
-                               .Ret<xla::ffi::AnyBuffer>()));                    // dq
+    s2attn::BindSchedAttrs(s2attn::BindSchedule(s2attn::BindBackwardOperands<false>(xla::ffi::Ffi::Bind()))
+                               .Ret<xla::ffi::AnyBuffer>()));  // dq
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     S2AttnScheduledBackwardDkvCuda, s2attn::BackwardDkv,
-    s2attn::BindSchedAttrs(s2attn::BindSchedule(xla::ffi::Ffi::Bind()
-                                                    .Ctx<s2attn::CudaStream>()
-                                                    .Arg<xla::ffi::AnyBuffer>()  // q
-                                                    .Arg<xla::ffi::AnyBuffer>()  // k
-                                                    .Arg<xla::ffi::AnyBuffer>()  // v
-                                                    .Arg<xla::ffi::AnyBuffer>()  // dout
-                                                    .Arg<s2attn::F32Buffer>()    // lse
-                                                    .Arg<s2attn::F32Buffer>())   // delta
-                               .Ret<xla::ffi::AnyBuffer>()                       // dk
-                               .Ret<xla::ffi::AnyBuffer>()));                    // dv
+    s2attn::BindSchedAttrs(s2attn::BindSchedule(s2attn::BindBackwardOperands<false>(xla::ffi::Ffi::Bind()))
+                               .Ret<xla::ffi::AnyBuffer>()    // dk
+                               .Ret<xla::ffi::AnyBuffer>()));  // dv
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    S2AttnScheduledBackwardDqDeltaCuda, s2attn::BackwardDqDelta,
+    s2attn::BindSchedAttrs(s2attn::BindSchedule(s2attn::BindBackwardOperands<true>(xla::ffi::Ffi::Bind()))
+                               .Ret<xla::ffi::AnyBuffer>()  // dq
+                               .Ret<s2attn::F32Buffer>()));  // delta

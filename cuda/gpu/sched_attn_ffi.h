@@ -9,3 +9,5 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnScheduledForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnScheduledBackwardDqCuda);
 // jax_s2attn_sched_bwd_dkv: the same operands on the backward schedule -> (dk, dv)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnScheduledBackwardDkvCuda);
+// jax_s2attn_sched_bwd_dq_delta: dq's operands with out (float32) and dlse in place of delta -> (dq, delta)
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnScheduledBackwardDqDeltaCuda);

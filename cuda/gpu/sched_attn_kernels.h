@@ -33,6 +33,12 @@ struct SchedAttnParams {
   const void* dout = nullptr;   // dq, dk/dv
   const float* lse = nullptr;   // dq, dk/dv: [batch, nlat_q, nlon_q, heads]
   const float* delta = nullptr;  // dq, dk/dv: sum(dout * out, -1) - dlse, like lse
+  // The dq that forms delta (jax_s2attn_sched_bwd_dq_delta), in place of `delta`: the forward's float32 out
+  // ([batch, nlat_q, nlon_q, heads, D]) and dlse (like lse); it forms delta of its walking points, uses it and
+  // writes it to delta_out (like lse) for dk/dv.
+  const float* forward_out = nullptr;
+  const float* dlse = nullptr;
+  float* delta_out = nullptr;
   // The walk's schedule (device memory; the kernels clamp every index they derive from it).
   const int32_t* tiles = nullptr;         // [num_tiles, 2]: first walking row, first walking longitude
   const int32_t* tile_offsets = nullptr;  // [num_tiles + 1]
@@ -60,8 +66,8 @@ struct SchedAttnParams {
 bool SchedAttnBuiltForSm90a();
 bool SchedAttnAvailable();
 
-// out and lse (a query without neighbours: out 0, lse -inf); dq; dk and dv (cuda/README.md, "Scheduled
-// targets").
+// out and lse (a query without neighbours: out 0, lse -inf); dq (and, given forward_out, dlse and delta_out in
+// place of delta, delta of every walking point); dk and dv (cuda/README.md, "Scheduled targets").
 cudaError_t LaunchSchedAttnFwd(cudaStream_t stream, const SchedAttnParams& params);
 cudaError_t LaunchSchedAttnDq(cudaStream_t stream, const SchedAttnParams& params);
 cudaError_t LaunchSchedAttnDkv(cudaStream_t stream, const SchedAttnParams& params);

@@ -28,6 +28,7 @@ __all__ = [
     "HAS_CUDA_EXT",
     "KERNELS",
     "SCHEDULED_BACKWARD_DKV_TARGET",
+    "SCHEDULED_BACKWARD_DQ_DELTA_TARGET",
     "SCHEDULED_BACKWARD_DQ_TARGET",
     "SCHEDULED_FORWARD_TARGET",
     "SCHEDULED_TARGETS",
@@ -52,6 +53,7 @@ __all__ = [
     "ffi_forward",
     "ffi_scheduled_dkv",
     "ffi_scheduled_dq",
+    "ffi_scheduled_dq_delta",
     "ffi_scheduled_forward",
     "full_window",
     "kernel_limits",
@@ -95,7 +97,11 @@ TILED_TARGETS = (
 SCHEDULED_FORWARD_TARGET = "jax_s2attn_sched_fwd"
 SCHEDULED_BACKWARD_DQ_TARGET = "jax_s2attn_sched_bwd_dq"
 SCHEDULED_BACKWARD_DKV_TARGET = "jax_s2attn_sched_bwd_dkv"
-SCHEDULED_TARGETS = (SCHEDULED_FORWARD_TARGET, SCHEDULED_BACKWARD_DQ_TARGET, SCHEDULED_BACKWARD_DKV_TARGET)
+SCHEDULED_BACKWARD_DQ_DELTA_TARGET = "jax_s2attn_sched_bwd_dq_delta"
+SCHEDULED_TARGETS = (
+    SCHEDULED_FORWARD_TARGET, SCHEDULED_BACKWARD_DQ_TARGET, SCHEDULED_BACKWARD_DKV_TARGET,
+    SCHEDULED_BACKWARD_DQ_DELTA_TARGET,
+)  # fmt: skip
 
 # The stencil kernels alone (CUDA): the tiled targets' operands; they write the rows of the stencil pairs into
 # results aliased to a scheduled target's, whose schedule leaves those rows' tiles out (whole grids).
@@ -674,6 +680,26 @@ def ffi_scheduled_dq(
     if stencil:
         results = _stencil_rows(STENCIL_BACKWARD_DQ_TARGET, "forward", operands, plan, scale, results, dtype)
     return results[0]
+
+
+def ffi_scheduled_dq_delta(
+    query, key, value, dout, lse, out, dlse, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False
+):  # fmt: skip
+    """The scheduled dq that forms delta itself: ``(dq, delta)``, whole grids.
+
+    As :func:`ffi_scheduled_dq`, but given the forward's float32 ``out`` and ``dlse`` (as :func:`ffi_delta` takes
+    them) in place of delta: each block forms ``delta = sum(dout * out, -1) - dlse`` of its query tile at its
+    entry, in a fixed order (not the delta target's: the last bits may differ), uses it, and returns it for
+    :func:`ffi_scheduled_dkv`, so that the op needs no delta target between the passes. Every tile of the plan's
+    forward schedule: beside the stencil targets, and where dq is summed over key windows (the sharded op),
+    :func:`ffi_delta` forms delta instead."""
+    dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
+    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key)
+    dout, out, dlse = _delta_operands(dout, out, dlse)
+    operands = (query, key, value, dout, lse, out, dlse, *schedule)
+    dq, delta = _call(SCHEDULED_BACKWARD_DQ_DELTA_TARGET, operands, [query.shape, dlse.shape], attributes,
+                      poison_results, (dtype, jnp.dtype(jnp.float32)))  # fmt: skip
+    return dq, delta
 
 
 def ffi_scheduled_dkv(

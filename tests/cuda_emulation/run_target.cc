@@ -1,8 +1,8 @@
 // C entry points of the CUDA launchers for Python (ctypes): one call of forward, dq, dkv, the tiled dq
-// that forms delta, a scheduled target, or delta on the default stream. Shared by the host emulation
-// (tests/test_cuda_emulated.py, g++) and the standalone GPU harness (tests/gpu_kernel_sanitizer.py,
-// nvcc): pointers are host memory in the first and device memory in the second, except `sizes`,
-// which is always host memory.
+// that forms delta, a scheduled target, the scheduled dq that forms delta, or delta on the default stream.
+// Shared by the host emulation (tests/test_cuda_emulated.py, g++) and the standalone GPU harness
+// (tests/gpu_kernel_sanitizer.py, nvcc): pointers are host memory in the first and device memory in the second,
+// except `sizes`, which is always host memory.
 #include <cstdint>
 
 #include "gpu/delta_kernel.h"
@@ -143,19 +143,18 @@ extern "C" int RunDelta(int dtype, const void* dout, const float* out, const flo
   return s2attn::LaunchDelta(nullptr, p);
 }
 
-// A scheduled target (sched_attn_kernels.h): `kind` 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv), on the
-// walk's schedule (tiles, tile_offsets, chunks, records). sizes: batch, heads, nlat_q, nlon_q, nlat_k, nlon_k (the
-// arrays' grids), num_tiles, num_chunks, num_stagings, classes, shift, head_dim, ring_nlon. dtype and result_dtype: ActivationType of the
-// activations and of out, dq, dk, dv (lse is float32). Returns the launcher's cudaError_t.
-extern "C" int RunScheduledTarget(int kind, int dtype, int result_dtype, const void* q, const void* k, const void* v,
-                                  const void* dout, const float* lse, const float* delta, const int32_t* tiles,
-                                  const int32_t* tile_offsets, const int32_t* chunks, const int32_t* records,
-                                  const float* quad_weights, void* result0, void* result1, const int64_t* sizes,
-                                  float scale) {
+namespace {
+
+// The launch parameters of a scheduled call of the arguments below (RunScheduledTarget's; the results and the
+// per-point operands are left to the caller).
+s2attn::SchedAttnParams SchedParamsOf(int dtype, int result_dtype, const void* q, const void* k, const void* v,
+                                      const void* dout, const float* lse, const int32_t* tiles,
+                                      const int32_t* tile_offsets, const int32_t* chunks, const int32_t* records,
+                                      const float* quad_weights, const int64_t* sizes, float scale) {
   s2attn::SchedAttnParams p;
   p.dtype = static_cast<s2attn::ActivationType>(dtype);
   p.result_dtype = static_cast<s2attn::ActivationType>(result_dtype);
-  p.q = q, p.k = k, p.v = v, p.dout = dout, p.lse = lse, p.delta = delta;
+  p.q = q, p.k = k, p.v = v, p.dout = dout, p.lse = lse;
   p.tiles = tiles, p.tile_offsets = tile_offsets, p.chunks = chunks, p.records = records;
   p.quad_weights = quad_weights;
   p.batch = sizes[0], p.heads = sizes[1];
@@ -166,6 +165,24 @@ extern "C" int RunScheduledTarget(int kind, int dtype, int result_dtype, const v
   p.head_dim = static_cast<int32_t>(sizes[11]);
   p.ring_nlon = static_cast<int32_t>(sizes[12]);
   p.scale = scale;
+  return p;
+}
+
+}  // namespace
+
+// A scheduled target (sched_attn_kernels.h): `kind` 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv), on the
+// walk's schedule (tiles, tile_offsets, chunks, records). sizes: batch, heads, nlat_q, nlon_q, nlat_k, nlon_k (the
+// arrays' grids), num_tiles, num_chunks, num_stagings, classes, shift, head_dim, ring_nlon. dtype and
+// result_dtype: ActivationType of the activations and of out, dq, dk, dv (lse is float32). Returns the launcher's
+// cudaError_t.
+extern "C" int RunScheduledTarget(int kind, int dtype, int result_dtype, const void* q, const void* k, const void* v,
+                                  const void* dout, const float* lse, const float* delta, const int32_t* tiles,
+                                  const int32_t* tile_offsets, const int32_t* chunks, const int32_t* records,
+                                  const float* quad_weights, void* result0, void* result1, const int64_t* sizes,
+                                  float scale) {
+  s2attn::SchedAttnParams p = SchedParamsOf(dtype, result_dtype, q, k, v, dout, lse, tiles, tile_offsets, chunks,
+                                            records, quad_weights, sizes, scale);
+  p.delta = delta;
   switch (kind) {
     case 0:
       p.out = result0;
@@ -181,4 +198,18 @@ extern "C" int RunScheduledTarget(int kind, int dtype, int result_dtype, const v
     default:
       return cudaErrorInvalidValue;
   }
+}
+
+// The scheduled dq that forms delta (the target jax_s2attn_sched_bwd_dq_delta): RunScheduledTarget's dq arguments
+// with the forward's float32 out and dlse in place of delta; results dq and delta.
+extern "C" int RunScheduledDqFormingDelta(int dtype, int result_dtype, const void* q, const void* k, const void* v,
+                                          const void* dout, const float* lse, const float* forward_out,
+                                          const float* dlse, const int32_t* tiles, const int32_t* tile_offsets,
+                                          const int32_t* chunks, const int32_t* records, const float* quad_weights,
+                                          void* dq, float* delta, const int64_t* sizes, float scale) {
+  s2attn::SchedAttnParams p = SchedParamsOf(dtype, result_dtype, q, k, v, dout, lse, tiles, tile_offsets, chunks,
+                                            records, quad_weights, sizes, scale);
+  p.forward_out = forward_out, p.dlse = dlse;
+  p.dq = dq, p.delta_out = delta;
+  return s2attn::LaunchSchedAttnDq(nullptr, p);
 }
