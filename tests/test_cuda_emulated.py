@@ -768,6 +768,30 @@ def test_scheduled_dq_forms_delta_on_tiles_without_chunks(emulated_library, rng)
         assert block.size and not block.any(), (row, lon)
 
 
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_scheduled_dkv_tiles_of_one_block_walk_apart(emulated_library, rng, d):
+    """dk/dv runs several tiles a block (three consumer warpgroups at head dims 32 and 64, one at 128), each walking
+    its own chunk list: on the backward schedule of 10 tiles (blocks of 3, 3, 3 and 1 tiles) with the middle tile
+    of the second block emptied, that tile's dk and dv are zero and every other element the bits of the whole
+    schedule's results, all written (NaN-poisoned first)."""
+    case = prepare_case(rng, SCHEDULED_PLANS["self-72"](), 2, 2, d, d, "bfloat16")
+    _, backward = scheduled_schedules(case)
+    assert len(backward.tiles) == 10, len(backward.tiles)
+    lse, delta = case.inputs[4:6]
+    whole = run_scheduled_kind(emulated_library, case, "dkv", np.float32, backward, lse, delta)
+    emptied = 4
+    part = run_scheduled_kind(emulated_library, case, "dkv", np.float32, _without_chunks(backward, [emptied]), lse,
+                              delta)  # fmt: skip
+    row, lon = backward.tiles[emptied]
+    rows, lons = slice(row, row + backward.tile_rows), slice(lon, lon + backward.tile_cols)
+    for name, got, expected in zip(("dk", "dv"), part, whole):
+        assert not np.isnan(got).any(), name
+        assert got[:, rows, lons].size and not got[:, rows, lons].any(), name
+        expected = expected.copy()
+        expected[:, rows, lons] = 0
+        np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
 # Head dims 32 (64-byte rows, the 64-byte swizzle) and 128 (two 64-element blocks a row): the directions, several
 # classes, rows of several tiles and whole rings.
 SCHEDULED_HEAD_DIM_PLANS = ("self", "down3", "up3", "self-72", "rings-72")

@@ -2,11 +2,13 @@
 // sm_90a. Included by sched_attn_fwd.cu, sched_attn_dq.cu and sched_attn_dkv.cu, which instantiate one kind each,
 // at each head dim of kSchedHeadDims (32, 64, 128; a box and a swizzled tile per block of up to 64 elements a row).
 //
-// A block takes one tile of the schedule (4 x 16 walking points; blocks in the schedule's order, longest first)
-// and one (batch, head) slab (blockIdx.y). Its producer warp asks for tensor-map boxes of the tile's points,
-// then, per chunk of the tile's list, copies the chunk's description into shared memory (read 32 chunks at a
-// time, a lane per chunk) and asks for two boxes of 32 points of one row of the other grid (k and v; q and dout
-// for dk/dv) into a kStages-deep mbarrier ring. The consumer warpgroup multiplies in FlashAttention-3's
+// A consumer warpgroup takes one tile of the schedule (4 x 16 walking points; tiles in the schedule's order,
+// longest first) and one (batch, head) slab (blockIdx.y); a block runs ConsumersOf(kind) of them on consecutive
+// tiles (three for dk/dv at head dims 32 and 64, under setmaxnreg; else one), each with its own producer warp
+// and stages. A producer warp asks for tensor-map boxes of its tile's points, then, per chunk of the tile's list,
+// copies the chunk's description into shared memory (read 32 chunks at a time, a lane per chunk) and asks for
+// two boxes of 32 points of one row of the other grid (k and v; q and dout for dk/dv) into a kStages-deep mbarrier
+// ring. The consumer warpgroup multiplies in FlashAttention-3's
 // intra-warpgroup order (WalkChunks): it issues the next chunk's products, then this chunk's accumulating ones,
 // then forms the next chunk's scores while those run, so that no instruction touches the registers of a wgmma in
 // flight and ptxas keeps every wgmma asynchronous.
@@ -39,6 +41,7 @@
 
 #include "gpu/device_common.cuh"
 #include "gpu/mbarrier_sm90.cuh"
+#include "gpu/registers_sm90.cuh"
 #include "gpu/sched_attn_kernels.h"
 #include "gpu/tma_sm90.cuh"
 #include "gpu/wgmma_sm90.cuh"
@@ -52,7 +55,6 @@ namespace sm90 = s2attn::gpu::sm90;
 constexpr int kTileRows = kSchedTileRows, kTileCols = kSchedTileCols;  // one wgmma M of 64 walking points
 constexpr int kChunk = kSchedChunkCols;                                // the N of S = Q K^T
 constexpr int kStages = 4;
-constexpr int kThreads = 128 + 32;  // one consumer warpgroup, one producer warp
 // Operand rows are blocks of up to 64 16-bit elements, each block its own swizzled tile of all the rows: at head
 // dim 32 one block of 64-byte rows (the 64-byte swizzle), at 64 one of 128-byte rows (the 128-byte swizzle), at 128
 // two of those (wgmma_sm90.cuh).
@@ -108,13 +110,33 @@ struct ChunkInfo {
 enum class Kind { kForward, kDq, kDkv };
 // Walking-grid tiles a kernel stages once: q; q and dout; k and v.
 __host__ __device__ constexpr int TilesOf(Kind kind) { return kind == Kind::kForward ? 1 : 2; }
-// Blocks per SM each kind asks for (dq holds S, dP and dq, dk/dv S, dP, dk and dv: with more blocks, and so fewer
-// registers, ptxas serialises their wgmmas). At head dim 128 the accumulators double and a block's shared memory
-// nearly does.
+// Consumer warpgroups a block runs, each on its own tile of the schedule (the block's tiles are consecutive in the
+// schedule's longest-first order, so of about one length) with its own producer warp and ring of stages. dk/dv at
+// head dims 32 and 64 runs three: it holds S, dP, dk and dv, and as blocks of one consumer only two fit an SM at
+// the registers it needs, while one block of three under setmaxnreg gives each consumer kConsumerRegisters.
+// Elsewhere one.
+constexpr int kManyConsumers = 3;
+__host__ __device__ constexpr int ConsumersOf(Kind kind, int head_dim) {
+  return kind == Kind::kDkv && head_dim <= 64 ? kManyConsumers : 1;
+}
+// Threads: the consumer warpgroups, then the producers: one warp for one consumer, else a warpgroup whose warp c
+// serves consumer c (setmaxnreg takes whole warpgroups).
+__host__ __device__ constexpr int ThreadsOf(Kind kind, int head_dim) {
+  return ConsumersOf(kind, head_dim) == 1 ? 128 + 32 : 128 * (ConsumersOf(kind, head_dim) + 1);
+}
+// Blocks per SM each kind asks for (dq holds S, dP and dq: with more blocks, and so fewer registers, ptxas
+// serialises its wgmmas). At head dim 128 the accumulators double and a block's shared memory nearly does.
 __host__ __device__ constexpr int BlocksPerSm(Kind kind, int head_dim) {
+  if (ConsumersOf(kind, head_dim) > 1) return 1;
   if (head_dim > 64) return kind == Kind::kDkv ? 1 : 2;
   return kind == Kind::kForward ? 4 : kind == Kind::kDq ? 3 : 2;
 }
+// Registers a thread in a block of several consumers (setmaxnreg, multiples of 8): the consumers raise theirs to
+// what dk/dv needs (at 136 ptxas serialises its wgmmas), the producer warpgroup lowers its to what is left of the
+// SM's 65,536.
+constexpr int kConsumerRegisters = 144;
+constexpr int kProducerRegisters = (65536 / 128 - kManyConsumers * kConsumerRegisters) / 8 * 8;  // 80
+static_assert(kProducerRegisters >= 24, "the consumer warpgroups and a producer warpgroup in one SM's registers");
 
 template <typename T, Kind kKind, int kD>
 struct Shared {
@@ -145,6 +167,7 @@ struct Problem {
   const int* chunks;
   const int2* records;
   int num_chunks, num_stagings, classes, shift;
+  int num_tiles;
   const float* quad_weights;  // [key rows]
   float scale, scale_log2;    // softmax scale, and times log2(e)
   const float* lse;           // dq: the walking points'; dk/dv: the other grid's
@@ -184,10 +207,10 @@ __device__ __forceinline__ float KeyBias(const Problem& p, int row, int nlat_key
   return log2f(__ldg(p.quad_weights + min(max(row, 0), nlat_keys - 1)));
 }
 
-// The tile's chunks [first, first + count) of the schedule, clamped to its chunk list.
-__device__ __forceinline__ int2 TileChunks(const Problem& p) {
-  const int begin = min(max(__ldg(p.tile_offsets + blockIdx.x), 0), p.num_chunks);
-  const int end = min(max(__ldg(p.tile_offsets + blockIdx.x + 1), begin), p.num_chunks);
+// Tile `tile`'s chunks [first, first + count) of the schedule, clamped to its chunk list.
+__device__ __forceinline__ int2 TileChunks(const Problem& p, int tile) {
+  const int begin = min(max(__ldg(p.tile_offsets + tile), 0), p.num_chunks);
+  const int end = min(max(__ldg(p.tile_offsets + tile + 1), begin), p.num_chunks);
   return make_int2(begin, end - begin);
 }
 
@@ -207,15 +230,16 @@ __device__ __forceinline__ float2 QueryRowOf(const Problem& p, const Slab& slab,
   return make_float2(__ldg(p.lse + point), __ldg(p.delta + point));
 }
 
-// The producer warp: the tile's points, then per chunk of its list the chunk's description and its two boxes
+// A producer warp (of tile `tile`): the tile's points, then per chunk of its list the chunk's description and its two boxes
 // (lane 0 asks for the boxes). The descriptions are read 32 chunks at a time, lane x the chunk x of the batch
 // (with its records when a tile row has one class), so that the loop waits on global memory once per batch;
 // dk/dv's lse and delta of a chunk's queries (a lane per column) kQueryRowsAhead chunks ahead. Every lane
 // arrives on the stage's barrier after its writes.
 template <typename T, Kind kKind, int kD>
-__device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>& s, int first, int count) {
+__device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>& s, int tile, int first,
+                        int count) {
   const Slab slab = SlabOf(p);
-  const int tile = blockIdx.x, lane = threadIdx.x % 32, per_staging = kTileRows * p.classes;
+  const int lane = threadIdx.x % 32, per_staging = kTileRows * p.classes;
   const int nlat_keys = kKind == Kind::kDkv ? p.nlat_walk : p.nlat_other;
   const int batch = static_cast<int>(slab.batch);
   if (lane == 0) {
@@ -302,18 +326,18 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>
 // Column n of the thread's accumulator element e (m64nN layout of wgmma_sm90.cuh), less 2 t.
 __host__ __device__ constexpr int ColumnOf(int e) { return 8 * (e / 4) + (e % 2); }
 
-// The thread's walking points: tile row `warp`, longitudes lane / 4 and lane / 4 + 8 of the tile, with their
+// The thread's walking points: of tile `tile`, tile row `warp` (of its warpgroup), longitudes lane / 4 and lane / 4 + 8 of the tile, with their
 // residue classes and steps; `real[h]` whether the point is on the walking grid (only those are written).
 struct ThreadPoints {
   int row, lon[2], u[2], step[2];
   bool real[2];
 };
 
-__device__ __forceinline__ ThreadPoints PointsOf(const Problem& p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+__device__ __forceinline__ ThreadPoints PointsOf(const Problem& p, int tile) {
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   ThreadPoints points;
-  points.row = __ldg(p.tiles + 2 * blockIdx.x) + warp;
-  const int first_lon = __ldg(p.tiles + 2 * blockIdx.x + 1);
+  points.row = __ldg(p.tiles + 2 * tile) + warp;
+  const int first_lon = __ldg(p.tiles + 2 * tile + 1);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int column = lane / 4 + 8 * h;
@@ -661,9 +685,9 @@ __device__ __forceinline__ void StoreRows(const Problem& p, const ThreadPoints& 
 // The forward of the consumer warpgroup: per chunk S = Q K^T, the mask and online softmax, O += P V and the row
 // sums of the rounded P (both rescaled just before the products are issued); out and lse at the end.
 template <typename T, int kD>
-__device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward, kD>& s, int count) {
-  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
-  const ThreadPoints points = PointsOf(p);
+__device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward, kD>& s, int tile, int count) {
+  const int warp = threadIdx.x / 32 % 4, t = threadIdx.x % 4;
+  const ThreadPoints points = PointsOf(p, tile);
   float o[kForwardAccumulators<kD>] = {}, m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f}, scores[kChunk / 2];
   float correction[2];
   uint32_t prob[kChunk / 16][4];
@@ -742,9 +766,9 @@ __device__ __forceinline__ void FormDelta(const Problem& p, const ThreadPoints& 
 // as two groups, issue dq += dS(j) K(j), wait for S, form P = exp2(S scale log2(e) + bias - lse log2(e)) on the
 // chunk's mask while dP and dq's product run, wait for dP, then form dS(j+1) = P (dP - delta).
 template <typename T, int kD>
-__device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq, kD>& s, int count) {
-  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
-  const ThreadPoints points = PointsOf(p);
+__device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq, kD>& s, int tile, int count) {
+  const int warp = threadIdx.x / 32 % 4, t = threadIdx.x % 4;
+  const ThreadPoints points = PointsOf(p, tile);
   const Slab slab = SlabOf(p);
   float lse_log2[2] = {0.f, 0.f}, delta[2] = {0.f, 0.f};
   if (p.delta_out != nullptr) FormDelta<T, kD>(p, points, delta);
@@ -795,9 +819,9 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq, kD>& s, int cou
 // dk += dS^T(j) Q(j), wait for S^T, form P^T = exp2(S^T scale log2(e) + key weight - lse log2(e)) on the chunk's
 // mask while dP^T and both products run, wait for dP^T, then form dS^T = P^T (dP^T - delta).
 template <typename T, int kD>
-__device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv, kD>& s, int count) {
-  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
-  const ThreadPoints points = PointsOf(p);
+__device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv, kD>& s, int tile, int count) {
+  const int warp = threadIdx.x / 32 % 4, t = threadIdx.x % 4;
+  const ThreadPoints points = PointsOf(p, tile);
   const float key_bias = KeyBias(p, points.row, p.nlat_walk);
   float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   uint32_t prob[kChunk / 16][4], grad[kChunk / 16][4];
@@ -845,8 +869,8 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv, kD>& s, int c
 
 // The results of a tile without chunks (its points see no other point): zeros, and lse -inf.
 template <typename T, Kind kKind, int kD>
-__device__ void WriteEmpty(const Problem& p) {
-  const ThreadPoints points = PointsOf(p);
+__device__ void WriteEmpty(const Problem& p, int tile) {
+  const ThreadPoints points = PointsOf(p, tile);
   const float zeros[kD / 2] = {}, factor[2] = {1.f, 1.f};
   if constexpr (kKind == Kind::kForward) {
     StoreRows<T, kD>(p, points, p.out, zeros, factor);
@@ -870,41 +894,58 @@ __device__ void WriteEmpty(const Problem& p) {
 }
 
 template <typename T, Kind kKind, int kD>
-__global__ void __launch_bounds__(kThreads, BlocksPerSm(kKind, kD))
+__global__ void __launch_bounds__(ThreadsOf(kKind, kD), BlocksPerSm(kKind, kD))
     ScheduledAttention(const Problem p, const __grid_constant__ Maps maps) {
 #if defined(S2ATTN_HOST_EMULATION) || (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL))
+  constexpr int kConsumers = ConsumersOf(kKind, kD);
   auto* base = reinterpret_cast<unsigned char*>(DynamicShared());
   base += (1024 - reinterpret_cast<uintptr_t>(base) % 1024) % 1024;
-  auto& s = *reinterpret_cast<Shared<T, kKind, kD>*>(base);
-  const int2 chunks = TileChunks(p);
-  if (chunks.y == 0) {
-    if (threadIdx.x < 128) WriteEmpty<T, kKind, kD>(p);
-    return;
-  }
-  if constexpr (kKind == Kind::kForward) {  // the ones tile: 4 KiB, 16 bytes a thread
+  auto* rings = reinterpret_cast<Shared<T, kKind, kD>*>(base);  // a consumer's each
+  if constexpr (kKind == Kind::kForward) {  // the ones tiles: 4 KiB each, 16 bytes a thread
     const uint32_t one = PackPair<T>(1.f, 1.f);
-    for (int i = threadIdx.x; i < int(sizeof(OnesTile<T>) / 16); i += kThreads) {
-      reinterpret_cast<uint4*>(s.ones.rows)[i] = make_uint4(one, one, one, one);
+    for (int c = 0; c < kConsumers; ++c) {
+      for (int i = threadIdx.x; i < int(sizeof(OnesTile<T>) / 16); i += ThreadsOf(kKind, kD)) {
+        reinterpret_cast<uint4*>(rings[c].ones.rows)[i] = make_uint4(one, one, one, one);
+      }
     }
     sm90::FenceSharedForWgmma();
   }
   if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      MbarrierInit(&s.full[i], 32);
-      MbarrierInit(&s.empty[i], 128);
+    for (int c = 0; c < kConsumers; ++c) {
+      for (int i = 0; i < kStages; ++i) {
+        MbarrierInit(&rings[c].full[i], 32);
+        MbarrierInit(&rings[c].empty[i], 128);
+      }
+      MbarrierInit(&rings[c].tiles_full, 1);
     }
-    MbarrierInit(&s.tiles_full, 1);
     MbarrierInitFence();
   }
   __syncthreads();
-  if (threadIdx.x / 32 == 4) {
-    Produce<T, kKind, kD>(p, maps, s, chunks.x, chunks.y);
-  } else if constexpr (kKind == Kind::kForward) {
-    ConsumeForward<T, kD>(p, s, chunks.y);
-  } else if constexpr (kKind == Kind::kDq) {
-    ConsumeDq<T, kD>(p, s, chunks.y);
+  // Warpgroups 0 .. kConsumers - 1 consume, the last produces: its warp c for consumer c. Each role's code lies
+  // wholly inside its branch, after its setmaxnreg, so that ptxas allocates it within that count.
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == kConsumers) {
+    if constexpr (kConsumers > 1) sm90::LowerRegisters<kProducerRegisters>();
+    const int consumer = kConsumers == 1 ? 0 : threadIdx.x / 32 % 4, tile = blockIdx.x * kConsumers + consumer;
+    if (consumer < kConsumers && tile < p.num_tiles) {  // else a spare warp, or past the schedule
+      const int2 chunks = TileChunks(p, tile);
+      if (chunks.y > 0) Produce<T, kKind, kD>(p, maps, rings[consumer], tile, chunks.x, chunks.y);
+    }
   } else {
-    ConsumeDkv<T, kD>(p, s, chunks.y);
+    if constexpr (kConsumers > 1) sm90::RaiseRegisters<kConsumerRegisters>();
+    const int consumer = kConsumers == 1 ? 0 : warpgroup, tile = blockIdx.x * kConsumers + consumer;
+    if (tile >= p.num_tiles) return;
+    Shared<T, kKind, kD>& s = rings[consumer];
+    const int2 chunks = TileChunks(p, tile);
+    if (chunks.y == 0) {
+      WriteEmpty<T, kKind, kD>(p, tile);
+    } else if constexpr (kKind == Kind::kForward) {
+      ConsumeForward<T, kD>(p, s, tile, chunks.y);
+    } else if constexpr (kKind == Kind::kDq) {
+      ConsumeDq<T, kD>(p, s, tile, chunks.y);
+    } else {
+      ConsumeDkv<T, kD>(p, s, tile, chunks.y);
+    }
   }
 #endif
 }
@@ -948,6 +989,7 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
   p.records = reinterpret_cast<const int2*>(g.records);
   p.num_chunks = static_cast<int>(g.num_chunks), p.num_stagings = static_cast<int>(g.num_stagings);
   p.classes = g.classes, p.shift = g.shift;
+  p.num_tiles = static_cast<int>(g.num_tiles);
   p.quad_weights = g.quad_weights;
   p.scale = g.scale, p.scale_log2 = g.scale * kLog2e;
   p.lse = g.lse, p.delta = g.delta;
@@ -970,7 +1012,8 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
                          kBlockOf<kD>, kChunk, 1)) {
     return cudaErrorInvalidValue;
   }
-  const int shared = static_cast<int>(sizeof(Shared<T, kKind, kD>)) + 1024;  // + the 1024-byte alignment
+  constexpr int kConsumers = ConsumersOf(kKind, kD);
+  const int shared = kConsumers * static_cast<int>(sizeof(Shared<T, kKind, kD>)) + 1024;  // + the alignment
   cudaError_t status =
       cudaFuncSetAttribute(ScheduledAttention<T, kKind, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, shared);
   const int64_t slabs = g.batch * g.heads;
@@ -979,8 +1022,9 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
     void* args[2] = {&p, &maps};
     // Through cudaLaunchKernel (not <<< >>>), so that the kernels also build for the host emulation.
     status = cudaLaunchKernel(ScheduledAttention<T, kKind, kD>,
-                              dim3(static_cast<unsigned>(g.num_tiles), static_cast<unsigned>(std::min(slabs - first, kMaxGridYZ))),
-                              dim3(kThreads), args, shared, stream);
+                              dim3(static_cast<unsigned>((g.num_tiles + kConsumers - 1) / kConsumers),
+                                   static_cast<unsigned>(std::min(slabs - first, kMaxGridYZ))),
+                              dim3(ThreadsOf(kKind, kD)), args, shared, stream);
   }
   return status;
 }
