@@ -1,9 +1,14 @@
-"""Latitude grids and quadrature on the sphere (float64 numpy, host only).
+"""Latitude grids, iso-latitude ring grids and quadrature on the sphere (float64 numpy, host only).
 
 Conventions follow torch-harmonics: the latitude axis is colatitude ``theta`` in
 ``[0, pi]`` stored ascending (index 0 is the north pole or the node nearest to
 it); longitudes are ``2*pi*j/nlon``. Quadrature weights integrate over
 ``x = cos(theta)`` on ``[-1, 1]`` and therefore sum to 2.
+
+A :class:`RingGrid` generalises the regular grids to rings of constant colatitude that each have their own
+number of equally spaced points and longitude of the first point: HEALPix (RING order), ECMWF's octahedral
+reduced Gaussian grids, and regular grids of any longitude count. Its points are numbered ring by ring from the
+north, each ring from its first point eastwards, the order of a flat field ``[..., npoints, ...]``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from . import _validate
 
 __all__ = [
     "GRIDS",
+    "RingGrid",
     "precompute_latitudes",
     "precompute_longitudes",
     "quadrature_weights",
@@ -167,3 +173,204 @@ def latitude_spacing(nlat: int, grid: str = "equiangular") -> float:
     if theta.size < 2:
         return float(np.pi)
     return float(np.max(np.diff(theta)))
+
+
+class RingGrid:
+    """An iso-latitude ring grid: rings of constant colatitude, each of equally spaced points.
+
+    Ring ``r`` has ``nlon[r]`` points at longitudes ``first_longitude[r] + 2*pi*j/nlon[r]``
+    (``j = 0 .. nlon[r] - 1``) and colatitude ``colatitudes[r]``; every point of the ring carries the
+    quadrature weight ``2*pi*weights[r]/nlon[r]`` over the sphere, where ``weights`` integrate over
+    ``x = cos(theta)`` as :func:`precompute_latitudes`' do (they sum to 2, the point weights to ``4*pi``).
+
+    Build one by name (:meth:`latlon`, :meth:`healpix`, :meth:`octahedral`) or from your own rings.
+
+    Args:
+      colatitudes: strictly ascending, in ``[0, pi]`` (float64 ``[nrings]``).
+      nlon: points of each ring, integers of at least 1.
+      first_longitude: longitude of each ring's first point (radians); reduced to ``[0, 2*pi/nlon)``.
+      weights: positive finite quadrature weights over ``cos(theta)``, one per ring.
+      name: how the grid prints (e.g. ``"healpix(64)"``).
+
+    Ring grids are immutable and hashable by value; arrays they return are read-only.
+    """
+
+    __slots__ = ("_colatitudes", "_nlon", "_first_longitude", "_weights", "_name", "_offsets", "_key")
+
+    def __init__(self, colatitudes, nlon, first_longitude, weights, name: str = "rings"):
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {name!r}.")
+        theta = _float_rings(colatitudes, "colatitudes")
+        nrings = theta.size
+        counts = np.asarray(nlon)
+        if counts.shape != (nrings,) or counts.dtype.kind not in "iu":
+            raise TypeError(
+                f"nlon must be integers, one per ring ({nrings} rings), got {_shape_and_kind(counts)}; "
+                "pass the number of points of each ring."
+            )
+        if np.any(counts < 1):
+            raise ValueError(f"nlon must be at least 1 on every ring, got {int(counts.min())}.")
+        first = _float_rings(first_longitude, "first_longitude", nrings)
+        w = _float_rings(weights, "weights", nrings)
+        if np.any(np.diff(theta) <= 0) or theta[0] < 0 or theta[-1] > np.pi:
+            raise ValueError(
+                "colatitudes must ascend strictly within [0, pi] (ring 0 nearest the north pole), got "
+                f"{_describe_range(theta)}."
+            )
+        if np.any(w <= 0):
+            raise ValueError(f"weights must be positive on every ring, got {float(w.min())!r}.")
+        step = 2.0 * np.pi / counts
+        first = np.mod(first, step)
+        first = np.where(first >= step, 0.0, first)  # mod can round up to the step itself
+        self._colatitudes = _frozen(theta)
+        self._nlon = _frozen(counts.astype(np.int64))
+        self._first_longitude = _frozen(first)
+        self._weights = _frozen(w)
+        self._name = name
+        self._offsets = _frozen(np.concatenate([[0], np.cumsum(self._nlon)]).astype(np.int64))
+        self._key = (name, *(a.tobytes() for a in (self._colatitudes, self._nlon, self._first_longitude, self._weights)))
+
+    # -- builders --------------------------------------------------------------------------------------
+
+    @classmethod
+    def latlon(cls, nlat: int, nlon: int, grid: str = "equiangular") -> "RingGrid":
+        """The regular grid of ``nlat`` rings of ``nlon`` points each from longitude 0, on the latitudes and
+        weights of ``grid`` (:data:`GRIDS`): the grid of ``[..., nlat, nlon, ...]`` fields, any ``nlon``."""
+        theta, w = precompute_latitudes(nlat, grid)
+        nlon = _validate.integer(nlon, "nlon", 1, " (the points of each ring)")
+        return cls(theta, np.full(theta.size, nlon, np.int64), np.zeros(theta.size), w, f"{grid}({nlat}, {nlon})")
+
+    @classmethod
+    def healpix(cls, nside: int) -> "RingGrid":
+        """HEALPix with ``nside`` (a power of two is not required) in RING order: ``4*nside - 1`` rings,
+        ``12*nside**2`` pixel centres, equal-area weights (Gorski et al. 2005, the pixel centres of ``healpy``'s
+        ``pix2ang(nside, ipix)`` for ``ipix`` in ring order)."""
+        nside = _validate.integer(nside, "nside", 1, " (HEALPix resolution: 12 nside^2 pixels)")
+        rings = np.arange(1, 4 * nside, dtype=np.int64)  # 1 .. 4 nside - 1, north to south
+        cap = np.minimum(rings, 4 * nside - rings)  # ring index from the nearer pole
+        polar = cap < nside
+        nlon = np.where(polar, 4 * cap, 4 * nside)
+        # Polar caps: 1 - |z| = i^2 / (3 nside^2), i.e. sin(theta / 2) = i / (sqrt(6) nside) from the nearer pole
+        # (exact near the poles, where arccos(z) loses digits). Belt: z = 4/3 - 2 i / (3 nside).
+        near_pole = 2.0 * np.arcsin(cap / (np.sqrt(6.0) * nside))
+        theta_polar = np.where(rings < 2 * nside, near_pole, np.pi - near_pole)
+        theta_belt = np.arccos(np.clip(4.0 / 3.0 - 2.0 * rings / (3.0 * nside), -1.0, 1.0))
+        theta = np.where(polar, theta_polar, theta_belt)
+        # First pixel: half a step east of 0 in the caps; in the belt too on rings with (i - nside) even,
+        # on the others at 0.
+        shifted = (rings - nside) % 2 == 0
+        first = np.where(polar | shifted, np.pi / nlon, 0.0)
+        weights = nlon * (4.0 * np.pi / (12 * nside * nside)) / (2.0 * np.pi)
+        return cls(theta, nlon, first, weights, f"healpix({nside})")
+
+    @classmethod
+    def octahedral(cls, n: int) -> "RingGrid":
+        """ECMWF's octahedral reduced Gaussian grid ``O<n>``: the ``2n`` Gaussian latitudes, ``4i + 16`` points
+        on ring ``i`` counted from either pole (``i = 1 .. n``), each ring from longitude 0, the Gaussian
+        weights; ``4n^2 + 36n`` points (O1280: 6,599,680)."""
+        n = _validate.integer(n, "n", 1, " (the octahedral grid O<n> has 2n Gaussian latitudes)")
+        theta, w = precompute_latitudes(2 * n, "legendre-gauss")
+        i = np.arange(1, 2 * n + 1, dtype=np.int64)
+        nlon = 4 * np.minimum(i, 2 * n + 1 - i) + 16
+        return cls(theta, nlon, np.zeros(2 * n), w, f"O{n}")
+
+    # -- description -----------------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def colatitudes(self) -> np.ndarray:
+        """Colatitude of each ring (float64 ``[nrings]``, ascending)."""
+        return self._colatitudes
+
+    @property
+    def nlon(self) -> np.ndarray:
+        """Points of each ring (int64 ``[nrings]``)."""
+        return self._nlon
+
+    @property
+    def first_longitude(self) -> np.ndarray:
+        """Longitude of each ring's first point, in ``[0, 2*pi/nlon)`` (float64 ``[nrings]``)."""
+        return self._first_longitude
+
+    @property
+    def weights(self) -> np.ndarray:
+        """Quadrature weight of each ring over ``cos(theta)`` (float64 ``[nrings]``, summing to 2 for a
+        quadrature of the whole sphere)."""
+        return self._weights
+
+    @property
+    def nrings(self) -> int:
+        return int(self._nlon.size)
+
+    @property
+    def npoints(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def ring_offsets(self) -> np.ndarray:
+        """Index of each ring's first point in ring order, then ``npoints`` (int64 ``[nrings + 1]``)."""
+        return self._offsets
+
+    @property
+    def regular_shape(self) -> tuple[int, int] | None:
+        """``(nlat, nlon)`` when every ring has the same points from longitude 0 (a regular grid), else None."""
+        if np.all(self._nlon == self._nlon[0]) and not np.any(self._first_longitude):
+            return self.nrings, int(self._nlon[0])
+        return None
+
+    def point_colatitudes(self) -> np.ndarray:
+        """Colatitude of every point in ring order (float64 ``[npoints]``)."""
+        return np.repeat(self._colatitudes, self._nlon)
+
+    def point_longitudes(self) -> np.ndarray:
+        """Longitude of every point in ring order, in ``[0, 2*pi)`` (float64 ``[npoints]``)."""
+        ring = np.repeat(np.arange(self.nrings), self._nlon)
+        j = np.arange(self.npoints) - self._offsets[ring]
+        return self._first_longitude[ring] + 2.0 * np.pi * j / self._nlon[ring]
+
+    def point_weights(self) -> np.ndarray:
+        """Quadrature weight of every point over the sphere, ``2*pi*weights/nlon`` of its ring (float64
+        ``[npoints]``, summing to ``4*pi`` for a quadrature of the whole sphere)."""
+        return np.repeat(2.0 * np.pi * self._weights / self._nlon, self._nlon)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RingGrid) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"RingGrid({self._name}: {self.nrings} rings, {self.npoints} points)"
+
+
+def _float_rings(values, name: str, nrings: int | None = None) -> np.ndarray:
+    """``values`` as finite float64 ``[nrings]`` (any length >= 1 when ``nrings`` is None), else an error naming
+    ``name``."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "iuf" or array.ndim != 1 or array.size == 0 or (nrings is not None and array.size != nrings):
+        want = "one per ring" if nrings is None else f"one per ring ({nrings} rings)"
+        raise TypeError(f"{name} must be real numbers, {want}, got {_shape_and_kind(array)}.")
+    array = array.astype(np.float64)
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} must be finite, got {array[~np.isfinite(array)][0]!r}.")
+    return array
+
+
+def _shape_and_kind(array: np.ndarray) -> str:
+    return f"an array of shape {array.shape} and dtype {array.dtype}"
+
+
+def _describe_range(theta: np.ndarray) -> str:
+    bad = np.flatnonzero(np.diff(theta) <= 0)
+    if bad.size:
+        return f"ring {int(bad[0]) + 1} at {theta[bad[0] + 1]!r} after {theta[bad[0]]!r}"
+    return f"values from {theta[0]!r} to {theta[-1]!r}"
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array = np.ascontiguousarray(array)
+    array.setflags(write=False)
+    return array
