@@ -243,13 +243,20 @@ def _membership(theta_out, theta_in, lon_in, eff):
     for s in range(0, t_idx.size, step):
         to = theta_out[t_idx[s : s + step]][:, None]
         ti = theta_in[h_idx[s : s + step]][:, None]
-        x = np.cos(to) * cos_l * np.sin(ti) - np.cos(ti) * np.sin(to)
-        y = sin_l * np.sin(ti)
-        z = cos_l * np.sin(to) * np.sin(ti) + np.cos(to) * np.cos(ti)
-        norm = np.sqrt(x * x + y * y + z * z)
-        masks[s : s + step] = np.arccos(z / norm) <= eff
+        masks[s : s + step] = within_cutoff(to, ti, cos_l, sin_l, eff)
     keep = masks.any(axis=1)
     return t_idx[keep], h_idx[keep], masks[keep]
+
+
+def within_cutoff(theta_out, theta_in, cos_l, sin_l, eff):
+    """The rule, as torch-harmonics evaluates it: whether the input point at colatitude ``theta_in`` and longitude
+    ``l`` (by ``cos_l``, ``sin_l``) relative to the output point at ``theta_out`` lies within ``eff`` radians,
+    by the rotation into the output's frame, normalisation and arccos (arrays broadcast)."""
+    x = np.cos(theta_out) * cos_l * np.sin(theta_in) - np.cos(theta_in) * np.sin(theta_out)
+    y = sin_l * np.sin(theta_in)
+    z = cos_l * np.sin(theta_out) * np.sin(theta_in) + np.cos(theta_out) * np.cos(theta_in)
+    norm = np.sqrt(x * x + y * y + z * z)
+    return np.arccos(z / norm) <= eff
 
 
 def _arcs_of(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

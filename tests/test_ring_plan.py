@@ -1,0 +1,105 @@
+"""Neighbourhoods between ring grids (:func:`jax_s2attn.ring_plan.ring_arcs`) against a dense float64 evaluation
+of the rule on every pair of points, for every grid kind and direction; the regular grids' neighbourhoods of
+:class:`~jax_s2attn.NeighborhoodPlan` reproduced; what bad arguments get."""
+
+import numpy as np
+import pytest
+
+from jax_s2attn import NeighborhoodPlan
+from jax_s2attn.grids import RingGrid
+from jax_s2attn.ring_plan import RingArcs, ring_arcs
+
+CASES = {
+    "healpix self": (RingGrid.healpix(4), RingGrid.healpix(4), 0.3),
+    "octahedral self": (RingGrid.octahedral(8), RingGrid.octahedral(8), 0.25),
+    "latlon 3:2 finer keys (poles)": (RingGrid.latlon(13, 24), RingGrid.latlon(19, 36), 0.2),
+    "latlon 2:3 coarser keys (poles)": (RingGrid.latlon(19, 36), RingGrid.latlon(13, 24), 0.2),
+    "healpix from latlon": (RingGrid.healpix(4), RingGrid.latlon(17, 32), 0.25),
+    "latlon from healpix": (RingGrid.latlon(17, 32), RingGrid.healpix(4), 0.25),
+    "octahedral from healpix": (RingGrid.octahedral(6), RingGrid.healpix(3), 0.4),
+    "gaussian from octahedral, wide": (RingGrid.latlon(9, 16, "legendre-gauss"), RingGrid.octahedral(10), 0.7),
+    "own rings, offsets": (
+        RingGrid([0.3, 1.1, 1.9, 2.8], [5, 9, 7, 3], [0.2, 0.0, 0.45, 1.0], [0.3, 0.7, 0.7, 0.3], "own"),
+        RingGrid.healpix(2),
+        0.6,
+    ),
+}
+
+
+def _dense_distances(grid_out: RingGrid, grid_in: RingGrid) -> np.ndarray:
+    """Geodesic distances of every (output, input) pair from unit vectors: an evaluation of the rule
+    independent of the arcs' construction."""
+
+    def unit(grid):
+        theta, phi = grid.point_colatitudes(), grid.point_longitudes()
+        return np.stack([np.sin(theta) * np.cos(phi), np.sin(theta) * np.sin(phi), np.cos(theta)], axis=1)
+
+    return np.arccos(np.clip(unit(grid_out) @ unit(grid_in).T, -1.0, 1.0))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_arcs_are_the_rule_on_every_pair(name):
+    grid_out, grid_in, theta_cutoff = CASES[name]
+    arcs = ring_arcs(grid_out, grid_in, theta_cutoff)
+    distance = _dense_distances(grid_out, grid_in)
+    eff = (1 + 1e-3) * theta_cutoff
+    for point in range(grid_out.npoints):
+        keys = arcs.keys_of(grid_out, grid_in, point)
+        assert np.unique(keys).size == keys.size, point
+        member = np.zeros(grid_in.npoints, bool)
+        member[keys] = True
+        differ = np.flatnonzero(member != (distance[point] <= eff))
+        # Two float64 evaluations may disagree only on a pair at the cutoff itself.
+        assert np.all(np.abs(distance[point, differ] - eff) <= 1e-12), (point, differ)
+    assert arcs.num_pairs(grid_out) == sum(arcs.keys_of(grid_out, grid_in, o).size for o in range(grid_out.npoints))
+    key_ring = np.repeat(arcs.pairs[:, 1], arcs.pairs[:, 2])
+    assert np.all(arcs.arcs[:, 1] <= grid_in.nlon[key_ring])
+
+
+@pytest.mark.parametrize(
+    ("in_shape", "out_shape", "theta_cutoff"),
+    [((13, 24), (13, 24), 0.3), ((25, 48), (13, 24), 0.25), ((91, 180), (91, 180), None)],
+)
+def test_regular_grids_keep_the_plans_neighbourhoods(in_shape, out_shape, theta_cutoff):
+    """On two regular grids whose longitude counts divide (gather), every output ring's first point sees the
+    keys of the plan's psi row, and the pair counts agree."""
+    plan = NeighborhoodPlan(in_shape, out_shape, theta_cutoff=theta_cutoff)
+    grid_out, grid_in = RingGrid.latlon(*out_shape), RingGrid.latlon(*in_shape)
+    arcs = ring_arcs(grid_out, grid_in, plan.theta_cutoff)
+    assert arcs.num_pairs(grid_out) == plan.num_pairs
+    for row in range(out_shape[0]):
+        expected = plan.csr_columns[plan.csr_offsets[row] : plan.csr_offsets[row + 1]]
+        np.testing.assert_array_equal(arcs.keys_of(grid_out, grid_in, row * out_shape[1]), np.sort(expected))
+
+
+def test_large_grids_build_in_seconds_with_their_pair_counts():
+    """721x1440 at tc 0.03: the plan's 616,883,040 pairs; HEALPix nside 256 at tc 0.055: 593 neighbours a point;
+    721x1440 -> 480x960 (3:2) as FourCastNet 3's encoder."""
+    big = RingGrid.latlon(721, 1440)
+    assert ring_arcs(big, big, 0.03).num_pairs(big) == 616_883_040
+    healpix = RingGrid.healpix(256)
+    assert ring_arcs(healpix, healpix, 0.055).num_pairs(healpix) == 466_341_456
+    coarse = RingGrid.latlon(480, 960)
+    arcs = ring_arcs(coarse, big, 0.03)
+    assert arcs.pairs[:, 2].max() == 2 and arcs.pairs[:, 3].max() == 3  # residues of a 2:3 lattice
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        (((13, 24), RingGrid.healpix(2), 0.3), TypeError, r"grid_out must be a RingGrid"),
+        ((RingGrid.healpix(2), "healpix", 0.3), TypeError, r"grid_in must be a RingGrid"),
+        ((RingGrid.healpix(2), RingGrid.healpix(2), 0.0), ValueError, r"theta_cutoff"),
+        ((RingGrid.healpix(2), RingGrid.healpix(2), float("nan")), ValueError, r"theta_cutoff"),
+    ],
+)
+def test_bad_arguments_are_refused(arguments, error, match):
+    with pytest.raises(error, match=match):
+        ring_arcs(*arguments)
+
+
+def test_arcs_are_a_named_tuple_of_integer_tables():
+    arcs = ring_arcs(RingGrid.healpix(2), RingGrid.healpix(2), 0.5)
+    assert isinstance(arcs, RingArcs) and arcs.theta_cutoff == 0.5
+    assert arcs.pairs.dtype == np.int64 and arcs.arcs.dtype == np.int64
+    assert arcs.ring_pairs[-1] == len(arcs.pairs) and arcs.pair_offsets[-1] == len(arcs.arcs)
