@@ -23,7 +23,7 @@ from . import _validate
 from .grids import RingGrid
 from .plan import THETA_CUTOFF_EPS, within_cutoff
 
-__all__ = ["RingArcs", "ring_arcs"]
+__all__ = ["RingArcs", "RingPatterns", "RingPlan", "ring_arcs", "ring_patterns"]
 
 
 class RingArcs(NamedTuple):
@@ -42,7 +42,7 @@ class RingArcs(NamedTuple):
     ring_pairs: np.ndarray  # int64 [nrings_out + 1]
     theta_cutoff: float
 
-    def keys_of(self, grid_out: RingGrid, grid_in: RingGrid, point: int) -> np.ndarray:
+    def keys_of(self, grid_in: RingGrid, grid_out: RingGrid, point: int) -> np.ndarray:
         """Indices (ring order of ``grid_in``) of the keys output point ``point`` (ring order) attends to,
         ascending."""
         a = int(np.searchsorted(grid_out.ring_offsets, point, side="right") - 1)
@@ -65,10 +65,10 @@ class RingArcs(NamedTuple):
         return int(np.sum(lengths * per_period))
 
 
-def ring_arcs(grid_out: RingGrid, grid_in: RingGrid, theta_cutoff: float) -> RingArcs:
+def ring_arcs(grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float) -> RingArcs:
     """The neighbourhoods of ``grid_out``'s points among ``grid_in``'s within ``theta_cutoff`` radians (the
     module's rule), as :class:`RingArcs`."""
-    for grid, name in ((grid_out, "grid_out"), (grid_in, "grid_in")):
+    for grid, name in ((grid_in, "grid_in"), (grid_out, "grid_out")):
         if not isinstance(grid, RingGrid):
             raise TypeError(f"{name} must be a RingGrid, got {type(grid).__name__}; build one with RingGrid.latlon, "
                             "RingGrid.healpix or RingGrid.octahedral.")  # fmt: skip
@@ -94,6 +94,50 @@ def ring_arcs(grid_out: RingGrid, grid_in: RingGrid, theta_cutoff: float) -> Rin
         arcs=np.concatenate(arcs).astype(np.int64) if arcs else np.zeros((0, 2), np.int64),
         ring_pairs=np.asarray(ring_pairs, np.int64),
         theta_cutoff=float(theta_cutoff),
+    )
+
+
+class RingPatterns(NamedTuple):
+    """Per query pattern its arcs: ``arcs[offsets[p]:offsets[p + 1]]`` rows of ``(key ring, first key index of
+    the ring, start, length, nlon, shift)``; query ``i`` of ring ``a`` has pattern ``ring_patterns[a] + i %
+    period[a]`` and sees keys ``first + (start + (i // period[a]) * shift + t) % nlon``, ``t < length``."""
+
+    offsets: np.ndarray  # int64 [npatterns + 1]
+    arcs: np.ndarray  # int64 [narcs, 6]
+    ring_patterns: np.ndarray  # int64 [nrings_out + 1]
+    period: np.ndarray  # int64 [nrings_out]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Neighbours of each pattern (int64 ``[npatterns]``)."""
+        total = np.concatenate([[0], np.cumsum(self.arcs[:, 3])])
+        return total[self.offsets[1:]] - total[self.offsets[:-1]]
+
+
+def ring_patterns(grid_in: RingGrid, grid_out: RingGrid, table: RingArcs) -> RingPatterns:
+    """The query patterns of the neighbourhoods ``table`` (:func:`ring_arcs` of the two grids)."""
+    offsets, arcs, ring_patterns_, periods = [0], [], [0], []
+    for a in range(grid_out.nrings):
+        n_a = int(grid_out.nlon[a])
+        pairs = table.pairs[table.ring_pairs[a] : table.ring_pairs[a + 1]]
+        common = math.gcd(n_a, *(int(grid_in.nlon[b]) for b in pairs[:, 1]))
+        period = n_a // common
+        for r in range(period):
+            for p, (_, b, pair_period, pair_shift) in zip(range(table.ring_pairs[a], table.ring_pairs[a + 1]), pairs):
+                start, length = table.arcs[table.pair_offsets[p] + r % pair_period]
+                if length == 0:
+                    continue
+                n_b = int(grid_in.nlon[b])
+                start = (start + (r // pair_period) * pair_shift) % n_b
+                arcs.append((b, grid_in.ring_offsets[b], start, length, n_b, n_b // common))
+            offsets.append(len(arcs))
+        ring_patterns_.append(len(offsets) - 1)
+        periods.append(period)
+    return RingPatterns(
+        offsets=np.asarray(offsets, np.int64),
+        arcs=np.asarray(arcs, np.int64).reshape(-1, 6),
+        ring_patterns=np.asarray(ring_patterns_, np.int64),
+        period=np.asarray(periods, np.int64),
     )
 
 
@@ -154,3 +198,139 @@ def _member(n_a, n_b, offset, theta_a, theta_b, i, j, eff) -> np.ndarray:
     k = np.mod(k + modulus // 2, modulus) - modulus // 2
     lam = offset + 2.0 * np.pi * k / modulus
     return within_cutoff(theta_a, theta_b, np.cos(lam), np.sin(lam), eff)
+
+
+class RingPlan:
+    """Neighbourhood sparsity of attention from ring grid ``grid_in`` to ring grid ``grid_out``.
+
+    Output point ``o`` attends to every input point ``i`` within ``(1 + 1e-3) * theta_cutoff`` (the module's
+    rule: :class:`~jax_s2attn.NeighborhoodPlan`'s, on any two ring grids). Fields on ring grids are flat, ``[B...,
+    npoints, H, D]`` in ring order (:class:`~jax_s2attn.grids.RingGrid`); the quadrature weights inside the
+    softmax are ``grid_in``'s point weights.
+
+    Args:
+      grid_in: the keys' and values' grid.
+      grid_out: the queries' and outputs' grid.
+      theta_cutoff: neighbourhood radius in radians. Default (only between regular grids whose longitude counts
+        divide one another, as :class:`~jax_s2attn.NeighborhoodPlan`'s): the largest latitude spacing of the
+        output grid (of the input grid when upsampling); elsewhere pass one.
+
+    Plans are immutable, hashable and cached on their arguments; pass them to ``jax.jit`` as ordinary or static
+    arguments alike (their tables are host constants).
+    """
+
+    __slots__ = ("_key", "grid_in", "grid_out", "theta_cutoff", "arcs", "patterns", "num_pairs", "max_neighbors")
+
+    def __new__(cls, grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float | None = None):
+        for grid, name in ((grid_in, "grid_in"), (grid_out, "grid_out")):
+            if not isinstance(grid, RingGrid):
+                raise TypeError(f"{name} must be a RingGrid (RingGrid.healpix, RingGrid.octahedral, RingGrid.latlon "
+                                f"or your own rings), got {type(grid).__name__}.")  # fmt: skip
+        if theta_cutoff is None:
+            theta_cutoff = _default_cutoff(grid_in, grid_out)
+        else:
+            theta_cutoff = _validate.positive_finite(theta_cutoff, "theta_cutoff", " in radians", "; pass e.g. 0.05")
+        return _build_ring_plan(grid_in, grid_out, theta_cutoff)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("RingPlan is immutable")
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RingPlan) and self._key == other._key
+
+    def __reduce__(self):
+        return RingPlan, (self.grid_in, self.grid_out, self.theta_cutoff)
+
+    def __repr__(self) -> str:
+        return (f"RingPlan(grid_in={self.grid_in.name!r}, grid_out={self.grid_out.name!r}, "
+                f"theta_cutoff={self.theta_cutoff!r}, num_pairs={self.num_pairs})")  # fmt: skip
+
+    @property
+    def npoints_in(self) -> int:
+        return self.grid_in.npoints
+
+    @property
+    def npoints_out(self) -> int:
+        return self.grid_out.npoints
+
+
+def _default_cutoff(grid_in: RingGrid, grid_out: RingGrid) -> float:
+    """One latitude spacing, as :class:`~jax_s2attn.NeighborhoodPlan` takes it, where its rule is defined."""
+    shape_in, shape_out = grid_in.regular_shape, grid_out.regular_shape
+    if shape_in is not None and shape_out is not None:
+        if shape_in[1] % shape_out[1] == 0:
+            return _largest_spacing(grid_out)
+        if shape_out[1] % shape_in[1] == 0:
+            return _largest_spacing(grid_in)
+    raise ValueError(
+        f"theta_cutoff is needed between {grid_in.name} and {grid_out.name}: the default (one latitude spacing, "
+        "torch-harmonics' rule) is defined only between regular grids whose longitude counts divide one another; "
+        f"pass one in radians, e.g. theta_cutoff={2 * max(_largest_spacing(grid_in), _largest_spacing(grid_out)):.3g}."
+    )
+
+
+def _largest_spacing(grid: RingGrid) -> float:
+    return float(np.max(np.diff(grid.colatitudes))) if grid.nrings > 1 else float(np.pi)
+
+
+_PLAN_CACHE: dict = {}
+_PLAN_CACHE_SIZE = 16
+
+
+def _build_ring_plan(grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float) -> RingPlan:
+    key = (grid_in, grid_out, theta_cutoff)
+    plan = _PLAN_CACHE.get(key)
+    if plan is not None:
+        return plan
+    arcs = ring_arcs(grid_in, grid_out, theta_cutoff)
+    patterns = ring_patterns(grid_in, grid_out, arcs)
+    lengths = patterns.lengths
+    if (lengths == 0).any():
+        raise _empty_neighbourhood_error(grid_out, grid_in, patterns, theta_cutoff)
+    plan = object.__new__(RingPlan)
+    for name, value in dict(_key=key, grid_in=grid_in, grid_out=grid_out, theta_cutoff=float(theta_cutoff), arcs=arcs,
+                            patterns=patterns, num_pairs=arcs.num_pairs(grid_out),
+                            max_neighbors=int(lengths.max())).items():  # fmt: skip
+        object.__setattr__(plan, name, value)
+    for table in (*arcs[:4], *patterns):
+        table.setflags(write=False)
+    if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
+    _PLAN_CACHE[key] = plan
+    return plan
+
+
+def _empty_neighbourhood_error(grid_out: RingGrid, grid_in: RingGrid, patterns: RingPatterns, theta_cutoff) -> ValueError:
+    """The error for output points without any input point within the cutoff, with the smallest cutoff that
+    gives every one a neighbour."""
+    empty = np.flatnonzero(patterns.lengths == 0)
+    ring = np.searchsorted(patterns.ring_patterns, empty, side="right") - 1
+    residue = empty - patterns.ring_patterns[ring]
+    theta = grid_out.colatitudes[ring]
+    lon = grid_out.first_longitude[ring] + 2.0 * np.pi * residue / grid_out.nlon[ring]
+    # On each input ring the nearest point is the lattice point nearest the query's longitude.
+    step = 2.0 * np.pi / grid_in.nlon
+    nearest = np.round((lon[:, None] - grid_in.first_longitude) / step) * step + grid_in.first_longitude - lon[:, None]
+    cos_d = np.cos(theta)[:, None] * np.cos(grid_in.colatitudes) + np.sin(theta)[:, None] * np.sin(
+        grid_in.colatitudes) * np.cos(nearest)  # fmt: skip
+    needed = float(np.arccos(np.clip(cos_d, -1.0, 1.0)).min(axis=1).max())
+    digits = 5 - int(np.floor(np.log10(needed)))
+    suggestion = np.ceil(needed / (1.0 + THETA_CUTOFF_EPS) * 10.0**digits) / 10.0**digits
+    return ValueError(
+        f"theta_cutoff={theta_cutoff!r} leaves output points of {grid_out.name} with no input neighbour on "
+        f"{grid_in.name} (the first on output ring {int(ring[0])}, colatitude {theta[0]:.6g} rad); pass "
+        f"theta_cutoff >= {suggestion:.{max(digits, 0)}f}."
+    )
+
+
+def _register_pytree():
+    import jax
+
+    # No leaves: the plan is its own static description (its tables are host constants of the traced program).
+    jax.tree_util.register_pytree_node(RingPlan, lambda plan: ((), plan), lambda plan, _: plan)
+
+
+_register_pytree()

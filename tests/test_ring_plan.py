@@ -40,18 +40,18 @@ def _dense_distances(grid_out: RingGrid, grid_in: RingGrid) -> np.ndarray:
 @pytest.mark.parametrize("name", CASES)
 def test_arcs_are_the_rule_on_every_pair(name):
     grid_out, grid_in, theta_cutoff = CASES[name]
-    arcs = ring_arcs(grid_out, grid_in, theta_cutoff)
+    arcs = ring_arcs(grid_in, grid_out, theta_cutoff)
     distance = _dense_distances(grid_out, grid_in)
     eff = (1 + 1e-3) * theta_cutoff
     for point in range(grid_out.npoints):
-        keys = arcs.keys_of(grid_out, grid_in, point)
+        keys = arcs.keys_of(grid_in, grid_out, point)
         assert np.unique(keys).size == keys.size, point
         member = np.zeros(grid_in.npoints, bool)
         member[keys] = True
         differ = np.flatnonzero(member != (distance[point] <= eff))
         # Two float64 evaluations may disagree only on a pair at the cutoff itself.
         assert np.all(np.abs(distance[point, differ] - eff) <= 1e-12), (point, differ)
-    assert arcs.num_pairs(grid_out) == sum(arcs.keys_of(grid_out, grid_in, o).size for o in range(grid_out.npoints))
+    assert arcs.num_pairs(grid_out) == sum(arcs.keys_of(grid_in, grid_out, o).size for o in range(grid_out.npoints))
     key_ring = np.repeat(arcs.pairs[:, 1], arcs.pairs[:, 2])
     assert np.all(arcs.arcs[:, 1] <= grid_in.nlon[key_ring])
 
@@ -65,11 +65,11 @@ def test_regular_grids_keep_the_plans_neighbourhoods(in_shape, out_shape, theta_
     keys of the plan's psi row, and the pair counts agree."""
     plan = NeighborhoodPlan(in_shape, out_shape, theta_cutoff=theta_cutoff)
     grid_out, grid_in = RingGrid.latlon(*out_shape), RingGrid.latlon(*in_shape)
-    arcs = ring_arcs(grid_out, grid_in, plan.theta_cutoff)
+    arcs = ring_arcs(grid_in, grid_out, plan.theta_cutoff)
     assert arcs.num_pairs(grid_out) == plan.num_pairs
     for row in range(out_shape[0]):
         expected = plan.csr_columns[plan.csr_offsets[row] : plan.csr_offsets[row + 1]]
-        np.testing.assert_array_equal(arcs.keys_of(grid_out, grid_in, row * out_shape[1]), np.sort(expected))
+        np.testing.assert_array_equal(arcs.keys_of(grid_in, grid_out, row * out_shape[1]), np.sort(expected))
 
 
 def test_large_grids_build_in_seconds_with_their_pair_counts():
@@ -80,15 +80,15 @@ def test_large_grids_build_in_seconds_with_their_pair_counts():
     healpix = RingGrid.healpix(256)
     assert ring_arcs(healpix, healpix, 0.055).num_pairs(healpix) == 466_341_456
     coarse = RingGrid.latlon(480, 960)
-    arcs = ring_arcs(coarse, big, 0.03)
+    arcs = ring_arcs(big, coarse, 0.03)
     assert arcs.pairs[:, 2].max() == 2 and arcs.pairs[:, 3].max() == 3  # residues of a 2:3 lattice
 
 
 @pytest.mark.parametrize(
     ("arguments", "error", "match"),
     [
-        (((13, 24), RingGrid.healpix(2), 0.3), TypeError, r"grid_out must be a RingGrid"),
-        ((RingGrid.healpix(2), "healpix", 0.3), TypeError, r"grid_in must be a RingGrid"),
+        (((13, 24), RingGrid.healpix(2), 0.3), TypeError, r"grid_in must be a RingGrid"),
+        ((RingGrid.healpix(2), "healpix", 0.3), TypeError, r"grid_out must be a RingGrid"),
         ((RingGrid.healpix(2), RingGrid.healpix(2), 0.0), ValueError, r"theta_cutoff"),
         ((RingGrid.healpix(2), RingGrid.healpix(2), float("nan")), ValueError, r"theta_cutoff"),
     ],

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import _validate
 from ..plan import NeighborhoodPlan
+from ..ring_plan import RingPlan
 from . import _ffi
 
 #: Values of ``implementation`` besides ``None`` (pick per platform, dtype and head dims).
@@ -78,16 +79,15 @@ def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int) ->
     return _ffi.choose_kernel(platform, dtype, dk, dv)
 
 
-def check_arrays(query, key, value) -> None:
-    """query, key and value are float arrays of rank >= 4 with head dims >= 1, sharing one dtype."""
+def check_arrays(query, key, value, layout: str = "[..., nlat, nlon, heads, head_dim]", rank: int = 4) -> None:
+    """query, key and value are float arrays of rank >= ``rank`` (their ``layout``) with head dims >= 1, sharing
+    one dtype."""
     arrays = {"query": query, "key": key, "value": value}
     for name, x in arrays.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
-        if x.ndim < 4:
-            raise ValueError(
-                f"{name} must have shape [..., nlat, nlon, heads, head_dim] (rank >= 4), got shape {tuple(x.shape)}."
-            )
+        if x.ndim < rank:
+            raise ValueError(f"{name} must have shape {layout} (rank >= {rank}), got shape {tuple(x.shape)}.")
         if not any(x.dtype == d for d in _FLOAT_DTYPES):
             raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are float16, bfloat16, float32, float64.")
         if x.shape[-1] < 1:
@@ -101,12 +101,43 @@ def check_arrays(query, key, value) -> None:
         )
 
 
+def check_ring_inputs(query, key, value, plan: RingPlan) -> tuple[tuple[int, ...], int, int, int]:
+    """Validate flat fields against a ring-grid ``plan``; return ``(batch_shape, heads, Dk, Dv)``."""
+    layout = "[..., npoints, heads, head_dim]"
+    check_arrays(query, key, value, layout, rank=3)
+    if query.shape[-3] != plan.npoints_out:
+        raise ValueError(
+            f"query has shape {tuple(query.shape)}: its point axis (-3) must hold the plan's {plan.npoints_out} "
+            f"output points of {plan.grid_out.name} in ring order ({layout})."
+        )
+    batch, (heads, dk), dv = tuple(query.shape[:-3]), query.shape[-2:], value.shape[-1]
+    expected = {"key": (*batch, plan.npoints_in, heads, dk), "value": (*batch, plan.npoints_in, heads, dv)}
+    for name, x in (("key", key), ("value", value)):
+        if tuple(x.shape) != expected[name]:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}, expected {expected[name]}: {name} lies on the plan's input grid "
+                f"{plan.grid_in.name} ({plan.npoints_in} points in ring order) with query's batch axes {batch} and "
+                f"heads ({heads})" + (f" and head_dim ({dk})" if name == "key" else "") + f" ({layout})."
+            )
+    return batch, heads, dk, dv
+
+
+def check_ring_implementation(implementation) -> None:
+    """Ring-grid plans run on the pure-JAX reference."""
+    if implementation not in (None, "reference"):
+        raise ValueError(
+            f"implementation={implementation!r} cannot run a RingPlan: the native kernels take the regular grids "
+            "of a NeighborhoodPlan, and ring grids run on the pure-JAX reference; pass implementation=None or "
+            "'reference'."
+        )
+
+
 def check_plan(plan) -> None:
     """``plan`` is a :class:`NeighborhoodPlan` whose device tables are intact."""
     if not isinstance(plan, NeighborhoodPlan):
         raise TypeError(
-            f"plan must be a jax_s2attn.NeighborhoodPlan (e.g. NeighborhoodPlan(in_shape, out_shape)), "
-            f"got {type(plan).__name__}."
+            f"plan must be a jax_s2attn.NeighborhoodPlan (e.g. NeighborhoodPlan(in_shape, out_shape)) or, between "
+            f"ring grids, a jax_s2attn.RingPlan, got {type(plan).__name__}."
         )
     plan.check_tables()
 

@@ -12,9 +12,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .. import _validate
 from ..plan import NeighborhoodPlan
+from ..ring_plan import RingPlan
 from . import _checks, _ffi
 from .local import full_window
 from .reference import reference_attention
+from .ring_reference import reference_ring_attention
 
 __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
 
@@ -46,7 +48,7 @@ def neighborhood_attention(
     query,
     key,
     value,
-    plan: NeighborhoodPlan,
+    plan: NeighborhoodPlan | RingPlan,
     *,
     scale: float | None = None,
     implementation: str | None = None,
@@ -69,7 +71,9 @@ def neighborhood_attention(
         (float16, bfloat16, float32 or float64).
       plan: the :class:`~jax_s2attn.NeighborhoodPlan` from the input to the output grid.
         Pass it as an ordinary ``jit`` argument to keep its tables out of the
-        compiled program; as a static argument or a closure it also works.
+        compiled program; as a static argument or a closure it also works. Between ring grids
+        (HEALPix, reduced Gaussian, any longitude counts) a :class:`~jax_s2attn.RingPlan`: fields are then
+        flat, ``[B..., npoints, H, D]`` in ring order, and the pure-JAX reference computes them.
       scale: logit scale, default ``1/sqrt(Dk)`` (as ``jax.nn.dot_product_attention``).
       implementation: which kernels compute it (see "Implementations" below):
         ``None`` (default), ``"reference"``, ``"ffi"``, ``"ffi-arc"`` or ``"ffi-tiled"``.
@@ -121,6 +125,8 @@ def neighborhood_attention(
       ``"ffi*"`` values check the platform of the inputs instead.
     """
     _checks.check_implementation(implementation)
+    if isinstance(plan, RingPlan):
+        return _ring_attention(query, key, value, plan, scale, implementation, return_residual)
     _, _, dk, dv = _checks.check_inputs(query, key, value, plan)
     scale = _checks.check_scale(scale, dk)
     return_residual = _validate.boolean(return_residual, "return_residual")
@@ -134,6 +140,29 @@ def neighborhood_attention(
         with _checks.forward_mode_message():
             out, lse = _attention(query, key, value, plan, scale=scale, implementation=implementation)
     return (out, lse) if return_residual else out
+
+
+def _ring_attention(query, key, value, plan: RingPlan, scale, implementation, return_residual):
+    """neighborhood_attention on a ring-grid plan: flat fields, the pure-JAX reference."""
+    _checks.check_ring_implementation(implementation)
+    _, _, dk, _ = _checks.check_ring_inputs(query, key, value, plan)
+    scale = _checks.check_scale(scale, dk)
+    return_residual = _validate.boolean(return_residual, "return_residual")
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    if query.size == 0:
+        out, lse = _empty_results(query, value)
+    else:
+        out, lse = _ring_reference(query, key, value, plan, scale=scale)
+    return (out, lse) if return_residual else out
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _ring_reference(query, key, value, plan, *, scale):
+    batch = query.shape[:-3]
+    flat = math.prod(batch)
+    q, k, v = (x.reshape(flat, *x.shape[-3:]) for x in (query, key, value))
+    out, lse = reference_ring_attention(q, k, v, plan, scale)
+    return out.reshape(*batch, *out.shape[1:]), lse.reshape(*batch, *lse.shape[1:])
 
 
 def _empty_results(query, value):

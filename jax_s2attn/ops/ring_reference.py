@@ -13,82 +13,33 @@ period (:class:`RingPatterns`).
 
 from __future__ import annotations
 
-import functools
-import math
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..grids import RingGrid
-from ..ring_plan import ring_arcs
+from ..ring_plan import RingPatterns, RingPlan
 from .reference import DEFAULT_CHUNK_ELEMENTS, _chunk_size, _gather, _logits, _softmax_attend
 
-__all__ = ["RingPatterns", "ring_patterns", "reference_ring_attention"]
+__all__ = ["reference_ring_attention"]
 
 
-class RingPatterns(NamedTuple):
-    """Per query pattern its arcs: ``arcs[offsets[p]:offsets[p + 1]]`` rows of ``(key ring, first key index of
-    the ring, start, length, nlon, shift)``; query ``i`` of ring ``a`` has pattern ``ring_patterns[a] + i %
-    period[a]`` and sees keys ``first + (start + (i // period[a]) * shift + t) % nlon``, ``t < length``."""
-
-    offsets: np.ndarray  # int64 [npatterns + 1]
-    arcs: np.ndarray  # int64 [narcs, 6]
-    ring_patterns: np.ndarray  # int64 [nrings_out + 1]
-    period: np.ndarray  # int64 [nrings_out]
-
-    @property
-    def lengths(self) -> np.ndarray:
-        """Neighbours of each pattern (int64 ``[npatterns]``)."""
-        return np.add.reduceat(self.arcs[:, 3], self.offsets[:-1]) * (np.diff(self.offsets) > 0)
-
-
-@functools.lru_cache(maxsize=16)
-def ring_patterns(grid_out: RingGrid, grid_in: RingGrid, theta_cutoff: float) -> RingPatterns:
-    """The query patterns of :func:`~jax_s2attn.ring_plan.ring_arcs`' neighbourhoods (cached)."""
-    table = ring_arcs(grid_out, grid_in, theta_cutoff)
-    offsets, arcs, ring_patterns_, periods = [0], [], [0], []
-    for a in range(grid_out.nrings):
-        n_a = int(grid_out.nlon[a])
-        pairs = table.pairs[table.ring_pairs[a] : table.ring_pairs[a + 1]]
-        common = math.gcd(n_a, *(int(grid_in.nlon[b]) for b in pairs[:, 1]))
-        period = n_a // common
-        for r in range(period):
-            for p, (_, b, pair_period, pair_shift) in zip(range(table.ring_pairs[a], table.ring_pairs[a + 1]), pairs):
-                start, length = table.arcs[table.pair_offsets[p] + r % pair_period]
-                if length == 0:
-                    continue
-                n_b = int(grid_in.nlon[b])
-                start = (start + (r // pair_period) * pair_shift) % n_b
-                arcs.append((b, grid_in.ring_offsets[b], start, length, n_b, n_b // common))
-            offsets.append(len(arcs))
-        ring_patterns_.append(len(offsets) - 1)
-        periods.append(period)
-    return RingPatterns(
-        offsets=np.asarray(offsets, np.int64),
-        arcs=np.asarray(arcs, np.int64).reshape(-1, 6),
-        ring_patterns=np.asarray(ring_patterns_, np.int64),
-        period=np.asarray(periods, np.int64),
-    )
-
-
-def reference_ring_attention(query, key, value, grid_out: RingGrid, grid_in: RingGrid, theta_cutoff: float,
-                             scale: float, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):  # fmt: skip
-    """``(out, lse)`` of neighbourhood attention from ``grid_in`` (``key [B, npoints_in, H, Dk]``, ``value [B,
-    npoints_in, H, Dv]``) to ``grid_out`` (``query [B, npoints_out, H, Dk]``): ``out [B, npoints_out, H, Dv]`` in
-    the inputs' dtype, ``lse [B, npoints_out, H]`` in float32 (float64 for float64 inputs); a query without
-    neighbours gets out 0 and lse -inf. Inputs must already be validated."""
+def reference_ring_attention(query, key, value, plan: RingPlan, scale: float, *,
+                             chunk_elements: int = DEFAULT_CHUNK_ELEMENTS):  # fmt: skip
+    """``(out, lse)`` of neighbourhood attention from ``plan.grid_in`` (``key [B, npoints_in, H, Dk]``, ``value
+    [B, npoints_in, H, Dv]``) to ``plan.grid_out`` (``query [B, npoints_out, H, Dk]``): ``out [B, npoints_out,
+    H, Dv]`` in the inputs' dtype, ``lse [B, npoints_out, H]`` in float32 (float64 for float64 inputs). Inputs
+    must already be validated."""
     dtype = query.dtype
     compute = jnp.promote_types(dtype, jnp.float32)
     batch, npoints_out, heads, dk = query.shape
     dv = value.shape[-1]
     q, k, v = (jnp.asarray(x, compute) for x in (query, key, value))
-    table = ring_patterns(grid_out, grid_in, float(theta_cutoff))
+    grid_in, table = plan.grid_in, plan.patterns
     log_weights = jnp.log(jnp.asarray(2.0 * np.pi * grid_in.weights / grid_in.nlon, compute))
     out = jnp.zeros((batch, npoints_out, heads, dv), compute)
     lse = jnp.zeros((batch, npoints_out, heads), compute)
-    for width, points, pattern, position, max_arcs in _buckets(grid_out, table):
+    for width, points, pattern, position, max_arcs in _buckets(plan.grid_out, table):
         count = points.size
         chunk = _chunk_size(count, batch * heads * (dk + dv) * width, chunk_elements)
         points, pattern, position = (jnp.asarray(x) for x in (points, pattern, position))
@@ -112,17 +63,16 @@ def reference_ring_attention(query, key, value, grid_out: RingGrid, grid_in: Rin
 
 def _buckets(grid_out: RingGrid, table: RingPatterns):
     """Per power-of-two neighbourhood width: the queries of that width (ring-order indices), their patterns and
-    positions, and the most arcs of any of their patterns (at least 1). Queries without neighbours fall in the
-    narrowest bucket with no valid slot: out 0, lse -inf."""
+    positions, and the most arcs of any of their patterns (a plan's every query has a neighbour)."""
     ring = np.repeat(np.arange(grid_out.nrings), grid_out.nlon)
     i = np.arange(grid_out.npoints) - grid_out.ring_offsets[ring]
     pattern = table.ring_patterns[ring] + i % table.period[ring]
     position = i // table.period[ring]
     lengths = table.lengths[pattern]
     arcs_per_pattern = np.diff(table.offsets)
-    widths = 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)
+    widths = 1 << np.ceil(np.log2(lengths)).astype(np.int64)
     return [
-        (int(width), points, pattern[points], position[points], max(1, int(arcs_per_pattern[pattern[points]].max())))
+        (int(width), points, pattern[points], position[points], int(arcs_per_pattern[pattern[points]].max()))
         for width in np.unique(widths)
         for points in [np.flatnonzero(widths == width)]
     ]
@@ -131,8 +81,7 @@ def _buckets(grid_out: RingGrid, table: RingPatterns):
 def _neighbours(table: RingPatterns, pattern, position, max_arcs: int, width: int):
     """``(key_index, key_ring, valid)`` of the neighbour slots of queries ``(pattern, position)``, each ``[c,
     width]``."""
-    offsets = jnp.asarray(table.offsets)
-    arcs = jnp.asarray(table.arcs if len(table.arcs) else np.zeros((1, 6), np.int64))  # a row for the padding slots
+    offsets, arcs = jnp.asarray(table.offsets), jnp.asarray(table.arcs)
     start, stop = offsets[pattern], offsets[pattern + 1]
     slots = start[:, None] + jnp.arange(max_arcs)[None, :]
     present = slots < stop[:, None]

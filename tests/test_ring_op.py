@@ -1,0 +1,92 @@
+"""neighborhood_attention on ring-grid plans: flat fields with batch axes against a dense float64 evaluation
+(outputs and gradients in float32 within 1e-5, bfloat16 within 1e-2), under jit with the plan as an argument,
+empty batches, and what bad input gets at trace time."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_s2attn import RingGrid, RingPlan, neighborhood_attention
+
+PLAN = RingPlan(RingGrid.latlon(13, 24), RingGrid.healpix(4), 0.3)  # lat-lon -> HEALPix, 24 vs 16 longitudes
+
+
+def _dense(q, k, v, plan, scale):
+    """out of a dense masked softmax over every pair (float64 numpy), batch axes [B..., points, H, D]."""
+
+    def unit(grid):
+        theta, phi = grid.point_colatitudes(), grid.point_longitudes()
+        return np.stack([np.sin(theta) * np.cos(phi), np.sin(theta) * np.sin(phi), np.cos(theta)], axis=1)
+
+    mask = np.arccos(np.clip(unit(plan.grid_out) @ unit(plan.grid_in).T, -1, 1)) <= (1 + 1e-3) * plan.theta_cutoff
+    logits = np.einsum("...ohd,...ihd->...hoi", q, k) * scale + np.log(plan.grid_in.point_weights())
+    logits = np.where(mask, logits, -np.inf)
+    weights = np.exp(logits - logits.max(-1, keepdims=True))
+    out = np.einsum("...hoi,...ihd->...ohd", weights / weights.sum(-1, keepdims=True), v)
+    return out
+
+
+def _inputs(seed, batch=(2, 3), dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    shapes = [(*batch, PLAN.npoints_out, 2, 8), (*batch, PLAN.npoints_in, 2, 8), (*batch, PLAN.npoints_in, 2, 5)]
+    return [rng.standard_normal(s).astype(dtype) for s in shapes]
+
+
+def test_float32_outputs_and_gradients_match_float64():
+    q, k, v = _inputs(0)
+    scale = 0.35
+    out = neighborhood_attention(q, k, v, PLAN, scale=scale)
+    expected = _dense(*(x.astype(np.float64) for x in (q, k, v)), PLAN, scale)
+    assert out.shape == (2, 3, PLAN.npoints_out, 2, 5) and out.dtype == jnp.float32
+    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) <= 1e-5
+    g = np.random.default_rng(1).standard_normal(out.shape).astype(np.float32)
+    grads = jax.grad(lambda q, k, v: jnp.vdot(neighborhood_attention(q, k, v, PLAN, scale=scale), g),
+                     argnums=(0, 1, 2))(q, k, v)  # fmt: skip
+    with jax.enable_x64(True):
+        from jax_s2attn.ops.ring_reference import reference_ring_attention
+
+        q64, k64, v64, g64 = (jnp.asarray(x, jnp.float64).reshape(6, *x.shape[2:]) for x in (q, k, v, g))
+        expected_grads = jax.grad(lambda q, k, v: jnp.vdot(reference_ring_attention(q, k, v, PLAN, scale)[0], g64),
+                                  argnums=(0, 1, 2))(q64, k64, v64)  # fmt: skip
+    for name, a, b in zip("qkv", grads, expected_grads):
+        b = np.asarray(b).reshape(a.shape)
+        assert np.linalg.norm(a - b) / np.linalg.norm(b) <= 1e-5, name
+
+
+def test_bfloat16_within_1e_2_and_lse():
+    q, k, v = _inputs(2)
+    out, lse = neighborhood_attention(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), PLAN, return_residual=True)
+    expected = _dense(*(x.astype(np.float64) for x in (q, k, v)), PLAN, 1 / np.sqrt(8))
+    assert out.dtype == jnp.bfloat16 and lse.dtype == jnp.float32 and lse.shape == (2, 3, PLAN.npoints_out, 2)
+    assert np.linalg.norm(np.asarray(out, np.float64) - expected) / np.linalg.norm(expected) <= 1e-2
+
+
+def test_the_plan_is_an_ordinary_jit_argument_and_batches_may_be_empty():
+    q, k, v = _inputs(3, batch=(2,))
+    jitted = jax.jit(lambda q, k, v, plan: neighborhood_attention(q, k, v, plan))
+    np.testing.assert_allclose(jitted(q, k, v, PLAN), neighborhood_attention(q, k, v, PLAN), rtol=1e-6, atol=1e-6)
+    empty = [x[:0] for x in (q, k, v)]
+    out, lse = neighborhood_attention(*empty, PLAN, return_residual=True)
+    assert out.shape == (0, PLAN.npoints_out, 2, 5) and lse.shape == (0, PLAN.npoints_out, 2)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda q, k, v: (q[..., :5, :, :], k, v), ValueError, r"query has shape .* must hold the plan's 192 output"),
+        (lambda q, k, v: (q, k[..., :7, :, :], v), ValueError, r"key has shape .* lies on the plan's input grid"),
+        (lambda q, k, v: (q, k, v[:1]), ValueError, r"value has shape"),
+        (lambda q, k, v: (q, k.astype(np.float16), v), TypeError, r"must share one dtype"),
+        (lambda q, k, v: (q[0, 0, 0], k, v), ValueError, r"query must have shape \[\.\.\., npoints, heads, head_dim\]"),
+    ],
+)
+def test_bad_fields_are_refused_at_trace_time(change, error, match):
+    with pytest.raises(error, match=match):
+        neighborhood_attention(*change(*_inputs(4, batch=(2,))), PLAN)
+
+
+@pytest.mark.parametrize("implementation", ["ffi", "ffi-arc", "ffi-tiled"])
+def test_native_implementations_are_refused_with_the_fix(implementation):
+    with pytest.raises(ValueError, match=r"cannot run a RingPlan.*implementation=None or 'reference'"):
+        neighborhood_attention(*_inputs(5, batch=(1,)), PLAN, implementation=implementation)
