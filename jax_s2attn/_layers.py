@@ -44,6 +44,7 @@ from .ops._checks import check_scale
 from .ops.neighborhood import neighborhood_attention
 from .parallel.sharded import _check_mesh, padded_grid_shapes, sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
+from .ring_plan import RingPlan
 
 __all__ = [
     "LayerSpec",
@@ -183,12 +184,40 @@ def layer_spec(
         qk_features=qk_features,
         out_features=out_features,
         num_heads=num_heads,
-        in_shape=validate_shape(in_shape, "in_shape"),
-        out_shape=validate_shape(out_shape, "out_shape"),
+        in_shape=_grid_axes(in_shape, "in_shape"),
+        out_shape=_grid_axes(out_shape, "out_shape"),
         scale=scale,
         normalize_qk=_validate.boolean(normalize_qk, "normalize_qk"),
         use_bias=_validate.boolean(use_bias, "use_bias"),
     )
+
+
+def _grid_axes(shape, name: str) -> tuple[int, ...]:
+    """A layer's grid axes: ``(nlat, nlon)`` of a regular grid, or ``(npoints,)`` of a ring grid's flat fields."""
+    if isinstance(shape, tuple) and len(shape) == 1:
+        return (_validate.integer(shape[0], f"{name}[0]", 1, " (the points of a ring grid)"),)
+    return validate_shape(shape, name)
+
+
+def ring_layer_shapes(plan: RingPlan, in_shape, out_shape) -> tuple[tuple[int], tuple[int]]:
+    """``(in_shape, out_shape)`` of a layer between ring grids: ``(npoints,)`` of each grid; given shapes must be
+    those (or None)."""
+    shapes = {"in_shape": (plan.npoints_in,), "out_shape": (plan.npoints_out,)}
+    for name, given in (("in_shape", in_shape), ("out_shape", out_shape)):
+        if given is not None and tuple(np.atleast_1d(given)) != shapes[name]:
+            raise ValueError(
+                f"{name}={given!r} does not match the layer's ring grid ({shapes[name][0]} points, flat fields "
+                f"[batch..., npoints, features]); pass {name}=None or {shapes[name]!r}."
+            )
+    return shapes["in_shape"], shapes["out_shape"]
+
+
+def check_no_mesh_for_rings(mesh) -> None:
+    if mesh is not None:
+        raise ValueError(
+            "mesh: layers between ring grids run serially (the sharded op splits regular latitude-longitude grids); "
+            "pass mesh=None."
+        )
 
 
 def check_dtypes(dtype, param_dtype) -> None:
@@ -254,28 +283,30 @@ def _check_layer_inputs(query, key, value, spec: LayerSpec, padded_shapes=None) 
     padded_out, padded_in = padded_shapes or (None, None)
     padded_grid = {"query": padded_out, "key": padded_in, "value": padded_in}
     arrays = {"query": query, "key": key, "value": value}
+    axes = len(spec.out_shape)  # 2 on regular grids, 1 (the points) on ring grids
     for name, x in arrays.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}.")
         shape = tuple(x.shape)
-        nlat, nlon = expected_grid[name]
-        grids = {(nlat, nlon), padded_grid[name]}
-        if len(shape) < 3 or shape[-1] != spec.in_features or shape[-3:-1] not in grids:
+        grid = expected_grid[name]
+        grids = {grid, padded_grid[name]}
+        if len(shape) < axes + 1 or shape[-1] != spec.in_features or shape[-1 - axes : -1] not in grids:
             hint = (
                 " For a layer from in_shape to a different out_shape pass key (and value) on the input grid."
                 if name != "query" and spec.in_shape != spec.out_shape
                 else ""
             )
-            if padded_grid[name] not in (None, (nlat, nlon)):
+            if padded_grid[name] not in (None, grid):
                 hint += f" On this layer's mesh the grid may also come end-padded to {padded_grid[name]}."
             raise ValueError(
                 f"{name} has shape {shape}; this layer expects {name} of shape "
-                f"[batch..., {nlat}, {nlon}, {spec.in_features}] (channels last; query on out_shape="
+                f"[batch..., {', '.join(map(str, grid))}, {spec.in_features}] (channels last; query on out_shape="
                 f"{spec.out_shape}, key/value on in_shape={spec.in_shape}).{hint}"
             )
-        if shape[:-3] != tuple(query.shape[:-3]):
+        if shape[: -1 - axes] != tuple(query.shape[: -1 - axes]):
             raise ValueError(
-                f"{name} has batch axes {shape[:-3]} but query has {tuple(query.shape[:-3])}; they must match."
+                f"{name} has batch axes {shape[:-1 - axes]} but query has {tuple(query.shape[:-1 - axes])}; they "
+                "must match."
             )
 
 

@@ -37,10 +37,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from . import _layers
-from .grids import validate_grid
+from .grids import RingGrid, validate_grid
 from .ops import _checks, global_attention
 from .ops.global_attention import attention_s2, quadrature_weights
 from .plan import NeighborhoodPlan
+from .ring_plan import RingPlan
 
 __all__ = ["AttentionS2", "NeighborhoodAttentionS2", "TABLES_COLLECTION", "load_torch_harmonics_state_dict"]
 
@@ -52,14 +53,14 @@ class _SphericalAttention(nn.Module):
     """Fields, parameters and the call shared by both layers."""
 
     in_features: int
-    in_shape: tuple[int, int]
-    out_shape: tuple[int, int]
+    in_shape: tuple[int, int] | None = None
+    out_shape: tuple[int, int] | None = None
     _: dataclasses.KW_ONLY
     num_heads: int = 1
     qk_features: int | None = None
     out_features: int | None = None
-    grid_in: str = "equiangular"
-    grid_out: str = "equiangular"
+    grid_in: str | RingGrid = "equiangular"
+    grid_out: str | RingGrid = "equiangular"
     scale: float | None = None
     normalize_qk: bool = False
     use_bias: bool = True
@@ -76,12 +77,17 @@ class _SphericalAttention(nn.Module):
         self._mesh_split(self._host_tables())
         super().__post_init__()
 
+    def _grid_shapes(self) -> tuple:
+        """``(in_shape, out_shape)`` as the layer's fields give them."""
+        return self.in_shape, self.out_shape
+
     @property
     def spec(self) -> _layers.LayerSpec:
+        in_shape, out_shape = self._grid_shapes()
         return _layers.layer_spec(
             self.in_features,
-            self.in_shape,
-            self.out_shape,
+            in_shape,
+            out_shape,
             num_heads=self.num_heads,
             qk_features=self.qk_features,
             out_features=self.out_features,
@@ -142,7 +148,8 @@ class _SphericalAttention(nn.Module):
 
 class NeighborhoodAttentionS2(_SphericalAttention):
     """Attention over geodesic neighbourhoods on the sphere; Linen twin of
-    :class:`jax_s2attn.nnx.NeighborhoodAttentionS2` (same arguments, without ``rngs``).
+    :class:`jax_s2attn.nnx.NeighborhoodAttentionS2` (same arguments, without ``rngs``; between ring grids
+    ``grid_in`` and ``grid_out`` are :class:`~jax_s2attn.RingGrid` objects and fields are flat).
 
     ``mesh``, ``lat_axis``, ``lon_axis``, ``batch_axis``: with a
     ``jax.sharding.Mesh`` the attention runs through
@@ -157,14 +164,32 @@ class NeighborhoodAttentionS2(_SphericalAttention):
     lon_axis: str = "lon"
     batch_axis: str | None = None
 
-    def _host_tables(self) -> NeighborhoodPlan:
+    def _rings(self) -> bool:
+        return isinstance(self.grid_in, RingGrid) or isinstance(self.grid_out, RingGrid)
+
+    def _grid_shapes(self) -> tuple:
+        if self._rings():
+            return _layers.ring_layer_shapes(self._ring_plan(), self.in_shape, self.out_shape)
+        return self.in_shape, self.out_shape
+
+    def _ring_plan(self) -> RingPlan:
+        return RingPlan(self.grid_in, self.grid_out, self.theta_cutoff)
+
+    def _host_tables(self) -> NeighborhoodPlan | RingPlan:
+        if self._rings():
+            return self._ring_plan()
         spec = self.spec
         return NeighborhoodPlan(spec.in_shape, spec.out_shape, self.grid_in, self.grid_out, self.theta_cutoff)
 
     def _check_implementation(self) -> None:
         _checks.check_implementation(self.implementation)
+        if self._rings():
+            _checks.check_ring_implementation(self.implementation)
 
-    def _mesh_split(self, plan: NeighborhoodPlan) -> _layers.MeshSplit | None:
+    def _mesh_split(self, plan) -> _layers.MeshSplit | None:
+        if isinstance(plan, RingPlan):
+            _layers.check_no_mesh_for_rings(self.mesh)
+            return None
         return _layers.mesh_split(plan, self.mesh, self.lat_axis, self.lon_axis, self.batch_axis)
 
     def _attention_fn(self, plan, split):

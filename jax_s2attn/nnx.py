@@ -43,10 +43,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from . import _layers
-from .grids import validate_grid
+from .grids import RingGrid, validate_grid
 from .ops import _checks, global_attention
 from .ops.global_attention import attention_s2, quadrature_weights
 from .plan import NeighborhoodPlan
+from .ring_plan import RingPlan
 
 __all__ = ["AttentionS2", "NeighborhoodAttentionS2", "S2Tables"]
 
@@ -124,15 +125,20 @@ class NeighborhoodAttentionS2(_SphericalAttention):
     downsampling (``nlon_in`` a multiple of ``nlon_out``) and upsampling
     (``nlon_out`` a multiple of ``nlon_in``).
 
+    Between ring grids (HEALPix, reduced Gaussian, lat-lon of any longitude count: pass
+    :class:`~jax_s2attn.RingGrid` objects as ``grid_in`` and ``grid_out`` and leave out the shapes) fields are
+    flat, ``[B..., npoints, features]`` in ring order, the plan a :class:`~jax_s2attn.RingPlan` and the attention
+    the pure-JAX reference, serially.
+
     Args:
       in_features: channels of query, key and value inputs.
-      in_shape: ``(nlat_in, nlon_in)`` of key/value.
-      out_shape: ``(nlat_out, nlon_out)`` of query and output.
+      in_shape: ``(nlat_in, nlon_in)`` of key/value (between ring grids None, or ``(npoints_in,)``).
+      out_shape: ``(nlat_out, nlon_out)`` of query and output (between ring grids None, or ``(npoints_out,)``).
       num_heads: heads; must divide ``qk_features`` and ``out_features``.
       qk_features: channels of the projected queries/keys, default ``in_features``.
       out_features: channels of values and output, default ``in_features``.
       grid_in, grid_out: latitude grids (``"equiangular"``, ``"legendre-gauss"``,
-        ``"lobatto"``, ``"equiangular-trapezoidal"``).
+        ``"lobatto"``, ``"equiangular-trapezoidal"``), or two :class:`~jax_s2attn.RingGrid` objects.
       theta_cutoff: neighbourhood radius (radians); default the largest latitude
         spacing of the output grid (of the input grid when upsampling).
       scale: logit scale, default ``1/sqrt(qk_features // num_heads)``.
@@ -161,14 +167,14 @@ class NeighborhoodAttentionS2(_SphericalAttention):
     def __init__(
         self,
         in_features: int,
-        in_shape: tuple[int, int],
-        out_shape: tuple[int, int],
+        in_shape: tuple[int, int] | None = None,
+        out_shape: tuple[int, int] | None = None,
         *,
         num_heads: int = 1,
         qk_features: int | None = None,
         out_features: int | None = None,
-        grid_in: str = "equiangular",
-        grid_out: str = "equiangular",
+        grid_in: str | RingGrid = "equiangular",
+        grid_out: str | RingGrid = "equiangular",
         theta_cutoff: float | None = None,
         scale: float | None = None,
         normalize_qk: bool = False,
@@ -183,6 +189,11 @@ class NeighborhoodAttentionS2(_SphericalAttention):
         batch_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
+        rings = isinstance(grid_in, RingGrid) or isinstance(grid_out, RingGrid)
+        if rings:
+            plan = RingPlan(grid_in, grid_out, theta_cutoff)
+            in_shape, out_shape = _layers.ring_layer_shapes(plan, in_shape, out_shape)
+            _layers.check_no_mesh_for_rings(mesh)
         spec = _layers.layer_spec(
             in_features,
             in_shape,
@@ -195,7 +206,10 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             use_bias=use_bias,
         )
         _checks.check_implementation(implementation)
-        plan = NeighborhoodPlan(spec.in_shape, spec.out_shape, grid_in, grid_out, theta_cutoff)
+        if rings:
+            _checks.check_ring_implementation(implementation)
+        else:
+            plan = NeighborhoodPlan(spec.in_shape, spec.out_shape, grid_in, grid_out, theta_cutoff)
         super().__init__(
             spec,
             dtype=dtype,
@@ -203,13 +217,14 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             precision=precision,
             implementation=implementation,
             rngs=rngs,
-            split=_layers.mesh_split(plan, mesh, lat_axis, lon_axis, batch_axis),
+            split=None if rings else _layers.mesh_split(plan, mesh, lat_axis, lon_axis, batch_axis),
         )
         self.tables = S2Tables(plan)
 
     @property
-    def plan(self) -> NeighborhoodPlan:
-        """The layer's :class:`~jax_s2attn.NeighborhoodPlan`."""
+    def plan(self) -> NeighborhoodPlan | RingPlan:
+        """The layer's :class:`~jax_s2attn.NeighborhoodPlan` (a :class:`~jax_s2attn.RingPlan` between ring
+        grids)."""
         return self.tables.get_value()
 
     def _attention_fn(self):

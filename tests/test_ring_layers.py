@@ -1,0 +1,94 @@
+"""The NNX and Linen neighbourhood layers between ring grids: flat fields, the same outputs as the functional
+op on the projections, NNX and Linen alike, and what bad arguments and fields get."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_s2attn import RingGrid, RingPlan, linen, neighborhood_attention
+from jax_s2attn import nnx as s2nnx
+
+GRID_IN, GRID_OUT, CUTOFF = RingGrid.latlon(13, 24), RingGrid.healpix(4), 0.3
+
+
+def _expected(params, query, key, plan, heads):
+    """Projections, heads and the op by hand (no layer code)."""
+    project = lambda x, name: x @ params[f"{name}_kernel"] + params[f"{name}_bias"]  # noqa: E731
+    split = lambda x: x.reshape(*x.shape[:-1], heads, -1)  # noqa: E731
+    q, k, v = split(project(query, "q")), split(project(key, "k")), split(project(key, "v"))
+    out = neighborhood_attention(q, k, v, plan, scale=1 / np.sqrt(q.shape[-1]))
+    return project(out.reshape(*out.shape[:-2], -1), "out")
+
+
+def _fields(seed):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((2, GRID_OUT.npoints, 6)), jnp.float32),
+            jnp.asarray(rng.standard_normal((2, GRID_IN.npoints, 6)), jnp.float32))  # fmt: skip
+
+
+def test_nnx_and_linen_layers_compute_the_op_on_their_projections():
+    query, key = _fields(0)
+    layer = s2nnx.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, num_heads=2,
+                                          rngs=nnx.Rngs(0))  # fmt: skip
+    assert layer.plan == RingPlan(GRID_IN, GRID_OUT, CUTOFF)
+    params = {name: getattr(layer, name)[...] for name in ("q_kernel", "k_kernel", "v_kernel", "out_kernel",
+                                                           "q_bias", "k_bias", "v_bias", "out_bias")}  # fmt: skip
+    params = {**params, **{f"{n}_bias": jnp.full_like(params[f"{n}_bias"], 0.1 * i)
+                           for i, n in enumerate(("q", "k", "v", "out"))}}  # fmt: skip
+    for name in ("q_bias", "k_bias", "v_bias", "out_bias"):
+        getattr(layer, name).set_value(params[name])
+    out = layer(query, key)
+    expected = _expected(params, query, key, layer.plan, 2)
+    assert out.shape == (2, GRID_OUT.npoints, 6)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    module = linen.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, num_heads=2)
+    variables = module.init(jax.random.key(0), query, key)
+    np.testing.assert_allclose(module.apply({**variables, "params": params}, query, key), out, rtol=1e-6, atol=1e-6)
+
+
+def test_self_attention_on_healpix_takes_key_from_query():
+    healpix = RingGrid.healpix(2)
+    layer = s2nnx.NeighborhoodAttentionS2(4, (48,), (48,), grid_in=healpix, grid_out=healpix, theta_cutoff=0.7,
+                                          rngs=nnx.Rngs(1))  # fmt: skip
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 48, 4)), jnp.float32)
+    np.testing.assert_array_equal(layer(x), layer(x, x, x))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "match"),
+    [
+        (dict(grid_in=GRID_IN, grid_out="equiangular", theta_cutoff=CUTOFF), TypeError, r"grid_out must be a RingGrid"),
+        (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, in_shape=(13, 24)), ValueError,
+         r"in_shape=\(13, 24\) does not match the layer's ring grid \(312 points"),
+        (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, implementation="ffi"), ValueError,
+         r"cannot run a RingPlan"),
+        (dict(grid_in=GRID_IN, grid_out=GRID_OUT), ValueError, r"theta_cutoff is needed"),
+    ],
+)
+def test_bad_layer_arguments_are_refused(arguments, error, match):
+    with pytest.raises(error, match=match):
+        s2nnx.NeighborhoodAttentionS2(6, **arguments, rngs=nnx.Rngs(0))
+    with pytest.raises(error, match=match):
+        linen.NeighborhoodAttentionS2(6, **arguments)
+
+
+def test_a_mesh_is_refused_between_ring_grids():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("lat", "lon"))
+    with pytest.raises(ValueError, match=r"mesh: layers between ring grids run serially"):
+        s2nnx.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, mesh=mesh,
+                                      rngs=nnx.Rngs(0))  # fmt: skip
+    with pytest.raises(ValueError, match=r"mesh: layers between ring grids run serially"):
+        linen.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, mesh=mesh)
+
+
+def test_fields_off_the_grid_are_refused_naming_the_flat_layout():
+    layer = s2nnx.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF,
+                                          rngs=nnx.Rngs(0))  # fmt: skip
+    query, key = _fields(3)
+    with pytest.raises(ValueError, match=r"key has shape \(2, 13, 24, 6\); this layer expects key of shape "
+                                         r"\[batch\.\.\., 312, 6\]"):  # fmt: skip
+        layer(query, key.reshape(2, 13, 24, 6))
+    with pytest.raises(ValueError, match=r"query has shape \(2, 191, 6\)"):
+        layer(query[:, :191], key)
