@@ -103,7 +103,7 @@ class RingPatterns(NamedTuple):
     period[a]`` and sees keys ``first + (start + (i // period[a]) * shift + t) % nlon``, ``t < length``."""
 
     offsets: np.ndarray  # int64 [npatterns + 1]
-    arcs: np.ndarray  # int64 [narcs, 6]
+    arcs: np.ndarray  # int32 [narcs, 6]
     ring_patterns: np.ndarray  # int64 [nrings_out + 1]
     period: np.ndarray  # int64 [nrings_out]
 
@@ -116,27 +116,31 @@ class RingPatterns(NamedTuple):
 
 def ring_patterns(grid_in: RingGrid, grid_out: RingGrid, table: RingArcs) -> RingPatterns:
     """The query patterns of the neighbourhoods ``table`` (:func:`ring_arcs` of the two grids)."""
-    offsets, arcs, ring_patterns_, periods = [0], [], [0], []
+    counts, arcs, periods = [], [], []
     for a in range(grid_out.nrings):
         n_a = int(grid_out.nlon[a])
-        pairs = table.pairs[table.ring_pairs[a] : table.ring_pairs[a + 1]]
-        common = math.gcd(n_a, *(int(grid_in.nlon[b]) for b in pairs[:, 1]))
+        first, last = int(table.ring_pairs[a]), int(table.ring_pairs[a + 1])
+        pairs = table.pairs[first:last]
+        n_b = grid_in.nlon[pairs[:, 1]]
+        common = math.gcd(n_a, *(int(n) for n in n_b))
         period = n_a // common
-        for r in range(period):
-            for p, (_, b, pair_period, pair_shift) in zip(range(table.ring_pairs[a], table.ring_pairs[a + 1]), pairs):
-                start, length = table.arcs[table.pair_offsets[p] + r % pair_period]
-                if length == 0:
-                    continue
-                n_b = int(grid_in.nlon[b])
-                start = (start + (r // pair_period) * pair_shift) % n_b
-                arcs.append((b, grid_in.ring_offsets[b], start, length, n_b, n_b // common))
-            offsets.append(len(arcs))
-        ring_patterns_.append(len(offsets) - 1)
+        # [pair, residue] arcs of each of the ring's pairs for the ring's residues r: the pair's residue r mod its
+        # period, moved on by its shift once per whole period in r.
+        r = np.arange(period)[None, :]
+        pair_period, pair_shift = pairs[:, 2:3], pairs[:, 3:4]
+        start, length = np.moveaxis(table.arcs[table.pair_offsets[first:last, None] + r % pair_period], -1, 0)
+        start = (start + (r // pair_period) * pair_shift) % n_b[:, None]
+        p, residue = np.nonzero((length > 0).T)[::-1]  # ordered by residue, then pair
+        b = pairs[p, 1]
+        arcs.append(np.stack([b, grid_in.ring_offsets[b], start[p, residue], length[p, residue], n_b[p],
+                              n_b[p] // common], axis=1))  # fmt: skip
+        counts.append(np.bincount(residue, minlength=period))
         periods.append(period)
+    counts = np.concatenate(counts)
     return RingPatterns(
-        offsets=np.asarray(offsets, np.int64),
-        arcs=np.asarray(arcs, np.int64).reshape(-1, 6),
-        ring_patterns=np.asarray(ring_patterns_, np.int64),
+        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        arcs=np.concatenate(arcs).astype(np.int32).reshape(-1, 6),  # point indices of grids below 2^31 points
+        ring_patterns=np.concatenate([[0], np.cumsum(periods)]).astype(np.int64),
         period=np.asarray(periods, np.int64),
     )
 
@@ -226,6 +230,9 @@ class RingPlan:
             if not isinstance(grid, RingGrid):
                 raise TypeError(f"{name} must be a RingGrid (RingGrid.healpix, RingGrid.octahedral, RingGrid.latlon "
                                 f"or your own rings), got {type(grid).__name__}.")  # fmt: skip
+        for grid, name in ((grid_in, "grid_in"), (grid_out, "grid_out")):
+            if grid.npoints >= 2**31:
+                raise ValueError(f"{name} has {grid.npoints} points; a RingPlan indexes points with int32 (< 2^31).")
         if theta_cutoff is None:
             theta_cutoff = _default_cutoff(grid_in, grid_out)
         else:

@@ -1,4 +1,5 @@
-"""The examples run: the training script's smoke mode and the gradient-check notebook (headless)."""
+"""The examples run: the training script's and the HEALPix autoencoder's smoke modes and the gradient-check
+notebook (headless)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,17 @@ def test_train_sphere_quick_learns_and_saves_the_map(tmp_path, monkeypatch):
     # The decoder starts at zero, i.e. at persistence; a few dozen steps must already beat it.
     assert metrics["validation_loss"] < 0.9 * metrics["validation_persistence"]
     assert metrics["train_loss"] < metrics["train_persistence"]
+
+
+def test_healpix_autoencoder_quick_learns_and_saves_the_picture(tmp_path):
+    spec = importlib.util.spec_from_file_location("healpix_autoencoder", EXAMPLES / "healpix_autoencoder.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    png = tmp_path / "healpix.png"
+    metrics = example.main(["--quick", "--out", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Through a latent of a sixth of the input's points, a few dozen steps must already reconstruct most of it.
+    assert metrics["validation_loss"] < 0.5 * metrics["baseline"]
 
 
 def test_gradcheck_notebook_runs_headless():
