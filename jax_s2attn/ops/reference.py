@@ -138,6 +138,18 @@ def _flatten(x, compute):
     return jnp.asarray(x, compute).reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
+def scatter_chunks(one_chunk, count: int, chunk: int, out, lse):
+    """``out`` and ``lse`` (``[B, queries, H, Dv]``, ``[B, queries, H]``) with the results of ``count`` queries
+    set, ``chunk`` at a time: ``one_chunk(begin)`` returns ``(query_index [chunk], out [B, chunk, H, Dv], lse [B,
+    chunk, H])`` of the queries ``begin .. begin + chunk`` (clamped to the last)."""
+    index, o, l = jax.lax.map(one_chunk, jnp.arange(-(-count // chunk)) * chunk)
+    # [chunks, (B,) chunk, ...] -> [(B,) chunks*chunk, ...]; the clamped tail repeats a query.
+    index = index.reshape(-1)[:count]
+    o = jnp.moveaxis(o, 0, 1).reshape(*out.shape[:1], -1, *out.shape[2:])[:, :count]
+    l = jnp.moveaxis(l, 0, 1).reshape(*lse.shape[:1], -1, *lse.shape[2:])[:, :count]
+    return out.at[:, index].set(o, unique_indices=True), lse.at[:, index].set(l, unique_indices=True)
+
+
 def reference_attention(
     query, key, value, plan: NeighborhoodPlan, scale: float, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS
 ):
@@ -177,13 +189,7 @@ def reference_attention(
             logits = _logits(q[:, query_index], k, key_index, row, valid, logw, scale)
             return query_index, *_softmax_attend(logits, _gather(v, key_index, valid))
 
-        index, o, l = jax.lax.map(one_chunk, jnp.arange(-(-count // chunk)) * chunk)
-        # [chunks, (B,) chunk, ...] -> [(B,) chunks*chunk, ...]; the clamped tail repeats a query.
-        index = index.reshape(-1)[:count]
-        o = jnp.moveaxis(o, 0, 1).reshape(batch, -1, heads, dv)[:, :count]
-        l = jnp.moveaxis(l, 0, 1).reshape(batch, -1, heads)[:, :count]
-        out = out.at[:, index].set(o, unique_indices=True)
-        lse = lse.at[:, index].set(l, unique_indices=True)
+        out, lse = scatter_chunks(one_chunk, count, chunk, out, lse)
     out = out.reshape(batch, nlat_q, nlon_q, heads, dv).astype(dtype)
     return out, lse.reshape(batch, nlat_q, nlon_q, heads)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..grids import RingGrid
 from ..ring_plan import RingPatterns, RingPlan
-from .reference import DEFAULT_CHUNK_ELEMENTS, _chunk_size, _gather, _logits, _softmax_attend
+from .reference import DEFAULT_CHUNK_ELEMENTS, _chunk_size, _gather, _logits, _softmax_attend, scatter_chunks
 
 __all__ = ["reference_ring_attention"]
 
@@ -52,12 +52,7 @@ def reference_ring_attention(query, key, value, plan: RingPlan, scale: float, *,
             logits = _logits(q[:, points[t]], k, key_index, ring, valid, log_weights, scale)
             return points[t], *_softmax_attend(logits, _gather(v, key_index, valid))
 
-        index, o, l = jax.lax.map(one_chunk, jnp.arange(-(-count // chunk)) * chunk)
-        index = index.reshape(-1)[:count]
-        o = jnp.moveaxis(o, 0, 1).reshape(batch, -1, heads, dv)[:, :count]
-        l = jnp.moveaxis(l, 0, 1).reshape(batch, -1, heads)[:, :count]
-        out = out.at[:, index].set(o, unique_indices=True)
-        lse = lse.at[:, index].set(l, unique_indices=True)
+        out, lse = scatter_chunks(one_chunk, count, chunk, out, lse)
     return out.astype(dtype), lse
 
 
