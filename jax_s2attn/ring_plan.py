@@ -33,7 +33,8 @@ class RingArcs(NamedTuple):
     (counted from the ring's first point) sees the ``arcs[pair_offsets[p] + i % period] = (start, length)`` arc
     of ring ``b`` moved on by ``(i // period) * shift``: key indices ``(start + (i // period) * shift + t) mod
     nlon_b`` for ``t < length``. Pairs are sorted by ``a``, then ``b``; ``ring_pairs[a] .. ring_pairs[a + 1]``
-    are ring ``a``'s. Every arc has ``length >= 1``; a residue that sees none of ring ``b`` has ``length`` 0.
+    are ring ``a``'s. A pair is listed where some residue sees ring ``b``; a residue that sees none of it has an
+    arc of ``length`` 0.
     """
 
     pairs: np.ndarray  # int64 [npairs, 4]
