@@ -156,11 +156,13 @@ def layer_spec(
     scale=None,
     normalize_qk=False,
     use_bias=True,
+    flat=False,
 ) -> LayerSpec:
     """Validate the structural arguments of a layer; defaults as torch-harmonics.
 
     ``qk_features`` and ``out_features`` default to ``in_features``; ``scale``
-    defaults to ``1/sqrt(qk_features // num_heads)``.
+    defaults to ``1/sqrt(qk_features // num_heads)``. ``flat``: a layer between ring grids, whose shapes are
+    ``(npoints,)`` (:func:`ring_layer_shapes`); else ``(nlat, nlon)``.
     """
     in_features = _validate.integer(in_features, "in_features", 1)
     num_heads = _validate.integer(num_heads, "num_heads", 1)
@@ -184,19 +186,12 @@ def layer_spec(
         qk_features=qk_features,
         out_features=out_features,
         num_heads=num_heads,
-        in_shape=_grid_axes(in_shape, "in_shape"),
-        out_shape=_grid_axes(out_shape, "out_shape"),
+        in_shape=in_shape if flat else validate_shape(in_shape, "in_shape"),
+        out_shape=out_shape if flat else validate_shape(out_shape, "out_shape"),
         scale=scale,
         normalize_qk=_validate.boolean(normalize_qk, "normalize_qk"),
         use_bias=_validate.boolean(use_bias, "use_bias"),
     )
-
-
-def _grid_axes(shape, name: str) -> tuple[int, ...]:
-    """A layer's grid axes: ``(nlat, nlon)`` of a regular grid, or ``(npoints,)`` of a ring grid's flat fields."""
-    if isinstance(shape, tuple) and len(shape) == 1:
-        return (_validate.integer(shape[0], f"{name}[0]", 1, " (the points of a ring grid)"),)
-    return validate_shape(shape, name)
 
 
 def ring_layer_shapes(plan: RingPlan, in_shape, out_shape) -> tuple[tuple[int], tuple[int]]:
@@ -204,7 +199,13 @@ def ring_layer_shapes(plan: RingPlan, in_shape, out_shape) -> tuple[tuple[int], 
     those (or None)."""
     shapes = {"in_shape": (plan.npoints_in,), "out_shape": (plan.npoints_out,)}
     for name, given in (("in_shape", in_shape), ("out_shape", out_shape)):
-        if given is not None and tuple(np.atleast_1d(given)) != shapes[name]:
+        if given is None:
+            continue
+        if not isinstance(given, tuple) or len(given) != 1:
+            raise TypeError(
+                f"{name} must be None or ({shapes[name][0]},) between ring grids (flat fields), got {given!r}."
+            )
+        if _validate.integer(given[0], f"{name}[0]", 1) != shapes[name][0]:
             raise ValueError(
                 f"{name}={given!r} does not match the layer's ring grid ({shapes[name][0]} points, flat fields "
                 f"[batch..., npoints, features]); pass {name}=None or {shapes[name]!r}."
@@ -213,6 +214,7 @@ def ring_layer_shapes(plan: RingPlan, in_shape, out_shape) -> tuple[tuple[int], 
 
 
 def check_no_mesh_for_rings(mesh) -> None:
+    """A layer between ring grids takes no mesh."""
     if mesh is not None:
         raise ValueError(
             "mesh: layers between ring grids run serially (the sharded op splits regular latitude-longitude grids); "

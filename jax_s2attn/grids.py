@@ -175,6 +175,11 @@ def latitude_spacing(nlat: int, grid: str = "equiangular") -> float:
     return float(np.max(np.diff(theta)))
 
 
+#: Most points a ring of a :class:`RingGrid` may have (the neighbourhood tables index a ring's points in int32,
+#: with room for an arc's start, its length and a shift).
+MAX_RING_POINTS = (2**31 - 1) // 4
+
+
 class RingGrid:
     """An iso-latitude ring grid: rings of constant colatitude, each of equally spaced points.
 
@@ -208,8 +213,9 @@ class RingGrid:
                 f"nlon must be integers, one per ring ({nrings} rings), got {_shape_and_kind(counts)}; "
                 "pass the number of points of each ring."
             )
-        if np.any(counts < 1):
-            raise ValueError(f"nlon must be at least 1 on every ring, got {int(counts.min())}.")
+        if np.any(counts < 1) or np.any(counts > MAX_RING_POINTS):
+            bad = counts[(counts < 1) | (counts > MAX_RING_POINTS)][0]
+            raise ValueError(f"nlon must be from 1 to {MAX_RING_POINTS} on every ring, got {int(bad)}.")
         first = _float_rings(first_longitude, "first_longitude", nrings)
         w = _float_rings(weights, "weights", nrings)
         if np.any(np.diff(theta) <= 0) or theta[0] < 0 or theta[-1] > np.pi:
@@ -278,6 +284,7 @@ class RingGrid:
 
     @property
     def name(self) -> str:
+        """How the grid prints, e.g. ``"healpix(64)"``."""
         return self._name
 
     @property
@@ -303,10 +310,12 @@ class RingGrid:
 
     @property
     def nrings(self) -> int:
+        """Number of rings."""
         return int(self._nlon.size)
 
     @property
     def npoints(self) -> int:
+        """Number of points, all rings together (the point axis of a flat field)."""
         return int(self._offsets[-1])
 
     @property
@@ -335,6 +344,9 @@ class RingGrid:
         """Quadrature weight of every point over the sphere, ``2*pi*weights/nlon`` of its ring (float64
         ``[npoints]``, summing to ``4*pi`` for a quadrature of the whole sphere)."""
         return np.repeat(2.0 * np.pi * self._weights / self._nlon, self._nlon)
+
+    def __reduce__(self):
+        return RingGrid, (self._colatitudes, self._nlon, self._first_longitude, self._weights, self._name)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, RingGrid) and self._key == other._key

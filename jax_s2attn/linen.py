@@ -81,6 +81,10 @@ class _SphericalAttention(nn.Module):
         """``(in_shape, out_shape)`` as the layer's fields give them."""
         return self.in_shape, self.out_shape
 
+    def _rings(self) -> bool:
+        """Whether the layer lies between ring grids (flat fields)."""
+        return False
+
     @property
     def spec(self) -> _layers.LayerSpec:
         in_shape, out_shape = self._grid_shapes()
@@ -94,6 +98,7 @@ class _SphericalAttention(nn.Module):
             scale=self.scale,
             normalize_qk=self.normalize_qk,
             use_bias=self.use_bias,
+            flat=self._rings(),
         )
 
     def _host_tables(self):
@@ -116,8 +121,9 @@ class _SphericalAttention(nn.Module):
         """Attend from ``query`` (output grid) to ``key``/``value`` (input grid).
 
         Args:
-          query: ``[B..., nlat_out, nlon_out, in_features]``.
-          key: ``[B..., nlat_in, nlon_in, in_features]``, default ``query``.
+          query: ``[B..., nlat_out, nlon_out, in_features]`` (between ring grids ``[B..., npoints_out,
+            in_features]``).
+          key: ``[B..., nlat_in, nlon_in, in_features]`` (``[B..., npoints_in, in_features]``), default ``query``.
           value: same shape as ``key``, default ``key``.
 
         With a ``mesh``, grid axes may instead come end-padded to the sizes of

@@ -78,16 +78,17 @@ class _SphericalAttention(nnx.Module):
         """Attend from ``query`` (output grid) to ``key``/``value`` (input grid).
 
         Args:
-          query: ``[B..., nlat_out, nlon_out, in_features]``.
-          key: ``[B..., nlat_in, nlon_in, in_features]``, default ``query``.
+          query: ``[B..., nlat_out, nlon_out, in_features]`` (between ring grids ``[B..., npoints_out,
+            in_features]``).
+          key: ``[B..., nlat_in, nlon_in, in_features]`` (``[B..., npoints_in, in_features]``), default ``query``.
           value: same shape as ``key``, default ``key``.
 
         With a ``mesh``, grid axes may instead come end-padded to the sizes of
         :func:`jax_s2attn.parallel.padded_grid_shapes` (see the layer's ``mesh``).
 
         Returns:
-          ``[B..., nlat_out, nlon_out, out_features]`` in the computation dtype,
-          grid axes as given for ``query``.
+          ``[B..., nlat_out, nlon_out, out_features]`` (``[B..., npoints_out, out_features]``) in the
+          computation dtype, grid axes as given for ``query``.
         """
         params = {p.name: getattr(self, p.name)[...] for p in _layers.param_specs(self.spec)}
         return _layers.attention_layer(
@@ -140,7 +141,8 @@ class NeighborhoodAttentionS2(_SphericalAttention):
       grid_in, grid_out: latitude grids (``"equiangular"``, ``"legendre-gauss"``,
         ``"lobatto"``, ``"equiangular-trapezoidal"``), or two :class:`~jax_s2attn.RingGrid` objects.
       theta_cutoff: neighbourhood radius (radians); default the largest latitude
-        spacing of the output grid (of the input grid when upsampling).
+        spacing of the output grid (of the input grid when upsampling). Between ring grids required unless
+        both are regular grids whose longitude counts divide one another (:class:`~jax_s2attn.RingPlan`).
       scale: logit scale, default ``1/sqrt(qk_features // num_heads)``.
       normalize_qk: RMS-normalise each head of q and k (multiplier ``1 + g``, g zero-initialised).
       use_bias: biases on the four projections.
@@ -204,6 +206,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             scale=scale,
             normalize_qk=normalize_qk,
             use_bias=use_bias,
+            flat=rings,
         )
         _checks.check_implementation(implementation)
         if rings:

@@ -165,31 +165,30 @@ def _pair_arcs(grid_out: RingGrid, grid_in: RingGrid, a: int, b: int, eff: float
         half_steps = 0.0  # at most the nearest key (rounding), checked below
     else:
         half_steps = np.arccos(cos_half) * n_b / (2.0 * np.pi)
-    margin = 2
-    first = np.floor(centre - half_steps).astype(np.int64) - margin
-    width = int(min(n_b, math.floor(2 * half_steps) + 2 * margin + 2))
-    j = first[:, None] + np.arange(width)[None, :]
-    inside = _member(n_a, n_b, offset, theta_a, theta_b, residues[:, None], j, eff)
+    # A window a few keys wider than the analytic arc on each side; where rounding puts a member at its edge,
+    # wider, up to the whole ring.
+    for margin in (2, 64, n_b):
+        width = int(min(n_b, math.floor(2 * half_steps) + 2 * margin + 2))
+        first = np.floor(centre - half_steps).astype(np.int64) - margin
+        j = first[:, None] + np.arange(width)[None, :]
+        inside = _member(n_a, n_b, offset, theta_a, theta_b, residues[:, None], j, eff)
+        if width == n_b or not np.any(inside[:, 0] | inside[:, -1]):
+            break
     arcs = np.zeros((period, 2), np.int64)
+    count = inside.sum(axis=1)
     if width == n_b:  # the window is the whole ring: its members must be one cyclic run
-        count = inside.sum(axis=1)
         starts = inside & ~np.roll(inside, 1, axis=1)
         full = count == n_b
         if np.any(~full & (count > 0) & (starts.sum(axis=1) != 1)):
             raise RuntimeError(f"rings {a} and {b}: a neighbourhood is not one arc")
         at = np.where(full, 0, np.argmax(starts, axis=1))
-        arcs[:, 0] = np.mod(j[np.arange(period), at], n_b)
-        arcs[:, 1] = count
-    else:  # a window wider than the arc by `margin` on each side: the members must not touch its ends
-        if np.any(inside[:, 0] | inside[:, -1]):
-            raise RuntimeError(f"rings {a} and {b}: the arc reaches past its window")
-        count = inside.sum(axis=1)
+    else:  # members inside the window, off its ends: one run
         starts = inside & ~np.concatenate([np.zeros((period, 1), bool), inside[:, :-1]], axis=1)
         if np.any((count > 0) & (starts.sum(axis=1) != 1)):
             raise RuntimeError(f"rings {a} and {b}: a neighbourhood is not one arc")
         at = np.argmax(inside, axis=1)
-        arcs[:, 0] = np.mod(j[np.arange(period), at], n_b)
-        arcs[:, 1] = count
+    arcs[:, 0] = np.mod(j[np.arange(period), at], n_b)
+    arcs[:, 1] = count
     if not arcs[:, 1].any():
         return None
     return period, shift, arcs
@@ -222,6 +221,10 @@ class RingPlan:
 
     Plans are immutable, hashable and cached on their arguments; pass them to ``jax.jit`` as ordinary or static
     arguments alike (their tables are host constants).
+
+    Attributes: ``grid_in``, ``grid_out``, ``theta_cutoff`` (radians), ``arcs`` (:class:`RingArcs`), ``patterns``
+    (:class:`RingPatterns`, what the reference walks), ``num_pairs`` (neighbour pairs over all output points),
+    ``max_neighbors`` (largest neighbourhood).
     """
 
     __slots__ = ("_key", "grid_in", "grid_out", "theta_cutoff", "arcs", "patterns", "num_pairs", "max_neighbors")
@@ -258,29 +261,33 @@ class RingPlan:
 
     @property
     def npoints_in(self) -> int:
+        """Points of the input grid (the point axis of key and value)."""
         return self.grid_in.npoints
 
     @property
     def npoints_out(self) -> int:
+        """Points of the output grid (the point axis of query and out)."""
         return self.grid_out.npoints
 
 
 def _default_cutoff(grid_in: RingGrid, grid_out: RingGrid) -> float:
     """One latitude spacing, as :class:`~jax_s2attn.NeighborhoodPlan` takes it, where its rule is defined."""
     shape_in, shape_out = grid_in.regular_shape, grid_out.regular_shape
-    if shape_in is not None and shape_out is not None:
+    if shape_in is not None and shape_out is not None and min(shape_in[0], shape_out[0]) >= 2:
         if shape_in[1] % shape_out[1] == 0:
             return _largest_spacing(grid_out)
         if shape_out[1] % shape_in[1] == 0:
             return _largest_spacing(grid_in)
     raise ValueError(
         f"theta_cutoff is needed between {grid_in.name} and {grid_out.name}: the default (one latitude spacing, "
-        "torch-harmonics' rule) is defined only between regular grids whose longitude counts divide one another; "
+        "torch-harmonics' rule) is defined only between regular grids of two or more rings whose longitude counts "
+        "divide one another; "
         f"pass one in radians, e.g. theta_cutoff={2 * max(_largest_spacing(grid_in), _largest_spacing(grid_out)):.3g}."
     )
 
 
 def _largest_spacing(grid: RingGrid) -> float:
+    """Largest gap between neighbouring rings (pi for a grid of one ring)."""
     return float(np.max(np.diff(grid.colatitudes))) if grid.nrings > 1 else float(np.pi)
 
 

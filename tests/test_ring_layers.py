@@ -5,10 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from jax_s2attn import RingGrid, RingPlan, linen, neighborhood_attention
-from jax_s2attn import nnx as s2nnx
+pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+from jax_s2attn import RingGrid, RingPlan, linen, neighborhood_attention  # noqa: E402
+from jax_s2attn import nnx as s2nnx  # noqa: E402
 
 GRID_IN, GRID_OUT, CUTOFF = RingGrid.latlon(13, 24), RingGrid.healpix(4), 0.3
 
@@ -60,11 +62,17 @@ def test_self_attention_on_healpix_takes_key_from_query():
     ("arguments", "error", "match"),
     [
         (dict(grid_in=GRID_IN, grid_out="equiangular", theta_cutoff=CUTOFF), TypeError, r"grid_out must be a RingGrid"),
-        (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, in_shape=(13, 24)), ValueError,
-         r"in_shape=\(13, 24\) does not match the layer's ring grid \(312 points"),
+        (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, in_shape=(13, 24)), TypeError,
+         r"in_shape must be None or \(312,\) between ring grids"),
+        (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, in_shape=(311,)), ValueError,
+         r"in_shape=\(311,\) does not match the layer's ring grid \(312 points"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, implementation="ffi"), ValueError,
          r"cannot run a RingPlan"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT), ValueError, r"theta_cutoff is needed"),
+        (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, out_shape=192), TypeError,
+         r"out_shape must be None or \(192,\) between ring grids"),
+        (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, out_shape=(192.0,)), TypeError,
+         r"out_shape\[0\] must be an integer"),
     ],
 )
 def test_bad_layer_arguments_are_refused(arguments, error, match):
@@ -81,6 +89,13 @@ def test_a_mesh_is_refused_between_ring_grids():
                                       rngs=nnx.Rngs(0))  # fmt: skip
     with pytest.raises(ValueError, match=r"mesh: layers between ring grids run serially"):
         linen.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, mesh=mesh)
+
+
+def test_flat_shapes_belong_to_ring_grids_only():
+    with pytest.raises(TypeError, match=r"in_shape must be a pair \(nlat, nlon\)"):
+        s2nnx.AttentionS2(4, (48,), (48,), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"in_shape must be a pair \(nlat, nlon\)"):
+        linen.NeighborhoodAttentionS2(4, (48,), (48,))
 
 
 def test_fields_off_the_grid_are_refused_naming_the_flat_layout():

@@ -18,6 +18,12 @@ CASES = {
     "latlon from healpix": (RingGrid.latlon(17, 32), RingGrid.healpix(4), 0.25),
     "octahedral from healpix": (RingGrid.octahedral(6), RingGrid.healpix(3), 0.4),
     "gaussian from octahedral, wide": (RingGrid.latlon(9, 16, "legendre-gauss"), RingGrid.octahedral(10), 0.7),
+    "pole rings, one-point rings": (
+        RingGrid([0.0, 0.6, np.pi], [1, 5, 1], [0.0, 0.3, 0.0], [0.1, 1.8, 0.1], "poles"),
+        RingGrid.latlon(9, 10),
+        0.65,
+    ),
+    "one ring to a grid": (RingGrid([1.2], [7], [0.2], [2.0], "one"), RingGrid.octahedral(4), 0.9),
     "own rings, offsets": (
         RingGrid([0.3, 1.1, 1.9, 2.8], [5, 9, 7, 3], [0.2, 0.0, 0.45, 1.0], [0.3, 0.7, 0.7, 0.3], "own"),
         RingGrid.healpix(2),
@@ -58,18 +64,49 @@ def test_arcs_are_the_rule_on_every_pair(name):
 
 @pytest.mark.parametrize(
     ("in_shape", "out_shape", "theta_cutoff"),
-    [((13, 24), (13, 24), 0.3), ((25, 48), (13, 24), 0.25), ((91, 180), (91, 180), None)],
+    [((13, 24), (13, 24), 0.3), ((25, 48), (13, 24), 0.25), ((91, 180), (91, 180), None), ((13, 24), (25, 48), 0.25),
+     ((19, 36), (37, 108), None)],
 )
 def test_regular_grids_keep_the_plans_neighbourhoods(in_shape, out_shape, theta_cutoff):
-    """On two regular grids whose longitude counts divide (gather), every output ring's first point sees the
-    keys of the plan's psi row, and the pair counts agree."""
+    """On two regular grids whose longitude counts divide one another, every output point sees the keys the
+    plan's psi gives it (gather: the psi row of its ring, rotated; upsampling: psi is built from the keys' side,
+    each key's row listing the outputs that see it), and the pair counts agree."""
     plan = NeighborhoodPlan(in_shape, out_shape, theta_cutoff=theta_cutoff)
     grid_out, grid_in = RingGrid.latlon(*out_shape), RingGrid.latlon(*in_shape)
     arcs = ring_arcs(grid_in, grid_out, plan.theta_cutoff)
     assert arcs.num_pairs(grid_out) == plan.num_pairs
-    for row in range(out_shape[0]):
-        expected = plan.csr_columns[plan.csr_offsets[row] : plan.csr_offsets[row + 1]]
-        np.testing.assert_array_equal(arcs.keys_of(grid_in, grid_out, row * out_shape[1]), np.sort(expected))
+    member = np.zeros((grid_out.npoints, grid_in.npoints), bool)
+    nlon_in, nlon_out = in_shape[1], out_shape[1]
+    for row in range(len(plan.csr_offsets) - 1):
+        columns = plan.csr_columns[plan.csr_offsets[row] : plan.csr_offsets[row + 1]]
+        if plan.direction == "gather":  # output (row, 0) sees input columns; (row, m) sees them moved by m pscale
+            for m in range(nlon_out):
+                lat, lon = np.divmod(columns, nlon_in)
+                member[row * nlon_out + m, lat * nlon_in + (lon + m * plan.pscale) % nlon_in] = True
+        else:  # input (row, 0) is seen by output columns; (row, m) by them moved by m pscale
+            for m in range(nlon_in):
+                lat, lon = np.divmod(columns, nlon_out)
+                member[lat * nlon_out + (lon + m * plan.pscale) % nlon_out, row * nlon_in + m] = True
+    for point in range(grid_out.npoints):
+        np.testing.assert_array_equal(arcs.keys_of(grid_in, grid_out, point), np.flatnonzero(member[point]))
+
+
+def test_near_tangent_rings_of_many_points_widen_their_window():
+    """Rings of 300,000 points meeting at the cutoff's edge, where the analytic arc is off by more than a few
+    keys: the arcs still match a dense evaluation of a few queries against every key."""
+    grid_out = RingGrid([1e-4, 0.000200099999999999], [300_000] * 2, [0.0, 0.0], [1.0, 1.0], "tangent")
+    grid_in = RingGrid([1e-4], [300_000], [0.0], [2.0], "ring")
+    arcs = ring_arcs(grid_in, grid_out, 1e-4)
+    eff = (1 + 1e-3) * 1e-4
+    for point in (0, 1, 150_000, 300_000, 300_001, 450_017):
+        theta_o, phi_o = grid_out.point_colatitudes()[point], grid_out.point_longitudes()[point]
+        theta, phi = grid_in.point_colatitudes(), grid_in.point_longitudes()
+        cos_d = np.cos(theta_o) * np.cos(theta) + np.sin(theta_o) * np.sin(theta) * np.cos(phi - phi_o)
+        distance = np.arccos(np.clip(cos_d, -1, 1))
+        member = np.zeros(grid_in.npoints, bool)
+        member[arcs.keys_of(grid_in, grid_out, point)] = True
+        differ = np.flatnonzero(member != (distance <= eff))
+        assert np.all(np.abs(distance[differ] - eff) <= 1e-12), (point, differ[:5])
 
 
 def test_large_grids_build_in_seconds_with_their_pair_counts():

@@ -20,6 +20,23 @@ def test_default_cutoff_is_the_regular_plans():
         assert ring.theta_cutoff == regular.theta_cutoff and ring.num_pairs == regular.num_pairs
 
 
+def test_a_grid_of_one_ring_needs_a_cutoff():
+    one = RingGrid.latlon(1, 8, "legendre-gauss")
+    assert one.regular_shape == (1, 8)
+    with pytest.raises(ValueError, match=r"theta_cutoff is needed .* two or more rings"):
+        RingPlan(one, one)
+
+
+def test_the_sharded_op_says_where_ring_plans_run():
+    from jax_s2attn import sharded_neighborhood_attention
+
+    plan = RingPlan(RingGrid.healpix(2), RingGrid.healpix(2), 0.6)
+    x = jnp.ones((1, 48, 1, 4))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("lat", "lon"))
+    with pytest.raises(TypeError, match=r"plan is a RingPlan.*runs serially through jax_s2attn.neighborhood_attention"):
+        sharded_neighborhood_attention(x, x, x, plan, mesh=mesh)
+
+
 def test_other_grids_need_a_cutoff():
     with pytest.raises(ValueError, match=r"theta_cutoff is needed between healpix\(4\) and equiangular\(9, 16\)"):
         RingPlan(RingGrid.healpix(4), RingGrid.latlon(9, 16))

@@ -134,10 +134,15 @@ def check_ring_implementation(implementation) -> None:
 
 def check_plan(plan) -> None:
     """``plan`` is a :class:`NeighborhoodPlan` whose device tables are intact."""
+    if isinstance(plan, RingPlan):
+        raise TypeError(
+            "plan is a RingPlan: this takes the regular grids of a jax_s2attn.NeighborhoodPlan; attention between "
+            "ring grids runs serially through jax_s2attn.neighborhood_attention."
+        )
     if not isinstance(plan, NeighborhoodPlan):
         raise TypeError(
-            f"plan must be a jax_s2attn.NeighborhoodPlan (e.g. NeighborhoodPlan(in_shape, out_shape)) or, between "
-            f"ring grids, a jax_s2attn.RingPlan, got {type(plan).__name__}."
+            f"plan must be a jax_s2attn.NeighborhoodPlan (e.g. NeighborhoodPlan(in_shape, out_shape)), "
+            f"got {type(plan).__name__}."
         )
     plan.check_tables()
 

@@ -65,9 +65,10 @@ def neighborhood_attention(
     Computed stably (max-subtracted) with float32 or wider accumulation.
 
     Args:
-      query: ``[B..., nlat_out, nlon_out, H, Dk]``.
-      key: ``[B..., nlat_in, nlon_in, H, Dk]``.
-      value: ``[B..., nlat_in, nlon_in, H, Dv]``; one dtype for all three
+      query: ``[B..., nlat_out, nlon_out, H, Dk]`` (with a :class:`~jax_s2attn.RingPlan` ``[B..., npoints_out,
+        H, Dk]``).
+      key: ``[B..., nlat_in, nlon_in, H, Dk]`` (``[B..., npoints_in, H, Dk]``).
+      value: ``[B..., nlat_in, nlon_in, H, Dv]`` (``[B..., npoints_in, H, Dv]``); one dtype for all three
         (float16, bfloat16, float32 or float64).
       plan: the :class:`~jax_s2attn.NeighborhoodPlan` from the input to the output grid.
         Pass it as an ordinary ``jit`` argument to keep its tables out of the
@@ -82,7 +83,7 @@ def neighborhood_attention(
     Returns:
       ``out [B..., nlat_out, nlon_out, H, Dv]`` in the input dtype, and with
       ``return_residual=True`` also ``lse [B..., nlat_out, nlon_out, H]`` (float32,
-      float64 for float64 inputs).
+      float64 for float64 inputs); with a ``RingPlan`` the grid axes are the one point axis.
 
     Differentiable in ``query``, ``key`` and ``value`` (and through ``lse``). The
     native backward pass is deterministic; its saved tensors are named

@@ -45,8 +45,8 @@ def reference_ring_attention(query, key, value, plan: RingPlan, scale: float, *,
         points, pattern, position = (jnp.asarray(x) for x in (points, pattern, position))
 
         @jax.checkpoint
-        def one_chunk(begin, width=width, count=count, max_arcs=max_arcs, points=points, pattern=pattern,
-                      position=position):  # fmt: skip
+        def one_chunk(begin, width=width, count=count, chunk=chunk, max_arcs=max_arcs, points=points,
+                      pattern=pattern, position=position):  # fmt: skip
             t = jnp.minimum(begin + jnp.arange(chunk), count - 1)
             key_index, ring, valid = _neighbours(table, pattern[t], position[t], max_arcs, width)
             logits = _logits(q[:, points[t]], k, key_index, ring, valid, log_weights, scale)
