@@ -3,7 +3,8 @@
 Same arguments, parameters and math as :mod:`jax_s2attn.nnx` (both call
 :mod:`jax_s2attn._layers`); see there for shapes and the torch-harmonics name
 mapping. Shape legend: ``B...`` batch axes; query ``[B..., nlat_out, nlon_out,
-in_features]``, key/value ``[B..., nlat_in, nlon_in, in_features]``.
+in_features]``, key/value ``[B..., nlat_in, nlon_in, in_features]``; between ring grids flat, ``[B..., npoints,
+in_features]``.
 
 The neighbourhood layer's plan lives in the ``"s2_tables"`` collection that
 ``init`` returns next to ``"params"``. Pass both collections to ``apply`` and

@@ -4,7 +4,9 @@ Shape legend: ``B...`` any leading batch axes, ``C`` channels; grids are
 ``(nlat, nlon)`` with colatitude ascending (north pole first) as in
 torch-harmonics. Modules are channels-last: query ``[B..., nlat_out, nlon_out,
 in_features]``, key/value ``[B..., nlat_in, nlon_in, in_features]``, output
-``[B..., nlat_out, nlon_out, out_features]``.
+``[B..., nlat_out, nlon_out, out_features]``. Between ring grids (:class:`~jax_s2attn.RingGrid` objects as
+``grid_in`` and ``grid_out``) fields are flat: ``[B..., npoints, features]`` in ring order, and the plan a
+:class:`~jax_s2attn.RingPlan` (its tables are host constants of the program).
 
 The math is torch-harmonics' ``NeighborhoodAttentionS2`` / ``AttentionS2``,
 with Flax argument names: ``in_features``
