@@ -39,12 +39,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from . import _validate
-from .grids import validate_shape
+from .grids import RingGrid, validate_shape
 from .ops._checks import check_scale
+from .ops.global_attention import attention_s2, quadrature_weights
 from .ops.neighborhood import neighborhood_attention
 from .parallel.sharded import _check_mesh, padded_grid_shapes, sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
-from .ring_plan import RingPlan
 
 __all__ = [
     "LayerSpec",
@@ -52,6 +52,7 @@ __all__ = [
     "ParamSpec",
     "attention_layer",
     "check_dtypes",
+    "global_attention_fn",
     "layer_spec",
     "mesh_split",
     "neighborhood_attention_fn",
@@ -145,6 +146,14 @@ def neighborhood_attention_fn(plan: NeighborhoodPlan, implementation, split: Mes
     )
 
 
+def global_attention_fn(grid_in, in_shape, implementation) -> Callable:
+    """``attention(q, k, v, scale=...)`` of a global layer: the keys' weights are the ring grid ``grid_in``'s point
+    weights, or those of the latitudes of a regular ``grid_in`` (a name) of ``in_shape``; constants of the
+    program."""
+    weights = grid_in if isinstance(grid_in, RingGrid) else quadrature_weights(in_shape, grid_in)
+    return functools.partial(attention_s2, quad_weights=weights, implementation=implementation)
+
+
 def layer_spec(
     in_features,
     in_shape,
@@ -194,10 +203,14 @@ def layer_spec(
     )
 
 
-def ring_layer_shapes(plan: RingPlan, in_shape, out_shape) -> tuple[tuple[int], tuple[int]]:
-    """``(in_shape, out_shape)`` of a layer between ring grids: ``(npoints,)`` of each grid; given shapes must be
-    those (or None)."""
-    shapes = {"in_shape": (plan.npoints_in,), "out_shape": (plan.npoints_out,)}
+def ring_layer_shapes(grid_in, grid_out, in_shape, out_shape) -> tuple[tuple[int], tuple[int]]:
+    """``(in_shape, out_shape)`` of a layer between the ring grids ``grid_in`` and ``grid_out``: ``(npoints,)`` of
+    each grid; given shapes must be those (or None)."""
+    for grid, name in ((grid_in, "grid_in"), (grid_out, "grid_out")):
+        if not isinstance(grid, RingGrid):
+            raise TypeError(f"{name} must be a RingGrid like the other grid (a layer between ring grids), got "
+                            f"{grid!r}.")  # fmt: skip
+    shapes = {"in_shape": (grid_in.npoints,), "out_shape": (grid_out.npoints,)}
     for name, given in (("in_shape", in_shape), ("out_shape", out_shape)):
         if given is None:
             continue

@@ -29,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,7 +39,6 @@ from jax.sharding import Mesh
 from . import _layers
 from .grids import RingGrid, validate_grid
 from .ops import _checks, global_attention
-from .ops.global_attention import attention_s2, quadrature_weights
 from .plan import NeighborhoodPlan
 from .ring_plan import RingPlan
 
@@ -78,13 +76,15 @@ class _SphericalAttention(nn.Module):
         self._mesh_split(self._host_tables())
         super().__post_init__()
 
-    def _grid_shapes(self) -> tuple:
-        """``(in_shape, out_shape)`` as the layer's fields give them."""
-        return self.in_shape, self.out_shape
-
     def _rings(self) -> bool:
         """Whether the layer lies between ring grids (flat fields)."""
-        return False
+        return isinstance(self.grid_in, RingGrid) or isinstance(self.grid_out, RingGrid)
+
+    def _grid_shapes(self) -> tuple:
+        """``(in_shape, out_shape)``: the fields', or between ring grids their point counts."""
+        if self._rings():
+            return _layers.ring_layer_shapes(self.grid_in, self.grid_out, self.in_shape, self.out_shape)
+        return self.in_shape, self.out_shape
 
     @property
     def spec(self) -> _layers.LayerSpec:
@@ -171,14 +171,6 @@ class NeighborhoodAttentionS2(_SphericalAttention):
     lon_axis: str = "lon"
     batch_axis: str | None = None
 
-    def _rings(self) -> bool:
-        return isinstance(self.grid_in, RingGrid) or isinstance(self.grid_out, RingGrid)
-
-    def _grid_shapes(self) -> tuple:
-        if self._rings():
-            return _layers.ring_layer_shapes(self._ring_plan(), self.in_shape, self.out_shape)
-        return self.in_shape, self.out_shape
-
     def _ring_plan(self) -> RingPlan:
         return RingPlan(self.grid_in, self.grid_out, self.theta_cutoff)
 
@@ -207,16 +199,16 @@ class AttentionS2(_SphericalAttention):
     """Global attention on the sphere; Linen twin of :class:`jax_s2attn.nnx.AttentionS2`."""
 
     def _host_tables(self):
-        validate_grid(self.grid_in, "grid_in")
-        validate_grid(self.grid_out, "grid_out")
+        if not self._rings():
+            validate_grid(self.grid_in, "grid_in")
+            validate_grid(self.grid_out, "grid_out")
         return None
 
     def _check_implementation(self) -> None:
         global_attention.check_implementation(self.implementation)
 
     def _attention_fn(self, tables, split):
-        weights = quadrature_weights(self.spec.in_shape, self.grid_in)  # numpy: a constant of the program
-        return functools.partial(attention_s2, quad_weights=weights, implementation=self.implementation)
+        return _layers.global_attention_fn(self.grid_in, self.spec.in_shape, self.implementation)
 
 
 def load_torch_harmonics_state_dict(module: _SphericalAttention, state_dict: Mapping) -> dict:

@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -47,7 +46,6 @@ from jax.sharding import Mesh
 from . import _layers
 from .grids import RingGrid, validate_grid
 from .ops import _checks, global_attention
-from .ops.global_attention import attention_s2, quadrature_weights
 from .plan import NeighborhoodPlan
 from .ring_plan import RingPlan
 
@@ -196,7 +194,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
         rings = isinstance(grid_in, RingGrid) or isinstance(grid_out, RingGrid)
         if rings:
             plan = RingPlan(grid_in, grid_out, theta_cutoff)
-            in_shape, out_shape = _layers.ring_layer_shapes(plan, in_shape, out_shape)
+            in_shape, out_shape = _layers.ring_layer_shapes(grid_in, grid_out, in_shape, out_shape)
             _layers.check_no_mesh_for_rings(mesh)
         spec = _layers.layer_spec(
             in_features,
@@ -246,19 +244,21 @@ class AttentionS2(_SphericalAttention):
     Memory: the ``"xla"`` path stores ``4*B*H*T*S`` bytes of logits
     (``T``/``S`` = output/input grid points), e.g. 1.07 GB per batch element and
     head at 91x180; the cuDNN path (GPU, 16-bit dtypes) is linear in ``T + S``.
+    Between ring grids (two :class:`~jax_s2attn.RingGrid` objects, shapes left out) fields are flat and the keys'
+    weights are ``grid_in``'s point weights.
     """
 
     def __init__(
         self,
         in_features: int,
-        in_shape: tuple[int, int],
-        out_shape: tuple[int, int],
+        in_shape: tuple[int, int] | None = None,
+        out_shape: tuple[int, int] | None = None,
         *,
         num_heads: int = 1,
         qk_features: int | None = None,
         out_features: int | None = None,
-        grid_in: str = "equiangular",
-        grid_out: str = "equiangular",
+        grid_in: str | RingGrid = "equiangular",
+        grid_out: str | RingGrid = "equiangular",
         scale: float | None = None,
         normalize_qk: bool = False,
         use_bias: bool = True,
@@ -268,6 +268,9 @@ class AttentionS2(_SphericalAttention):
         implementation: str | None = None,
         rngs: nnx.Rngs,
     ):
+        rings = isinstance(grid_in, RingGrid) or isinstance(grid_out, RingGrid)
+        if rings:
+            in_shape, out_shape = _layers.ring_layer_shapes(grid_in, grid_out, in_shape, out_shape)
         spec = _layers.layer_spec(
             in_features,
             in_shape,
@@ -278,9 +281,11 @@ class AttentionS2(_SphericalAttention):
             scale=scale,
             normalize_qk=normalize_qk,
             use_bias=use_bias,
+            flat=rings,
         )
-        validate_grid(grid_in, "grid_in")
-        validate_grid(grid_out, "grid_out")
+        if not rings:
+            validate_grid(grid_in, "grid_in")
+            validate_grid(grid_out, "grid_out")
         global_attention.check_implementation(implementation)
         super().__init__(
             spec,
@@ -293,5 +298,4 @@ class AttentionS2(_SphericalAttention):
         self.grid_in = grid_in
 
     def _attention_fn(self):
-        weights = quadrature_weights(self.spec.in_shape, self.grid_in)  # numpy: a constant of the program
-        return functools.partial(attention_s2, quad_weights=weights, implementation=self.implementation)
+        return _layers.global_attention_fn(self.grid_in, self.spec.in_shape, self.implementation)

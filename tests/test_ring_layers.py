@@ -107,3 +107,32 @@ def test_fields_off_the_grid_are_refused_naming_the_flat_layout():
         layer(query, key.reshape(2, 13, 24, 6))
     with pytest.raises(ValueError, match=r"query has shape \(2, 191, 6\)"):
         layer(query[:, :191], key)
+
+
+def test_global_attention_between_ring_grids_is_the_neighbourhood_op_at_cutoff_pi():
+    """attention_s2 with a RingGrid (point weights, flat fields) against the neighbourhood op whose cutoff takes
+    every pair; and AttentionS2 (NNX, Linen) between ring grids on it."""
+    from jax_s2attn import attention_s2
+
+    grid_in, grid_out = RingGrid.healpix(2), RingGrid.latlon(5, 8)
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in ((2, grid_out.npoints, 2, 4), (2, grid_in.npoints, 2, 4), (2, grid_in.npoints, 2, 3)))  # fmt: skip
+    expected = neighborhood_attention(q, k, v, RingPlan(grid_in, grid_out, np.pi))
+    np.testing.assert_allclose(attention_s2(q, k, v, grid_in), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"key has shape \(2, 47, 2, 4\), expected \(2, 48, 2, 4\)"):
+        attention_s2(q, k[:, :47], v, grid_in)
+
+    layer = s2nnx.AttentionS2(6, grid_in=grid_in, grid_out=grid_out, num_heads=2, rngs=nnx.Rngs(5))
+    params = {name: getattr(layer, name)[...] for name in ("q_kernel", "k_kernel", "v_kernel", "out_kernel",
+                                                           "q_bias", "k_bias", "v_bias", "out_bias")}  # fmt: skip
+    query = jnp.asarray(rng.standard_normal((3, grid_out.npoints, 6)), jnp.float32)
+    key = jnp.asarray(rng.standard_normal((3, grid_in.npoints, 6)), jnp.float32)
+    plan = RingPlan(grid_in, grid_out, np.pi)
+    np.testing.assert_allclose(layer(query, key), _expected(params, query, key, plan, 2), rtol=1e-5, atol=1e-5)
+    module = linen.AttentionS2(6, grid_in=grid_in, grid_out=grid_out, num_heads=2)
+    variables = module.init(jax.random.key(0), query, key)
+    np.testing.assert_allclose(module.apply({"params": params}, query, key), layer(query, key), rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match=r"grid_out must be a RingGrid like the other grid"):
+        s2nnx.AttentionS2(6, grid_in=grid_in, grid_out="equiangular", rngs=nnx.Rngs(0))
+    assert set(variables) == {"params"}

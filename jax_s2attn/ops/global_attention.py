@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..grids import quadrature_weights
+from ..grids import RingGrid, quadrature_weights
 from ..plan import NeighborhoodPlan
 from ._checks import check_arrays, check_plan, check_scale
 
@@ -70,12 +70,14 @@ def attention_s2(
     ``theta_cutoff >= pi``. See the module docstring for the memory each path needs.
 
     Args:
-      query: ``[B..., nlat_out, nlon_out, H, Dk]``.
-      key: ``[B..., nlat_in, nlon_in, H, Dk]``.
-      value: ``[B..., nlat_in, nlon_in, H, Dv]``; one float dtype for all three.
+      query: ``[B..., nlat_out, nlon_out, H, Dk]`` (``quad_weights`` a ring grid: ``[B..., npoints_out, H, Dk]``,
+        the output grid's points in ring order).
+      key: ``[B..., nlat_in, nlon_in, H, Dk]`` (a ring grid: ``[B..., npoints_in, H, Dk]``).
+      value: ``[B..., nlat_in, nlon_in, H, Dv]`` (``[B..., npoints_in, H, Dv]``); one float dtype for all three.
       quad_weights: per-latitude weights of the input grid, ``[nlat_in]`` (e.g.
         :func:`quadrature_weights`), or a :class:`~jax_s2attn.NeighborhoodPlan`
-        whose input grid is the key grid (its weights are used). Only the
+        whose input grid is the key grid (its weights are used), or the input grid as a
+        :class:`~jax_s2attn.RingGrid` (its point weights; fields are then flat). Only the
         latitude profile matters: a common factor cancels. A weight of 0 removes
         the key. Weights known when traced (numpy, or concrete arrays) must be
         finite and non-negative with one positive (a ``ValueError`` otherwise);
@@ -84,15 +86,18 @@ def attention_s2(
       implementation: ``"xla"``, ``"cudnn"`` or ``None`` (pick, see the module docstring).
 
     Returns:
-      ``[B..., nlat_out, nlon_out, H, Dv]`` in the input dtype.
+      ``[B..., nlat_out, nlon_out, H, Dv]`` (``[B..., npoints_out, H, Dv]``) in the input dtype.
     """
     check_implementation(implementation)
-    if isinstance(quad_weights, NeighborhoodPlan):
-        check_plan(quad_weights)
-        weights = quad_weights.quad_weights
+    if isinstance(quad_weights, RingGrid):
+        batch, heads, dk, dv = _check_ring_inputs(query, key, value, quad_weights)
+        weights, points_per_weight = quad_weights.point_weights(), 1
     else:
-        weights = quad_weights
-    batch, heads, dk, dv = _check_inputs(query, key, value, weights)
+        if isinstance(quad_weights, NeighborhoodPlan):
+            check_plan(quad_weights)
+            quad_weights = quad_weights.quad_weights
+        batch, heads, dk, dv = _check_inputs(query, key, value, quad_weights)
+        weights, points_per_weight = quad_weights, key.shape[-3]
     scale = check_scale(scale, dk)
     dtype = query.dtype
     folded_dim = _round_up(max(dk + _FOLD_CHANNELS, dv), _CUDNN_HEAD_DIM_MULTIPLE)
@@ -110,19 +115,17 @@ def attention_s2(
         )
 
     flat = math.prod(batch)
-    nlat_out, nlon_out = query.shape[-4:-2]
     if flat * heads == 0:  # an empty batch axis or no heads: nothing to compute
-        return jnp.zeros((*batch, nlat_out, nlon_out, heads, dv), dtype)
-    nlon_in = key.shape[-3]
+        return jnp.zeros((*query.shape[:-1], dv), dtype)
     q = query.reshape(flat, -1, heads, dk)
     k = key.reshape(flat, -1, heads, dk)
     v = value.reshape(flat, -1, heads, dv)
-    log_w = _log_weights(weights, nlon_in)
+    log_w = _log_weights(weights, points_per_weight)
     if implementation == "cudnn":
         out = _attention_cudnn_folded(q, k, v, log_w, scale, folded_dim)
     else:
         out = _attention_xla(q, k, v, log_w, scale)
-    return out.reshape(*batch, nlat_out, nlon_out, heads, dv)
+    return out.reshape(*query.shape[:-1], dv)
 
 
 def check_implementation(implementation) -> None:
@@ -142,7 +145,8 @@ def _pad_head_dim(x, size: int):
 
 
 def _log_weights(weights, nlon_in: int):
-    """``log w`` per key ``[nlat_in*nlon_in]``, float32, shifted so its maximum is 0.
+    """``log w`` per key ``[len(weights) * nlon_in]`` (each weight repeated ``nlon_in`` times: a latitude's, or
+    a point's once), float32, shifted so its maximum is 0.
 
     The shift cancels in the softmax and keeps the values near 0, where a
     low-precision copy of them is most accurate.
@@ -213,6 +217,21 @@ def _check_inputs(query, key, value, weights) -> tuple[tuple[int, ...], int, int
                 "and key: key and value share the input grid, and batch axes and heads match the query."
             )
     _check_weights(weights, nlat_in)
+    return batch, heads, dk, dv
+
+
+def _check_ring_inputs(query, key, value, grid: RingGrid) -> tuple[tuple[int, ...], int, int, int]:
+    """Validate flat fields on the ring grid ``grid`` of the keys; return ``(batch_shape, heads, Dk, Dv)``."""
+    check_arrays(query, key, value, "[..., npoints, heads, head_dim]", rank=3)
+    batch, heads, dk, dv = tuple(query.shape[:-3]), query.shape[-2], query.shape[-1], value.shape[-1]
+    expected = {"key": (*batch, grid.npoints, heads, dk), "value": (*batch, grid.npoints, heads, dv)}
+    for name, x in (("key", key), ("value", value)):
+        if tuple(x.shape) != expected[name]:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}, expected {expected[name]}: {name} lies on the input grid "
+                f"{grid.name} ({grid.npoints} points in ring order), batch axes and heads as the query's "
+                f"{tuple(query.shape)}."
+            )
     return batch, heads, dk, dv
 
 
