@@ -14,6 +14,7 @@ residue ``i mod (n_a / g)``; a geodesic ball meets a ring in one arc.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -234,7 +235,6 @@ class RingPlan:
             if not isinstance(grid, RingGrid):
                 raise TypeError(f"{name} must be a RingGrid (RingGrid.healpix, RingGrid.octahedral, RingGrid.latlon "
                                 f"or your own rings), got {type(grid).__name__}.")  # fmt: skip
-        for grid, name in ((grid_in, "grid_in"), (grid_out, "grid_out")):
             if grid.npoints >= 2**31:
                 raise ValueError(f"{name} has {grid.npoints} points; a RingPlan indexes points with int32 (< 2^31).")
         if theta_cutoff is None:
@@ -291,30 +291,20 @@ def _largest_spacing(grid: RingGrid) -> float:
     return float(np.max(np.diff(grid.colatitudes))) if grid.nrings > 1 else float(np.pi)
 
 
-_PLAN_CACHE: dict = {}
-_PLAN_CACHE_SIZE = 16
-
-
+@functools.lru_cache(maxsize=16)
 def _build_ring_plan(grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float) -> RingPlan:
-    key = (grid_in, grid_out, theta_cutoff)
-    plan = _PLAN_CACHE.get(key)
-    if plan is not None:
-        return plan
     arcs = ring_arcs(grid_in, grid_out, theta_cutoff)
     patterns = ring_patterns(grid_in, grid_out, arcs)
     lengths = patterns.lengths
     if (lengths == 0).any():
         raise _empty_neighbourhood_error(grid_out, grid_in, patterns, theta_cutoff)
     plan = object.__new__(RingPlan)
-    for name, value in dict(_key=key, grid_in=grid_in, grid_out=grid_out, theta_cutoff=float(theta_cutoff), arcs=arcs,
-                            patterns=patterns, num_pairs=arcs.num_pairs(grid_out),
-                            max_neighbors=int(lengths.max())).items():  # fmt: skip
+    for name, value in dict(_key=(grid_in, grid_out, theta_cutoff), grid_in=grid_in, grid_out=grid_out,
+                            theta_cutoff=float(theta_cutoff), arcs=arcs, patterns=patterns,
+                            num_pairs=arcs.num_pairs(grid_out), max_neighbors=int(lengths.max())).items():  # fmt: skip
         object.__setattr__(plan, name, value)
     for table in (*arcs[:4], *patterns):
         table.setflags(write=False)
-    if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
-        _PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))
-    _PLAN_CACHE[key] = plan
     return plan
 
 

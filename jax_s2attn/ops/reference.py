@@ -63,6 +63,27 @@ def _chunk_size(count: int, per_query: int, chunk_elements: int) -> int:
     return int(min(max(count, 1), max(1, chunk_elements // max(1, per_query))))
 
 
+def _arc_slots(offsets, arcs, pattern, max_arcs: int, width: int, length_column: int):
+    """Each query's ``width`` neighbour slots laid in order over the arcs of its pattern, ``arcs[offsets[p] :
+    offsets[p + 1]]`` (rows whose column ``length_column`` is the arc's length; at most ``max_arcs`` a pattern).
+
+    Returns ``(fields, offset, valid)``: the row of each slot's arc ``[c, width, columns]``, the slot's place in
+    that arc ``[c, width]``, and whether the slot is a neighbour at all (not padding).
+    """
+    start, stop = offsets[pattern], offsets[pattern + 1]
+    slots = start[:, None] + jnp.arange(max_arcs)[None, :]
+    present = slots < stop[:, None]
+    arc = arcs[jnp.where(present, slots, 0)]  # [c, A, columns]
+    length = jnp.where(present, arc[..., length_column], 0)
+    ends = jnp.cumsum(length, axis=-1)
+    slot = jnp.arange(width)
+    which = jnp.minimum(jnp.sum(ends[:, None, :] <= slot[None, :, None], axis=-1), max_arcs - 1)
+    fields = jnp.take_along_axis(arc, which[..., None], axis=1)
+    offset = slot[None, :] - jnp.take_along_axis(ends - length, which, axis=-1)
+    valid = slot[None, :] < ends[:, -1:]
+    return fields, offset, valid
+
+
 def _neighbours(plan, pattern, position, max_arcs: int, width: int, key_window=None):
     """Neighbour slots of queries ``(pattern, position)``, each ``[c]``.
 
@@ -72,20 +93,10 @@ def _neighbours(plan, pattern, position, max_arcs: int, width: int, key_window=N
     """
     table, tables = plan.forward_arcs, plan.tables
     nlon_k = plan.nlon_in
-    start = tables.forward_offsets[pattern]
-    stop = tables.forward_offsets[pattern + 1]
-    slots = start[:, None] + jnp.arange(max_arcs)[None, :]
-    present = slots < stop[:, None]
-    arc = tables.forward_arcs[jnp.where(present, slots, 0)]  # [c, A, 3]
-    length = jnp.where(present, arc[..., 2], 0)
-    ends = jnp.cumsum(length, axis=-1)
-    slot = jnp.arange(width)
-    which = jnp.minimum(jnp.sum(ends[:, None, :] <= slot[None, :, None], axis=-1), max_arcs - 1)
-    row = jnp.take_along_axis(arc[..., 0], which, axis=-1)
-    lo = jnp.take_along_axis(arc[..., 1], which, axis=-1)
-    offset = slot[None, :] - jnp.take_along_axis(ends - length, which, axis=-1)
+    # Arcs (row, lo, len).
+    fields, offset, valid = _arc_slots(tables.forward_offsets, tables.forward_arcs, pattern, max_arcs, width, 2)
+    row, lo = fields[..., 0], fields[..., 1]
     lon = (lo + offset + table.shift * position[:, None]) % nlon_k
-    valid = slot[None, :] < ends[:, -1:]
     if key_window is None:
         return row * nlon_k + lon, row, valid
     lat0, lon0, nlat, nlon, local_nlat, local_nlon = key_window

@@ -19,7 +19,8 @@ import numpy as np
 
 from ..grids import RingGrid
 from ..ring_plan import RingPatterns, RingPlan
-from .reference import DEFAULT_CHUNK_ELEMENTS, _chunk_size, _gather, _logits, _softmax_attend, scatter_chunks
+from .reference import (DEFAULT_CHUNK_ELEMENTS, _arc_slots, _chunk_size, _gather, _logits, _softmax_attend,
+                        scatter_chunks)  # fmt: skip
 
 __all__ = ["reference_ring_attention"]
 
@@ -76,17 +77,8 @@ def _buckets(grid_out: RingGrid, table: RingPatterns):
 def _neighbours(table: RingPatterns, pattern, position, max_arcs: int, width: int):
     """``(key_index, key_ring, valid)`` of the neighbour slots of queries ``(pattern, position)``, each ``[c,
     width]``."""
-    offsets, arcs = jnp.asarray(table.offsets), jnp.asarray(table.arcs)
-    start, stop = offsets[pattern], offsets[pattern + 1]
-    slots = start[:, None] + jnp.arange(max_arcs)[None, :]
-    present = slots < stop[:, None]
-    arc = arcs[jnp.where(present, slots, 0)]  # [c, A, 6]
-    length = jnp.where(present, arc[..., 3], 0)
-    ends = jnp.cumsum(length, axis=-1)
-    slot = jnp.arange(width)
-    which = jnp.minimum(jnp.sum(ends[:, None, :] <= slot[None, :, None], axis=-1), max_arcs - 1)
-    field = lambda f: jnp.take_along_axis(arc[..., f], which, axis=-1)  # noqa: E731
-    offset = slot[None, :] - jnp.take_along_axis(ends - length, which, axis=-1)
-    lon = (field(2) + offset + field(5) * position[:, None]) % field(4)
-    valid = slot[None, :] < ends[:, -1:]
-    return field(1) + lon, field(0), valid
+    # Arcs (key ring, first point of the ring, start, length, nlon, shift).
+    fields, offset, valid = _arc_slots(jnp.asarray(table.offsets), jnp.asarray(table.arcs), pattern, max_arcs,
+                                       width, 3)  # fmt: skip
+    lon = (fields[..., 2] + offset + fields[..., 5] * position[:, None]) % fields[..., 4]
+    return fields[..., 1] + lon, fields[..., 0], valid
