@@ -28,13 +28,15 @@ __all__ = ["RingArcs", "RingPatterns", "RingPlan", "ring_arcs", "ring_patterns"]
 
 
 class RingArcs(NamedTuple):
-    """The neighbourhoods of every point of an output ring grid among an input ring grid's points.
+    """The neighbourhoods of every point of a *walking* ring grid among a *visited* ring grid's points: the input
+    points each output point attends to (the queries' walk, the forward's), or the output points attending to each
+    input point (the keys' walk, the backward's dk and dv).
 
-    ``pairs[p] = (a, b, period, shift)``: output ring ``a`` sees input ring ``b``; output point ``i`` of ring ``a``
-    (counted from the ring's first point) sees the ``arcs[pair_offsets[p] + i % period] = (start, length)`` arc
-    of ring ``b`` moved on by ``(i // period) * shift``: key indices ``(start + (i // period) * shift + t) mod
-    nlon_b`` for ``t < length``. Pairs are sorted by ``a``, then ``b``; ``ring_pairs[a] .. ring_pairs[a + 1]``
-    are ring ``a``'s. A pair is listed where some residue sees ring ``b``; a residue that sees none of it has an
+    ``pairs[p] = (a, b, period, shift)``: walking ring ``a`` meets visited ring ``b``; walking point ``i`` of ring
+    ``a`` (counted from the ring's first point) meets the ``arcs[pair_offsets[p] + i % period] = (start, length)``
+    arc of ring ``b`` moved on by ``(i // period) * shift``: visited indices ``(start + (i // period) * shift + t)
+    mod nlon_b`` for ``t < length``. Pairs are sorted by ``a``, then ``b``; ``ring_pairs[a] .. ring_pairs[a + 1]``
+    are ring ``a``'s. A pair is listed where some residue meets ring ``b``; a residue that meets none of it has an
     arc of ``length`` 0.
     """
 
@@ -45,8 +47,8 @@ class RingArcs(NamedTuple):
     theta_cutoff: float
 
     def keys_of(self, grid_in: RingGrid, grid_out: RingGrid, point: int) -> np.ndarray:
-        """Indices (ring order of ``grid_in``) of the keys output point ``point`` (ring order) attends to,
-        ascending."""
+        """Indices (ring order of the visited grid ``grid_in``) of the points walking point ``point`` (ring order of
+        ``grid_out``, the walking grid) meets, ascending."""
         a = int(np.searchsorted(grid_out.ring_offsets, point, side="right") - 1)
         i = point - int(grid_out.ring_offsets[a])
         keys = []
@@ -58,8 +60,8 @@ class RingArcs(NamedTuple):
         return np.sort(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
 
     def num_pairs(self, grid_out: RingGrid) -> int:
-        """(Output point, input point) pairs of the neighbourhoods of ``grid_out`` (the grid they were built
-        for), summed over every output point."""
+        """Pairs of the neighbourhoods of the walking grid ``grid_out`` (the grid they were built for), summed over
+        every walking point."""
         if not len(self.pairs):
             return 0
         lengths = np.add.reduceat(self.arcs[:, 1], self.pair_offsets[:-1])
@@ -67,22 +69,26 @@ class RingArcs(NamedTuple):
         return int(np.sum(lengths * per_period))
 
 
-def ring_arcs(grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float) -> RingArcs:
-    """The neighbourhoods of ``grid_out``'s points among ``grid_in``'s within ``theta_cutoff`` radians (the
-    module's rule), as :class:`RingArcs`."""
+def ring_arcs(grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float, walk: str = "queries") -> RingArcs:
+    """The neighbourhoods of attention from ``grid_in`` to ``grid_out`` within ``theta_cutoff`` radians (the
+    module's rule), as :class:`RingArcs`: ``walk="queries"`` walks ``grid_out`` (each output point's input
+    neighbours), ``walk="keys"`` walks ``grid_in`` (each input point's output neighbours). Both evaluate the rule
+    on the same ``(query, key)`` integers, so one is exactly the other transposed."""
     for grid, name in ((grid_in, "grid_in"), (grid_out, "grid_out")):
         if not isinstance(grid, RingGrid):
             raise TypeError(f"{name} must be a RingGrid, got {type(grid).__name__}; build one with RingGrid.latlon, "
                             "RingGrid.healpix or RingGrid.octahedral.")  # fmt: skip
+    if walk not in ("queries", "keys"):
+        raise ValueError(f"walk must be 'queries' or 'keys', got {walk!r}.")
     theta_cutoff = _validate.positive_finite(theta_cutoff, "theta_cutoff", " in radians", "; pass e.g. 0.05")
     eff = (1.0 + THETA_CUTOFF_EPS) * theta_cutoff
-    theta_out, theta_in = grid_out.colatitudes, grid_in.colatitudes
-    lo = np.searchsorted(theta_in, theta_out - eff, side="left")
-    hi = np.searchsorted(theta_in, theta_out + eff, side="right")
+    walking, visited = (grid_out, grid_in) if walk == "queries" else (grid_in, grid_out)
+    lo = np.searchsorted(visited.colatitudes, walking.colatitudes - eff, side="left")
+    hi = np.searchsorted(visited.colatitudes, walking.colatitudes + eff, side="right")
     pairs, offsets, arcs, ring_pairs = [], [0], [], [0]
-    for a in range(grid_out.nrings):
+    for a in range(walking.nrings):
         for b in range(int(lo[a]), int(hi[a])):
-            found = _pair_arcs(grid_out, grid_in, a, b, eff)
+            found = _pair_arcs(grid_out, grid_in, *((a, b) if walk == "queries" else (b, a)), eff, walk)
             if found is None:
                 continue
             period, shift, pair_arcs = found
@@ -100,9 +106,10 @@ def ring_arcs(grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float) -> Rin
 
 
 class RingPatterns(NamedTuple):
-    """Per query pattern its arcs: ``arcs[offsets[p]:offsets[p + 1]]`` rows of ``(key ring, first key index of
-    the ring, start, length, nlon, shift)``; query ``i`` of ring ``a`` has pattern ``ring_patterns[a] + i %
-    period[a]`` and sees keys ``first + (start + (i // period[a]) * shift + t) % nlon``, ``t < length``."""
+    """Per walking pattern its arcs: ``arcs[offsets[p]:offsets[p + 1]]`` rows of ``(visited ring, first point of
+    the ring, start, length, nlon, shift)``; walking point ``i`` of ring ``a`` has pattern ``ring_patterns[a] + i %
+    period[a]`` and meets the points ``first + (start + (i // period[a]) * shift + t) % nlon``, ``t < length``, of
+    the visited grid (ring order)."""
 
     offsets: np.ndarray  # int64 [npatterns + 1]
     arcs: np.ndarray  # int32 [narcs, 6]
@@ -116,14 +123,15 @@ class RingPatterns(NamedTuple):
         return total[self.offsets[1:]] - total[self.offsets[:-1]]
 
 
-def ring_patterns(grid_in: RingGrid, grid_out: RingGrid, table: RingArcs) -> RingPatterns:
-    """The query patterns of the neighbourhoods ``table`` (:func:`ring_arcs` of the two grids)."""
+def ring_patterns(visited: RingGrid, walking: RingGrid, table: RingArcs) -> RingPatterns:
+    """The walking patterns of the neighbourhoods ``table`` (:func:`ring_arcs` walking ``walking`` and visiting
+    ``visited``)."""
     counts, arcs, periods = [], [], []
-    for a in range(grid_out.nrings):
-        n_a = int(grid_out.nlon[a])
+    for a in range(walking.nrings):
+        n_a = int(walking.nlon[a])
         first, last = int(table.ring_pairs[a]), int(table.ring_pairs[a + 1])
         pairs = table.pairs[first:last]
-        n_b = grid_in.nlon[pairs[:, 1]]
+        n_b = visited.nlon[pairs[:, 1]]
         common = math.gcd(n_a, *(int(n) for n in n_b))
         period = n_a // common
         # [pair, residue] arcs of each of the ring's pairs for the ring's residues r: the pair's residue r mod its
@@ -134,7 +142,7 @@ def ring_patterns(grid_in: RingGrid, grid_out: RingGrid, table: RingArcs) -> Rin
         start = (start + (r // pair_period) * pair_shift) % n_b[:, None]
         p, residue = np.nonzero((length > 0).T)[::-1]  # ordered by residue, then pair
         b = pairs[p, 1]
-        arcs.append(np.stack([b, grid_in.ring_offsets[b], start[p, residue], length[p, residue], n_b[p],
+        arcs.append(np.stack([b, visited.ring_offsets[b], start[p, residue], length[p, residue], n_b[p],
                               n_b[p] // common], axis=1))  # fmt: skip
         counts.append(np.bincount(residue, minlength=period))
         periods.append(period)
@@ -147,39 +155,46 @@ def ring_patterns(grid_in: RingGrid, grid_out: RingGrid, table: RingArcs) -> Rin
     )
 
 
-def _pair_arcs(grid_out: RingGrid, grid_in: RingGrid, a: int, b: int, eff: float):
-    """``(period, shift, arcs [period, 2])`` of output ring ``a`` against input ring ``b``, or None where no
-    residue sees any of ring ``b``."""
+def _pair_arcs(grid_out: RingGrid, grid_in: RingGrid, a: int, b: int, eff: float, walk: str = "queries"):
+    """``(period, shift, arcs [period, 2])`` of output ring ``a`` and input ring ``b`` walking ring ``a``'s
+    queries (``walk="queries"``) or ring ``b``'s keys (``"keys"``), or None where no residue meets the other
+    ring. Either way membership is the rule on query ``i`` of ring ``a`` and key ``j`` of ring ``b``."""
     n_a, n_b = int(grid_out.nlon[a]), int(grid_in.nlon[b])
     g = math.gcd(n_a, n_b)
-    period, shift = n_a // g, n_b // g
     theta_a, theta_b = float(grid_out.colatitudes[a]), float(grid_in.colatitudes[b])
     offset = float(grid_in.first_longitude[b]) - float(grid_out.first_longitude[a])
+    # n_walk points walk, n_other are visited; the other ring's longitudes relative to the walking ring's are
+    # `sign * offset` on.
+    n_walk, n_other, sign = (n_a, n_b, 1.0) if walk == "queries" else (n_b, n_a, -1.0)
+    period, shift = n_walk // g, n_other // g
     residues = np.arange(period, dtype=np.int64)
-    # Where each residue's query falls on ring b's lattice (in key steps), and the arc's half-width there.
-    centre = (residues * n_b / n_a - offset * n_b / (2.0 * np.pi))
+    # Where each residue's walking point falls on the other ring's lattice (in its steps), and the arc's
+    # half-width there.
+    centre = residues * n_other / n_walk - sign * offset * n_other / (2.0 * np.pi)
     sin_product = np.sin(theta_a) * np.sin(theta_b)
     cos_half = (np.cos(eff) - np.cos(theta_a) * np.cos(theta_b)) / sin_product if sin_product > 0 else -np.inf
     if cos_half <= -1.0:
-        half_steps = n_b  # the whole ring, if anything
+        half_steps = n_other  # the whole ring, if anything
     elif cos_half > 1.0:
         half_steps = 0.0  # at most the nearest key (rounding), checked below
     else:
-        half_steps = np.arccos(cos_half) * n_b / (2.0 * np.pi)
+        half_steps = np.arccos(cos_half) * n_other / (2.0 * np.pi)
     # A window a few keys wider than the analytic arc on each side; where rounding puts a member at its edge,
     # wider, up to the whole ring.
-    for margin in (2, 64, n_b):
-        width = int(min(n_b, math.floor(2 * half_steps) + 2 * margin + 2))
+    for margin in (2, 64, n_other):
+        width = int(min(n_other, math.floor(2 * half_steps) + 2 * margin + 2))
         first = np.floor(centre - half_steps).astype(np.int64) - margin
         j = first[:, None] + np.arange(width)[None, :]
-        inside = _member(n_a, n_b, offset, theta_a, theta_b, residues[:, None], j, eff)
-        if width == n_b or not np.any(inside[:, 0] | inside[:, -1]):
+        walking = residues[:, None]
+        query, key = (walking, j) if walk == "queries" else (j, walking)
+        inside = _member(n_a, n_b, offset, theta_a, theta_b, query, key, eff)
+        if width == n_other or not np.any(inside[:, 0] | inside[:, -1]):
             break
     arcs = np.zeros((period, 2), np.int64)
     count = inside.sum(axis=1)
-    if width == n_b:  # the window is the whole ring: its members must be one cyclic run
+    if width == n_other:  # the window is the whole ring: its members must be one cyclic run
         starts = inside & ~np.roll(inside, 1, axis=1)
-        full = count == n_b
+        full = count == n_other
         if np.any(~full & (count > 0) & (starts.sum(axis=1) != 1)):
             raise RuntimeError(f"rings {a} and {b}: a neighbourhood is not one arc")
         at = np.where(full, 0, np.argmax(starts, axis=1))
@@ -188,7 +203,7 @@ def _pair_arcs(grid_out: RingGrid, grid_in: RingGrid, a: int, b: int, eff: float
         if np.any((count > 0) & (starts.sum(axis=1) != 1)):
             raise RuntimeError(f"rings {a} and {b}: a neighbourhood is not one arc")
         at = np.argmax(inside, axis=1)
-    arcs[:, 0] = np.mod(j[np.arange(period), at], n_b)
+    arcs[:, 0] = np.mod(j[np.arange(period), at], n_other)
     arcs[:, 1] = count
     if not arcs[:, 1].any():
         return None
@@ -224,11 +239,13 @@ class RingPlan:
     arguments alike (their tables are host constants).
 
     Attributes: ``grid_in``, ``grid_out``, ``theta_cutoff`` (radians), ``arcs`` (:class:`RingArcs`), ``patterns``
-    (:class:`RingPatterns`, what the reference walks), ``num_pairs`` (neighbour pairs over all output points),
+    (:class:`RingPatterns`, what the reference and the native forward and dq walk), ``key_patterns`` (the keys'
+    walk of the native dk and dv, built on first use), ``num_pairs`` (neighbour pairs over all output points),
     ``max_neighbors`` (largest neighbourhood).
     """
 
-    __slots__ = ("_key", "grid_in", "grid_out", "theta_cutoff", "arcs", "patterns", "num_pairs", "max_neighbors")
+    __slots__ = ("_key", "grid_in", "grid_out", "theta_cutoff", "arcs", "patterns", "num_pairs", "max_neighbors",
+                 "_key_patterns")  # fmt: skip
 
     def __new__(cls, grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float | None = None):
         for grid, name in ((grid_in, "grid_in"), (grid_out, "grid_out")):
@@ -258,6 +275,18 @@ class RingPlan:
     def __repr__(self) -> str:
         return (f"RingPlan(grid_in={self.grid_in.name!r}, grid_out={self.grid_out.name!r}, "
                 f"theta_cutoff={self.theta_cutoff!r}, num_pairs={self.num_pairs})")  # fmt: skip
+
+    @property
+    def key_patterns(self) -> RingPatterns:
+        """The neighbourhoods walked from the keys (each input point's output points), exactly the transpose of
+        :attr:`patterns`: the walk of the native dk and dv. Built on first use (about as long as the plan)."""
+        if self._key_patterns is None:
+            table = ring_arcs(self.grid_in, self.grid_out, self.theta_cutoff, walk="keys")
+            patterns = ring_patterns(self.grid_out, self.grid_in, table)
+            for array in patterns:
+                array.setflags(write=False)
+            object.__setattr__(self, "_key_patterns", patterns)
+        return self._key_patterns
 
     @property
     def npoints_in(self) -> int:
@@ -301,7 +330,8 @@ def _build_ring_plan(grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float)
     plan = object.__new__(RingPlan)
     for name, value in dict(_key=(grid_in, grid_out, theta_cutoff), grid_in=grid_in, grid_out=grid_out,
                             theta_cutoff=float(theta_cutoff), arcs=arcs, patterns=patterns,
-                            num_pairs=arcs.num_pairs(grid_out), max_neighbors=int(lengths.max())).items():  # fmt: skip
+                            num_pairs=arcs.num_pairs(grid_out), max_neighbors=int(lengths.max()),
+                            _key_patterns=None).items():  # fmt: skip
         object.__setattr__(plan, name, value)
     for table in (*arcs[:4], *patterns):
         table.setflags(write=False)

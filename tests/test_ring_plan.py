@@ -7,7 +7,7 @@ import pytest
 
 from jax_s2attn import NeighborhoodPlan
 from jax_s2attn.grids import RingGrid
-from jax_s2attn.ring_plan import RingArcs, ring_arcs
+from jax_s2attn.ring_plan import RingArcs, RingPlan, ring_arcs
 
 CASES = {
     "healpix self": (RingGrid.healpix(4), RingGrid.healpix(4), 0.3),
@@ -60,6 +60,27 @@ def test_arcs_are_the_rule_on_every_pair(name):
     assert arcs.num_pairs(grid_out) == sum(arcs.keys_of(grid_in, grid_out, o).size for o in range(grid_out.npoints))
     key_ring = np.repeat(arcs.pairs[:, 1], arcs.pairs[:, 2])
     assert np.all(arcs.arcs[:, 1] <= grid_in.nlon[key_ring])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_keys_walk_is_exactly_the_queries_walk_transposed(name):
+    grid_out, grid_in, theta_cutoff = CASES[name]
+    queries = ring_arcs(grid_in, grid_out, theta_cutoff)
+    keys = ring_arcs(grid_in, grid_out, theta_cutoff, walk="keys")
+    forward = {(o, int(i)) for o in range(grid_out.npoints) for i in queries.keys_of(grid_in, grid_out, o)}
+    backward = {(int(o), i) for i in range(grid_in.npoints) for o in keys.keys_of(grid_out, grid_in, i)}
+    assert forward == backward and keys.num_pairs(grid_in) == len(forward)
+    # The plan's key patterns walk the same pairs (each pattern's arcs at each of its positions).
+    patterns = RingPlan(grid_in, grid_out, theta_cutoff).key_patterns
+    walked = set()
+    for b in range(grid_in.nrings):
+        for j in range(int(grid_in.nlon[b])):
+            pattern = patterns.ring_patterns[b] + j % patterns.period[b]
+            arcs = patterns.arcs[patterns.offsets[pattern] : patterns.offsets[pattern + 1]]
+            for _, first, start, length, nlon, shift in arcs:
+                lon = (start + (j // patterns.period[b]) * shift + np.arange(length)) % nlon
+                walked |= {(int(o), int(grid_in.ring_offsets[b] + j)) for o in first + lon}
+    assert walked == forward
 
 
 @pytest.mark.parametrize(
@@ -128,6 +149,7 @@ def test_large_grids_build_in_seconds_with_their_pair_counts():
         ((RingGrid.healpix(2), "healpix", 0.3), TypeError, r"grid_out must be a RingGrid"),
         ((RingGrid.healpix(2), RingGrid.healpix(2), 0.0), ValueError, r"theta_cutoff"),
         ((RingGrid.healpix(2), RingGrid.healpix(2), float("nan")), ValueError, r"theta_cutoff"),
+        ((RingGrid.healpix(2), RingGrid.healpix(2), 0.3, "rows"), ValueError, r"walk must be 'queries' or 'keys'"),
     ],
 )
 def test_bad_arguments_are_refused(arguments, error, match):
