@@ -60,6 +60,14 @@ nanobind::dict NbhdRegistrations(Fwd* forward, Dq* backward_dq, Dkv* backward_dk
   return targets;
 }
 
+// Adds the ring-grid targets (CPU) to a registrations() dict.
+template <typename Fwd, typename Dq, typename Dkv>
+void AddRingRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+  targets[kTargetRingForward] = HandlerCapsule(forward);
+  targets[kTargetRingBackwardDq] = HandlerCapsule(backward_dq);
+  targets[kTargetRingBackwardDkv] = HandlerCapsule(backward_dkv);
+}
+
 // Adds the tiled targets (CUDA only) to a registrations() dict.
 template <typename Fwd, typename Dq, typename Dkv, typename DqDelta>
 void AddTiledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv,

@@ -113,4 +113,65 @@ auto BindBackwardDkv(Binding&& binding) {
                        .template Ret<ffi::AnyBuffer>());
 }
 
+// ------------------------------------------------------------------ ring targets
+
+// Attributes of the ring targets: the logit scale and the sizes of one copy of the tables.
+template <typename Binding>
+auto BindRingAttrs(Binding&& binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("walk_ring_count")     // rings of the walking grid
+      .template Attr<int64_t>("visited_ring_count")  // rings of the visited grid
+      .template Attr<int64_t>("pattern_count")        // patterns of the walk
+      .template Attr<int64_t>("max_ring_points");     // points of the walking grid's largest ring
+}
+
+// The ring targets' tables after their activations (common/ring_walk.h), then the operands aliased to results.
+template <typename Binding>
+auto BindRingTables(Binding&& binding) {
+  return std::move(binding)
+      .template Arg<I32Buffer>()  // walk_rings
+      .template Arg<I32Buffer>()  // ring_order: walking rings, most points first
+      .template Arg<I32Buffer>()  // pattern_offsets
+      .template Arg<I32Buffer>()  // pattern_arcs
+      .template Arg<F32Buffer>()  // quad_weights: per visited ring (forward, dq) or walking ring (dk/dv)
+      .RemainingArgs();
+}
+
+// jax_s2attn_ring_fwd: (q, k, v, tables) -> (out, lse).
+template <typename Binding>
+auto BindRingForward(Binding&& binding) {
+  return BindRingAttrs(BindRingTables(std::move(binding)
+                                          .template Arg<ffi::AnyBuffer>()   // q
+                                          .template Arg<ffi::AnyBuffer>()   // k
+                                          .template Arg<ffi::AnyBuffer>())  // v
+                           .template Ret<ffi::AnyBuffer>()                  // out (float32)
+                           .template Ret<F32Buffer>());                     // lse
+}
+
+// Operands of the ring backward targets: q, k, v, dout, lse, delta, then the tables.
+template <typename Binding>
+auto BindRingBackwardArgs(Binding&& binding) {
+  return BindRingTables(std::move(binding)
+                            .template Arg<ffi::AnyBuffer>()  // q
+                            .template Arg<ffi::AnyBuffer>()  // k
+                            .template Arg<ffi::AnyBuffer>()  // v
+                            .template Arg<ffi::AnyBuffer>()  // dout
+                            .template Arg<F32Buffer>()       // lse
+                            .template Arg<F32Buffer>());     // delta
+}
+
+// jax_s2attn_ring_bwd_dq: backward operands, the queries' walk -> dq (float32).
+template <typename Binding>
+auto BindRingBackwardDq(Binding&& binding) {
+  return BindRingAttrs(BindRingBackwardArgs(std::move(binding)).template Ret<ffi::AnyBuffer>());
+}
+
+// jax_s2attn_ring_bwd_dkv: backward operands, the keys' walk -> (dk, dv) (float32).
+template <typename Binding>
+auto BindRingBackwardDkv(Binding&& binding) {
+  return BindRingAttrs(
+      BindRingBackwardArgs(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<ffi::AnyBuffer>());
+}
+
 }  // namespace s2attn

@@ -31,6 +31,11 @@ inline constexpr char kTargetScheduledBackwardDqDelta[] = "jax_s2attn_sched_bwd_
 inline constexpr char kTargetStencilForward[] = "jax_s2attn_stencil_fwd";
 inline constexpr char kTargetStencilBackwardDq[] = "jax_s2attn_stencil_bwd_dq";
 inline constexpr char kTargetStencilBackwardDkv[] = "jax_s2attn_stencil_bwd_dkv";
+// The arc walk between ring grids (CPU): flat fields [..., npoints, H, D] and a RingPlan's patterns
+// (common/ring_walk.h, common/ring_params.h).
+inline constexpr char kTargetRingForward[] = "jax_s2attn_ring_fwd";
+inline constexpr char kTargetRingBackwardDq[] = "jax_s2attn_ring_bwd_dq";
+inline constexpr char kTargetRingBackwardDkv[] = "jax_s2attn_ring_bwd_dkv";
 // The backward's delta = sum(dout * out, -1) - dlse, in a fixed summation order (common/delta_binding.h).
 inline constexpr char kTargetDelta[] = "jax_s2attn_delta";
 
@@ -81,14 +86,19 @@ inline ffi::Error ToElementType(ffi::DataType t, ElementType* out) {
   }
 }
 
+// The product of all but the last `trailing` dims (the flattened batch); 1 for none.
+inline int64_t LeadingProduct(ffi::Span<const int64_t> dims, int64_t trailing) {
+  int64_t product = 1;
+  for (int64_t i = 0; i + trailing < static_cast<int64_t>(dims.size()); ++i) product *= dims[i];
+  return product;
+}
+
 // Splits dims [..., nlat, nlon, H, D] into (batch, nlat, nlon, H, D).
 inline ffi::Error SplitActivation(const char* name, ffi::Span<const int64_t> dims, int64_t* batch,
                                   int64_t* nlat, int64_t* nlon, int64_t* heads, int64_t* d) {
   const int64_t rank = static_cast<int64_t>(dims.size());
   S2ATTN_CHECK(rank >= 4, name << " must have rank >= 4 ([..., nlat, nlon, H, D]), got rank " << rank);
-  int64_t b = 1;
-  for (int64_t i = 0; i + 4 < rank; ++i) b *= dims[i];
-  *batch = b;
+  *batch = LeadingProduct(dims, 4);
   *nlat = dims[rank - 4];
   *nlon = dims[rank - 3];
   *heads = dims[rank - 2];
@@ -104,10 +114,9 @@ inline ffi::Error CheckGridArray(const char* name, ffi::Span<const int64_t> dims
   const int64_t trailing = d < 0 ? 3 : 4;
   const int64_t rank = static_cast<int64_t>(dims.size());
   S2ATTN_CHECK(rank >= trailing, name << " has rank " << rank << "; expected at least " << trailing);
-  int64_t b = 1;
-  for (int64_t i = 0; i + trailing < rank; ++i) b *= dims[i];
   const int64_t* tail = dims.begin() + (rank - trailing);
-  const bool ok = b == batch && tail[0] == nlat && tail[1] == nlon && tail[2] == heads && (d < 0 || tail[3] == d);
+  const bool ok = LeadingProduct(dims, trailing) == batch && tail[0] == nlat && tail[1] == nlon &&
+                  tail[2] == heads && (d < 0 || tail[3] == d);
   S2ATTN_CHECK(ok, name << " has the wrong shape: expected [batch..., " << nlat << ", " << nlon << ", " << heads
                         << (d < 0 ? std::string() : ", " + std::to_string(d)) << "] with the batch dims of " << batch_of
                         << " (" << batch << " in all)");

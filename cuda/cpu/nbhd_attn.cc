@@ -1,22 +1,12 @@
-// CPU handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
-// walks and the backward's delta.
+// CPU handlers of the neighbourhood-attention targets on regular grids (contract: cuda/README.md):
+// the three walks of the plan's arc tables, and the backward's delta.
 //
-// Work is split into (batch, walking row) items taken in row_order (longest rows first)
-// by the calling thread and XLA's intra-op thread pool. Every result element is computed
-// by exactly one thread in a fixed order, so results are bitwise identical for any number
-// of threads. 16-bit activations are widened to float32 once per call; all arithmetic is
-// float32.
+// Work is split into (batch, walking row) items taken in row_order (longest rows first) by the
+// calling thread and XLA's intra-op thread pool (attn_bodies.h). 16-bit activations are widened
+// to float32 once per call; all arithmetic is float32.
 #include "cpu/nbhd_attn.h"
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <cstring>
-#include <limits>
-#include <memory>
-#include <mutex>
 #include <new>
 #include <vector>
 
@@ -25,138 +15,15 @@
 #include "common/ffi_check.h"
 #include "common/nbhd_binding.h"
 #include "common/nbhd_params.h"
+#include "cpu/attn_bodies.h"
+#include "cpu/cpu_common.h"
 
 namespace s2attn {
+namespace cpu {
 namespace {
 
 using F32Result = ffi::ResultBuffer<ffi::F32>;
 using AnyResult = ffi::Result<ffi::AnyBuffer>;
-
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// ------------------------------------------------------------------ 16-bit floats
-
-float BFloat16ToFloat(uint16_t h) {
-  const uint32_t bits = uint32_t{h} << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-float HalfToFloat(uint16_t h) {
-  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
-  uint32_t exponent = (h >> 10) & 0x1fu;
-  uint32_t mantissa = h & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0x1f) {  // inf / nan
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {  // normal: rebias 15 -> 127
-    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {  // signed zero
-    bits = sign;
-  } else {  // subnormal: mantissa * 2^-24, normalised by shifting the leading one to bit 10
-    exponent = 113;
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// ------------------------------------------------------------------ threads
-
-// Runs body(item) for every item in [0, count) on the calling thread and the pool, and
-// returns once all items ran; false if any body threw (e.g. std::bad_alloc). The caller
-// works too, so this never waits on a task that has not started (no deadlock when the
-// caller is itself a pool thread); tasks that start late find no items left and touch
-// only the shared state.
-template <typename Body>
-bool ParallelFor(ffi::ThreadPool& pool, int64_t count, const Body& body) {
-  if (count <= 0) return true;
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<bool> failed{false};
-    int64_t done = 0;
-    std::mutex mutex;
-    std::condition_variable all_done;
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, count, &body]() {
-    int64_t finished = 0;
-    for (int64_t item; (item = state->next.fetch_add(1)) < count; ++finished) {
-      try {
-        body(item);
-      } catch (...) {  // exceptions must not escape into XLA's threads
-        state->failed = true;
-      }
-    }
-    if (finished == 0) return;
-    std::lock_guard<std::mutex> lock(state->mutex);
-    state->done += finished;
-    if (state->done == count) state->all_done.notify_all();
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  std::unique_lock<std::mutex> lock(state->mutex);
-  state->all_done.wait(lock, [&] { return state->done == count; });
-  return !state->failed;
-}
-
-// float32 data of an activation: the buffer itself, or a widened copy of a 16-bit one.
-class FloatActivation {
- public:
-  FloatActivation(const ffi::AnyBuffer& buffer, ElementType type, ffi::ThreadPool& pool) {
-    if (type == ElementType::kF32) {
-      data_ = static_cast<const float*>(buffer.untyped_data());
-      return;
-    }
-    const int64_t n = static_cast<int64_t>(buffer.element_count());
-    copy_.resize(n);
-    const auto* bits = static_cast<const uint16_t*>(buffer.untyped_data());
-    constexpr int64_t kChunk = 1 << 16;
-    ParallelFor(pool, (n + kChunk - 1) / kChunk, [&](int64_t chunk) {  // cannot throw
-      const int64_t end = std::min(n, (chunk + 1) * kChunk);
-      for (int64_t i = chunk * kChunk; i < end; ++i)
-        copy_[i] = type == ElementType::kBF16 ? BFloat16ToFloat(bits[i]) : HalfToFloat(bits[i]);
-    });
-    data_ = copy_.data();
-  }
-  const float* data() const { return data_; }
-
- private:
-  std::vector<float> copy_;
-  const float* data_ = nullptr;
-};
-
-// ------------------------------------------------------------------ vector helpers
-
-// Fixed-order dot product (four interleaved partial sums, then the tail).
-inline float Dot(const float* a, const float* b, int64_t n) {
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    s0 += a[i] * b[i];
-    s1 += a[i + 1] * b[i + 1];
-    s2 += a[i + 2] * b[i + 2];
-    s3 += a[i + 3] * b[i + 3];
-  }
-  float s = (s0 + s1) + (s2 + s3);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-inline void Axpy(float* y, float a, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-inline void Scale(float* y, float a, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] *= a;
-}
 
 // ------------------------------------------------------------------ the walk
 
@@ -170,7 +37,21 @@ struct Walk {
   const int32_t* offsets = nullptr;
   const int32_t* arcs = nullptr;
 
+  int64_t units = 0;      // local rows of the walking grid
+  int64_t walk_cols = 0;  // local columns of the walking grid's arrays
+
   bool IsReal(int64_t i, int64_t j) const { return i < walk_window.nlat && j < walk_window.nlon; }
+
+  int64_t UnitAt(int64_t rank) const { return row_order[rank]; }
+
+  // The walk contract of attn_bodies.h: the points of local row i, their weight index the global row.
+  template <typename Point>
+  void ForEachPoint(int64_t i, const Point& point) const {
+    const int32_t weight_index = walk_window.lat0 + static_cast<int32_t>(i);
+    for (int64_t j = 0; j < walk_cols; ++j) {
+      point(i * walk_cols + j, IsReal(i, j), weight_index, [&](const auto& run) { ForEachRun(i, j, run); });
+    }
+  }
 
   // Calls run(global_row, first, len) for each run of consecutive neighbours of the
   // walking point at local (i, j): `first` is the local flat point index (row * cols +
@@ -211,6 +92,8 @@ ffi::Error ReadWalk(const NbhdParams& p, bool walk_keys, const I32Buffer& window
   walk->walk_window = walk_keys ? win.k : win.q;
   walk->other_window = walk_keys ? win.q : win.k;
   walk->other_cols = walk_keys ? p.nq_lon : p.nk_lon;
+  walk->units = walk_keys ? p.nk_lat : p.nq_lat;
+  walk->walk_cols = walk_keys ? p.nk_lon : p.nq_lon;
   walk->nlon_other = static_cast<int32_t>(walk_keys ? p.nlon_q : p.nlon_k);
   walk->residues = static_cast<int32_t>(p.residues);
   walk->shift = static_cast<int32_t>(p.shift);
@@ -250,22 +133,13 @@ ffi::Error ReadWalk(const NbhdParams& p, bool walk_keys, const I32Buffer& window
   return ffi::Error::Success();
 }
 
-// Runs row_body(b, local_row) for every batch entry and walking row, longest rows first.
-// Returns false if a row body threw.
-template <typename RowBody>
-bool ForEachWalkingRow(ffi::ThreadPool& pool, const NbhdParams& p, const Walk& walk, int64_t rows,
-                       const RowBody& row_body) {
-  return ParallelFor(pool, p.batch * rows,
-              [&](int64_t item) { row_body(item % p.batch, int64_t{walk.row_order[item / p.batch]}); });
+CallSizes SizesOf(const NbhdParams& p, bool walk_keys) {
+  return CallSizes(p.batch, p.heads, p.dk, p.dv, p.q_points(), p.k_points(), p.scale, walk_keys);
 }
 
 NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                     int64_t nlon_k) {
   return NbhdAttrs{scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k};
-}
-
-ffi::Error OutOfMemory() {
-  return ffi::Error(ffi::ErrorCode::kResourceExhausted, "out of host memory");
 }
 
 // ------------------------------------------------------------------ forward
@@ -286,58 +160,12 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   Walk walk;
   S2ATTN_RETURN_IF_ERROR(ReadWalk(p, /*walk_keys=*/false, window, row_order, arc_offsets, arcs, &walk));
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
-  try {
+  return RunBody([&] {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);
-    const int64_t H = p.heads, dk = p.dk, dv = p.dv;
-    const float* weights = quad_weights.typed_data();
-    float* out_data = static_cast<float*>(out->untyped_data());
-    float* lse_data = lse->typed_data();
-    const bool ok = ForEachWalkingRow(pool, p, walk, p.nq_lat, [&](int64_t b, int64_t i) {
-      // Online softmax per head: running max m, weighted sum A, accumulator acc.
-      std::vector<float> m(H), total(H), acc(H * dv);
-      for (int64_t j = 0; j < p.nq_lon; ++j) {
-        const int64_t point = (b * p.nq_lat + i) * p.nq_lon + j;
-        float* out_pt = out_data + point * H * dv;
-        float* lse_pt = lse_data + point * H;
-        std::fill(m.begin(), m.end(), kNegInf);
-        std::fill(total.begin(), total.end(), 0.f);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        if (walk.IsReal(i, j)) {
-          const float* q_pt = qf.data() + point * H * dk;
-          walk.ForEachRun(i, j, [&](int32_t row, int64_t first, int32_t len) {
-            const float w = weights[row];
-            const int64_t key = b * p.k_points() + first;
-            for (int64_t n = 0; n < len; ++n) {
-              const float* k_pt = kf.data() + (key + n) * H * dk;
-              const float* v_pt = vf.data() + (key + n) * H * dv;
-              for (int64_t h = 0; h < H; ++h) {
-                const float s = p.scale * Dot(q_pt + h * dk, k_pt + h * dk, dk);
-                float* acc_h = acc.data() + h * dv;
-                if (s > m[h]) {
-                  const float rescale = std::exp(m[h] - s);
-                  total[h] *= rescale;
-                  Scale(acc_h, rescale, dv);
-                  m[h] = s;
-                }
-                const float a = w * std::exp(s - m[h]);
-                total[h] += a;
-                Axpy(acc_h, a, v_pt + h * dv, dv);
-              }
-            }
-          });
-        }
-        for (int64_t h = 0; h < H; ++h) {
-          const bool empty = total[h] == 0.f;  // no neighbour in the window (NaN is not empty)
-          for (int64_t c = 0; c < dv; ++c) out_pt[h * dv + c] = empty ? 0.f : acc[h * dv + c] / total[h];
-          lse_pt[h] = empty ? kNegInf : m[h] + std::log(total[h]);
-        }
-      }
-    });
-    if (!ok) return OutOfMemory();
-  } catch (const std::bad_alloc&) {
-    return OutOfMemory();
-  }
-  return ffi::Error::Success();
+    return ForwardBody(pool, SizesOf(p, /*walk_keys=*/false), walk, qf.data(), kf.data(), vf.data(),
+                                quad_weights.typed_data(), static_cast<float*>(out->untyped_data()),
+                                lse->typed_data());
+  });
 }
 
 // ------------------------------------------------------------------ backward
@@ -375,44 +203,13 @@ ffi::Error BackwardDq(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dk));
   S2ATTN_RETURN_IF_ERROR(CheckResultTypes("dq", {dq->element_type()}, q.element_type(), false, nullptr));
   if (dq->element_count() == 0) return ffi::Error::Success();
-  try {
+  return RunBody([&] {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);
     const FloatActivation doutf(dout, p.dtype, pool);
-    const int64_t H = p.heads, dk = p.dk, dv = p.dv;
-    const float* weights = quad_weights.typed_data();
-    float* dq_data = static_cast<float*>(dq->untyped_data());
-    const bool ok = ForEachWalkingRow(pool, p, walk, p.nq_lat, [&](int64_t b, int64_t i) {
-      for (int64_t j = 0; j < p.nq_lon; ++j) {
-        const int64_t point = (b * p.nq_lat + i) * p.nq_lon + j;
-        float* dq_pt = dq_data + point * H * dk;
-        std::fill(dq_pt, dq_pt + H * dk, 0.f);
-        if (!walk.IsReal(i, j)) continue;
-        const float* q_pt = qf.data() + point * H * dk;
-        const float* dout_pt = doutf.data() + point * H * dv;
-        const float* lse_pt = lse.typed_data() + point * H;
-        const float* delta_pt = delta.typed_data() + point * H;
-        walk.ForEachRun(i, j, [&](int32_t row, int64_t first, int32_t len) {
-          const float w = weights[row];
-          const int64_t key = b * p.k_points() + first;
-          for (int64_t n = 0; n < len; ++n) {
-            const float* k_pt = kf.data() + (key + n) * H * dk;
-            const float* v_pt = vf.data() + (key + n) * H * dv;
-            for (int64_t h = 0; h < H; ++h) {
-              if (lse_pt[h] == kNegInf) continue;  // no neighbour anywhere: p = 0 (exp would give NaN)
-              const float prob = w * std::exp(p.scale * Dot(q_pt + h * dk, k_pt + h * dk, dk) - lse_pt[h]);
-              const float dscore = prob * (Dot(dout_pt + h * dv, v_pt + h * dv, dv) - delta_pt[h]);
-              Axpy(dq_pt + h * dk, dscore, k_pt + h * dk, dk);
-            }
-          }
-        });
-        Scale(dq_pt, p.scale, H * dk);
-      }
-    });
-    if (!ok) return OutOfMemory();
-  } catch (const std::bad_alloc&) {
-    return OutOfMemory();
-  }
-  return ffi::Error::Success();
+    return BackwardDqBody(pool, SizesOf(p, /*walk_keys=*/false), walk, qf.data(), kf.data(), vf.data(),
+                                   doutf.data(), lse.typed_data(), delta.typed_data(), quad_weights.typed_data(),
+                                   static_cast<float*>(dq->untyped_data()));
+  });
 }
 
 ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer dout,
@@ -431,48 +228,13 @@ ffi::Error BackwardDkv(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   S2ATTN_RETURN_IF_ERROR(
       CheckResultTypes("dk and dv", {dk->element_type(), dv->element_type()}, q.element_type(), false, nullptr));
   if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
-  try {
+  return RunBody([&] {
     const FloatActivation qf(q, p.dtype, pool), kf(k, p.dtype, pool), vf(v, p.dtype, pool);
     const FloatActivation doutf(dout, p.dtype, pool);
-    const int64_t H = p.heads, dkh = p.dk, dvh = p.dv;
-    const float* weights = quad_weights.typed_data();
-    const bool ok = ForEachWalkingRow(pool, p, walk, p.nk_lat, [&](int64_t b, int64_t i) {
-      for (int64_t j = 0; j < p.nk_lon; ++j) {
-        const int64_t point = (b * p.nk_lat + i) * p.nk_lon + j;
-        float* dk_pt = static_cast<float*>(dk->untyped_data()) + point * H * dkh;
-        float* dv_pt = static_cast<float*>(dv->untyped_data()) + point * H * dvh;
-        std::fill(dk_pt, dk_pt + H * dkh, 0.f);
-        std::fill(dv_pt, dv_pt + H * dvh, 0.f);
-        if (!walk.IsReal(i, j)) continue;
-        const float* k_pt = kf.data() + point * H * dkh;
-        const float* v_pt = vf.data() + point * H * dvh;
-        walk.ForEachRun(i, j, [&](int32_t /*query_row*/, int64_t first, int32_t len) {
-          const int64_t query = b * p.q_points() + first;
-          for (int64_t n = 0; n < len; ++n) {
-            const float* q_pt = qf.data() + (query + n) * H * dkh;
-            const float* dout_pt = doutf.data() + (query + n) * H * dvh;
-            const float* lse_pt = lse.typed_data() + (query + n) * H;
-            const float* delta_pt = delta.typed_data() + (query + n) * H;
-            for (int64_t h = 0; h < H; ++h) {
-              if (lse_pt[h] == kNegInf) continue;  // no neighbour anywhere: p = 0 (exp would give NaN)
-              // The key's quadrature weight is applied once after the walk.
-              const float prob = std::exp(p.scale * Dot(q_pt + h * dkh, k_pt + h * dkh, dkh) - lse_pt[h]);
-              const float dscore = prob * (Dot(dout_pt + h * dvh, v_pt + h * dvh, dvh) - delta_pt[h]);
-              Axpy(dv_pt + h * dvh, prob, dout_pt + h * dvh, dvh);
-              Axpy(dk_pt + h * dkh, dscore, q_pt + h * dkh, dkh);
-            }
-          }
-        });
-        const float w = weights[walk.walk_window.lat0 + i];
-        Scale(dv_pt, w, H * dvh);
-        Scale(dk_pt, p.scale * w, H * dkh);
-      }
-    });
-    if (!ok) return OutOfMemory();
-  } catch (const std::bad_alloc&) {
-    return OutOfMemory();
-  }
-  return ffi::Error::Success();
+    return BackwardDkvBody(pool, SizesOf(p, /*walk_keys=*/true), walk, qf.data(), kf.data(), vf.data(),
+                                    doutf.data(), lse.typed_data(), delta.typed_data(), quad_weights.typed_data(),
+                                    static_cast<float*>(dk->untyped_data()), static_cast<float*>(dv->untyped_data()));
+  });
 }
 
 // ------------------------------------------------------------------ delta
@@ -525,13 +287,14 @@ ffi::Error Delta(ffi::ThreadPool pool, ffi::AnyBuffer dout, F32Buffer out, F32Bu
 }
 
 }  // namespace
+}  // namespace cpu
 }  // namespace s2attn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdForwardCpu, s2attn::Forward,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdForwardCpu, s2attn::cpu::Forward,
                               s2attn::BindForward(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDqCpu, s2attn::BackwardDq,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDqCpu, s2attn::cpu::BackwardDq,
                               s2attn::BindBackwardDq(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCpu, s2attn::BackwardDkv,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCpu, s2attn::cpu::BackwardDkv,
                               s2attn::BindBackwardDkv(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCpu, s2attn::Delta,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCpu, s2attn::cpu::Delta,
                               s2attn::BindDelta(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));

@@ -123,13 +123,37 @@ def check_ring_inputs(query, key, value, plan: RingPlan) -> tuple[tuple[int, ...
 
 
 def check_ring_implementation(implementation) -> None:
-    """Ring-grid plans run on the pure-JAX reference."""
-    if implementation not in (None, "reference"):
+    """``implementation`` can run a ring-grid plan somewhere: every value but ``"ffi-tiled"`` (no tensor-core
+    kernels for ring grids)."""
+    if implementation == "ffi-tiled":
         raise ValueError(
-            f"implementation={implementation!r} cannot run a RingPlan: the native kernels take the regular grids "
-            "of a NeighborhoodPlan, and ring grids run on the pure-JAX reference; pass implementation=None or "
-            "'reference'."
+            "implementation='ffi-tiled' cannot run a RingPlan: the tensor-core kernels take the regular grids of a "
+            "NeighborhoodPlan. Use implementation=None, 'ffi' or 'ffi-arc' (the arc kernels) or 'reference'."
         )
+
+
+def check_ring_runnable(implementation, platform: str, dtype, dk: int, dv: int) -> None:
+    """A forced native ``implementation`` ("ffi", "ffi-arc") must be able to run a ring-grid plan's inputs of
+    ``dtype`` and head dims ``dk``/``dv`` on ``platform``."""
+    check_ring_implementation(implementation)
+    if implementation is None or implementation == "reference":
+        return
+    reason = _ffi.ring_unavailable_reason(platform, dtype, dk, dv)
+    if reason is not None:
+        raise ValueError(
+            f"implementation={implementation!r} cannot run a RingPlan on {platform}: {reason}. Use "
+            "implementation=None or 'reference' (pure JAX: any platform, float64 included)."
+        )
+
+
+def ring_kernel_for(implementation, platform: str, dtype, dk: int, dv: int) -> str:
+    """What a checked ``implementation`` runs on a ring-grid plan on ``platform``: ``"arc"`` (the ring kernels)
+    or ``"reference"``. ``None`` takes the kernels where they can run, the ``"ffi"`` values force them."""
+    if implementation == "reference":
+        return "reference"
+    if implementation is None and _ffi.ring_unavailable_reason(platform, dtype, dk, dv) is not None:
+        return "reference"
+    return "arc"
 
 
 def check_plan(plan) -> None:

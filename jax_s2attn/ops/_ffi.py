@@ -27,6 +27,10 @@ __all__ = [
     "HAS_CPU_EXT",
     "HAS_CUDA_EXT",
     "KERNELS",
+    "RING_BACKWARD_DKV_TARGET",
+    "RING_BACKWARD_DQ_TARGET",
+    "RING_FORWARD_TARGET",
+    "RING_TARGETS",
     "SCHEDULED_BACKWARD_DKV_TARGET",
     "SCHEDULED_BACKWARD_DQ_DELTA_TARGET",
     "SCHEDULED_BACKWARD_DQ_TARGET",
@@ -51,6 +55,9 @@ __all__ = [
     "ffi_backward_dq_delta",
     "ffi_delta",
     "ffi_forward",
+    "ffi_ring_backward_dkv",
+    "ffi_ring_backward_dq",
+    "ffi_ring_forward",
     "ffi_scheduled_dkv",
     "ffi_scheduled_dq",
     "ffi_scheduled_dq_delta",
@@ -59,6 +66,7 @@ __all__ = [
     "kernel_limits",
     "native_backends",
     "native_status",
+    "ring_unavailable_reason",
     "scheduled_unavailable_reason",
     "tiled_unavailable_reason",
     "unavailable_reason",
@@ -110,13 +118,20 @@ STENCIL_BACKWARD_DQ_TARGET = "jax_s2attn_stencil_bwd_dq"
 STENCIL_BACKWARD_DKV_TARGET = "jax_s2attn_stencil_bwd_dkv"
 STENCIL_TARGETS = (STENCIL_FORWARD_TARGET, STENCIL_BACKWARD_DQ_TARGET, STENCIL_BACKWARD_DKV_TARGET)
 
+# The arc walk between ring grids (CPU): flat fields [..., npoints, H, D] and a RingPlan's patterns (the queries'
+# walk for the forward and dq, the keys' walk for dk/dv).
+RING_FORWARD_TARGET = "jax_s2attn_ring_fwd"
+RING_BACKWARD_DQ_TARGET = "jax_s2attn_ring_bwd_dq"
+RING_BACKWARD_DKV_TARGET = "jax_s2attn_ring_bwd_dkv"
+RING_TARGETS = (RING_FORWARD_TARGET, RING_BACKWARD_DQ_TARGET, RING_BACKWARD_DKV_TARGET)
+
 # The backward's delta = sum(dout * out, -1) - dlse: both modules, every kernel family. A target
 # of its own because XLA fuses that reduction differently in different programs (changing its
 # last bit, and so the gradients'); the kernels sum in an order fixed by Dv alone.
 DELTA_TARGET = "jax_s2attn_delta"
 
 #: Every custom-call target a jax_s2attn program may contain (``jax.export`` needs them named).
-CUSTOM_CALL_TARGETS = (*TARGETS, *TILED_TARGETS, *SCHEDULED_TARGETS, *STENCIL_TARGETS, DELTA_TARGET)
+CUSTOM_CALL_TARGETS = (*TARGETS, *TILED_TARGETS, *SCHEDULED_TARGETS, *STENCIL_TARGETS, *RING_TARGETS, DELTA_TARGET)
 
 
 def export_disabled_checks() -> list:
@@ -162,10 +177,31 @@ def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
     return None
 
 
+def ring_unavailable_reason(platform: str, dtype, dk: int = 1, dv: int = 1) -> str | None:
+    """Why the ring-grid arc kernels cannot run inputs of ``dtype`` and head dims ``dk``/``dv`` on ``platform``;
+    None if they can."""
+    reason = unavailable_reason(platform, dk, dv)
+    if reason is not None:
+        return reason
+    arc_dtypes = kernel_limits().arc_dtypes
+    if jnp.dtype(dtype) not in arc_dtypes:
+        names = dtype_names(arc_dtypes)
+        return f"the native kernels accumulate in float32 and take {names} inputs, got {jnp.dtype(dtype).name}"
+    if not set(RING_TARGETS) <= set(_registrations(MODULES[platform][0])):
+        return f"the {platform} module was built without the ring targets; rebuild jax_s2attn"
+    return None
+
+
+@functools.cache
+def _registrations(module) -> tuple[str, ...]:
+    """The target names ``module`` registers (registrations() builds capsules: cached)."""
+    return tuple(module.registrations())
+
+
 @functools.cache
 def _missing_tiled_targets(module) -> tuple[str, ...]:
     """The tiled targets ``module`` does not register (registrations() builds capsules: cached)."""
-    return tuple(sorted(set(TILED_TARGETS) - set(module.registrations())))
+    return tuple(sorted(set(TILED_TARGETS) - set(_registrations(module))))
 
 
 def _tiled_build_reason() -> str | None:
@@ -736,6 +772,76 @@ def _result_dtype(dtype, kernel: str, query, name: str) -> jnp.dtype:
     else:
         allowed = "float32 (16-bit results need kernel='tiled')"
     raise ValueError(f"{name} must be {allowed} for the {kernel} kernels, got {dtype.name}.")
+
+
+# ----------------------------------------------------------------------------- ring grids
+
+
+@functools.lru_cache(maxsize=32)
+def _ring_tables(plan, walk: str) -> tuple:
+    """``(walk_rings, ring_order, pattern_offsets, pattern_arcs, quad_weights, attributes)`` of ``plan``'s walk
+    ("queries": the forward and dq; "keys": dk/dv) as the ring targets take them (common/ring_walk.h), host
+    numpy."""
+    patterns = plan.patterns if walk == "queries" else plan.key_patterns
+    walking, visited = (plan.grid_out, plan.grid_in) if walk == "queries" else (plan.grid_in, plan.grid_out)
+    walk_rings = np.stack([walking.ring_offsets[:-1], walking.nlon, patterns.ring_patterns[:-1], patterns.period],
+                          axis=1).astype(np.int32)  # fmt: skip
+    # The weight inside the softmax of every input ring: per visited ring of the queries' walk, per walking ring
+    # of the keys'.
+    weights = (2.0 * np.pi * plan.grid_in.weights / plan.grid_in.nlon).astype(np.float32)
+    ring_order = np.argsort(-walking.nlon, kind="stable").astype(np.int32)  # most points first
+    attributes = {
+        "walk_ring_count": np.int64(walking.nrings),
+        "visited_ring_count": np.int64(visited.nrings),
+        "pattern_count": np.int64(len(patterns.offsets) - 1),
+        "max_ring_points": np.int64(walking.nlon.max()),
+    }
+    return walk_rings, ring_order, patterns.offsets.astype(np.int32), patterns.arcs, weights, attributes
+
+
+def _ring_call(target, walk, operands, plan, scale, result_shapes, poison_results):
+    *tables, attributes = _ring_tables(plan, walk)
+    operands = (*operands, *tables)
+    return _call(target, operands, result_shapes, {"scale": np.float32(scale), **attributes}, poison_results)
+
+
+def _flat_dims(name, x) -> tuple:
+    """``(leading dims, npoints, heads)`` of a flat activation ``[..., npoints, H, D]``."""
+    if len(x.shape) < 3:
+        raise ValueError(f"{name} must have shape [..., npoints, heads, head_dim], got shape {tuple(x.shape)}.")
+    return tuple(x.shape[:-3]), x.shape[-3], x.shape[-2]
+
+
+def ffi_ring_forward(query, key, value, plan, *, scale, poison_results=False):
+    """Ring forward target: ``(out, lse)`` of attention on ``plan`` (a :class:`~jax_s2attn.RingPlan`), both
+    float32.
+
+    ``query [..., npoints_out, H, Dk]``, ``key [..., npoints_in, H, Dk]``, ``value [..., npoints_in, H, Dv]`` in
+    ring order (equal leading dims, one dtype: float32, bfloat16 or float16). Returns ``out [..., npoints_out, H,
+    Dv]`` and ``lse [..., npoints_out, H]``. Beyond the query's rank, the handler checks shapes and dtypes
+    (``INVALID_ARGUMENT``). ``poison_results`` (all three ring targets) is a test aid: results start as NaN.
+    """
+    lead, points, heads = _flat_dims("query", query)
+    shapes = [(*lead, points, heads, value.shape[-1]), (*lead, points, heads)]
+    out, lse = _ring_call(RING_FORWARD_TARGET, "queries", (query, key, value), plan, scale, shapes, poison_results)
+    return out, lse
+
+
+def ffi_ring_backward_dq(query, key, value, dout, lse, delta, plan, *, scale, poison_results=False):
+    """Ring dq target: ``dq`` (float32, the shape of ``query``) from the forward's ``lse`` and ``delta``
+    (:func:`ffi_delta`), both float32 ``[..., npoints_out, H]``."""
+    operands = (query, key, value, dout, lse, delta)
+    (dq,) = _ring_call(RING_BACKWARD_DQ_TARGET, "queries", operands, plan, scale, [query.shape], poison_results)
+    return dq
+
+
+def ffi_ring_backward_dkv(query, key, value, dout, lse, delta, plan, *, scale, poison_results=False):
+    """Ring dk/dv target: ``(dk, dv)`` (float32, the shapes of ``key`` and ``value``), walking
+    :attr:`~jax_s2attn.RingPlan.key_patterns`."""
+    operands = (query, key, value, dout, lse, delta)
+    dk, dv = _ring_call(RING_BACKWARD_DKV_TARGET, "keys", operands, plan, scale, [key.shape, value.shape],
+                        poison_results)  # fmt: skip
+    return dk, dv
 
 
 def _delta_operands(dout, out, dlse, out_dtype=jnp.float32) -> tuple:

@@ -74,7 +74,8 @@ def neighborhood_attention(
         Pass it as an ordinary ``jit`` argument to keep its tables out of the
         compiled program; as a static argument or a closure it also works. Between ring grids
         (HEALPix, reduced Gaussian, any longitude counts) a :class:`~jax_s2attn.RingPlan`: fields are then
-        flat, ``[B..., npoints, H, D]`` in ring order, and the pure-JAX reference computes them.
+        flat, ``[B..., npoints, H, D]`` in ring order, and the arc kernels or the reference compute them
+        (``"ffi-tiled"`` refused).
       scale: logit scale, default ``1/sqrt(Dk)`` (as ``jax.nn.dot_product_attention``).
       implementation: which kernels compute it (see "Implementations" below):
         ``None`` (default), ``"reference"``, ``"ffi"``, ``"ffi-arc"`` or ``"ffi-tiled"``.
@@ -94,7 +95,7 @@ def neighborhood_attention(
       * arc kernels (native, CPU and CUDA): each output point walks the arc segments of
         its neighbourhood on the CPU or on CUDA cores; float16, bfloat16 and float32
         inputs, any head dims (on CUDA ``Dk + Dv <= 6144``), float32 accumulation, exact
-        to float32 round-off. The general native path.
+        to float32 round-off. The general native path, and the native path between ring grids.
       * tiled kernels (native, CUDA only): neighbouring output points share staged
         key/value tiles, multiplied on tensor cores; bfloat16 and float16 inputs with
         ``Dk == Dv`` in 32, 64 or 128 (the instantiated tile shapes). Probabilities and
@@ -144,26 +145,67 @@ def neighborhood_attention(
 
 
 def _ring_attention(query, key, value, plan: RingPlan, scale, implementation, return_residual):
-    """neighborhood_attention on a ring-grid plan: flat fields, the pure-JAX reference."""
-    _checks.check_ring_implementation(implementation)
-    _, _, dk, _ = _checks.check_ring_inputs(query, key, value, plan)
+    """neighborhood_attention on a ring-grid plan: flat fields, the ring kernels or the pure-JAX reference."""
+    _, _, dk, dv = _checks.check_ring_inputs(query, key, value, plan)
     scale = _checks.check_scale(scale, dk)
     return_residual = _validate.boolean(return_residual, "return_residual")
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    _checks.check_ring_runnable(implementation, _platform_of(query), query.dtype, dk, dv)
     if query.size == 0:
         out, lse = _empty_results(query, value)
     else:
-        out, lse = _ring_reference(query, key, value, plan, scale=scale)
+        out, lse = _ring_op(query, key, value, plan, scale=scale, implementation=implementation)
     return (out, lse) if return_residual else out
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _ring_reference(query, key, value, plan, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "implementation"))
+def _ring_op(query, key, value, plan, *, scale, implementation):
+    """``(out, lse)`` with the batch axes flattened to one for the kernels: what ``implementation`` means on each
+    platform (chosen when lowered), as :func:`_attention`."""
     batch = query.shape[:-3]
-    flat = math.prod(batch)
-    q, k, v = (x.reshape(flat, *x.shape[-3:]) for x in (query, key, value))
-    out, lse = reference_ring_attention(q, k, v, plan, scale)
+    q, k, v = (x.reshape(math.prod(batch), *x.shape[-3:]) for x in (query, key, value))
+    dtype, dk, dv = query.dtype, query.shape[-1], value.shape[-1]
+    functions = {
+        "reference": functools.partial(_ring_reference, scale=scale),
+        "arc": functools.partial(_ring_native, scale=scale),
+    }
+    kernels = {p: _checks.ring_kernel_for(implementation, p, dtype, dk, dv) for p in _ffi.NATIVE_PLATFORMS}
+    if set(kernels.values()) == {"reference"}:
+        out, lse = functions["reference"](q, k, v, plan)
+    else:
+        branches = {platform: functions[kernel] for platform, kernel in kernels.items()}
+        out, lse = jax.lax.platform_dependent(q, k, v, plan, default=functions["reference"], **branches)
     return out.reshape(*batch, *out.shape[1:]), lse.reshape(*batch, *lse.shape[1:])
+
+
+def _ring_reference(query, key, value, plan, *, scale):
+    return reference_ring_attention(query, key, value, plan, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring_native(query, key, value, plan, scale):
+    """``(out in the input dtype, lse float32)`` from the CPU ring kernels (``[B, npoints, H, D]`` fields); the
+    backward runs their dq and dk/dv targets."""
+    out, lse = _ffi.ffi_ring_forward(query, key, value, plan, scale=scale)
+    return out.astype(query.dtype), lse
+
+
+def _ring_native_forward(query, key, value, plan, scale):
+    out, lse = _ffi.ffi_ring_forward(query, key, value, plan, scale=scale)
+    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
+    return (saved[3].astype(query.dtype), saved[4]), saved
+
+
+def _ring_native_backward(plan, scale, residuals, cotangents):
+    query, key, value, out, lse = residuals
+    dout, dlse = cotangents
+    delta = _ffi.ffi_delta(dout, out, dlse)  # from the float32 out, in a fixed order
+    dq = _ffi.ffi_ring_backward_dq(query, key, value, dout, lse, delta, plan, scale=scale)
+    dk, dv = _ffi.ffi_ring_backward_dkv(query, key, value, dout, lse, delta, plan, scale=scale)
+    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
+
+
+_ring_native.defvjp(_ring_native_forward, _ring_native_backward)
 
 
 def _empty_results(query, value):
