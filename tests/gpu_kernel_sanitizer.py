@@ -46,15 +46,18 @@ from kernel_cases import (  # noqa: E402
     LONG_ROW_PLANS,
     LONG_ROW_WINDOWS,
     PLANS,
+    RING_PLANS,
     ROOT,
     RUN_TARGET_SHIM,
     STENCIL_PLANS,
     KernelCase,
     call_run_target,
     prepare_case,
+    prepare_ring_case,
     run_case,
     run_dq_forming_delta,
     run_narrow_forward,
+    run_ring_case,
     run_scheduled_case,
     run_scheduled_windows,
     tolerance_of,
@@ -62,6 +65,7 @@ from kernel_cases import (  # noqa: E402
     verify_dq_forming_delta,
     verify_narrow_forward,
     verify_one_part_forward,
+    verify_ring_case,
     whole_grids,
 )
 
@@ -113,6 +117,15 @@ CASES = [
     ("scheduled+stencil", "self-17x72", 64, 64, "bfloat16", {}),
     ("scheduled+stencil", "lat-10x40-9x40", 128, 128, "float16", {}),
     ("scheduled+stencil", "legendre-gauss", 32, 32, "bfloat16", {}),
+]
+
+
+# The ring targets (arc kernels between ring grids): (plan of RING_PLANS, Dk, Dv, dtype), the vector path at 64 and
+# the general one at 5/7.
+RING_CASES = [
+    ("healpix-self", 64, 64, "bfloat16"),
+    ("latlon-3:2", 5, 7, "float32"),
+    ("octahedral-healpix", 64, 64, "float16"),
 ]
 
 
@@ -246,6 +259,15 @@ def main(argv=None) -> int:
                     hi, lo = narrow["out"], narrow["remainder"]
                     verify_dq_forming_delta(case, hi, dlse, run_dq_forming_delta(case, launch, hi, dlse,
                                                                                  stencil=stencil, remainder=lo), lo)
+                print(f"ok   {name}")
+            except AssertionError as error:
+                failures += 1
+                print(f"FAIL {name}: {error}")
+        for plan_name, dk, dv, dtype in RING_CASES:
+            name = f"ring {plan_name} Dk={dk} Dv={dv} {dtype}"
+            try:
+                case = prepare_ring_case(rng, RING_PLANS[plan_name](), 2, 2, dk, dv, dtype)
+                verify_ring_case(case, run_ring_case(lib, case, memory_of=lambda: DeviceMemory(cupy)))
                 print(f"ok   {name}")
             except AssertionError as error:
                 failures += 1

@@ -32,7 +32,10 @@ from jax_s2attn import native_status
 from jax_s2attn._native import kernel_limits
 from jax_s2attn.grids import precompute_latitudes, precompute_longitudes
 from jax_s2attn.parallel.layout import schedules_of_window
+from jax_s2attn.grids import RingGrid
+from jax_s2attn.ops import _ffi
 from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
+from jax_s2attn.ring_plan import RingPlan
 from jax_s2attn.schedule import BlockSchedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -750,3 +753,117 @@ def run_scheduled_case(
         dq, delta = run_scheduled_dq_forming_delta(lib, case, result_type, forward, lse, out32, dlse, memory)
     dk, dv = run("dkv", result_type, backward, lse, delta, stencil_pairs=pairs["backward"])
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "out32": out32}
+
+
+# ------------------------------------------------------------------ ring targets (arc kernels between ring grids)
+
+RING_KINDS = {"forward": 0, "dq": 1, "dkv": 2}
+
+# Self-attention on HEALPix, a 3:2 longitude ratio, and between grid kinds (different rings both ways).
+RING_PLANS = {
+    "healpix-self": lambda: RingPlan(RingGrid.healpix(4), RingGrid.healpix(4), 0.35),
+    "latlon-3:2": lambda: RingPlan(RingGrid.latlon(19, 36), RingGrid.latlon(13, 24), 0.3),
+    "octahedral-healpix": lambda: RingPlan(RingGrid.octahedral(8), RingGrid.healpix(4), 0.3),
+}
+
+
+@dataclasses.dataclass
+class RingCase:
+    """Flat inputs ``[batch, points, heads, dim]`` of one call of the three ring targets, the backward's lse and
+    delta (float32, from the float64 forward) and the float64 results."""
+
+    plan: RingPlan
+    dtype: str
+    scale: float
+    inputs: tuple[np.ndarray, ...]  # q, k, v, dout in the storage type
+    lse: np.ndarray
+    delta: np.ndarray
+    expected: dict[str, np.ndarray]  # out, lse, dq, dk, dv
+
+
+def ring_pair_mask(plan: RingPlan) -> np.ndarray:
+    """Dense ``[output point, input point]`` membership from the plan's query patterns."""
+    grid_out, table = plan.grid_out, plan.patterns
+    mask = np.zeros((grid_out.npoints, plan.grid_in.npoints), bool)
+    for ring in range(grid_out.nrings):
+        for i in range(int(grid_out.nlon[ring])):
+            pattern = table.ring_patterns[ring] + i % table.period[ring]
+            for _, first, start, length, nlon, shift in table.arcs[table.offsets[pattern] : table.offsets[pattern + 1]]:
+                keys = first + (start + (i // table.period[ring]) * shift + np.arange(length)) % nlon
+                mask[grid_out.ring_offsets[ring] + i, keys] = True
+    return mask
+
+
+def prepare_ring_case(rng, plan: RingPlan, batch: int, heads: int, dk: int, dv: int, dtype: str) -> RingCase:
+    """Random inputs on the plan's grids and the float64 results of attention with cotangent ``dout`` (dense
+    softmax over the plan's pairs, its gradients by hand)."""
+    storage = DTYPES[dtype][1]
+    scale = 1.0 / np.sqrt(max(dk, 1))
+    nq, nk = plan.npoints_out, plan.npoints_in
+    q, dout = (rng.standard_normal((batch, nq, heads, d)).astype(storage) for d in (dk, dv))
+    k, v = (rng.standard_normal((batch, nk, heads, d)).astype(storage) for d in (dk, dv))
+    q64, k64, v64, g64 = (x.astype(np.float64) for x in (q, k, v, dout))
+    log_weights = np.log(plan.grid_in.point_weights())
+    logits = scale * np.einsum("bqhd,bkhd->bhqk", q64, k64) + log_weights
+    logits = np.where(ring_pair_mask(plan), logits, -np.inf)
+    lse = _logsumexp(logits)  # [b, h, q]
+    p = np.exp(logits - lse[..., None])
+    out = np.einsum("bhqk,bkhd->bqhd", p, v64)
+    delta = np.einsum("bqhd,bqhd->bqh", g64, out)
+    ds = p * (np.einsum("bqhd,bkhd->bhqk", g64, v64) - delta.transpose(0, 2, 1)[..., None])
+    expected = {
+        "out": out,
+        "lse": lse.transpose(0, 2, 1),
+        "dq": scale * np.einsum("bhqk,bkhd->bqhd", ds, k64),
+        "dk": scale * np.einsum("bhqk,bqhd->bkhd", ds, q64),
+        "dv": np.einsum("bhqk,bqhd->bkhd", p, g64),
+    }
+    return RingCase(plan, dtype, scale, (q, k, v, dout), expected["lse"].astype(np.float32),
+                    delta.astype(np.float32), expected)  # fmt: skip
+
+
+def run_ring_kind(lib, case: RingCase, kind: str, tables=None, memory=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """One ring kernel (``lib``: the emulated library or a GPU build) into NaN-filled float32 results: ``(out,
+    lse)``, ``(dq, None)`` or ``(dk, dv)``; dq and dk/dv take the case's lse and delta. ``tables``: the walk's
+    ``(walk_rings, ring_order, pattern_offsets, pattern_arcs, quad_weights, attributes)`` (the plan's by default;
+    tests pass broken ones). ``memory`` as for :func:`run_scheduled_kind`."""
+    memory = memory or HostMemory()
+    q, k, v, dout = case.inputs
+    if kind == "forward":
+        results = (np.full(q.shape[:-1] + (v.shape[-1],), np.nan, np.float32), np.full(q.shape[:-1], np.nan, np.float32))
+    elif kind == "dq":
+        results = (np.full(q.shape, np.nan, np.float32), None)
+    else:
+        results = (np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32))
+    walk = "keys" if kind == "dkv" else "queries"
+    *arrays, attributes = tables or _ffi._ring_tables(case.plan, walk)
+    walk_points, visited_points = (k.shape[1], q.shape[1]) if walk == "keys" else (q.shape[1], k.shape[1])
+    sizes = np.asarray([q.shape[0], q.shape[2], q.shape[3], v.shape[3], walk_points, visited_points,
+                        attributes["walk_ring_count"], attributes["max_ring_points"], attributes["pattern_count"],
+                        arrays[3].size // 6, arrays[4].size], np.int64)  # fmt: skip
+    buffers = (q, k, v, dout, case.lse, case.delta, *(np.ascontiguousarray(a) for a in arrays), *results)
+    pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in buffers]
+    status = lib.RunRingTarget(ctypes.c_int(RING_KINDS[kind]), ctypes.c_int(DTYPES[case.dtype][0]), *pointers,
+                               ctypes.c_void_p(sizes.ctypes.data), ctypes.c_float(case.scale))  # fmt: skip
+    assert status == 0, f"ring {kind}: launcher returned cudaError {status}"
+    memory.finish(results)
+    return results
+
+
+def run_ring_case(lib, case: RingCase, memory_of=HostMemory) -> dict[str, np.ndarray]:
+    """The three ring kernels on ``case``: ``{"out", "lse", "dq", "dk", "dv"}`` (``memory_of()`` a fresh memory
+    per kernel)."""
+    out, lse = run_ring_kind(lib, case, "forward", memory=memory_of())
+    dq, _ = run_ring_kind(lib, case, "dq", memory=memory_of())
+    dk, dv = run_ring_kind(lib, case, "dkv", memory=memory_of())
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def verify_ring_case(case: RingCase, results: dict[str, np.ndarray]) -> None:
+    """Every element written, each result within the float32 bar of the float64 one (the inputs are exact in
+    every dtype: the kernels compute in float32)."""
+    for name, expected in case.expected.items():
+        actual = results[name]
+        assert not np.isnan(actual).any(), f"{name}: elements left unwritten"
+        error = _relative(actual.astype(np.float64), expected)
+        assert error <= TOLERANCE, f"{name}: relative error {error:.2e} > {TOLERANCE:.0e}"

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 from jax_s2attn._native import kernel_limits
+from jax_s2attn.ops import _ffi
 from jax_s2attn.parallel import shard_layout
 from jax_s2attn.parallel.layout import window_schedules
 from jax_s2attn.plan import NeighborhoodPlan
@@ -48,6 +49,7 @@ from kernel_cases import (  # noqa: E402
     LONG_ROW_WINDOWS,
     MANY_SEGMENTS_PLAN,
     PLANS,
+    RING_PLANS,
     RUN_TARGET_SHIM,
     STENCIL_PLANS,
     TILED_SEGMENT_SLOTS,
@@ -56,11 +58,14 @@ from kernel_cases import (  # noqa: E402
     check_case,
     check_nan_poisoning,
     prepare_case,
+    prepare_ring_case,
     run_case,
     run_dkv,
     run_dq_forming_delta,
     run_forward,
     run_narrow_forward,
+    run_ring_case,
+    run_ring_kind,
     run_scheduled_case,
     run_scheduled_dq_forming_delta,
     run_scheduled_kind,
@@ -71,6 +76,7 @@ from kernel_cases import (  # noqa: E402
     verify_dq_forming_delta,
     verify_narrow_forward,
     verify_one_part_forward,
+    verify_ring_case,
 )
 
 # Host builds of the kernels, their emulated runs and the AddressSanitizer run: the slow tier.
@@ -660,7 +666,8 @@ def test_tiled_launchers_refuse_unsupported_cases(launch_status, rng, dims, dtyp
 # read or write outside an array that would pass unnoticed here (garbage tables, an index past a
 # short table) aborts the run with a report naming the kernel's line.
 SANITIZED_TESTS = (
-    "corrupted or tiled_windows or resampling or (tiled_matches and d64) or rounded_float32 or delta or stencil"
+    "corrupted or tiled_windows or resampling or (tiled_matches and d64) or rounded_float32 or delta or stencil "
+    "or ring"
 )
 
 
@@ -938,3 +945,40 @@ def test_scheduled_results_in_the_activations_type_are_the_rounded_float32_ones(
     again = run_scheduled_case(emulated_library, case)
     for name, result in wide.items():
         assert result.tobytes() == again[name].tobytes(), name
+
+
+# ------------------------------------------------------------------ ring targets (arc kernels between ring grids)
+
+
+RING_CASES = [  # plan, (Dk, Dv), dtype: the vector path at 32 and 64, the general one at (5, 7)
+    ("healpix-self", (32, 32), "float32"),
+    ("healpix-self", (64, 64), "bfloat16"),
+    ("latlon-3:2", (64, 64), "float32"),
+    ("latlon-3:2", (5, 7), "float16"),
+    ("octahedral-healpix", (32, 32), "bfloat16"),
+    ("octahedral-healpix", (5, 7), "float32"),
+]
+
+
+@pytest.mark.parametrize(("plan_name", "dims", "dtype"), RING_CASES,
+                         ids=[f"{p}-dk{d[0]}-dv{d[1]}-{t}" for p, d, t in RING_CASES])  # fmt: skip
+def test_ring_kernels_match_float64(emulated_library, rng, plan_name, dims, dtype):
+    case = prepare_ring_case(rng, RING_PLANS[plan_name](), 2, 2, *dims, dtype)
+    verify_ring_case(case, run_ring_case(emulated_library, case))
+
+
+def test_ring_kernels_with_corrupted_tables_stay_in_bounds(emulated_library, rng):
+    """Ring tables in device memory are not checked by the host: garbage must never index outside the arrays (the
+    sanitized run). With the rings intact and garbage patterns or arcs, every result element is still written."""
+    case = prepare_ring_case(rng, RING_PLANS["octahedral-healpix"](), 1, 1, 32, 32, "float32")
+    big = np.iinfo(np.int32).max
+    for kind in ("forward", "dkv"):
+        walk = "keys" if kind == "dkv" else "queries"
+        for corrupt in range(4):  # walk_rings, ring_order, pattern_offsets, pattern_arcs
+            tables = [np.array(t, copy=True) for t in _ffi._ring_tables(case.plan, walk)[:5]]
+            tables[corrupt] = rng.integers(-big, big, size=tables[corrupt].shape, dtype=np.int64).astype(np.int32)
+            tables[corrupt][: tables[corrupt].size // 2] %= 64  # small values too: plausible indices
+            attributes = _ffi._ring_tables(case.plan, walk)[5]
+            results = run_ring_kind(emulated_library, case, kind, tables=(*tables, attributes))
+            if corrupt >= 2:  # garbage rings or ring order may leave points unvisited: only bounds hold there
+                assert not any(np.isnan(result).any() for result in results if result is not None), corrupt

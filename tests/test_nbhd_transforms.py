@@ -229,9 +229,9 @@ def test_fallback_to_the_reference_warns_once(plan, qkv, monkeypatch):
 
 
 def test_registrations_match_target_names():
-    """The CPU module registers the arc targets and delta, the CUDA module also the tiled, scheduled and stencil
-    ones."""
-    common = (*_ffi.TARGETS, _ffi.DELTA_TARGET)
+    """Both modules register the arc targets, the ring targets and delta, the CUDA module also the tiled,
+    scheduled and stencil ones."""
+    common = (*_ffi.TARGETS, *_ffi.RING_TARGETS, _ffi.DELTA_TARGET)
     expected = {"cpu": common, "cuda": common + _ffi.TILED_TARGETS + _ffi.SCHEDULED_TARGETS + _ffi.STENCIL_TARGETS}
     for platform, available in _ffi.native_backends().items():
         if not available:

@@ -17,6 +17,7 @@ NB_MODULE(_s2attn_cuda, m) {
                                       S2AttnScheduledBackwardDkvCuda, S2AttnScheduledBackwardDqDeltaCuda);
     s2attn::AddStencilRegistrations(targets, S2AttnStencilForwardCuda, S2AttnStencilBackwardDqCuda,
                                     S2AttnStencilBackwardDkvCuda);
+    s2attn::AddRingRegistrations(targets, S2AttnRingForwardCuda, S2AttnRingBackwardDqCuda, S2AttnRingBackwardDkvCuda);
     return targets;
   });
   m.def("build_info", []() {

@@ -16,9 +16,9 @@ __host__ __device__ constexpr int64_t DqWarpWords(int64_t dk, int64_t dv) { retu
 __host__ __device__ constexpr int64_t DkvWarpWords(int64_t dk, int64_t dv) { return 2 * (dk + dv); }
 
 // One team per (batch, head, query): dq = scale * sum_k ds k over the key window.
-template <typename T, typename Ch>
+template <typename T, typename Ch, typename G>
 __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwdDqKernel(const NbhdAttnGpuParams p) {
-  const Windows win = ReadDeviceWindows(p);
+  const G geometry(p);
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
@@ -27,13 +27,14 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
   float* warp_shared = DynamicShared() + (threadIdx.x / 32) * WarpSharedWords<Ch>(DqWarpWords(dk, dv));
 
   ForTeamPoint(
-      p, p.nq_lat, p.nq_lon, threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
+      p, geometry.Rows(), geometry.Cols(), threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
       [&](int32_t i, int32_t j, int64_t b, int64_t head) {
-        const int64_t query = ((b * p.nq_lat + i) * p.nq_lon + j) * heads + head;  // (point, head) index
+        const WalkPoint point = geometry.At(i, j);
+        if (!point.exists) return;
+        const int64_t query = (b * geometry.WalkPoints() + point.local) * heads + head;  // (point, head) index
         float* dq = static_cast<float*>(p.dq) + query * dk;
         Ch ch(warp_shared);
-        const bool real = i < win.q.nlat && j < win.q.nlon;
-        const float lse = real ? __ldg(p.lse + query) : kNegInf;
+        const float lse = point.real ? __ldg(p.lse + query) : kNegInf;
         if (lse == kNegInf) {  // padding, or no neighbour anywhere: every p is 0
           ch.StoreZero(dq, dk);
           return;
@@ -46,12 +47,12 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
         const float lse2 = lse * kLog2e;
         const float delta = __ldg(p.delta + query);
 
-        ForEachRun(p, win.k, p.nlon_k, win.q.lat0 + i, win.q.lon0 + j, [&](int32_t row, int32_t col, int32_t count) {
-          const int64_t first = ((b * p.nk_lat + row) * p.nk_lon + col) * heads + head;
+        geometry.ForEachRun(i, j, [&](int32_t weight_index, int64_t first_point, int32_t count) {
+          const int64_t first = (b * geometry.OtherPoints() + first_point) * heads + head;
           const T* k_run = k + first * dk;
           const T* v_run = v + first * dv;
           const int64_t k_stride = heads * dk, v_stride = heads * dv;
-          const float bias = log2f(__ldg(p.quad_weights + win.k.lat0 + row)) - lse2;
+          const float bias = log2f(__ldg(p.quad_weights + weight_index)) - lse2;
           ForEachGroup<kNeighbourGroup>(count, [&](auto group, int32_t t) {
             constexpr int kRows = decltype(group)::kRows;
             const auto kt = ch.template LoadRows<kRows>(k_run + t * k_stride, k_stride);
@@ -73,9 +74,9 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
 // One team per (batch, head, key): dv = sum_q p dout and dk = scale * sum_q ds q over the
 // queries in the query window that have this key as a neighbour (backward arcs). The key's
 // log2 weight is one constant of the walk.
-template <typename T, typename Ch>
+template <typename T, typename Ch, typename G>
 __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwdDkvKernel(const NbhdAttnGpuParams p) {
-  const Windows win = ReadDeviceWindows(p);
+  const G geometry(p);
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
@@ -84,13 +85,15 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
   float* warp_shared = DynamicShared() + (threadIdx.x / 32) * WarpSharedWords<Ch>(DkvWarpWords(dk, dv));
 
   ForTeamPoint(
-      p, p.nk_lat, p.nk_lon, threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
+      p, geometry.Rows(), geometry.Cols(), threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
       [&](int32_t i, int32_t j, int64_t b, int64_t head) {
-        const int64_t key = ((b * p.nk_lat + i) * p.nk_lon + j) * heads + head;  // (point, head) index
+        const WalkPoint point = geometry.At(i, j);
+        if (!point.exists) return;
+        const int64_t key = (b * geometry.WalkPoints() + point.local) * heads + head;  // (point, head) index
         float* dk_out = static_cast<float*>(p.dk) + key * dk;
         float* dv_out = static_cast<float*>(p.dv) + key * dv;
         Ch ch(warp_shared);
-        if (i >= win.k.nlat || j >= win.k.nlon) {  // padding
+        if (!point.real) {  // padding
           ch.StoreZero(dk_out, dk);
           ch.StoreZero(dv_out, dv);
           return;
@@ -101,10 +104,10 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
         ch.Load(vv, v + key * dv, 1.f);
         typename Ch::Vec dk_acc = ch.NewVec(dk);
         typename Ch::Vec dv_acc = ch.NewVec(dv);
-        const float log2w = log2f(__ldg(p.quad_weights + win.k.lat0 + i));
+        const float log2w = log2f(__ldg(p.quad_weights + geometry.WalkWeightIndex(i)));
 
-        ForEachRun(p, win.q, p.nlon_q, win.k.lat0 + i, win.k.lon0 + j, [&](int32_t row, int32_t col, int32_t count) {
-          const int64_t first = ((b * p.nq_lat + row) * p.nq_lon + col) * heads + head;
+        geometry.ForEachRun(i, j, [&](int32_t /*query_weight_index*/, int64_t first_point, int32_t count) {
+          const int64_t first = (b * geometry.OtherPoints() + first_point) * heads + head;
           const T* q_run = q + first * dk;
           const T* g_run = dout + first * dv;
           const float* lse_run = p.lse + first;
@@ -144,26 +147,52 @@ __global__ void __launch_bounds__(kVectorBlockThreads, kBlocksPerSm) NbhdAttnBwd
 }  // namespace
 }  // namespace gpu
 
-cudaError_t LaunchNbhdAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+namespace gpu {
+namespace {
+
+// dq over `rows` x `cols` walking points (queries) of geometry G.
+template <typename G>
+cudaError_t LaunchBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p, int32_t rows, int32_t cols) {
   if (p.gradient_dtype != ActivationType::kF32) return cudaErrorInvalidValue;  // float32 gradients only
-  const bool aligned = gpu::Aligned16({p.q, p.k, p.v, p.dout, p.dq});
-  return gpu::DispatchVariant(p, aligned, [&](auto variant) {
+  const bool aligned = Aligned16({p.q, p.k, p.v, p.dout, p.dq});
+  return DispatchVariant(p, aligned, [&](auto variant) {
     using V = decltype(variant);
     using Ch = typename V::Channels;
-    return gpu::LaunchTeams<Ch>(gpu::NbhdAttnBwdDqKernel<typename V::Element, Ch>, stream, p, p.nq_lat, p.nq_lon,
-                                gpu::DqWarpWords(p.head_dim_k, p.head_dim_v));
+    return LaunchTeams<Ch>(NbhdAttnBwdDqKernel<typename V::Element, Ch, G>, stream, p, rows, cols,
+                           DqWarpWords(p.head_dim_k, p.head_dim_v));
   });
 }
 
-cudaError_t LaunchNbhdAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+// dk, dv over `rows` x `cols` walking points (keys) of geometry G.
+template <typename G>
+cudaError_t LaunchBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p, int32_t rows, int32_t cols) {
   if (p.gradient_dtype != ActivationType::kF32) return cudaErrorInvalidValue;  // float32 gradients only
-  const bool aligned = gpu::Aligned16({p.q, p.k, p.v, p.dout, p.dk, p.dv});
-  return gpu::DispatchVariant(p, aligned, [&](auto variant) {
+  const bool aligned = Aligned16({p.q, p.k, p.v, p.dout, p.dk, p.dv});
+  return DispatchVariant(p, aligned, [&](auto variant) {
     using V = decltype(variant);
     using Ch = typename V::Channels;
-    return gpu::LaunchTeams<Ch>(gpu::NbhdAttnBwdDkvKernel<typename V::Element, Ch>, stream, p, p.nk_lat, p.nk_lon,
-                                gpu::DkvWarpWords(p.head_dim_k, p.head_dim_v));
+    return LaunchTeams<Ch>(NbhdAttnBwdDkvKernel<typename V::Element, Ch, G>, stream, p, rows, cols,
+                           DkvWarpWords(p.head_dim_k, p.head_dim_v));
   });
+}
+
+}  // namespace
+}  // namespace gpu
+
+cudaError_t LaunchNbhdAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::LaunchBwdDq<gpu::GridGeometry<false>>(stream, p, p.nq_lat, p.nq_lon);
+}
+
+cudaError_t LaunchNbhdAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::LaunchBwdDkv<gpu::GridGeometry<true>>(stream, p, p.nk_lat, p.nk_lon);
+}
+
+cudaError_t LaunchRingAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::LaunchBwdDq<gpu::RingGeometry<false>>(stream, p, p.num_walk_rings, p.max_ring_points);
+}
+
+cudaError_t LaunchRingAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::LaunchBwdDkv<gpu::RingGeometry<true>>(stream, p, p.num_walk_rings, p.max_ring_points);
 }
 
 }  // namespace s2attn

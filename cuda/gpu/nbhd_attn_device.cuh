@@ -19,6 +19,7 @@
 #include <initializer_list>
 
 #include "common/arc_walk.h"
+#include "common/ring_walk.h"
 #include "gpu/device_common.cuh"
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/packed_pair.cuh"
@@ -331,6 +332,106 @@ __device__ __forceinline__ void ForEachRun(const NbhdAttnGpuParams& p, const Gri
     }
   }
 }
+
+// ------------------------------------------------------------------ geometries
+//
+// Where a team's walking point lies and which runs of the other grid it visits, for the two kinds of call.
+// A geometry G (constructed from the params in the kernel) offers
+//   Rows(), Cols()                 the launch grid's walking rows and the columns of the widest
+//   At(i, j) -> WalkPoint          walking row i (from row_order), column j
+//   WalkPoints(), OtherPoints()    points of one batch entry's walking and other arrays
+//   WalkWeightIndex(i)             the quadrature weight of walking row i's points (dk/dv)
+//   ForEachRun(i, j, visit)        visit(weight_index, first, count) per run of `count` consecutive points of the
+//                                  other grid from point `first` (in one batch entry's array), whose weight is
+//                                  quad_weights[weight_index] (used by the forward and dq)
+
+struct WalkPoint {
+  int64_t local;  // index in one batch entry's walking array
+  bool exists;    // false past the end of a ring: no result element to write
+  bool real;      // false for padding of a window: zeros to write
+};
+
+// The regular grids of a NeighborhoodPlan: rows and columns of the local arrays, clipped to the windows.
+// kWalkKeys: the keys walk (dk/dv), else the queries.
+template <bool kWalkKeys>
+class GridGeometry {
+ public:
+  __device__ explicit GridGeometry(const NbhdAttnGpuParams& p) : p_(p), win_(ReadDeviceWindows(p)) {}
+
+  __device__ int32_t Rows() const { return kWalkKeys ? p_.nk_lat : p_.nq_lat; }
+  __device__ int32_t Cols() const { return kWalkKeys ? p_.nk_lon : p_.nq_lon; }
+  __device__ int64_t WalkPoints() const { return int64_t{Rows()} * Cols(); }
+  __device__ int64_t OtherPoints() const {
+    return kWalkKeys ? int64_t{p_.nq_lat} * p_.nq_lon : int64_t{p_.nk_lat} * p_.nk_lon;
+  }
+  __device__ WalkPoint At(int32_t i, int32_t j) const {
+    return WalkPoint{int64_t{i} * Cols() + j, true, i < Walk().nlat && j < Walk().nlon};
+  }
+  __device__ int32_t WalkWeightIndex(int32_t i) const { return Walk().lat0 + i; }
+
+  template <typename Visit>
+  __device__ __forceinline__ void ForEachRun(int32_t i, int32_t j, Visit&& visit) const {
+    const GridWindow& other = kWalkKeys ? win_.q : win_.k;
+    const int32_t other_cols = kWalkKeys ? p_.nq_lon : p_.nk_lon;
+    gpu::ForEachRun(p_, other, kWalkKeys ? p_.nlon_q : p_.nlon_k, Walk().lat0 + i, Walk().lon0 + j,
+                    [&](int32_t row, int32_t col, int32_t count) {
+                      visit(other.lat0 + row, int64_t{row} * other_cols + col, count);
+                    });
+  }
+
+ private:
+  __device__ const GridWindow& Walk() const { return kWalkKeys ? win_.k : win_.q; }
+
+  const NbhdAttnGpuParams& p_;
+  Windows win_;
+};
+
+// Ring grids: a row is a walking ring, a column a point of it. The tables are device memory and unchecked: every
+// index read from them is clamped (a ring's points into the walking grid, its patterns and arcs into their tables,
+// an arc's points into the other grid: ClampedRunsOfArc).
+template <bool kWalkKeys>
+class RingGeometry {
+ public:
+  __device__ explicit RingGeometry(const NbhdAttnGpuParams& p) : p_(p) {}
+
+  __device__ int32_t Rows() const { return p_.num_walk_rings; }
+  __device__ int32_t Cols() const { return p_.max_ring_points; }
+  __device__ int64_t WalkPoints() const { return p_.walk_points; }
+  __device__ int64_t OtherPoints() const { return p_.visited_points; }
+  __device__ WalkPoint At(int32_t ring, int32_t j) const {
+    const int32_t* row = p_.walk_rings + kWalkRingFields * int64_t{ring};
+    const int32_t first = ClampToRange(__ldg(row), 0, p_.walk_points);
+    const int32_t count = ClampToRange(__ldg(row + 1), 0, p_.walk_points - first);
+    return WalkPoint{int64_t{first} + j, j < count, j < count};
+  }
+  __device__ int32_t WalkWeightIndex(int32_t ring) const { return WeightIndex(ring); }
+
+  template <typename Visit>
+  __device__ __forceinline__ void ForEachRun(int32_t ring, int32_t j, Visit&& visit) const {
+    const int32_t* row = p_.walk_rings + kWalkRingFields * int64_t{ring};
+    const int32_t period = __ldg(row + 3) < 1 ? 1 : __ldg(row + 3);
+    const int64_t pattern = Clamp(int64_t{__ldg(row + 2)} + j % period, 0, p_.num_patterns - 1);
+    const int32_t position = j / period;
+    const int64_t begin = Clamp(__ldg(p_.arc_offsets + pattern), 0, p_.num_arcs);
+    const int64_t end = Clamp(__ldg(p_.arc_offsets + pattern + 1), begin, p_.num_arcs);
+    for (int64_t a = begin; a < end; ++a) {
+      const int32_t* arc = p_.arcs + kRingArcFields * a;
+      const RingRuns runs = ClampedRunsOfArc(__ldg(arc + 1), __ldg(arc + 2), __ldg(arc + 3), __ldg(arc + 4),
+                                             __ldg(arc + 5), position, p_.visited_points);
+      const int32_t weight_index = kWalkKeys ? 0 : WeightIndex(__ldg(arc));
+      for (int32_t r = 0; r < runs.count; ++r) {  // selects keep the runs in registers
+        visit(weight_index, r == 0 ? runs.first[0] : runs.first[1], r == 0 ? runs.len[0] : runs.len[1]);
+      }
+    }
+  }
+
+ private:
+  __device__ int32_t WeightIndex(int32_t ring) const {
+    return static_cast<int32_t>(Clamp(ring, 0, p_.num_weights - 1));
+  }
+
+  const NbhdAttnGpuParams& p_;
+};
 
 template <int kCount>
 struct Group {

@@ -1,6 +1,7 @@
 // CUDA handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
 // arc-segment targets, their three tiled tensor-core twins and the three stencil targets, one handler template
-// each, the tiled dq that forms delta itself, and the backward's delta.
+// each, the tiled dq that forms delta itself, the three ring targets (the arc kernels between ring grids), and the
+// backward's delta.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
 // table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream with its device current
@@ -22,6 +23,7 @@
 #include "common/kernel_limits.h"
 #include "common/nbhd_binding.h"
 #include "common/nbhd_params.h"
+#include "common/ring_params.h"
 #include "gpu/delta_kernel.h"
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/ffi_launch.h"
@@ -44,9 +46,20 @@ ActivationType ToActivationType(ElementType type) {
   return ActivationType::kF32;  // unreachable: DecodeParams accepts only these three
 }
 
-// Limits of the kernels' index arithmetic (32-bit grid coordinates in arc_walk.h, 32-bit
-// batch x head block indices, the shared-memory bound of the general path), checked on the
-// host where they can be reported.
+// The arc kernels' limits on every call: 32-bit batch x head block indices and the shared-memory bound of the
+// general path.
+ffi::Error CheckTeamLimits(int64_t batch, int64_t heads, int64_t dk, int64_t dv) {
+  S2ATTN_CHECK(batch * heads <= INT32_MAX,
+               "batch x heads = " << batch * heads << " exceeds the CUDA kernels' limit of 2^31 - 1");
+  S2ATTN_CHECK(NbhdAttnHeadDimsSupported(dk, dv), "head dims Dk = " << dk << ", Dv = " << dv
+                                                                    << " are too large for the CUDA kernels (Dk + Dv "
+                                                                       "must be at most "
+                                                                    << NbhdAttnMaxHeadDims() << ")");
+  return ffi::Error::Success();
+}
+
+// Limits of the kernels' index arithmetic (32-bit grid coordinates in arc_walk.h, and the team limits), checked on
+// the host where they can be reported.
 ffi::Error CheckGpuLimits(const NbhdParams& p, bool walk_keys) {
   constexpr int64_t kMaxExtent = int64_t{1} << 29;
   S2ATTN_CHECK(p.nlat_q < kMaxExtent && p.nlon_q < kMaxExtent && p.nlat_k < kMaxExtent && p.nlon_k < kMaxExtent &&
@@ -57,13 +70,7 @@ ffi::Error CheckGpuLimits(const NbhdParams& p, bool walk_keys) {
   S2ATTN_CHECK(p.shift * ((nlon_walk - 1) / p.residues) < nlon_other,
                "shift " << p.shift << " and residues " << p.residues << " move arc starts past the other grid's "
                         << nlon_other << " longitudes");
-  S2ATTN_CHECK(p.batch * p.heads <= INT32_MAX,
-               "batch x heads = " << p.batch * p.heads << " exceeds the CUDA kernels' limit of 2^31 - 1");
-  S2ATTN_CHECK(NbhdAttnHeadDimsSupported(p.dk, p.dv),
-               "head dims Dk = " << p.dk << ", Dv = " << p.dv
-                                 << " are too large for the CUDA kernels (Dk + Dv must be at most "
-                                 << NbhdAttnMaxHeadDims() << ")");
-  return ffi::Error::Success();
+  return CheckTeamLimits(p.batch, p.heads, p.dk, p.dv);
 }
 
 // Everything but the backward inputs and the results.
@@ -478,6 +485,116 @@ ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buf
   return LaunchOnStreamDevice(stream, kTargetDelta, [&] { return LaunchDelta(stream, g); });
 }
 
+// ------------------------------------------------------------------ ring targets
+
+// A ring call's params: sizes, the walk's tables (device memory: the kernels clamp every index read from them)
+// and the launch extent, after checking what the host sees.
+ffi::Error RingGpuParams(const RingParams& p, const RingAttrs& attrs, bool walk_keys, const ffi::AnyBuffer& q,
+                         const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const I32Buffer& walk_rings,
+                         const I32Buffer& ring_order, const I32Buffer& offsets, const I32Buffer& arcs,
+                         const F32Buffer& quad_weights, NbhdAttnGpuParams* g) {
+  const int64_t walk_points = walk_keys ? p.nk : p.nq, visited_points = walk_keys ? p.nq : p.nk;
+  const int64_t weighted_rings = walk_keys ? attrs.walk_rings : attrs.visited_rings;
+  S2ATTN_RETURN_IF_ERROR(CheckRingTableSizes(attrs, walk_points, visited_points, walk_rings.element_count(),
+                                             ring_order.element_count(), offsets.element_count(),
+                                             arcs.element_count(), quad_weights.element_count(), weighted_rings));
+  S2ATTN_RETURN_IF_ERROR(CheckTeamLimits(p.batch, p.heads, p.dk, p.dv));
+  g->dtype = ToActivationType(p.dtype);
+  g->q = q.untyped_data();
+  g->k = k.untyped_data();
+  g->v = v.untyped_data();
+  g->row_order = ring_order.typed_data();
+  g->arc_offsets = offsets.typed_data();
+  g->arcs = arcs.typed_data();
+  g->num_arcs = static_cast<int64_t>(arcs.element_count()) / kRingArcFields;
+  g->quad_weights = quad_weights.typed_data();
+  g->walk_rings = walk_rings.typed_data();
+  g->num_walk_rings = static_cast<int32_t>(attrs.walk_rings);
+  g->max_ring_points = static_cast<int32_t>(attrs.max_ring_points);
+  g->num_patterns = attrs.patterns;
+  g->num_weights = weighted_rings;
+  g->walk_points = static_cast<int32_t>(walk_points);
+  g->visited_points = static_cast<int32_t>(visited_points);
+  g->batch = p.batch;
+  g->heads = p.heads;
+  g->head_dim_k = p.dk;
+  g->head_dim_v = p.dv;
+  g->scale = p.scale;
+  return ffi::Error::Success();
+}
+
+// jax_s2attn_ring_fwd.
+ffi::Error RingForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       I32Buffer walk_rings, I32Buffer ring_order, I32Buffer pattern_offsets, I32Buffer pattern_arcs,
+                       F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse,
+                       float scale, int64_t walk_ring_count, int64_t visited_ring_count, int64_t pattern_count,
+                       int64_t max_ring_points) {
+  const RingAttrs attrs{scale, walk_ring_count, visited_ring_count, pattern_count, max_ring_points};
+  RingParams p;
+  S2ATTN_RETURN_IF_ERROR(DecodeRingParams(q, k, v, scale, &p));
+  S2ATTN_RETURN_IF_ERROR(CheckRingForwardResults(q, out, lse->dimensions(), p));
+  NbhdAttnGpuParams g;
+  S2ATTN_RETURN_IF_ERROR(RingGpuParams(p, attrs, /*walk_keys=*/false, q, k, v, walk_rings, ring_order,
+                                       pattern_offsets, pattern_arcs, quad_weights, &g));
+  if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
+  g.out = static_cast<float*>(out->untyped_data());
+  g.lse_out = lse->typed_data();
+  return LaunchOnStreamDevice(stream, kTargetRingForward, [&] { return LaunchRingAttnFwd(stream, g); });
+}
+
+// The operands both ring backward targets share, checked, in `g`.
+ffi::Error RingBackwardParams(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                              const ffi::AnyBuffer& dout, const F32Buffer& lse, const F32Buffer& delta,
+                              const I32Buffer& walk_rings, const I32Buffer& ring_order, const I32Buffer& offsets,
+                              const I32Buffer& arcs, const F32Buffer& quad_weights, const RingAttrs& attrs,
+                              bool walk_keys, RingParams* p, NbhdAttnGpuParams* g) {
+  S2ATTN_RETURN_IF_ERROR(DecodeRingParams(q, k, v, attrs.scale, p));
+  S2ATTN_RETURN_IF_ERROR(CheckRingBackwardOperands(q, dout, lse.dimensions(), delta.dimensions(), *p));
+  S2ATTN_RETURN_IF_ERROR(
+      RingGpuParams(*p, attrs, walk_keys, q, k, v, walk_rings, ring_order, offsets, arcs, quad_weights, g));
+  g->dout = dout.untyped_data();
+  g->lse = lse.typed_data();
+  g->delta = delta.typed_data();
+  return ffi::Error::Success();
+}
+
+// jax_s2attn_ring_bwd_dq.
+ffi::Error RingBackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                          ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer walk_rings,
+                          I32Buffer ring_order, I32Buffer pattern_offsets, I32Buffer pattern_arcs,
+                          F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dq, float scale,
+                          int64_t walk_ring_count, int64_t visited_ring_count, int64_t pattern_count,
+                          int64_t max_ring_points) {
+  RingParams p;
+  NbhdAttnGpuParams g;
+  S2ATTN_RETURN_IF_ERROR(RingBackwardParams(
+      q, k, v, dout, lse, delta, walk_rings, ring_order, pattern_offsets, pattern_arcs, quad_weights,
+      {scale, walk_ring_count, visited_ring_count, pattern_count, max_ring_points}, /*walk_keys=*/false, &p, &g));
+  S2ATTN_RETURN_IF_ERROR(CheckRingDqResult(q, dq, p));
+  if (dq->element_count() == 0) return ffi::Error::Success();
+  g.dq = dq->untyped_data();
+  return LaunchOnStreamDevice(stream, kTargetRingBackwardDq, [&] { return LaunchRingAttnBwdDq(stream, g); });
+}
+
+// jax_s2attn_ring_bwd_dkv.
+ffi::Error RingBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer walk_rings,
+                           I32Buffer ring_order, I32Buffer pattern_offsets, I32Buffer pattern_arcs,
+                           F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dk,
+                           AnyResult dv, float scale, int64_t walk_ring_count, int64_t visited_ring_count,
+                           int64_t pattern_count, int64_t max_ring_points) {
+  RingParams p;
+  NbhdAttnGpuParams g;
+  S2ATTN_RETURN_IF_ERROR(RingBackwardParams(
+      q, k, v, dout, lse, delta, walk_rings, ring_order, pattern_offsets, pattern_arcs, quad_weights,
+      {scale, walk_ring_count, visited_ring_count, pattern_count, max_ring_points}, /*walk_keys=*/true, &p, &g));
+  S2ATTN_RETURN_IF_ERROR(CheckRingDkvResults(q, dk, dv, p));
+  if (dk->element_count() == 0 && dv->element_count() == 0) return ffi::Error::Success();
+  g.dk = dk->untyped_data();
+  g.dv = dv->untyped_data();
+  return LaunchOnStreamDevice(stream, kTargetRingBackwardDkv, [&] { return LaunchRingAttnBwdDkv(stream, g); });
+}
+
 }  // namespace
 }  // namespace s2attn
 
@@ -500,5 +617,11 @@ S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnStencil, s2attn::StencilForward, s2attn::Stenc
                             s2attn::StencilBackwardDkv, true, false);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::TiledBackwardDqDelta,
                               s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnRingForwardCuda, s2attn::RingForward,
+                              s2attn::BindRingForward(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnRingBackwardDqCuda, s2attn::RingBackwardDq,
+                              s2attn::BindRingBackwardDq(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnRingBackwardDkvCuda, s2attn::RingBackwardDkv,
+                              s2attn::BindRingBackwardDkv(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnDeltaCuda, s2attn::Delta,
                               s2attn::BindDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));

@@ -21,5 +21,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDqCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDkvCuda);
 // jax_s2attn_tiled_bwd_dq_delta: (q, k, v, dout, lse, out, dlse, window, row_order, ...) -> (dq, delta)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda);
+// jax_s2attn_ring_fwd / _bwd_dq / _bwd_dkv: the arc kernels between ring grids on flat fields (the CPU ring
+// targets' operands: cuda/README.md, "Ring targets").
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnRingForwardCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnRingBackwardDqCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnRingBackwardDkvCuda);
 // jax_s2attn_delta: (dout, out, dlse) -> delta = sum(dout * out, -1) - dlse
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnDeltaCuda);

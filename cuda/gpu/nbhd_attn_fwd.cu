@@ -11,10 +11,10 @@ __host__ __device__ constexpr int64_t FwdWarpWords(int64_t dk, int64_t dv) { ret
 // One team per (batch, head, query). Scores are kept in log2 units with the quadrature
 // weight folded in, s = log2(e) * scale * q.k + log2(w): then p = exp2(s - m) and
 // lse = ln(2) * (m + log2(l)). The running max m and sum l are rescaled once per group.
-template <typename T, typename Ch>
+template <typename T, typename Ch, typename G>
 __global__ void __launch_bounds__(kVectorBlockThreads, Ch::kUsesShared ? kBlocksPerSm : kFwdVectorBlocksPerSm)
     NbhdAttnFwdKernel(const NbhdAttnGpuParams p) {
-  const Windows win = ReadDeviceWindows(p);
+  const G geometry(p);
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
@@ -22,12 +22,14 @@ __global__ void __launch_bounds__(kVectorBlockThreads, Ch::kUsesShared ? kBlocks
   float* warp_shared = DynamicShared() + (threadIdx.x / 32) * WarpSharedWords<Ch>(FwdWarpWords(dk, dv));
 
   ForTeamPoint(
-      p, p.nq_lat, p.nq_lon, threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
+      p, geometry.Rows(), geometry.Cols(), threadIdx.x / Ch::kLanes, blockDim.x / Ch::kLanes,
       [&](int32_t i, int32_t j, int64_t b, int64_t head) {
-        const int64_t query = ((b * p.nq_lat + i) * p.nq_lon + j) * heads + head;  // (point, head) index
+        const WalkPoint point = geometry.At(i, j);
+        if (!point.exists) return;
+        const int64_t query = (b * geometry.WalkPoints() + point.local) * heads + head;  // (point, head) index
         float* out = p.out + query * dv;
         Ch ch(warp_shared);
-        if (i >= win.q.nlat || j >= win.q.nlon) {  // padding
+        if (!point.real) {  // padding
           ch.StoreZero(out, dv);
           if (ch.Leader()) p.lse_out[query] = kNegInf;
           return;
@@ -37,12 +39,12 @@ __global__ void __launch_bounds__(kVectorBlockThreads, Ch::kUsesShared ? kBlocks
         typename Ch::Vec acc = ch.NewVec(dv);
         float m = kNegInf, l = 0.f;
 
-        ForEachRun(p, win.k, p.nlon_k, win.q.lat0 + i, win.q.lon0 + j, [&](int32_t row, int32_t col, int32_t count) {
-          const int64_t first = ((b * p.nk_lat + row) * p.nk_lon + col) * heads + head;
+        geometry.ForEachRun(i, j, [&](int32_t weight_index, int64_t first_point, int32_t count) {
+          const int64_t first = (b * geometry.OtherPoints() + first_point) * heads + head;
           const T* k_run = k + first * dk;
           const T* v_run = v + first * dv;
           const int64_t k_stride = heads * dk, v_stride = heads * dv;
-          const float log2w = log2f(__ldg(p.quad_weights + win.k.lat0 + row));
+          const float log2w = log2f(__ldg(p.quad_weights + weight_index));
           ForEachGroup<kNeighbourGroup>(count, [&](auto group, int32_t t) {
             constexpr int kRows = decltype(group)::kRows;
             const auto kt = ch.template LoadRows<kRows>(k_run + t * k_stride, k_stride);
@@ -91,14 +93,30 @@ bool NbhdAttnHeadDimsSupported(int64_t head_dim_k, int64_t head_dim_v) {
   return head_dim_k >= 0 && head_dim_v >= 0 && head_dim_k + head_dim_v <= NbhdAttnMaxHeadDims();
 }
 
-cudaError_t LaunchNbhdAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
-  const bool aligned = gpu::Aligned16({p.q, p.k, p.v, p.out});
-  return gpu::DispatchVariant(p, aligned, [&](auto variant) {
+namespace gpu {
+namespace {
+
+// The forward over `rows` x `cols` walking points of geometry G.
+template <typename G>
+cudaError_t LaunchFwd(cudaStream_t stream, const NbhdAttnGpuParams& p, int32_t rows, int32_t cols) {
+  const bool aligned = Aligned16({p.q, p.k, p.v, p.out});
+  return DispatchVariant(p, aligned, [&](auto variant) {
     using V = decltype(variant);
     using Ch = typename V::Channels;
-    return gpu::LaunchTeams<Ch>(gpu::NbhdAttnFwdKernel<typename V::Element, Ch>, stream, p, p.nq_lat, p.nq_lon,
-                                gpu::FwdWarpWords(p.head_dim_k, p.head_dim_v));
+    return LaunchTeams<Ch>(NbhdAttnFwdKernel<typename V::Element, Ch, G>, stream, p, rows, cols,
+                           FwdWarpWords(p.head_dim_k, p.head_dim_v));
   });
+}
+
+}  // namespace
+}  // namespace gpu
+
+cudaError_t LaunchNbhdAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::LaunchFwd<gpu::GridGeometry<false>>(stream, p, p.nq_lat, p.nq_lon);
+}
+
+cudaError_t LaunchRingAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  return gpu::LaunchFwd<gpu::RingGeometry<false>>(stream, p, p.num_walk_rings, p.max_ring_points);
 }
 
 }  // namespace s2attn

@@ -82,6 +82,18 @@ struct NbhdAttnGpuParams {
   int64_t num_arcs = 0;            // rows of `arcs` (all copies: only an index bound)
   float scale = 1.0f;              // logit scale
 
+  // Ring targets only (LaunchRingAttn*): flat fields [batch, points, heads, dim] between ring grids, walking the
+  // patterns of common/ring_walk.h: `arc_offsets` and `arcs` hold pattern_offsets and pattern_arcs (num_arcs
+  // their rows), `row_order` the walking rings most points first, and `window` is unused. quad_weights holds
+  // num_weights input rings' weights.
+  const int32_t* walk_rings = nullptr;  // [num_walk_rings, 4]
+  int32_t num_walk_rings = 0;
+  int32_t max_ring_points = 0;   // points of the largest walking ring
+  int64_t num_patterns = 0;
+  int64_t num_weights = 0;
+  int32_t walk_points = 0;       // points of the walking grid (queries for forward and dq, keys for dk/dv)
+  int32_t visited_points = 0;    // points of the other grid
+
   // Set by the launchers, which split grids past 65535 blocks in y or z into several launches:
   // the row rank and the batch * head index of this launch's blockIdx.z = 0 and blockIdx.y = 0.
   int32_t first_rank = 0;
@@ -104,5 +116,11 @@ cudaError_t LaunchNbhdAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& pa
 
 // dk, dv from q, k, v, dout, lse, delta walking the backward arcs (walking grid = k grid).
 cudaError_t LaunchNbhdAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& params);
+
+// The same three between ring grids (the ring fields above): the queries' patterns for the forward and dq, the
+// keys' for dk/dv.
+cudaError_t LaunchRingAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& params);
+cudaError_t LaunchRingAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& params);
+cudaError_t LaunchRingAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& params);
 
 }  // namespace s2attn

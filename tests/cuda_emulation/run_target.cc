@@ -1,5 +1,6 @@
 // C entry points of the CUDA launchers for Python (ctypes): one call of forward, dq, dkv, the tiled dq
-// that forms delta, a scheduled target, the scheduled dq that forms delta, or delta on the default stream.
+// that forms delta, a ring target, a scheduled target, the scheduled dq that forms delta, or delta on the default
+// stream.
 // Shared by the host emulation (tests/test_cuda_emulated.py, g++) and the standalone GPU harness
 // (tests/gpu_kernel_sanitizer.py, nvcc): pointers are host memory in the first and device memory in the second,
 // except `sizes`, which is always host memory.
@@ -126,6 +127,42 @@ extern "C" int RunTiledDqFormingDelta(int dtype, int gradient_dtype, const void*
   p.dq = dq;
   p.delta_out = delta;
   return s2attn::LaunchTiledAttnBwdDq(nullptr, p);
+}
+
+// A ring target (the arc kernels between ring grids): `kind` 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk,
+// dv), walking the tables of common/ring_walk.h (the queries' walk for 0 and 1, the keys' for 2). sizes: batch,
+// heads, dk, dv, walk_points, visited_points, num_walk_rings, max_ring_points, num_patterns, num_arcs, num_weights.
+// Activations are dtype's, results float32. Returns the launcher's cudaError_t.
+extern "C" int RunRingTarget(int kind, int dtype, const void* q, const void* k, const void* v, const void* dout,
+                             const float* lse, const float* delta, const int32_t* walk_rings,
+                             const int32_t* ring_order, const int32_t* pattern_offsets, const int32_t* pattern_arcs,
+                             const float* quad_weights, void* result0, void* result1, const int64_t* sizes,
+                             float scale) {
+  s2attn::NbhdAttnGpuParams p;
+  p.dtype = static_cast<s2attn::ActivationType>(dtype);
+  p.q = q, p.k = k, p.v = v, p.dout = dout, p.lse = lse, p.delta = delta;
+  p.walk_rings = walk_rings, p.row_order = ring_order;
+  p.arc_offsets = pattern_offsets, p.arcs = pattern_arcs, p.quad_weights = quad_weights;
+  p.batch = sizes[0], p.heads = sizes[1], p.head_dim_k = sizes[2], p.head_dim_v = sizes[3];
+  p.walk_points = static_cast<int32_t>(sizes[4]), p.visited_points = static_cast<int32_t>(sizes[5]);
+  p.num_walk_rings = static_cast<int32_t>(sizes[6]), p.max_ring_points = static_cast<int32_t>(sizes[7]);
+  p.num_patterns = sizes[8], p.num_arcs = sizes[9], p.num_weights = sizes[10];
+  p.scale = scale;
+  switch (kind) {
+    case 0:
+      p.out = static_cast<float*>(result0);
+      p.lse_out = static_cast<float*>(result1);
+      return s2attn::LaunchRingAttnFwd(nullptr, p);
+    case 1:
+      p.dq = result0;
+      return s2attn::LaunchRingAttnBwdDq(nullptr, p);
+    case 2:
+      p.dk = result0;
+      p.dv = result1;
+      return s2attn::LaunchRingAttnBwdDkv(nullptr, p);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 // delta[r] = sum_c dout[r, c] * out[r, c] - dlse[r] for `rows` rows of `dv` channels.
