@@ -76,13 +76,11 @@ from jax_s2attn.ops.local import full_window  # noqa: E402
 from jax_s2attn.ops.neighborhood import _native_attention, tensor_core_family, uses_stencil_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also under -P
+from ceilings import PEAK_FLOPS, floor_ms  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 from flex_attention import flex_runs  # noqa: E402  (the same attention in PyTorch FlexAttention)
 from tile_walk import tile_statistics  # noqa: E402  (the tiled kernels' walk: utilization, computed pairs)
-
-COPY_BANDWIDTH = 4.3e12  # bytes/s, device-to-device copy measured on the H200 (read + write)
-PEAK_FLOPS = {"bfloat16": 790e12, "float16": 790e12, "float32": 67e12}  # matrix bf16 measured; fp32 datasheet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,13 +135,8 @@ def _computed_flops(cfg: Config, stats: dict, backward: bool) -> float:
 
 
 def _floor_ms(cfg: Config, plan, dtype: str, backward: bool) -> float:
-    size = jnp.dtype(dtype).itemsize
-    q_points = cfg.batch * math.prod(cfg.out_shape) * cfg.channels
-    k_points = cfg.batch * math.prod(cfg.in_shape) * cfg.channels
-    tensors = (2 * q_points + 2 * k_points) * size  # q, out; k, v
-    if backward:
-        tensors += (3 * q_points + 4 * k_points) * size  # out, dout, dq; k, v, dk, dv
-    return 1e3 * max(tensors / COPY_BANDWIDTH, _useful_flops(cfg, plan, backward) / PEAK_FLOPS[dtype])
+    q_points, k_points = cfg.batch * math.prod(cfg.out_shape), cfg.batch * math.prod(cfg.in_shape)
+    return floor_ms(q_points, k_points, cfg.channels, _useful_flops(cfg, plan, backward), dtype, backward)
 
 
 def _compiled_bytes(fn, *args) -> int:
