@@ -43,7 +43,7 @@ class RingArcs(NamedTuple):
     pairs: np.ndarray  # int64 [npairs, 4]
     pair_offsets: np.ndarray  # int64 [npairs + 1]
     arcs: np.ndarray  # int64 [narcs, 2]
-    ring_pairs: np.ndarray  # int64 [nrings_out + 1]
+    ring_pairs: np.ndarray  # int64 [walking rings + 1]
     theta_cutoff: float
 
     def keys_of(self, grid_in: RingGrid, grid_out: RingGrid, point: int) -> np.ndarray:

@@ -23,6 +23,8 @@ def _ring_targets_of_the_platform(request):
         if reason is not None:
             pytest.fail(f"the CUDA ring kernels cannot run: {reason}")
 
+CPU = jax.devices("cpu")[0]
+
 # (input grid, output grid, cutoff): self-attention, 3:2 and 2:3 longitude ratios, and between grid kinds.
 PLANS = {
     "healpix_self": RingPlan(RingGrid.healpix(4), RingGrid.healpix(4), 0.35),
@@ -184,7 +186,7 @@ def test_the_default_runs_the_ring_kernels_and_float64_on_the_reference(platform
 def test_forcing_the_kernels_without_the_cpu_module_names_the_reason(monkeypatch):
     monkeypatch.setitem(_ffi.MODULES, "cpu", (None, "_s2attn_cpu is not built (test)"))
     plan = PLANS["healpix_self"]
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in _fields(plan, seed=12))
+    q, k, v = (jax.device_put(x.astype(np.float32), CPU) for x in _fields(plan, seed=12))
     with pytest.raises(ValueError, match=r"cannot run a RingPlan on cpu: _s2attn_cpu is not built \(test\)"):
         neighborhood_attention(q, k, v, plan, implementation="ffi-arc")
 
@@ -222,6 +224,7 @@ TABLE_ERRORS = {
     "arc_past_grid": ("queries", dict(arcs=_set((0, 1), 10_000)), r"pattern arc 0 = .* is outside the visited grid"),
     "arc_start": ("keys", dict(arcs=_set((0, 2), -1)), r"pattern arc 0 = .* is outside the visited grid"),
     "arc_length": ("queries", dict(arcs=_set((0, 3), 0)), r"pattern arc 0 = .* is outside the visited grid"),
+    "arcs_missing": ("queries", dict(arcs=lambda a: a[:0]), "pattern_arcs has 0 elements"),
     # Ring 0 (4 points) has period 1: its arcs move on at every point.
     "shift_past_ring": ("queries", dict(arcs=_set((0, 5), 10_000)), "moves on by shift 10000"),
     "weights": ("queries", dict(weights=lambda w: w[:-1]), "quad_weights has"),
@@ -237,14 +240,24 @@ def test_handlers_reject_bad_tables(name, monkeypatch):
     bad = _tables_with(plan, walk, **changes)
     real = _ffi._ring_tables
     monkeypatch.setattr(_ffi, "_ring_tables", lambda p, w: bad if w == walk else real(p, w))
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in _fields(plan, seed=13))
-    dout, lse = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32), jnp.zeros(q.shape[:-1], jnp.float32)
+    q, k, v = (jax.device_put(x.astype(np.float32), CPU) for x in _fields(plan, seed=13))  # host tables: checked
+    dout = jax.device_put(np.zeros((*q.shape[:-1], v.shape[-1]), np.float32), CPU)
+    lse = jax.device_put(np.zeros(q.shape[:-1], np.float32), CPU)
     if walk == "queries":
         call = lambda: _ffi.ffi_ring_forward(q, k, v, plan, scale=0.5)  # noqa: E731
     else:
         call = lambda: _ffi.ffi_ring_backward_dkv(q, k, v, dout, lse, lse, plan, scale=0.5)  # noqa: E731
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"(?s)INVALID_ARGUMENT: .*{message}"):
         jax.block_until_ready(call())
+
+
+def test_forward_mode_needs_the_reference_and_says_so(platform):
+    plan = PLANS["healpix_self"]
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in _fields(plan, seed=15))
+    with pytest.raises(TypeError, match="implementation='reference'"):
+        jax.jvp(lambda q: neighborhood_attention(q, k, v, plan), (q,), (q,))
+    out, tangent = jax.jvp(lambda q: neighborhood_attention(q, k, v, plan, implementation="reference"), (q,), (q,))
+    assert np.isfinite(np.asarray(tangent)).all() and tangent.shape == out.shape
 
 
 @pytest.mark.parametrize(

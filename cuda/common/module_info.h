@@ -60,7 +60,7 @@ nanobind::dict NbhdRegistrations(Fwd* forward, Dq* backward_dq, Dkv* backward_dk
   return targets;
 }
 
-// Adds the ring-grid targets (CPU) to a registrations() dict.
+// Adds the ring-grid targets (both modules) to a registrations() dict.
 template <typename Fwd, typename Dq, typename Dkv>
 void AddRingRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
   targets[kTargetRingForward] = HandlerCapsule(forward);

@@ -68,6 +68,10 @@ inline ffi::Error CheckRingTableSizes(const RingAttrs& attrs, int64_t walk_point
   S2ATTN_CHECK(walk_points < (int64_t{1} << 31) && visited_points < (int64_t{1} << 31),
                "ring grids index points with int32: at most 2^31 - 1 points, got " << walk_points << " and "
                                                                                    << visited_points);
+  S2ATTN_CHECK(attrs.walk_rings <= walk_points && attrs.visited_rings <= visited_points,
+               "walk_ring_count " << attrs.walk_rings << " and visited_ring_count " << attrs.visited_rings
+                                  << " must not exceed the grids' points " << walk_points << " and "
+                                  << visited_points << " (a ring has at least one point)");
   S2ATTN_RETURN_IF_ERROR(CheckTable("walk_rings", walk_rings_count, kWalkRingFields * attrs.walk_rings));
   S2ATTN_RETURN_IF_ERROR(CheckTable("ring_order", ring_order_count, attrs.walk_rings));
   S2ATTN_RETURN_IF_ERROR(CheckTable("pattern_offsets", offsets_count, attrs.patterns + 1));

@@ -65,7 +65,8 @@ ffi::Error ReadRingWalk(const RingAttrs& attrs, int64_t walk_points, int64_t vis
     S2ATTN_CHECK(off[i + 1] >= off[i], "pattern_offsets must be non-decreasing (entry " << i + 1 << ")");
   const int64_t num_arcs = off[attrs.patterns];
   const int64_t arcs_count = static_cast<int64_t>(arcs.element_count());
-  S2ATTN_CHECK(num_arcs == 0 ? arcs_count % kRingArcFields == 0 : arcs_count % (kRingArcFields * num_arcs) == 0,
+  S2ATTN_CHECK(arcs_count >= kRingArcFields * num_arcs &&
+                   (num_arcs == 0 ? arcs_count % kRingArcFields == 0 : arcs_count % (kRingArcFields * num_arcs) == 0),
                "pattern_arcs has " << arcs_count << " elements; pattern_offsets needs copies of " << num_arcs
                                    << " arcs of " << kRingArcFields << " values");
   const int32_t* arc = arcs.typed_data();

@@ -118,7 +118,7 @@ STENCIL_BACKWARD_DQ_TARGET = "jax_s2attn_stencil_bwd_dq"
 STENCIL_BACKWARD_DKV_TARGET = "jax_s2attn_stencil_bwd_dkv"
 STENCIL_TARGETS = (STENCIL_FORWARD_TARGET, STENCIL_BACKWARD_DQ_TARGET, STENCIL_BACKWARD_DKV_TARGET)
 
-# The arc walk between ring grids (CPU): flat fields [..., npoints, H, D] and a RingPlan's patterns (the queries'
+# The arc walk between ring grids (CPU and CUDA): flat fields [..., npoints, H, D] and a RingPlan's patterns (the queries'
 # walk for the forward and dq, the keys' walk for dk/dv).
 RING_FORWARD_TARGET = "jax_s2attn_ring_fwd"
 RING_BACKWARD_DQ_TARGET = "jax_s2attn_ring_bwd_dq"

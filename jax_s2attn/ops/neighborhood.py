@@ -154,7 +154,8 @@ def _ring_attention(query, key, value, plan: RingPlan, scale, implementation, re
     if query.size == 0:
         out, lse = _empty_results(query, value)
     else:
-        out, lse = _ring_op(query, key, value, plan, scale=scale, implementation=implementation)
+        with _checks.forward_mode_message():
+            out, lse = _ring_op(query, key, value, plan, scale=scale, implementation=implementation)
     return (out, lse) if return_residual else out
 
 
