@@ -825,8 +825,8 @@ def prepare_ring_case(rng, plan: RingPlan, batch: int, heads: int, dk: int, dv: 
 def run_ring_kind(lib, case: RingCase, kind: str, tables=None, memory=None) -> tuple[np.ndarray, np.ndarray | None]:
     """One ring kernel (``lib``: the emulated library or a GPU build) into NaN-filled float32 results: ``(out,
     lse)``, ``(dq, None)`` or ``(dk, dv)``; dq and dk/dv take the case's lse and delta. ``tables``: the walk's
-    ``(walk_rings, ring_order, pattern_offsets, pattern_arcs, quad_weights, attributes)`` (the plan's by default;
-    tests pass broken ones). ``memory`` as for :func:`run_scheduled_kind`."""
+    ``(RingWalkTables, RingWalkSizes)`` (the plan's by default; tests pass broken ones). ``memory`` as for
+    :func:`run_scheduled_kind`."""
     memory = memory or HostMemory()
     q, k, v, dout = case.inputs
     if kind == "forward":
@@ -836,11 +836,11 @@ def run_ring_kind(lib, case: RingCase, kind: str, tables=None, memory=None) -> t
     else:
         results = (np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32))
     walk = "keys" if kind == "dkv" else "queries"
-    *arrays, attributes = tables or _ffi._ring_tables(case.plan, walk)
+    arrays, counts = tables or _ffi.ring_walk_tables(case.plan, walk)
     walk_points, visited_points = (k.shape[1], q.shape[1]) if walk == "keys" else (q.shape[1], k.shape[1])
     sizes = np.asarray([q.shape[0], q.shape[2], q.shape[3], v.shape[3], walk_points, visited_points,
-                        attributes["walk_ring_count"], attributes["max_ring_points"], attributes["pattern_count"],
-                        arrays[3].size // 6, arrays[4].size], np.int64)  # fmt: skip
+                        counts.walk_ring_count, counts.max_ring_points, counts.pattern_count,
+                        arrays.pattern_arcs.size // 6, arrays.quad_weights.size], np.int64)  # fmt: skip
     buffers = (q, k, v, dout, case.lse, case.delta, *(np.ascontiguousarray(a) for a in arrays), *results)
     pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in buffers]
     status = lib.RunRingTarget(ctypes.c_int(RING_KINDS[kind]), ctypes.c_int(DTYPES[case.dtype][0]), *pointers,

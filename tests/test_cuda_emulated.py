@@ -975,11 +975,11 @@ def test_ring_kernels_with_corrupted_tables_stay_in_bounds(emulated_library, rng
     for kind in ("forward", "dq", "dkv"):
         walk = "keys" if kind == "dkv" else "queries"
         for corrupt in range(4):  # walk_rings, ring_order, pattern_offsets, pattern_arcs
-            tables = [np.array(t, copy=True) for t in _ffi._ring_tables(case.plan, walk)[:5]]
+            plan_tables, sizes = _ffi.ring_walk_tables(case.plan, walk)
+            tables = [np.array(t, copy=True) for t in plan_tables]
             tables[corrupt] = rng.integers(-big, big, size=tables[corrupt].shape, dtype=np.int64).astype(np.int32)
             flat = tables[corrupt].reshape(-1)
             flat[: flat.size // 2] %= 64  # small values too: plausible indices (the rest huge or negative)
-            attributes = _ffi._ring_tables(case.plan, walk)[5]
-            results = run_ring_kind(emulated_library, case, kind, tables=(*tables, attributes))
+            results = run_ring_kind(emulated_library, case, kind, tables=(_ffi.RingWalkTables(*tables), sizes))
             if corrupt >= 2:  # garbage rings or ring order may leave points unvisited: only bounds hold there
                 assert not any(np.isnan(result).any() for result in results if result is not None), corrupt

@@ -112,11 +112,12 @@ def test_16_bit_outputs_and_gradients_within_1e_2(platform, name, dtype):
 def test_every_result_element_is_written(platform, name):
     plan = PLANS[name]
     q, k, v = (jnp.asarray(x, jnp.float32) for x in _fields(plan, seed=4, batch=(3,)))
-    out, lse = _ffi.ffi_ring_forward(q, k, v, plan, scale=0.4, poison_results=True)
+    queries, keys = (_ffi.ring_walk_tables(plan, walk) for walk in ("queries", "keys"))
+    out, lse = _ffi.ffi_ring_forward(q, k, v, *queries, scale=0.4, poison_results=True)
     dout = jnp.ones_like(out)
     delta = _ffi.ffi_delta(dout, out)
-    dq = _ffi.ffi_ring_backward_dq(q, k, v, dout, lse, delta, plan, scale=0.4, poison_results=True)
-    dk, dv = _ffi.ffi_ring_backward_dkv(q, k, v, dout, lse, delta, plan, scale=0.4, poison_results=True)
+    dq = _ffi.ffi_ring_backward_dq(q, k, v, dout, lse, delta, *queries, scale=0.4, poison_results=True)
+    dk, dv = _ffi.ffi_ring_backward_dkv(q, k, v, dout, lse, delta, *keys, scale=0.4, poison_results=True)
     for label, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv)):
         assert np.isfinite(np.asarray(x)).all(), label
 
@@ -195,12 +196,16 @@ def test_forcing_the_kernels_without_the_cpu_module_names_the_reason(monkeypatch
 
 
 def _tables_with(plan, walk, **changes):
-    """The ring tables of ``walk`` with some entries replaced (numpy copies)."""
-    names = ("walk_rings", "ring_order", "offsets", "arcs", "weights", "attributes")
-    tables = {name: x.copy() for name, x in zip(names, _ffi._ring_tables(plan, walk), strict=True)}
+    """``(tables, sizes)`` of ``walk`` with some entries replaced (numpy copies; ``sizes`` by name too)."""
+    tables, sizes = _ffi.ring_walk_tables(plan, walk)
+    tables = {name: np.array(x, copy=True) for name, x in tables._asdict().items()}
+    sizes = sizes._asdict()
     for name, change in changes.items():
-        tables[name] = change(tables[name])
-    return tuple(tables.values())
+        if name in sizes:
+            sizes[name] = change(sizes[name])
+        else:
+            tables[name] = change(tables[name])
+    return _ffi.RingWalkTables(**tables), _ffi.RingWalkSizes(**sizes)
 
 
 def _set(index, value):
@@ -216,37 +221,33 @@ TABLE_ERRORS = {
     "rings_not_tiling": ("queries", dict(walk_rings=_set((1, 0), 5)), r"walk_rings row 1 = \(5, .* must start at point"),
     "ring_past_grid": ("queries", dict(walk_rings=_set((-1, 1), 999)), r"walk_rings row \d+ = .* hold 1 to"),
     "ring_order": ("keys", dict(ring_order=_set(0, 1)), "ring_order must be a permutation"),
-    "max_ring_points": ("queries", dict(attributes=lambda a: {**a, "max_ring_points": np.int64(8)}),
-                        r"walk_rings row \d+ = .* max_ring_points = 8"),
+    "max_ring_points": ("queries", dict(max_ring_points=lambda _: 8), r"walk_rings row \d+ = .* max_ring_points = 8"),
     "patterns_past_table": ("queries", dict(walk_rings=_set((0, 2), 10_000)), "patterns inside the"),
-    "offsets_decreasing": ("queries", dict(offsets=_set(1, -1)), "pattern_offsets must be non-decreasing"),
-    "offsets_start": ("queries", dict(offsets=_set(0, 1)), "pattern_offsets must start at 0"),
-    "arc_past_grid": ("queries", dict(arcs=_set((0, 1), 10_000)), r"pattern arc 0 = .* is outside the visited grid"),
-    "arc_start": ("keys", dict(arcs=_set((0, 2), -1)), r"pattern arc 0 = .* is outside the visited grid"),
-    "arc_length": ("queries", dict(arcs=_set((0, 3), 0)), r"pattern arc 0 = .* is outside the visited grid"),
-    "arcs_missing": ("queries", dict(arcs=lambda a: a[:0]), "pattern_arcs has 0 elements"),
+    "offsets_decreasing": ("queries", dict(pattern_offsets=_set(1, -1)), "pattern_offsets must be non-decreasing"),
+    "offsets_start": ("queries", dict(pattern_offsets=_set(0, 1)), "pattern_offsets must start at 0"),
+    "arc_past_grid": ("queries", dict(pattern_arcs=_set((0, 1), 10_000)), r"pattern arc 0 = .* is outside the visited grid"),
+    "arc_start": ("keys", dict(pattern_arcs=_set((0, 2), -1)), r"pattern arc 0 = .* is outside the visited grid"),
+    "arc_length": ("queries", dict(pattern_arcs=_set((0, 3), 0)), r"pattern arc 0 = .* is outside the visited grid"),
+    "arcs_missing": ("queries", dict(pattern_arcs=lambda a: a[:0]), "pattern_arcs has 0 elements"),
     # Ring 0 (4 points) has period 1: its arcs move on at every point.
-    "shift_past_ring": ("queries", dict(arcs=_set((0, 5), 10_000)), "moves on by shift 10000"),
-    "weights": ("queries", dict(weights=lambda w: w[:-1]), "quad_weights has"),
-    "pattern_count": ("queries", dict(attributes=lambda a: {**a, "pattern_count": a["pattern_count"] + 1}),
-                      "pattern_offsets has"),
+    "shift_past_ring": ("queries", dict(pattern_arcs=_set((0, 5), 10_000)), "moves on by shift 10000"),
+    "weights": ("queries", dict(quad_weights=lambda w: w[:-1]), "quad_weights has"),
+    "pattern_count": ("queries", dict(pattern_count=lambda count: count + 1), "pattern_offsets has"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(TABLE_ERRORS))
-def test_handlers_reject_bad_tables(name, monkeypatch):
+def test_handlers_reject_bad_tables(name):
     plan = PLANS["healpix_self"]
     walk, changes, message = TABLE_ERRORS[name]
     bad = _tables_with(plan, walk, **changes)
-    real = _ffi._ring_tables
-    monkeypatch.setattr(_ffi, "_ring_tables", lambda p, w: bad if w == walk else real(p, w))
     q, k, v = (jax.device_put(x.astype(np.float32), CPU) for x in _fields(plan, seed=13))  # host tables: checked
     dout = jax.device_put(np.zeros((*q.shape[:-1], v.shape[-1]), np.float32), CPU)
     lse = jax.device_put(np.zeros(q.shape[:-1], np.float32), CPU)
     if walk == "queries":
-        call = lambda: _ffi.ffi_ring_forward(q, k, v, plan, scale=0.5)  # noqa: E731
+        call = lambda: _ffi.ffi_ring_forward(q, k, v, *bad, scale=0.5)  # noqa: E731
     else:
-        call = lambda: _ffi.ffi_ring_backward_dkv(q, k, v, dout, lse, lse, plan, scale=0.5)  # noqa: E731
+        call = lambda: _ffi.ffi_ring_backward_dkv(q, k, v, dout, lse, lse, *bad, scale=0.5)  # noqa: E731
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"(?s)INVALID_ARGUMENT: .*{message}"):
         jax.block_until_ready(call())
 
@@ -274,4 +275,4 @@ def test_forward_handler_rejects_bad_activations(platform, change, message):
     plan = PLANS["healpix_self"]
     q, k, v = change(*(jnp.asarray(x, jnp.float32) for x in _fields(plan, seed=14)))
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"(?s)INVALID_ARGUMENT: .*{message}"):
-        jax.block_until_ready(_ffi.ffi_ring_forward(q, k, v, plan, scale=0.5))
+        jax.block_until_ready(_ffi.ffi_ring_forward(q, k, v, *_ffi.ring_walk_tables(plan, "queries"), scale=0.5))

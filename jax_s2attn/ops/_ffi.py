@@ -31,6 +31,8 @@ __all__ = [
     "RING_BACKWARD_DQ_TARGET",
     "RING_FORWARD_TARGET",
     "RING_TARGETS",
+    "RingWalkSizes",
+    "RingWalkTables",
     "SCHEDULED_BACKWARD_DKV_TARGET",
     "SCHEDULED_BACKWARD_DQ_DELTA_TARGET",
     "SCHEDULED_BACKWARD_DQ_TARGET",
@@ -67,6 +69,7 @@ __all__ = [
     "native_backends",
     "native_status",
     "ring_unavailable_reason",
+    "ring_walk_tables",
     "scheduled_unavailable_reason",
     "tiled_unavailable_reason",
     "unavailable_reason",
@@ -777,32 +780,52 @@ def _result_dtype(dtype, kernel: str, query, name: str) -> jnp.dtype:
 # ----------------------------------------------------------------------------- ring grids
 
 
+class RingWalkTables(NamedTuple):
+    """The table operands of a ring target (common/ring_walk.h): int32 ``walk_rings [rings, 4]``, ``ring_order
+    [rings]``, ``pattern_offsets [patterns + 1]``, ``pattern_arcs [arcs, 6]`` and float32 ``quad_weights`` (per
+    input ring: the visited rings of the queries' walk, the walking rings of the keys')."""
+
+    walk_rings: np.ndarray
+    ring_order: np.ndarray
+    pattern_offsets: np.ndarray
+    pattern_arcs: np.ndarray
+    quad_weights: np.ndarray
+
+
+class RingWalkSizes(NamedTuple):
+    """The ring targets' attributes: the sizes of one copy of a walk's tables."""
+
+    walk_ring_count: int
+    visited_ring_count: int
+    pattern_count: int
+    max_ring_points: int
+
+
 @functools.lru_cache(maxsize=32)
-def _ring_tables(plan, walk: str) -> tuple:
-    """``(walk_rings, ring_order, pattern_offsets, pattern_arcs, quad_weights, attributes)`` of ``plan``'s walk
-    ("queries": the forward and dq; "keys": dk/dv) as the ring targets take them (common/ring_walk.h), host
-    numpy."""
+def ring_walk_tables(plan, walk: str) -> tuple[RingWalkTables, RingWalkSizes]:
+    """The tables (host numpy) and sizes of ``plan``'s walk, "queries" (the forward and dq) or "keys" (dk/dv), as
+    the ring targets take them."""
     patterns = plan.patterns if walk == "queries" else plan.key_patterns
     walking, visited = (plan.grid_out, plan.grid_in) if walk == "queries" else (plan.grid_in, plan.grid_out)
     walk_rings = np.stack([walking.ring_offsets[:-1], walking.nlon, patterns.ring_patterns[:-1], patterns.period],
                           axis=1).astype(np.int32)  # fmt: skip
-    # The weight inside the softmax of every input ring: per visited ring of the queries' walk, per walking ring
-    # of the keys'.
-    weights = (2.0 * np.pi * plan.grid_in.weights / plan.grid_in.nlon).astype(np.float32)
-    ring_order = np.argsort(-walking.nlon, kind="stable").astype(np.int32)  # most points first
-    attributes = {
-        "walk_ring_count": np.int64(walking.nrings),
-        "visited_ring_count": np.int64(visited.nrings),
-        "pattern_count": np.int64(len(patterns.offsets) - 1),
-        "max_ring_points": np.int64(walking.nlon.max()),
-    }
-    return walk_rings, ring_order, patterns.offsets.astype(np.int32), patterns.arcs, weights, attributes
+    tables = RingWalkTables(
+        walk_rings=walk_rings,
+        ring_order=np.argsort(-walking.nlon, kind="stable").astype(np.int32),  # most points first
+        pattern_offsets=patterns.offsets.astype(np.int32),
+        pattern_arcs=patterns.arcs,
+        quad_weights=(2.0 * np.pi * plan.grid_in.weights / plan.grid_in.nlon).astype(np.float32),
+    )
+    for table in tables:
+        table.setflags(write=False)
+    sizes = RingWalkSizes(walking.nrings, visited.nrings, len(patterns.offsets) - 1, int(walking.nlon.max()))
+    return tables, sizes
 
 
-def _ring_call(target, walk, operands, plan, scale, result_shapes, poison_results):
-    *tables, attributes = _ring_tables(plan, walk)
-    operands = (*operands, *tables)
-    return _call(target, operands, result_shapes, {"scale": np.float32(scale), **attributes}, poison_results)
+def _ring_call(target, operands, tables: RingWalkTables, sizes: RingWalkSizes, scale, result_shapes,
+               poison_results):  # fmt: skip
+    attributes = {"scale": np.float32(scale), **{name: np.int64(value) for name, value in sizes._asdict().items()}}
+    return _call(target, (*operands, *tables), result_shapes, attributes, poison_results)
 
 
 def _flat_dims(name, x) -> tuple:
@@ -812,9 +835,10 @@ def _flat_dims(name, x) -> tuple:
     return tuple(x.shape[:-3]), x.shape[-3], x.shape[-2]
 
 
-def ffi_ring_forward(query, key, value, plan, *, scale, poison_results=False):
-    """Ring forward target: ``(out, lse)`` of attention on ``plan`` (a :class:`~jax_s2attn.RingPlan`), both
-    float32.
+def ffi_ring_forward(query, key, value, tables: RingWalkTables, sizes: RingWalkSizes, *, scale,
+                     poison_results=False):  # fmt: skip
+    """Ring forward target: ``(out, lse)``, both float32, of attention walking the queries' ``tables`` and
+    ``sizes`` (:func:`ring_walk_tables` of a :class:`~jax_s2attn.RingPlan`, or a shard's).
 
     ``query [..., npoints_out, H, Dk]``, ``key [..., npoints_in, H, Dk]``, ``value [..., npoints_in, H, Dv]`` in
     ring order (equal leading dims, one dtype: float32, bfloat16 or float16). Returns ``out [..., npoints_out, H,
@@ -823,23 +847,25 @@ def ffi_ring_forward(query, key, value, plan, *, scale, poison_results=False):
     """
     lead, points, heads = _flat_dims("query", query)
     shapes = [(*lead, points, heads, value.shape[-1]), (*lead, points, heads)]
-    out, lse = _ring_call(RING_FORWARD_TARGET, "queries", (query, key, value), plan, scale, shapes, poison_results)
+    out, lse = _ring_call(RING_FORWARD_TARGET, (query, key, value), tables, sizes, scale, shapes, poison_results)
     return out, lse
 
 
-def ffi_ring_backward_dq(query, key, value, dout, lse, delta, plan, *, scale, poison_results=False):
+def ffi_ring_backward_dq(query, key, value, dout, lse, delta, tables: RingWalkTables, sizes: RingWalkSizes, *,
+                         scale, poison_results=False):  # fmt: skip
     """Ring dq target: ``dq`` (float32, the shape of ``query``) from the forward's ``lse`` and ``delta``
-    (:func:`ffi_delta`), both float32 ``[..., npoints_out, H]``."""
+    (:func:`ffi_delta`), both float32 ``[..., npoints_out, H]``; the queries' walk."""
     operands = (query, key, value, dout, lse, delta)
-    (dq,) = _ring_call(RING_BACKWARD_DQ_TARGET, "queries", operands, plan, scale, [query.shape], poison_results)
+    (dq,) = _ring_call(RING_BACKWARD_DQ_TARGET, operands, tables, sizes, scale, [query.shape], poison_results)
     return dq
 
 
-def ffi_ring_backward_dkv(query, key, value, dout, lse, delta, plan, *, scale, poison_results=False):
-    """Ring dk/dv target: ``(dk, dv)`` (float32, the shapes of ``key`` and ``value``), walking
-    :attr:`~jax_s2attn.RingPlan.key_patterns`."""
+def ffi_ring_backward_dkv(query, key, value, dout, lse, delta, tables: RingWalkTables, sizes: RingWalkSizes, *,
+                          scale, poison_results=False):  # fmt: skip
+    """Ring dk/dv target: ``(dk, dv)`` (float32, the shapes of ``key`` and ``value``); the keys' walk
+    (:attr:`~jax_s2attn.RingPlan.key_patterns`)."""
     operands = (query, key, value, dout, lse, delta)
-    dk, dv = _ring_call(RING_BACKWARD_DKV_TARGET, "keys", operands, plan, scale, [key.shape, value.shape],
+    dk, dv = _ring_call(RING_BACKWARD_DKV_TARGET, operands, tables, sizes, scale, [key.shape, value.shape],
                         poison_results)  # fmt: skip
     return dk, dv
 

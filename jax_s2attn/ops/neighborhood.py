@@ -183,30 +183,41 @@ def _ring_reference(query, key, value, plan, *, scale):
     return reference_ring_attention(query, key, value, plan, scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _ring_native(query, key, value, plan, scale):
-    """``(out in the input dtype, lse float32)`` from the CPU ring kernels (``[B, npoints, H, D]`` fields); the
-    backward runs their dq and dk/dv targets."""
-    out, lse = _ffi.ffi_ring_forward(query, key, value, plan, scale=scale)
+    """``(out in the input dtype, lse float32)`` from the ring kernels (``[B, npoints, H, D]`` fields) on ``plan``'s
+    two walks."""
+    forward, forward_sizes = _ffi.ring_walk_tables(plan, "queries")
+    backward, backward_sizes = _ffi.ring_walk_tables(plan, "keys")
+    return ring_walks(query, key, value, forward, backward, (forward_sizes, backward_sizes), scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def ring_walks(query, key, value, forward, backward, sizes, scale):
+    """``(out in the input dtype, lse float32)`` of the ring targets walking the queries' tables ``forward`` (the
+    forward and dq) and the keys' tables ``backward`` (dk/dv), with ``sizes`` their
+    :class:`~jax_s2attn.ops._ffi.RingWalkSizes`: a :class:`~jax_s2attn.RingPlan`'s (:func:`_ring_native`) or a
+    shard's (the sharded op). The backward runs the dq and dk/dv targets."""
+    out, lse = _ffi.ffi_ring_forward(query, key, value, forward, sizes[0], scale=scale)
     return out.astype(query.dtype), lse
 
 
-def _ring_native_forward(query, key, value, plan, scale):
-    out, lse = _ffi.ffi_ring_forward(query, key, value, plan, scale=scale)
+def _ring_walks_forward(query, key, value, forward, backward, sizes, scale):
+    out, lse = _ffi.ffi_ring_forward(query, key, value, forward, sizes[0], scale=scale)
     saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
-    return (saved[3].astype(query.dtype), saved[4]), saved
+    return (saved[3].astype(query.dtype), saved[4]), (saved, forward, backward)
 
 
-def _ring_native_backward(plan, scale, residuals, cotangents):
-    query, key, value, out, lse = residuals
+def _ring_walks_backward(sizes, scale, residuals, cotangents):
+    (query, key, value, out, lse), forward, backward = residuals
     dout, dlse = cotangents
     delta = _ffi.ffi_delta(dout, out, dlse)  # from the float32 out, in a fixed order
-    dq = _ffi.ffi_ring_backward_dq(query, key, value, dout, lse, delta, plan, scale=scale)
-    dk, dv = _ffi.ffi_ring_backward_dkv(query, key, value, dout, lse, delta, plan, scale=scale)
-    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype)
+    dq = _ffi.ffi_ring_backward_dq(query, key, value, dout, lse, delta, forward, sizes[0], scale=scale)
+    dk, dv = _ffi.ffi_ring_backward_dkv(query, key, value, dout, lse, delta, backward, sizes[1], scale=scale)
+    tables_cotangent = jax.tree.map(_zero_cotangent, (forward, backward))
+    return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), *tables_cotangent
 
 
-_ring_native.defvjp(_ring_native_forward, _ring_native_backward)
+ring_walks.defvjp(_ring_walks_forward, _ring_walks_backward)
 
 
 def _empty_results(query, value):
