@@ -230,8 +230,8 @@ def check_no_mesh_for_rings(mesh) -> None:
     """A layer between ring grids takes no mesh."""
     if mesh is not None:
         raise ValueError(
-            "mesh: layers between ring grids run serially (the sharded op splits regular latitude-longitude grids); "
-            "pass mesh=None."
+            "mesh: layers between ring grids run serially (over a mesh, call jax_s2attn.parallel.sharded_ring_attention "
+            "on the block layout); pass mesh=None."
         )
 
 

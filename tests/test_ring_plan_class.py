@@ -33,7 +33,8 @@ def test_the_sharded_op_says_where_ring_plans_run():
     plan = RingPlan(RingGrid.healpix(2), RingGrid.healpix(2), 0.6)
     x = jnp.ones((1, 48, 1, 4))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("lat", "lon"))
-    with pytest.raises(TypeError, match=r"plan is a RingPlan.*runs serially through jax_s2attn.neighborhood_attention"):
+    with pytest.raises(TypeError, match=r"plan is a RingPlan.*runs serially through jax_s2attn.neighborhood_attention, and over a mesh through "
+                       r"jax_s2attn.parallel.sharded_ring_attention"):
         sharded_neighborhood_attention(x, x, x, plan, mesh=mesh)
 
 

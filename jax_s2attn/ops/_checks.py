@@ -161,7 +161,8 @@ def check_plan(plan) -> None:
     if isinstance(plan, RingPlan):
         raise TypeError(
             "plan is a RingPlan: this takes the regular grids of a jax_s2attn.NeighborhoodPlan; attention between "
-            "ring grids runs serially through jax_s2attn.neighborhood_attention."
+            "ring grids runs serially through jax_s2attn.neighborhood_attention, and over a mesh through "
+            "jax_s2attn.parallel.sharded_ring_attention."
         )
     if not isinstance(plan, NeighborhoodPlan):
         raise TypeError(

@@ -1,0 +1,346 @@
+"""Attention between ring grids over a device mesh: ring ranges per shard and a halo of neighbouring blocks.
+
+Shard ``s`` of ``parts`` owns output rings ``out_cuts[s] .. out_cuts[s + 1] - 1`` and input rings ``in_cuts[s] ..
+in_cuts[s + 1] - 1`` (cut where the points balance; the input grid at the same colatitudes). Fields live in the
+*block layout* ``[B..., parts * block, H, D]``: shard ``s``'s points, in ring order, fill the first slots of its
+block and padding follows (:meth:`RingShardLayout.to_blocks` and :meth:`~RingShardLayout.from_blocks` convert from
+and to flat fields). A shard's key buffer is the key blocks of shards ``s - halo .. s + halo`` (``lax.ppermute``),
+so every key ring its queries meet is whole in it.
+
+Each shard runs the ring targets on tables of its own: the plan's patterns of its rings with every arc's first
+point moved to the buffer (the queries' walk), and the plan's key patterns of the buffer's rings cut to the
+shard's own query rings (the keys' walk, whose gradients of halo keys go back to their owners through the
+transpose of the ``ppermute``). A ``shard_map`` body is one program with one set of attributes, so the tables are
+stacked over the shards and padded to equal sizes: padding points form rings of their own whose pattern holds no
+arc (``out = 0``, ``lse = -inf``, zero gradients), and a last pattern no ring uses holds the padding arcs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from ..ops import _checks, _ffi
+from ..ops.neighborhood import ring_walks
+from ..ring_plan import RingPlan
+from .sharded import _check_batch, _place
+
+__all__ = ["RingShardLayout", "ring_shard_layout", "sharded_ring_attention"]
+
+# An arc of one point of ring 0 at the buffer's first point: valid for every check, in the pattern no ring uses.
+_PADDING_ARC = (0, 0, 0, 1, 1, 0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RingShardLayout:
+    """The split of a :class:`~jax_s2attn.RingPlan` over ``parts`` shards (static; built by
+    :func:`ring_shard_layout`).
+
+    Attributes:
+      parts: shards.
+      out_cuts, in_cuts: ring boundaries (``parts + 1`` each) of the output and input grids.
+      q_block, k_block: points per shard block of the output and input grids (padding included).
+      halo: neighbouring key blocks a shard reads on each side.
+      forward, backward: the queries' and the keys' walks, each ``(RingWalkTables stacked [parts, ...],
+        RingWalkSizes)``.
+    """
+
+    parts: int
+    out_cuts: tuple[int, ...]
+    in_cuts: tuple[int, ...]
+    q_block: int
+    k_block: int
+    halo: int
+    forward: tuple
+    backward: tuple
+    q_slots: np.ndarray  # [parts * q_block] global output point of each slot, -1 for padding
+    k_slots: np.ndarray  # [parts * k_block] global input point of each slot, -1 for padding
+
+    def to_blocks(self, x, grid: str):
+        """A flat field ``[B..., npoints, H, D]`` of ``grid`` ("out" or "in") in the block layout, zeros in the
+        padding."""
+        slots = self.q_slots if grid == "out" else self.k_slots
+        x = jnp.asarray(x)
+        blocks = jnp.take(x, np.maximum(slots, 0), axis=-3)
+        return jnp.where((slots >= 0)[:, None, None], blocks, jnp.zeros((), x.dtype))
+
+    def from_blocks(self, x, grid: str):
+        """The flat field ``[B..., npoints, H, D]`` of ``grid`` ("out" or "in") from its block layout (each
+        block's real points, in order)."""
+        slots, block = (self.q_slots, self.q_block) if grid == "out" else (self.k_slots, self.k_block)
+        x = jnp.asarray(x)
+        counts = (slots.reshape(self.parts, block) >= 0).sum(axis=1)
+        return jnp.concatenate([x[..., s * block : s * block + int(n), :, :] for s, n in enumerate(counts)], axis=-3)
+
+
+def _cuts(plan: RingPlan, parts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Output rings cut where their points balance; input rings at the colatitudes between the output cuts."""
+    grid_out, grid_in = plan.grid_out, plan.grid_in
+    targets = np.arange(1, parts) * grid_out.npoints / parts
+    inner = np.searchsorted(grid_out.ring_offsets[1:-1], targets) + 1
+    out_cuts = (0, *(int(c) for c in inner), grid_out.nrings)
+    if any(b <= a for a, b in zip(out_cuts, out_cuts[1:])):
+        raise ValueError(
+            f"cannot cut the {grid_out.nrings} output rings of {grid_out.name} into {parts} ring ranges of similar "
+            "points: use fewer devices along the mesh axis."
+        )
+    theta = grid_out.colatitudes
+    between = [(theta[c - 1] + theta[c]) / 2 for c in out_cuts[1:-1]]
+    in_cuts = (0, *(int(c) for c in np.searchsorted(grid_in.colatitudes, between)), grid_in.nrings)
+    return out_cuts, in_cuts
+
+
+def _owner(in_cuts, ring):
+    return np.searchsorted(in_cuts, ring, side="right") - 1
+
+
+def _padding_rows(first: int, points: int, rows: int) -> list[tuple[int, int]]:
+    """``rows`` padding rings over points ``first .. first + points - 1``: one point each, the last the rest."""
+    assert rows >= 1 and points >= rows
+    return [(first + i, 1) for i in range(rows - 1)] + [(first + rows - 1, points - rows + 1)]
+
+
+def _ring_pattern_arcs(table, ring: int, move) -> list[list[tuple]]:
+    """The arcs of each pattern of walking ring ``ring`` of ``table`` (RingPatterns), each ``(visited ring, first,
+    start, length, nlon, shift)`` with ``first = move(visited ring, first)``; an arc whose ``move`` is None is
+    dropped."""
+    base = int(table.ring_patterns[ring])
+    patterns = []
+    for pattern in range(base, base + int(table.period[ring])):
+        arcs = [(int(b), move(int(b), int(first)), *(int(x) for x in rest))
+                for b, first, *rest in table.arcs[table.offsets[pattern] : table.offsets[pattern + 1]]]  # fmt: skip
+        patterns.append([arc for arc in arcs if arc[1] is not None])
+    return patterns
+
+
+def _walk_tables(rings, arcs, pattern_count: int, arc_count: int) -> _ffi.RingWalkTables:
+    """One shard's ``RingWalkTables`` from its rows ``(first, points, pattern, period, weight)`` and its patterns'
+    arcs (a list per pattern), padded to ``pattern_count`` patterns (empty but the last) and ``arc_count`` arcs."""
+    offsets = np.zeros(pattern_count + 1, np.int64)
+    lengths = [len(a) for a in arcs]
+    offsets[1 : len(lengths) + 1] = np.cumsum(lengths)
+    offsets[len(lengths) + 1 :] = offsets[len(lengths)]
+    rows = [a for pattern_arcs in arcs for a in pattern_arcs]
+    rows += [_PADDING_ARC] * (arc_count - len(rows))  # in the last pattern, which no ring uses
+    offsets[-1] = arc_count
+    walk_rings = np.asarray([r[:4] for r in rings], np.int32)
+    return _ffi.RingWalkTables(
+        walk_rings=walk_rings,
+        ring_order=np.argsort(-walk_rings[:, 1], kind="stable").astype(np.int32),
+        pattern_offsets=offsets.astype(np.int32),
+        pattern_arcs=np.asarray(rows, np.int32).reshape(-1, 6),
+        quad_weights=np.asarray([r[4] for r in rings], np.float32),
+    )
+
+
+def _stack(tables) -> _ffi.RingWalkTables:
+    return _ffi.RingWalkTables(*(np.stack(column) for column in zip(*tables)))
+
+
+@functools.lru_cache(maxsize=16)
+def ring_shard_layout(plan: RingPlan, parts: int) -> RingShardLayout:
+    """Split ``plan``'s ring grids over ``parts`` shards (see the module docstring).
+
+    Raises:
+      ValueError: when the output grid has too few rings for ``parts`` ranges of similar points.
+    """
+    if not isinstance(plan, RingPlan):
+        raise TypeError(f"plan must be a jax_s2attn.RingPlan, got {type(plan).__name__}.")
+    grid_out, grid_in = plan.grid_out, plan.grid_in
+    out_cuts, in_cuts = _cuts(plan, parts)
+    q_offsets, k_offsets = grid_out.ring_offsets, grid_in.ring_offsets
+    q_points = [int(q_offsets[out_cuts[s + 1]] - q_offsets[out_cuts[s]]) for s in range(parts)]
+    k_points = [int(k_offsets[in_cuts[s + 1]] - k_offsets[in_cuts[s]]) for s in range(parts)]
+    key_rings = [int(in_cuts[s + 1] - in_cuts[s]) for s in range(parts)]
+    table, key_table = plan.patterns, plan.key_patterns
+
+    # The halo: the farthest key block any shard's queries meet.
+    halo = 0
+    for s in range(parts):
+        first, last = (table.offsets[table.ring_patterns[cut]] for cut in (out_cuts[s], out_cuts[s + 1]))
+        visited = table.arcs[first:last, 0]
+        halo = max(halo, s - int(_owner(in_cuts, visited.min())), int(_owner(in_cuts, visited.max())) - s)
+    blocks = [range(s - halo, s + halo + 1) for s in range(parts)]
+
+    # Rows of each walk, padding rows included: the queries' walk pads every shard with at least one padding ring;
+    # the keys' walk has one padding ring per buffer block, more in the own block up to the largest shard's rows.
+    forward_rows = max(out_cuts[s + 1] - out_cuts[s] for s in range(parts)) + 1
+    q_block = max(q_points[s] + forward_rows - (out_cuts[s + 1] - out_cuts[s]) for s in range(parts))
+    buffer_rows = [sum(key_rings[j] + 1 if 0 <= j < parts else 1 for j in blocks[s]) for s in range(parts)]
+    backward_rows = max(buffer_rows)
+    k_block = max(max(k_points) + 1, *(k_points[s] + 1 + backward_rows - buffer_rows[s] for s in range(parts)))
+
+    def buffer_point(ring: int, s: int) -> int:
+        owner = int(_owner(in_cuts, ring))
+        return (owner - s + halo) * k_block + int(k_offsets[ring] - k_offsets[in_cuts[owner]])
+
+    weights_in = (2.0 * np.pi * grid_in.weights / grid_in.nlon).astype(np.float32)
+    forward, backward = [], []
+    for s in range(parts):
+        # The queries' walk: the shard's output rings, their patterns' arcs moved into the buffer.
+        rings, arcs = [], []
+        for ring in range(out_cuts[s], out_cuts[s + 1]):
+            first = int(q_offsets[ring] - q_offsets[out_cuts[s]])
+            rings.append((first, int(grid_out.nlon[ring]), len(arcs), int(table.period[ring]), 1.0))
+            arcs += _ring_pattern_arcs(table, ring, lambda b, _, s=s: buffer_point(b, s))
+        padding = _padding_rows(q_points[s], q_block - q_points[s], forward_rows - len(rings))
+        forward.append((rings + [(first, count, -1, 1, 1.0) for first, count in padding], arcs))
+        # The keys' walk: the buffer's input rings, their key patterns cut to this shard's output rings.
+        rings, arcs = [], []
+        for j in blocks[s]:
+            base = (j - s + halo) * k_block
+            owned = range(in_cuts[j], in_cuts[j + 1]) if 0 <= j < parts else range(0)
+            local, own = int(q_offsets[out_cuts[s]]), range(out_cuts[s], out_cuts[s + 1])
+            for ring in owned:
+                first = base + int(k_offsets[ring] - k_offsets[in_cuts[j]])
+                rings.append((first, int(grid_in.nlon[ring]), len(arcs), int(key_table.period[ring]),
+                              float(weights_in[ring])))  # fmt: skip
+                arcs += _ring_pattern_arcs(key_table, ring,
+                                           lambda a, first, own=own, local=local: first - local if a in own else None)
+            real = k_points[j] if 0 <= j < parts else 0
+            rows = 1 + (backward_rows - buffer_rows[s] if j == s else 0)
+            rings += [(base + first, count, -1, 1, 1.0) for first, count in _padding_rows(real, k_block - real, rows)]
+        backward.append((rings, arcs))
+
+    def finish(walks, visited_rings):
+        # After a shard's own patterns: the padding rows' empty pattern, more empty ones, and the padding arcs' one.
+        pattern_count = max(len(arcs) for _, arcs in walks) + 2
+        arc_count = max(1, max(sum(len(a) for a in arcs) for _, arcs in walks))
+        tables = []
+        for rings, arcs in walks:
+            rings = [(f, c, len(arcs) if p < 0 else p, period, w) for f, c, p, period, w in rings]
+            tables.append(_walk_tables(rings, arcs, pattern_count, arc_count))
+        most = max(int(t.walk_rings[:, 1].max()) for t in tables)
+        return tables, _ffi.RingWalkSizes(len(walks[0][0]), visited_rings, pattern_count, most)
+
+    # The queries' walk weighs visited rings by their global index: every shard holds the input grid's weights.
+    forward_tables, forward_sizes = finish(forward, grid_in.nrings)
+    forward_tables = [t._replace(quad_weights=weights_in) for t in forward_tables]
+    backward_tables, backward_sizes = finish(backward, grid_out.nrings)
+
+    def slots(offsets, cuts, block):
+        out = np.full(parts * block, -1, np.int64)
+        for s in range(parts):
+            n = int(offsets[cuts[s + 1]] - offsets[cuts[s]])
+            out[s * block : s * block + n] = np.arange(offsets[cuts[s]], offsets[cuts[s]] + n)
+        return out
+
+    return RingShardLayout(
+        parts=parts, out_cuts=out_cuts, in_cuts=in_cuts, q_block=q_block, k_block=k_block, halo=halo,
+        forward=(_stack(forward_tables), forward_sizes), backward=(_stack(backward_tables), backward_sizes),
+        q_slots=slots(q_offsets, out_cuts, q_block), k_slots=slots(k_offsets, in_cuts, k_block),
+    )  # fmt: skip
+
+
+def _check_ring_mesh(mesh, axis, batch_axis) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. from jax.make_mesh), got {type(mesh).__name__}.")
+    for arg, name in (("axis", axis), ("batch_axis", batch_axis)):
+        if name is not None and name not in mesh.axis_names:
+            raise ValueError(f"{arg}={name!r} is not an axis of the mesh; its axes are {mesh.axis_names}.")
+    if axis is None or axis == batch_axis:
+        raise ValueError(f"axis must name the mesh axis that splits the rings (not the batch axis), got {axis!r}.")
+
+
+def _key_buffer(x, layout: RingShardLayout, axis: str):
+    """This shard's key buffer: the blocks of shards ``s - halo .. s + halo`` along the point axis (-3), zeros
+    past the poles. Linear (``ppermute``), so its transpose returns the halo's gradients to their owners."""
+    blocks = []
+    for j in range(-layout.halo, layout.halo + 1):
+        pairs = [(source, source - j) for source in range(layout.parts) if 0 <= source - j < layout.parts]
+        blocks.append(x if j == 0 else jax.lax.ppermute(x, axis, pairs) if pairs else jnp.zeros_like(x))
+    return jnp.concatenate(blocks, axis=-3)
+
+
+def _ring_shard_body(query, key, value, forward, backward, *, layout: RingShardLayout, axis: str, scale: float):
+    batch = query.shape[:-3]
+    flat = lambda x: x.reshape(math.prod(batch), *x.shape[-3:])  # noqa: E731
+    query, key, value = (flat(x) for x in (query, key, value))
+    key, value = (_key_buffer(x, layout, axis) for x in (key, value))
+    forward, backward = (jax.tree.map(lambda t: t[0], tables) for tables in (forward, backward))  # this shard's
+    sizes = (layout.forward[1], layout.backward[1])
+    out, _ = ring_walks(query, key, value, forward, backward, sizes, scale)
+    return out.reshape(*batch, *out.shape[1:])
+
+
+def sharded_ring_attention(
+    query,
+    key,
+    value,
+    plan: RingPlan,
+    *,
+    mesh: Mesh,
+    axis: str = "rings",
+    batch_axis: str | None = None,
+    scale: float | None = None,
+    implementation: str | None = None,
+):
+    """:func:`jax_s2attn.neighborhood_attention` between ring grids with the rings split over a device mesh.
+
+    Mesh axis ``axis`` splits the rings into ranges (:func:`ring_shard_layout`), optionally ``batch_axis`` the
+    first batch dimension; other mesh axes replicate the computation. Fields are in the layout's block layout,
+    ``[B..., parts * block, H, D]`` (``layout.to_blocks(field, "out" or "in")`` from flat fields,
+    ``layout.from_blocks`` back), sharded or not; the output comes back in it, zeros in the padding. Each device
+    reads the key and value blocks its queries need from the neighbouring shards (``layout.halo`` on each side) and
+    runs the ring kernels on its own tables. Differentiable in reverse mode, usable inside ``jit``.
+
+    Args:
+      query, key, value: ``[B..., parts * q_block, H, Dk]``, ``[B..., parts * k_block, H, Dk]``, ``[B...,
+        parts * k_block, H, Dv]`` (one dtype: float32, bfloat16 or float16; float64 runs serially on the
+        reference).
+      plan: the :class:`~jax_s2attn.RingPlan`.
+      mesh, axis, batch_axis: the device mesh, the axis that splits the rings and the one that splits the batch.
+      scale: logit scale, default ``1/sqrt(Dk)``.
+      implementation: ``None``, ``"ffi"`` or ``"ffi-arc"`` (the ring kernels, which the sharded op needs).
+
+    Returns:
+      ``out [B..., parts * q_block, H, Dv]`` in the input dtype, sharded over ``axis``.
+    """
+    _checks.check_implementation(implementation)
+    if implementation not in (None, "ffi", "ffi-arc"):
+        raise ValueError(
+            f"implementation={implementation!r}: the sharded op between ring grids runs the ring kernels "
+            "(implementation=None, 'ffi' or 'ffi-arc'); the reference runs serially "
+            "(jax_s2attn.neighborhood_attention)."
+        )
+    if not isinstance(plan, RingPlan):
+        raise TypeError(f"plan must be a jax_s2attn.RingPlan, got {type(plan).__name__}.")
+    _check_ring_mesh(mesh, axis, batch_axis)
+    layout = ring_shard_layout(plan, mesh.shape[axis])
+    _checks.check_arrays(query, key, value, "[..., parts * block, heads, head_dim]", rank=3)
+    batch, (heads, dk), dv = tuple(query.shape[:-3]), query.shape[-2:], value.shape[-1]
+    expected = {"query": (*batch, layout.parts * layout.q_block, heads, dk),
+                "key": (*batch, layout.parts * layout.k_block, heads, dk),
+                "value": (*batch, layout.parts * layout.k_block, heads, dv)}  # fmt: skip
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if tuple(x.shape) != expected[name]:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)}, expected {expected[name]}: the block layout of "
+                f"ring_shard_layout(plan, {layout.parts}) ({layout.parts} blocks of {layout.q_block} output or "
+                f"{layout.k_block} input points); layout.to_blocks(field, 'out' or 'in') gives it from flat fields."
+            )
+    scale = _checks.check_scale(scale, dk)
+    _check_batch(mesh, batch_axis, batch)
+    platform = _ffi.ffi_platform(mesh.devices.flat[0].platform)
+    reason = _ffi.ring_unavailable_reason(platform, query.dtype, dk, dv)
+    if reason is not None:
+        raise ValueError(f"the sharded op between ring grids runs the ring kernels, which cannot run here: {reason}.")
+    if math.prod(batch) * heads == 0:
+        return jnp.zeros((*query.shape[:-1], dv), query.dtype)
+
+    lead = (batch_axis,) + (None,) * (len(batch) - 1) if batch else ()
+    field = PartitionSpec(*lead, axis, None, None)
+    tables = PartitionSpec(axis)
+    body = functools.partial(_ring_shard_body, layout=layout, axis=axis, scale=scale)
+    forward, backward = (jax.tree.map(lambda t: _place(jnp.asarray(t), mesh, tables), walk[0])
+                         for walk in (layout.forward, layout.backward))  # fmt: skip
+    fields = [_place(jnp.asarray(x), mesh, field) for x in (query, key, value)]
+    return jax.shard_map(body, mesh=mesh, in_specs=(field,) * 3 + (tables, tables), out_specs=field)(
+        *fields, forward, backward
+    )
