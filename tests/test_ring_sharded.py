@@ -24,6 +24,11 @@ CASES = {
     "latlon_3_to_2": (RingGrid.latlon(37, 72), RingGrid.latlon(25, 48), 0.2, 4),
     "latlon_2_to_3": (RingGrid.latlon(25, 48), RingGrid.latlon(37, 72), 0.2, 4),
     "octahedral_to_healpix": (RingGrid.octahedral(8), RingGrid.healpix(4), 0.3, 2),
+    # Input ranges of no ring on some shards (a coarse input grid), one shard, and rings of few points (more rings
+    # than a shard has points).
+    "coarse_input": (RingGrid.latlon(6, 12), RingGrid.latlon(37, 72), 0.6, 8),
+    "one_shard": (RingGrid.healpix(2), RingGrid.latlon(9, 18), 0.5, 1),
+    "thin_rings": (RingGrid.latlon(33, 4), RingGrid.latlon(33, 4), 0.3, 8),
 }
 
 
@@ -78,8 +83,22 @@ def test_halos_reach_as_far_as_the_cutoff():
     layout = ring_shard_layout(wide, 8)
     assert layout.halo >= 3
     q, k, v, g = _fields(wide, seed=1)
-    out = _sharded(wide, layout, _mesh((8,), ("rings",)))(q, k, v)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(neighborhood_attention(q, k, v, wide)))
+    sharded = _sharded(wide, layout, _mesh((8,), ("rings",)))
+    np.testing.assert_array_equal(np.asarray(sharded(q, k, v)), np.asarray(neighborhood_attention(q, k, v, wide)))
+    grads = jax.grad(lambda *x: jnp.vdot(sharded(*x), g), argnums=(0, 1, 2))(q, k, v)
+    expected = jax.grad(lambda *x: jnp.vdot(neighborhood_attention(*x, wide), g), argnums=(0, 1, 2))(q, k, v)
+    for label, a, b in zip("qkv", grads, expected):
+        assert _rel(a, b) <= 1e-6, label
+
+
+def test_padding_rings_are_no_larger_than_the_grids_rings():
+    """The launch covers max_ring_points columns per walking ring: padding must not raise it past the grids'."""
+    for name in ("latlon_3_to_2", "healpix_8", "coarse_input"):
+        grid_in, grid_out, cutoff, parts = CASES[name]
+        layout = ring_shard_layout(RingPlan(grid_in, grid_out, cutoff), parts)
+        for (tables, sizes), grid in ((layout.forward, grid_out), (layout.backward, grid_in)):
+            assert sizes.max_ring_points == grid.nlon.max()
+            assert tables.walk_rings[..., 1].max() <= sizes.max_ring_points
 
 
 def test_batch_axis_and_16_bit_inputs():
@@ -116,19 +135,39 @@ def test_block_layout_round_trips_and_padding_is_ignored():
     np.testing.assert_array_equal(np.asarray(layout.from_blocks(out, "out")),
                                   np.asarray(neighborhood_attention(q, k, v, plan)))  # fmt: skip
     # Padding slots get zero gradients.
-    grads = jax.grad(lambda *x: jnp.sum(sharded_ring_attention(*x, plan, mesh=mesh)), argnums=(0, 1))(*blocks)
-    assert (np.asarray(grads[0])[:, layout.q_slots < 0] == 0).all()
-    assert (np.asarray(grads[1])[:, layout.k_slots < 0] == 0).all()
+    grads = jax.grad(lambda *x: jnp.sum(sharded_ring_attention(*x, plan, mesh=mesh)), argnums=(0, 1, 2))(*blocks)
+    for grad, grid in zip(grads, ("out", "in", "in")):
+        assert (np.asarray(grad)[:, ~real[grid]] == 0).all() and np.asarray(grad).any()
+    with pytest.raises(ValueError, match=r"grid must be 'out' .* or 'in'"):
+        layout.to_blocks(q, "query")
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., npoints = 192, heads, head_dim\]"):
+        layout.to_blocks(q[:, 1:], "out")
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., parts \* block"):
+        layout.from_blocks(q, "out")
 
 
-def test_gradients_are_bitwise_repeatable():
-    grid_in, grid_out, cutoff, parts = CASES["octahedral_to_healpix"]
+def test_gradients_are_the_same_bits_in_different_programs():
+    grid_in, grid_out, cutoff, parts = CASES["healpix_8"]
     plan = RingPlan(grid_in, grid_out, cutoff)
     sharded = _sharded(plan, ring_shard_layout(plan, parts), _mesh((parts,), ("rings",)))
     q, k, v, g = _fields(plan, seed=5)
-    grad = jax.jit(jax.grad(lambda *x: jnp.vdot(sharded(*x), g), argnums=(0, 1, 2)))
-    for a, b in zip(grad(q, k, v), grad(q, k, v)):
+    grad = jax.grad(lambda *x: jnp.vdot(sharded(*x), g), argnums=(0, 1, 2))
+    first = jax.jit(grad)(q, k, v)
+    # Another program: other work fused beside it, inputs scaled by an exact power of two and back.
+    second = jax.jit(lambda q, k, v: [x * 1.0 for x in grad(q * 2.0 / 2.0, k, v)] + [jnp.sum(k * 3.0)])(q, k, v)
+    for a, b in zip(first, second[:3]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_empty_batch_and_no_heads():
+    grid_in, grid_out, cutoff, parts = CASES["latlon_3_to_2"]
+    plan = RingPlan(grid_in, grid_out, cutoff)
+    layout, (q, k, v) = _block_inputs(plan, parts)
+    mesh = _mesh((parts,), ("rings",))
+    out = sharded_ring_attention(q[:0], k[:0], v[:0], plan, mesh=mesh)
+    assert out.shape == (0, parts * layout.q_block, 2, 5)
+    out = sharded_ring_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], plan, mesh=mesh)
+    assert out.shape == (2, parts * layout.q_block, 0, 5)
 
 
 def test_explicit_mesh_axes():
@@ -139,7 +178,8 @@ def test_explicit_mesh_axes():
     q, k, v, _ = _fields(plan, seed=6)
     blocks = layout.to_blocks(q, "out"), layout.to_blocks(k, "in"), layout.to_blocks(v, "in")
     out = jax.jit(lambda *x: sharded_ring_attention(*x, plan, mesh=mesh))(*blocks)
-    np.testing.assert_array_equal(np.asarray(layout.from_blocks(np.asarray(out), "out")),
+    assert out.sharding.spec[1] == "rings"
+    np.testing.assert_array_equal(np.asarray(layout.from_blocks(out, "out")),
                                   np.asarray(neighborhood_attention(q, k, v, plan)))  # fmt: skip
 
 
@@ -160,6 +200,7 @@ def _block_inputs(plan, parts, dtype=np.float32):
         (dict(query=lambda q: q[:, :-1]), ValueError, r"query has shape .* the block layout of ring_shard_layout"),
         (dict(value=lambda v: v[..., :0, :, :]), ValueError, r"value has shape"),
         (dict(dtype=np.float64), ValueError, r"runs the ring kernels, which cannot run here: .*float64"),
+        (dict(mesh=("batch", "rings"), batch_axis="batch"), ValueError, r"batch_axis='batch' splits the first batch"),
     ],
 )
 def test_bad_input_is_refused_at_trace_time(change, error, match):
@@ -170,6 +211,9 @@ def test_bad_input_is_refused_at_trace_time(change, error, match):
     q = change.pop("query", lambda x: x)(q)
     v = change.pop("value", lambda x: x)(v)
     arguments = dict(plan=plan, mesh=_mesh((4,), ("rings",)))
+    if "mesh" in change:  # a batch axis of 2 devices beside the 4 ring shards, and a batch of 1
+        change["mesh"] = _mesh((2, 4), change["mesh"])
+        q, k, v = (x[:1] for x in (q, k, v))
     arguments.update(change)
     with pytest.raises(error, match=match):
         sharded_ring_attention(q, k, v, arguments.pop("plan"), **arguments)

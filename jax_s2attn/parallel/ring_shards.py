@@ -64,19 +64,37 @@ class RingShardLayout:
 
     def to_blocks(self, x, grid: str):
         """A flat field ``[B..., npoints, H, D]`` of ``grid`` ("out" or "in") in the block layout, zeros in the
-        padding."""
-        slots = self.q_slots if grid == "out" else self.k_slots
-        x = jnp.asarray(x)
-        blocks = jnp.take(x, np.maximum(slots, 0), axis=-3)
-        return jnp.where((slots >= 0)[:, None, None], blocks, jnp.zeros((), x.dtype))
+        padding (an array sharded over explicit mesh axes is gathered first)."""
+        slots = self._slots(grid, x, int((self._slots(grid) >= 0).sum()), "npoints")
+        blocks = jnp.take(_gathered(x), np.maximum(slots, 0), axis=-3)
+        return jnp.where((slots >= 0)[:, None, None], blocks, jnp.zeros((), blocks.dtype))
 
     def from_blocks(self, x, grid: str):
-        """The flat field ``[B..., npoints, H, D]`` of ``grid`` ("out" or "in") from its block layout (each
-        block's real points, in order)."""
-        slots, block = (self.q_slots, self.q_block) if grid == "out" else (self.k_slots, self.k_block)
-        x = jnp.asarray(x)
-        counts = (slots.reshape(self.parts, block) >= 0).sum(axis=1)
-        return jnp.concatenate([x[..., s * block : s * block + int(n), :, :] for s, n in enumerate(counts)], axis=-3)
+        """The flat field ``[B..., npoints, H, D]`` of ``grid`` ("out" or "in") from its block layout (an array
+        sharded over explicit mesh axes is gathered first)."""
+        slots = self._slots(grid, x, self._slots(grid).size, "parts * block")
+        real = np.flatnonzero(slots >= 0)
+        return jnp.take(_gathered(x), real[np.argsort(slots[real])], axis=-3)
+
+    def _slots(self, grid: str, x=None, points: int = 0, layout: str = "") -> np.ndarray:
+        """The slots of ``grid``, after checking that ``x`` (if given) has ``points`` along its point axis."""
+        if grid not in ("out", "in"):
+            raise ValueError(f"grid must be 'out' (queries, outputs) or 'in' (keys, values), got {grid!r}.")
+        slots = self.q_slots if grid == "out" else self.k_slots
+        if x is not None and (len(getattr(x, "shape", ())) < 3 or x.shape[-3] != points):
+            raise ValueError(f"x must have shape [..., {layout} = {points}, heads, head_dim] on grid {grid!r}, got "
+                             f"shape {tuple(getattr(x, 'shape', ()))}.")  # fmt: skip
+        return slots
+
+
+def _gathered(x):
+    """``x`` as an array, gathered where it is sharded over explicit mesh axes (a gather along a sharded axis needs
+    its result's sharding named)."""
+    x = jnp.asarray(x)
+    sharding = jax.typeof(x).sharding
+    if any(part is not None for part in getattr(sharding, "spec", ())):
+        return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, PartitionSpec()))
+    return x
 
 
 def _cuts(plan: RingPlan, parts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -100,22 +118,48 @@ def _owner(in_cuts, ring):
     return np.searchsorted(in_cuts, ring, side="right") - 1
 
 
-def _padding_rows(first: int, points: int, rows: int) -> list[tuple[int, int]]:
-    """``rows`` padding rings over points ``first .. first + points - 1``: one point each, the last the rest."""
-    assert rows >= 1 and points >= rows
-    return [(first + i, 1) for i in range(rows - 1)] + [(first + rows - 1, points - rows + 1)]
+def _split_padding(segments, rows: int, cap: int) -> list[tuple[int, int]]:
+    """``rows`` padding rings ``(first, points)`` covering the padding ``segments`` ``[(first, length), ...]`` in
+    order, each of 1 to ``cap`` points. Requires ``sum(ceil(length / cap)) <= rows <= sum(length)``."""
+    counts = [-(-length // cap) for _, length in segments]
+    extra = rows - sum(counts)
+    for i, (_, length) in enumerate(segments):
+        more = min(extra, length - counts[i])
+        counts[i] += more
+        extra -= more
+    assert extra == 0, (segments, rows, cap)
+    pieces = []
+    for (first, length), n in zip(segments, counts):
+        base, remainder = divmod(length, max(n, 1))
+        for i in range(n):
+            size = base + (i < remainder)
+            pieces.append((first, size))
+            first += size
+    return pieces
+
+
+def _block_and_rows(real_rows, segments_of, block: int, cap: int) -> tuple[int, int]:
+    """The smallest block size from ``block`` and the row count at which every shard's real rows plus its padding
+    rings (``segments_of(s, block)``, split into rings of at most ``cap`` points) come to the same count."""
+    while True:
+        segments = [segments_of(s, block) for s in range(len(real_rows))]
+        rows = max(r + sum(-(-length // cap) for _, length in segs) for r, segs in zip(real_rows, segments))
+        deficit = max(rows - r - sum(length for _, length in segs) for r, segs in zip(real_rows, segments))
+        if deficit <= 0:
+            return block, rows
+        block += deficit
 
 
 def _ring_pattern_arcs(table, ring: int, move) -> list[list[tuple]]:
     """The arcs of each pattern of walking ring ``ring`` of ``table`` (RingPatterns), each ``(visited ring, first,
-    start, length, nlon, shift)`` with ``first = move(visited ring, first)``; an arc whose ``move`` is None is
-    dropped."""
+    start, length, nlon, shift)`` with ``(visited ring, first) = move(visited ring, first)`` (the shard's
+    numbering); an arc whose ``move`` is None is dropped."""
     base = int(table.ring_patterns[ring])
     patterns = []
     for pattern in range(base, base + int(table.period[ring])):
-        arcs = [(int(b), move(int(b), int(first)), *(int(x) for x in rest))
-                for b, first, *rest in table.arcs[table.offsets[pattern] : table.offsets[pattern + 1]]]  # fmt: skip
-        patterns.append([arc for arc in arcs if arc[1] is not None])
+        moved = [(move(int(b), int(first)), rest)
+                 for b, first, *rest in table.arcs[table.offsets[pattern] : table.offsets[pattern + 1]]]  # fmt: skip
+        patterns.append([(*where, *(int(x) for x in rest)) for where, rest in moved if where is not None])
     return patterns
 
 
@@ -140,6 +184,7 @@ def _walk_tables(rings, arcs, pattern_count: int, arc_count: int) -> _ffi.RingWa
 
 
 def _stack(tables) -> _ffi.RingWalkTables:
+    """The shards' tables stacked along a new leading axis."""
     return _ffi.RingWalkTables(*(np.stack(column) for column in zip(*tables)))
 
 
@@ -152,12 +197,14 @@ def ring_shard_layout(plan: RingPlan, parts: int) -> RingShardLayout:
     """
     if not isinstance(plan, RingPlan):
         raise TypeError(f"plan must be a jax_s2attn.RingPlan, got {type(plan).__name__}.")
+    if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
+        raise ValueError(f"parts must be a positive integer (the devices along the mesh axis), got {parts!r}.")
+    parts = int(parts)
     grid_out, grid_in = plan.grid_out, plan.grid_in
     out_cuts, in_cuts = _cuts(plan, parts)
     q_offsets, k_offsets = grid_out.ring_offsets, grid_in.ring_offsets
     q_points = [int(q_offsets[out_cuts[s + 1]] - q_offsets[out_cuts[s]]) for s in range(parts)]
     k_points = [int(k_offsets[in_cuts[s + 1]] - k_offsets[in_cuts[s]]) for s in range(parts)]
-    key_rings = [int(in_cuts[s + 1] - in_cuts[s]) for s in range(parts)]
     table, key_table = plan.patterns, plan.key_patterns
 
     # The halo: the farthest key block any shard's queries meet.
@@ -166,63 +213,76 @@ def ring_shard_layout(plan: RingPlan, parts: int) -> RingShardLayout:
         first, last = (table.offsets[table.ring_patterns[cut]] for cut in (out_cuts[s], out_cuts[s + 1]))
         visited = table.arcs[first:last, 0]
         halo = max(halo, s - int(_owner(in_cuts, visited.min())), int(_owner(in_cuts, visited.max())) - s)
-    blocks = [range(s - halo, s + halo + 1) for s in range(parts)]
+    blocks = [[j for j in range(s - halo, s + halo + 1)] for s in range(parts)]
+    in_range = lambda j: 0 <= j < parts  # noqa: E731
+    own_rings = [range(out_cuts[s], out_cuts[s + 1]) for s in range(parts)]
+    buffer_rings = [[r for j in blocks[s] if in_range(j) for r in range(in_cuts[j], in_cuts[j + 1])] for s in range(parts)]
 
-    # Rows of each walk, padding rows included: the queries' walk pads every shard with at least one padding ring;
-    # the keys' walk has one padding ring per buffer block, more in the own block up to the largest shard's rows.
-    forward_rows = max(out_cuts[s + 1] - out_cuts[s] for s in range(parts)) + 1
-    q_block = max(q_points[s] + forward_rows - (out_cuts[s + 1] - out_cuts[s]) for s in range(parts))
-    buffer_rows = [sum(key_rings[j] + 1 if 0 <= j < parts else 1 for j in blocks[s]) for s in range(parts)]
-    backward_rows = max(buffer_rows)
-    k_block = max(max(k_points) + 1, *(k_points[s] + 1 + backward_rows - buffer_rows[s] for s in range(parts)))
+    # Block sizes and row counts: padding points form rings of at most the grid's largest ring, as many in every
+    # shard as it takes for all shards to have the same rows.
+    q_cap, k_cap = int(grid_out.nlon.max()), int(grid_in.nlon.max())
+    q_block, forward_rows = _block_and_rows(
+        [len(own_rings[s]) for s in range(parts)], lambda s, block: [(q_points[s], block - q_points[s])],
+        max(q_points), q_cap,
+    )  # fmt: skip
 
-    def buffer_point(ring: int, s: int) -> int:
-        owner = int(_owner(in_cuts, ring))
-        return (owner - s + halo) * k_block + int(k_offsets[ring] - k_offsets[in_cuts[owner]])
+    def key_padding(s, block):
+        return [((j - s + halo) * block + (k_points[j] if in_range(j) else 0),
+                 block - (k_points[j] if in_range(j) else 0)) for j in blocks[s]]  # fmt: skip
+
+    k_block, backward_rows = _block_and_rows([len(buffer_rings[s]) for s in range(parts)], key_padding,
+                                             max(k_points), k_cap)  # fmt: skip
 
     weights_in = (2.0 * np.pi * grid_in.weights / grid_in.nlon).astype(np.float32)
     forward, backward = [], []
     for s in range(parts):
-        # The queries' walk: the shard's output rings, their patterns' arcs moved into the buffer.
+        # The queries' walk: the shard's output rings, their patterns' arcs moved into the buffer (visited rings
+        # numbered in the buffer, weighed by the shard's weights).
+        local_ring = {ring: i for i, ring in enumerate(buffer_rings[s])}
+        buffer_first = {}
+        for j in blocks[s]:
+            if in_range(j):
+                for ring in range(in_cuts[j], in_cuts[j + 1]):
+                    buffer_first[ring] = (j - s + halo) * k_block + int(k_offsets[ring] - k_offsets[in_cuts[j]])
         rings, arcs = [], []
-        for ring in range(out_cuts[s], out_cuts[s + 1]):
+        for ring in own_rings[s]:
             first = int(q_offsets[ring] - q_offsets[out_cuts[s]])
             rings.append((first, int(grid_out.nlon[ring]), len(arcs), int(table.period[ring]), 1.0))
-            arcs += _ring_pattern_arcs(table, ring, lambda b, _, s=s: buffer_point(b, s))
-        padding = _padding_rows(q_points[s], q_block - q_points[s], forward_rows - len(rings))
-        forward.append((rings + [(first, count, -1, 1, 1.0) for first, count in padding], arcs))
-        # The keys' walk: the buffer's input rings, their key patterns cut to this shard's output rings.
+            arcs += _ring_pattern_arcs(table, ring, lambda b, _: (local_ring[b], buffer_first[b]))
+        padding = _split_padding([(q_points[s], q_block - q_points[s])], forward_rows - len(rings), q_cap)
+        rings += [(first, count, -1, 1, 1.0) for first, count in padding]
+        weights = weights_in[buffer_rings[s]]
+        forward.append((rings, arcs, weights))
+        # The keys' walk: the buffer's input rings, their key patterns cut to this shard's output rings (visited
+        # rings numbered from the shard's first).
         rings, arcs = [], []
-        for j in blocks[s]:
-            base = (j - s + halo) * k_block
-            owned = range(in_cuts[j], in_cuts[j + 1]) if 0 <= j < parts else range(0)
-            local, own = int(q_offsets[out_cuts[s]]), range(out_cuts[s], out_cuts[s + 1])
-            for ring in owned:
-                first = base + int(k_offsets[ring] - k_offsets[in_cuts[j]])
-                rings.append((first, int(grid_in.nlon[ring]), len(arcs), int(key_table.period[ring]),
-                              float(weights_in[ring])))  # fmt: skip
-                arcs += _ring_pattern_arcs(key_table, ring,
-                                           lambda a, first, own=own, local=local: first - local if a in own else None)
-            real = k_points[j] if 0 <= j < parts else 0
-            rows = 1 + (backward_rows - buffer_rows[s] if j == s else 0)
-            rings += [(base + first, count, -1, 1, 1.0) for first, count in _padding_rows(real, k_block - real, rows)]
-        backward.append((rings, arcs))
+        local = int(q_offsets[out_cuts[s]])
+        for ring in buffer_rings[s]:
+            rings.append((buffer_first[ring], int(grid_in.nlon[ring]), len(arcs), int(key_table.period[ring]),
+                          float(weights_in[ring])))  # fmt: skip
+            arcs += _ring_pattern_arcs(key_table, ring, lambda a, first, s=s, local=local: (
+                (a - out_cuts[s], first - local) if out_cuts[s] <= a < out_cuts[s + 1] else None))  # fmt: skip
+        padding = _split_padding(key_padding(s, k_block), backward_rows - len(rings), k_cap)
+        rings = sorted(rings + [(first, count, -1, 1, 1.0) for first, count in padding])  # in point order
+        backward.append((rings, arcs, None))
 
-    def finish(walks, visited_rings):
+    def finish(walks, visited_rings, cap):
         # After a shard's own patterns: the padding rows' empty pattern, more empty ones, and the padding arcs' one.
-        pattern_count = max(len(arcs) for _, arcs in walks) + 2
-        arc_count = max(1, max(sum(len(a) for a in arcs) for _, arcs in walks))
+        pattern_count = max(len(arcs) for _, arcs, _ in walks) + 2
+        arc_count = max(1, max(sum(len(a) for a in arcs) for _, arcs, _ in walks))
         tables = []
-        for rings, arcs in walks:
+        for rings, arcs, weights in walks:
             rings = [(f, c, len(arcs) if p < 0 else p, period, w) for f, c, p, period, w in rings]
-            tables.append(_walk_tables(rings, arcs, pattern_count, arc_count))
-        most = max(int(t.walk_rings[:, 1].max()) for t in tables)
-        return tables, _ffi.RingWalkSizes(len(walks[0][0]), visited_rings, pattern_count, most)
+            walk = _walk_tables(rings, arcs, pattern_count, arc_count)
+            if weights is not None:  # per visited ring, padded to the largest shard's
+                padded = np.ones(visited_rings, np.float32)
+                padded[: len(weights)] = weights
+                walk = walk._replace(quad_weights=padded)
+            tables.append(walk)
+        return tables, _ffi.RingWalkSizes(len(walks[0][0]), visited_rings, pattern_count, cap)
 
-    # The queries' walk weighs visited rings by their global index: every shard holds the input grid's weights.
-    forward_tables, forward_sizes = finish(forward, grid_in.nrings)
-    forward_tables = [t._replace(quad_weights=weights_in) for t in forward_tables]
-    backward_tables, backward_sizes = finish(backward, grid_out.nrings)
+    forward_tables, forward_sizes = finish(forward, max(len(r) for r in buffer_rings), q_cap)
+    backward_tables, backward_sizes = finish(backward, max(len(r) for r in own_rings), k_cap)
 
     def slots(offsets, cuts, block):
         out = np.full(parts * block, -1, np.int64)
@@ -292,8 +352,8 @@ def sharded_ring_attention(
 
     Args:
       query, key, value: ``[B..., parts * q_block, H, Dk]``, ``[B..., parts * k_block, H, Dk]``, ``[B...,
-        parts * k_block, H, Dv]`` (one dtype: float32, bfloat16 or float16; float64 runs serially on the
-        reference).
+        parts * k_block, H, Dv]`` (one dtype: float32, bfloat16 or float16; for float64, which only the reference
+        computes, call :func:`jax_s2attn.neighborhood_attention`).
       plan: the :class:`~jax_s2attn.RingPlan`.
       mesh, axis, batch_axis: the device mesh, the axis that splits the rings and the one that splits the batch.
       scale: logit scale, default ``1/sqrt(Dk)``.
@@ -331,11 +391,10 @@ def sharded_ring_attention(
     reason = _ffi.ring_unavailable_reason(platform, query.dtype, dk, dv)
     if reason is not None:
         raise ValueError(f"the sharded op between ring grids runs the ring kernels, which cannot run here: {reason}.")
-    if math.prod(batch) * heads == 0:
-        return jnp.zeros((*query.shape[:-1], dv), query.dtype)
-
     lead = (batch_axis,) + (None,) * (len(batch) - 1) if batch else ()
     field = PartitionSpec(*lead, axis, None, None)
+    if math.prod(batch) * heads == 0:  # an empty batch axis or no heads: nothing to compute
+        return _place(jnp.zeros((*query.shape[:-1], dv), query.dtype), mesh, field)
     tables = PartitionSpec(axis)
     body = functools.partial(_ring_shard_body, layout=layout, axis=axis, scale=scale)
     forward, backward = (jax.tree.map(lambda t: _place(jnp.asarray(t), mesh, tables), walk[0])
