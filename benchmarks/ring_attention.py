@@ -1,16 +1,17 @@
 """Ring-grid benchmark: neighbourhood attention between ring grids against the regular grids' fast path.
 
 Op-level forward and forward+backward (``value_and_grad`` of a ``vdot`` loss) device times (``timing.median_ms``)
-of ``neighborhood_attention`` on a :class:`~jax_s2attn.RingPlan`, the way the op runs it (the ring arc kernels;
-``--implementation``), and, in the same run, of the regular-grid configurations the ring configurations are judged
-against, on the kernels ``implementation=None`` picks (the scheduled tensor-core kernels on an H100/H200):
+of ``neighborhood_attention`` on a :class:`~jax_s2attn.RingPlan`, the way the op runs it (on an H100/H200 the
+scheduled tensor-core kernels on the plan's ring block schedules; ``--implementation``), the ``_arc`` rows on the
+ring arc kernels, and, in the same run, the regular-grid configurations the ring configurations are judged against,
+on the kernels ``implementation=None`` picks (the scheduled kernels on the regular grids' block schedules):
 
 * ``healpix256_tc0055``: HEALPix nside 256 (786,432 points) self-attention at theta_cutoff 0.055, about the
   neighbours per point of 721x1440 at 0.03; judged per useful pair against ``qdeg_tc003``;
 * ``qdeg_to_480x960_tc003``: 721x1440 -> 480x960 (a 3:2 longitude ratio) at 0.03; judged against
   ``qdeg_to_hdeg_tc003`` (721x1440 -> 360x720, the same cutoff), per pair and in time;
 * ``qdeg_tc003_rings``: 721x1440 at 0.03 as ring grids (``RingGrid.latlon``): the same pairs as ``qdeg_tc003``,
-  so the ring walk's cost against the regular grids' arc kernels shows (``qdeg_tc003`` on ``ffi-arc`` too).
+  so what the ring schedules cost against the regular grids' shows.
 
 Each row has the floor (max of bytes over 4.3 TB/s and useful FLOPs over 790 TFLOP/s bf16; ``ceilings.py``), the
 time per pair in picoseconds and its ratio to the row's baseline. Run: ``python benchmarks/ring_attention.py
@@ -28,6 +29,7 @@ import math
 import os
 import pathlib
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,7 @@ import numpy as np
 
 import jax_s2attn
 from jax_s2attn import NeighborhoodPlan, RingGrid, RingPlan
+from jax_s2attn.ring_schedule import ring_block_schedule
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also under -P
 from ceilings import floor_ms  # noqa: E402
@@ -51,15 +54,18 @@ class RingConfig:
 
 CONFIGS = [
     RingConfig("qdeg_tc003", lambda: NeighborhoodPlan((721, 1440), (721, 1440), theta_cutoff=0.03)),
-    RingConfig("qdeg_tc003_arc", lambda: NeighborhoodPlan((721, 1440), (721, 1440), theta_cutoff=0.03),
-               "qdeg_tc003", "ffi-arc"),  # fmt: skip
     RingConfig("qdeg_to_hdeg_tc003", lambda: NeighborhoodPlan((721, 1440), (360, 720), theta_cutoff=0.03)),
     RingConfig("healpix256_tc0055", lambda: RingPlan(RingGrid.healpix(256), RingGrid.healpix(256), 0.055),
                "qdeg_tc003"),  # fmt: skip
+    RingConfig("healpix256_tc0055_arc", lambda: RingPlan(RingGrid.healpix(256), RingGrid.healpix(256), 0.055),
+               "qdeg_tc003", "ffi-arc"),  # fmt: skip
     RingConfig("qdeg_to_480x960_tc003", lambda: RingPlan(RingGrid.latlon(721, 1440), RingGrid.latlon(480, 960), 0.03),
                "qdeg_to_hdeg_tc003"),  # fmt: skip
+    RingConfig("qdeg_to_480x960_tc003_arc",
+               lambda: RingPlan(RingGrid.latlon(721, 1440), RingGrid.latlon(480, 960), 0.03), "qdeg_to_hdeg_tc003",
+               "ffi-arc"),  # fmt: skip
     RingConfig("qdeg_tc003_rings", lambda: RingPlan(RingGrid.latlon(721, 1440), RingGrid.latlon(721, 1440), 0.03),
-               "qdeg_tc003_arc"),  # fmt: skip
+               "qdeg_tc003"),  # fmt: skip
 ]
 
 
@@ -116,12 +122,19 @@ def main() -> None:
     gpu = getattr(device, "device_kind", device.platform)
     print(f"jax {jax.__version__}, device {gpu}; native: {jax_s2attn.native_backends()}")
     rng = np.random.default_rng(0)
+    limits = jax_s2attn.ops._ffi.kernel_limits()
+    runs, run_points = limits.scheduled_runs
+    chunk_cols = limits.scheduled_shape[2]
     rows = {}
     for cfg in (by_name[n] for n in sorted(set(names), key=names.index)):
         plan = cfg.plan()
         implementation = cfg.implementation
         if isinstance(plan, RingPlan) and args.implementation is not None:
             implementation = args.implementation
+        build = time.perf_counter()
+        for walk in ("forward", "backward") if isinstance(plan, RingPlan) and implementation != "ffi-arc" else ():
+            ring_block_schedule(plan, walk, runs=runs, run_points=run_points, chunk_cols=chunk_cols)
+        build = time.perf_counter() - build
         fwd, fwdbwd = _runs(plan, implementation, args.dtype, args.channels, args.heads, args.reps,
                             args.input_sets, rng)  # fmt: skip
         q_points, k_points = _points(plan)
@@ -134,6 +147,7 @@ def main() -> None:
             floor_fwd_ms=floor_ms(q_points, k_points, args.channels, 4 * d * pairs, args.dtype, backward=False),
             floor_fwdbwd_ms=floor_ms(q_points, k_points, args.channels, 14 * d * pairs, args.dtype, backward=True),
             ps_per_pair_fwd=1e9 * fwd / pairs, ps_per_pair_fwdbwd=1e9 * fwdbwd / pairs, baseline=cfg.baseline or "",
+            schedule_build_s=build,
         )  # fmt: skip
         if cfg.baseline in rows:
             base = rows[cfg.baseline]

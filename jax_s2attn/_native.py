@@ -101,6 +101,8 @@ class KernelLimits:
       stencil_max_half: longitudes each side of a point that a stencil row's arcs stay within.
       scheduled_shape: ``(tile_rows, tile_cols, chunk_cols)`` of the block schedule the scheduled
         kernels walk (:meth:`~jax_s2attn.plan.NeighborhoodPlan.block_schedule`).
+      scheduled_runs: ``(runs, points)``: on ring grids a tile is ``runs`` runs of up to ``points``
+        consecutive points of one ring (:func:`~jax_s2attn.ring_schedule.ring_block_schedule`).
       scheduled_head_dims: head dims (``Dk == Dv``) of the scheduled kernels.
       scheduled_dtypes: activation dtypes of the scheduled kernels.
       cuda_arc_max_head_dims: the largest ``Dk + Dv`` of the CUDA arc kernels; None without the
@@ -113,6 +115,7 @@ class KernelLimits:
     stencil_max_other_rows: int
     stencil_max_half: int
     scheduled_shape: tuple[int, int, int]
+    scheduled_runs: tuple[int, int]
     scheduled_head_dims: tuple[int, ...]
     scheduled_dtypes: tuple[np.dtype, ...]
     cuda_arc_max_head_dims: int | None
@@ -135,6 +138,7 @@ def _kernel_limits() -> KernelLimits | None:
         stencil_max_other_rows=int(limits["stencil_max_other_rows"]),
         stencil_max_half=int(limits["stencil_max_half"]),
         scheduled_shape=tuple(int(x) for x in limits["scheduled_shape"]),
+        scheduled_runs=tuple(int(x) for x in limits["scheduled_runs"]),
         scheduled_head_dims=tuple(int(d) for d in limits["scheduled_head_dims"]),
         scheduled_dtypes=_dtypes(limits["scheduled_dtypes"]),
         cuda_arc_max_head_dims=int(limits["cuda_arc_max_head_dims"]) if "cuda_arc_max_head_dims" in limits else None,

@@ -182,8 +182,6 @@ class NeighborhoodAttentionS2(_SphericalAttention):
 
     def _check_implementation(self) -> None:
         _checks.check_implementation(self.implementation)
-        if self._rings():
-            _checks.check_ring_implementation(self.implementation)
 
     def _mesh_split(self, plan) -> _layers.MeshSplit | None:
         if isinstance(plan, RingPlan):

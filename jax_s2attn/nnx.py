@@ -209,9 +209,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             flat=rings,
         )
         _checks.check_implementation(implementation)
-        if rings:
-            _checks.check_ring_implementation(implementation)
-        else:
+        if not rings:
             plan = NeighborhoodPlan(spec.in_shape, spec.out_shape, grid_in, grid_out, theta_cutoff)
         super().__init__(
             spec,

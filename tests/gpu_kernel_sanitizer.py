@@ -50,6 +50,7 @@ from kernel_cases import (  # noqa: E402
     ROOT,
     RUN_TARGET_SHIM,
     STENCIL_PLANS,
+    TILED_TOLERANCE,
     KernelCase,
     call_run_target,
     prepare_case,
@@ -58,6 +59,7 @@ from kernel_cases import (  # noqa: E402
     run_dq_forming_delta,
     run_narrow_forward,
     run_ring_case,
+    run_ring_scheduled_case,
     run_scheduled_case,
     run_scheduled_windows,
     tolerance_of,
@@ -120,12 +122,15 @@ CASES = [
 ]
 
 
-# The ring targets (arc kernels between ring grids): (plan of RING_PLANS, Dk, Dv, dtype), the vector path at 64 and
-# the general one at 5/7.
+# Between ring grids: (kernels, plan of RING_PLANS, Dk, Dv, dtype): the ring targets (arc kernels) on the vector
+# path at 64 and the general one at 5/7, and the scheduled kernels on ring block schedules at 32, 64 and 128.
 RING_CASES = [
-    ("healpix-self", 64, 64, "bfloat16"),
-    ("latlon-3:2", 5, 7, "float32"),
-    ("octahedral-healpix", 64, 64, "float16"),
+    ("ring", "healpix-self", 64, 64, "bfloat16"),
+    ("ring", "latlon-3:2", 5, 7, "float32"),
+    ("ring", "octahedral-healpix", 64, 64, "float16"),
+    ("scheduled-rings", "healpix-self", 64, 64, "bfloat16"),
+    ("scheduled-rings", "latlon-3:2", 32, 32, "float16"),
+    ("scheduled-rings", "octahedral-healpix", 128, 128, "bfloat16"),
 ]
 
 
@@ -263,11 +268,16 @@ def main(argv=None) -> int:
             except AssertionError as error:
                 failures += 1
                 print(f"FAIL {name}: {error}")
-        for plan_name, dk, dv, dtype in RING_CASES:
-            name = f"ring {plan_name} Dk={dk} Dv={dv} {dtype}"
+        for kernel, plan_name, dk, dv, dtype in RING_CASES:
+            name = f"{kernel} {plan_name} Dk={dk} Dv={dv} {dtype}"
             try:
                 case = prepare_ring_case(rng, RING_PLANS[plan_name](), 2, 2, dk, dv, dtype)
-                verify_ring_case(case, run_ring_case(lib, case, memory_of=lambda: DeviceMemory(cupy)))
+                memory_of = functools.partial(DeviceMemory, cupy)
+                if kernel == "ring":
+                    verify_ring_case(case, run_ring_case(lib, case, memory_of=memory_of))
+                else:  # the scheduled kernels on ring block schedules: P and dS rounded, the 16-bit bar
+                    verify_ring_case(case, run_ring_scheduled_case(lib, case, memory_of=memory_of),
+                                     TILED_TOLERANCE[dtype])  # fmt: skip
                 print(f"ok   {name}")
             except AssertionError as error:
                 failures += 1

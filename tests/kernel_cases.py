@@ -36,6 +36,7 @@ from jax_s2attn.grids import RingGrid
 from jax_s2attn.ops import _ffi
 from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
 from jax_s2attn.ring_plan import RingPlan
+from jax_s2attn.ring_schedule import ring_block_schedule
 from jax_s2attn.schedule import BlockSchedule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -642,7 +643,8 @@ def _schedule_arguments(case: KernelCase, schedule, walk_keys: bool) -> tuple[li
     tables = [np.ascontiguousarray(getattr(schedule, name), np.int32)
               for name in ("tiles", "tile_offsets", "chunks", "records")]  # fmt: skip
     sizes = np.asarray([batch, heads, nlat_q, nlon_q, nlat_k, nlon_k, len(schedule.tiles), len(schedule.chunks),
-                        len(schedule.records), schedule.classes, schedule.shift, dk, ring_nlon], np.int64)  # fmt: skip
+                        len(schedule.records), schedule.classes, schedule.shift, dk, ring_nlon, 0],
+                       np.int64)  # fmt: skip
     return tables, sizes, local_key_weights(case)
 
 
@@ -859,11 +861,64 @@ def run_ring_case(lib, case: RingCase, memory_of=HostMemory) -> dict[str, np.nda
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def verify_ring_case(case: RingCase, results: dict[str, np.ndarray]) -> None:
-    """Every element written, each result within the float32 bar of the float64 one (the inputs are exact in
-    every dtype: the kernels compute in float32)."""
+def ring_schedules(plan: RingPlan) -> tuple[BlockSchedule, BlockSchedule]:
+    """The forward and backward ring block schedules of ``plan`` in the scheduled kernels' shape."""
+    runs, run_points = kernel_limits().scheduled_runs
+    chunk_cols = kernel_limits().scheduled_shape[2]
+    return tuple(ring_block_schedule(plan, walk, runs=runs, run_points=run_points, chunk_cols=chunk_cols)
+                 for walk in ("forward", "backward"))  # fmt: skip
+
+
+def _run_ring_scheduled(lib, case: RingCase, kind: str, schedule, lse=None, delta=None, forming=None, memory=None):
+    """One scheduled kernel on ``case``'s flat fields (grids of one row) and ring ``schedule``: ``(out, lse)``,
+    ``(dq, delta)`` with ``forming = (out, dlse)`` (the dq that forms delta), or ``(dk, dv)``; results float32,
+    NaN-poisoned first."""
+    memory = memory or HostMemory()
+    q, k, v, dout = case.inputs
+    batch, nq, heads, dk = q.shape
+    if kind == "forward":
+        results = (np.full(q.shape[:-1] + (v.shape[-1],), np.nan, np.float32), np.full(q.shape[:-1], np.nan, np.float32))
+    elif kind == "dq":
+        results = (np.full(q.shape, np.nan, np.float32), np.full(q.shape[:-1], np.nan, np.float32))
+    else:
+        results = (np.full(k.shape, np.nan, np.float32), np.full(v.shape, np.nan, np.float32))
+    tables = [np.ascontiguousarray(getattr(schedule, name), np.int32)
+              for name in ("tiles", "tile_offsets", "chunks", "records")]  # fmt: skip
+    sizes = np.asarray([batch, heads, 1, nq, 1, k.shape[1], len(schedule.tiles), len(schedule.chunks),
+                        len(schedule.records), schedule.classes, schedule.shift, dk, schedule.nlon, 1], np.int64)
+    weights = np.ascontiguousarray(case.plan.grid_in.point_weights(), np.float32)
+    code, f32 = ctypes.c_int(DTYPES[case.dtype][0]), ctypes.c_int(_dtype_code(np.float32))
+    if kind == "dq":
+        arrays = (q, k, v, dout, lse, *forming, *tables, weights, *results)
+        pointers = [ctypes.c_void_p(memory.address(a)) for a in arrays]
+        status = lib.RunScheduledDqFormingDelta(code, f32, *pointers, ctypes.c_void_p(sizes.ctypes.data),
+                                                ctypes.c_float(case.scale))  # fmt: skip
+    else:
+        arrays = (q, k, v, dout, lse, delta, *tables, weights, *results)
+        pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in arrays]
+        status = lib.RunScheduledTarget(ctypes.c_int(SCHEDULED_KINDS[kind]), code, f32, *pointers,
+                                        ctypes.c_void_p(sizes.ctypes.data), ctypes.c_float(case.scale))  # fmt: skip
+    assert status == 0, f"ring scheduled {kind}: launcher returned cudaError {status}"
+    memory.finish(results)
+    return results
+
+
+def run_ring_scheduled_case(lib, case: RingCase, memory_of=HostMemory) -> dict[str, np.ndarray]:
+    """The scheduled forward, dq and dk/dv on ``case``'s ring grids as the op runs them: the forward's float32 out
+    feeds the dq that forms delta (dlse 0), whose delta and the forward's lse feed dk/dv."""
+    forward, backward = ring_schedules(case.plan)
+    out, lse = _run_ring_scheduled(lib, case, "forward", forward, memory=memory_of())
+    dlse = np.zeros_like(lse)
+    dq, delta = _run_ring_scheduled(lib, case, "dq", forward, lse, forming=(out, dlse), memory=memory_of())
+    dk, dv = _run_ring_scheduled(lib, case, "dkv", backward, lse, delta, memory=memory_of())
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def verify_ring_case(case: RingCase, results: dict[str, np.ndarray], tolerance: float = TOLERANCE) -> None:
+    """Every element written, each result within ``tolerance`` of the float64 one: the float32 bar by default
+    (the inputs are exact in every dtype, and the ring kernels compute in float32)."""
     for name, expected in case.expected.items():
         actual = results[name]
         assert not np.isnan(actual).any(), f"{name}: elements left unwritten"
         error = _relative(actual.astype(np.float64), expected)
-        assert error <= TOLERANCE, f"{name}: relative error {error:.2e} > {TOLERANCE:.0e}"
+        assert error <= tolerance, f"{name}: relative error {error:.2e} > {tolerance:.0e}"

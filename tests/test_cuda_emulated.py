@@ -54,6 +54,7 @@ from kernel_cases import (  # noqa: E402
     STENCIL_PLANS,
     TILED_SEGMENT_SLOTS,
     TILED_TARGET_OFFSET,
+    TILED_TOLERANCE,
     call_run_target,
     check_case,
     check_nan_poisoning,
@@ -66,6 +67,7 @@ from kernel_cases import (  # noqa: E402
     run_narrow_forward,
     run_ring_case,
     run_ring_kind,
+    run_ring_scheduled_case,
     run_scheduled_case,
     run_scheduled_dq_forming_delta,
     run_scheduled_kind,
@@ -965,6 +967,27 @@ RING_CASES = [  # plan, (Dk, Dv), dtype: the vector path at 32 and 64, the gener
 def test_ring_kernels_match_float64(emulated_library, rng, plan_name, dims, dtype):
     case = prepare_ring_case(rng, RING_PLANS[plan_name](), 2, 2, *dims, dtype)
     verify_ring_case(case, run_ring_case(emulated_library, case))
+
+
+# The scheduled kernels on ring block schedules: HEALPix self-attention (8-ring tiles), 3:2 and octahedral -> HEALPix
+# (window and ring stagings, RING chunks of their own modulus), at every scheduled head dim.
+RING_SCHEDULED_CASES = [
+    ("healpix-self", 64, "bfloat16"),
+    ("latlon-3:2", 32, "float16"),
+    ("octahedral-healpix", 128, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("plan_name", "dim", "dtype"), RING_SCHEDULED_CASES,
+                         ids=[f"{p}-d{d}-{t}" for p, d, t in RING_SCHEDULED_CASES])  # fmt: skip
+def test_ring_scheduled_kernels_match_float64(emulated_library, rng, plan_name, dim, dtype):
+    """The scheduled forward, the dq that forms delta and dk/dv on ring block schedules, against float64:
+    every element written, out and the gradients within the 16-bit bar (P and dS rounded), lse at float32."""
+    case = prepare_ring_case(rng, RING_PLANS[plan_name](), 2, 2, dim, dim, dtype)
+    results = run_ring_scheduled_case(emulated_library, case)
+    verify_ring_case(case, results, TILED_TOLERANCE[dtype])
+    error = np.max(np.abs(results["lse"] - case.expected["lse"]))
+    assert error <= 1e-4, f"lse: absolute error {error:.1e}"
 
 
 def test_ring_kernels_with_corrupted_tables_stay_in_bounds(emulated_library, rng):

@@ -66,8 +66,6 @@ def test_self_attention_on_healpix_takes_key_from_query():
          r"in_shape must be None or \(312,\) between ring grids"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, in_shape=(311,)), ValueError,
          r"in_shape=\(311,\) does not match the layer's ring grid \(312 points"),
-        (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, implementation="ffi-tiled"), ValueError,
-         r"'ffi-tiled' cannot run a RingPlan"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT), ValueError, r"theta_cutoff is needed"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, out_shape=192), TypeError,
          r"out_shape must be None or \(192,\) between ring grids"),

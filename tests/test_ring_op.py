@@ -88,6 +88,8 @@ def test_bad_fields_are_refused_at_trace_time(change, error, match):
         neighborhood_attention(*change(*_inputs(4, batch=(2,))), PLAN)
 
 
-def test_the_tensor_core_kernels_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"'ffi-tiled' cannot run a RingPlan.*Use implementation=None, 'ffi'"):
+def test_the_tensor_core_kernels_where_they_cannot_run_are_refused_with_the_fix():
+    """On the CPU (and for float32 anywhere) "ffi-tiled" names why the scheduled kernels cannot run."""
+    with pytest.raises(ValueError, match=r"'ffi-tiled' cannot run a RingPlan on cpu: the scheduled kernels cannot "
+                                         r"run.*Use implementation=None"):
         neighborhood_attention(*_inputs(5, batch=(1,)), PLAN, implementation="ffi-tiled")

@@ -30,6 +30,10 @@ inline constexpr int kStencilMaxHalf = 3;
 inline constexpr int kSchedTileRows = 4;
 inline constexpr int kSchedTileCols = 16;
 inline constexpr int kSchedChunkCols = 32;
+// On ring grids (flat fields, one row of all points to the kernels) a tile is kSchedTileRuns runs of up to
+// kSchedRunPoints consecutive points of one ring each (jax_s2attn.ring_schedule).
+inline constexpr int kSchedTileRuns = 8;
+inline constexpr int kSchedRunPoints = 8;
 inline constexpr int kSchedHeadDims[] = {32, 64, 128};
 inline constexpr const char* kSchedDtypes[] = {"bfloat16", "float16"};
 

@@ -28,6 +28,7 @@ inline nanobind::dict KernelLimits() {
   limits["stencil_max_other_rows"] = kStencilMaxOtherRows;
   limits["stencil_max_half"] = kStencilMaxHalf;
   limits["scheduled_shape"] = nanobind::make_tuple(kSchedTileRows, kSchedTileCols, kSchedChunkCols);
+  limits["scheduled_runs"] = nanobind::make_tuple(kSchedTileRuns, kSchedRunPoints);
   limits["scheduled_head_dims"] = TupleOf(kSchedHeadDims);
   limits["scheduled_dtypes"] = TupleOf(kSchedDtypes);
   return limits;

@@ -63,6 +63,10 @@ constexpr int kBlockOf = kD < 64 ? kD : 64;  // elements a row of a block
 template <int kD>
 constexpr int kBlocks = kD / kBlockOf<kD>;
 constexpr int kFull = 1, kRing = 2;  // jax_s2attn.schedule.FULL, RING
+constexpr int kRingPointsShift = 2;  // on ring grids a RING chunk's flags hold its ring's points from this bit
+constexpr int kTileRuns = kSchedTileRuns, kRunPoints = kSchedRunPoints;  // a ring grids' tile
+static_assert(kTileRuns * kRunPoints == kTileRows * kTileCols && kRunPoints == 8,
+              "a ring grids' tile: two runs a warp, the two accumulator rows of a thread in two runs");
 static_assert(kTileRows * kTileCols == 64 && kTileRows == 4, "a tile is the warpgroup's 64 rows, a warp per row");
 static_assert(kChunk == 32, "S = Q K^T is one m64n32 product per k16 step");
 
@@ -152,7 +156,8 @@ struct Shared {
 };
 
 // The walking tiles (q; q, dout; k, v) and the other grid's chunks (k, v; or q, dout): 5-D maps of
-// [batch, nlat, nlon, heads, D] activations (innermost first: D, heads, nlon, nlat, batch).
+// [batch, nlat, nlon, heads, D] activations (innermost first: D, heads, nlon, nlat, batch). Ring grids are one row
+// of all their points, and their tile maps take boxes of one run (kRunPoints points).
 struct Maps {
   CUtensorMap tiles[2], a, b;
 };
@@ -160,6 +165,8 @@ struct Maps {
 // One launch: a call's slabs from `first_slab` (blockIdx.y counts on from it).
 struct Problem {
   int nlat_walk, nlon_walk, nlat_other, nlon_other, heads;  // the arrays' grids
+  // Ring grids (SchedAttnParams::ring_grids): tiles of kTileRuns runs, quadrature weights per key point.
+  bool ring_grids;
   int ring_nlon;                                            // the other grid's ring (RING chunks' modulus)
   int64_t first_slab;
   const int* tiles;
@@ -202,9 +209,16 @@ __device__ __forceinline__ size_t PointIndex(const Problem& p, const Slab& slab,
   return ((static_cast<size_t>(slab.batch) * nlat + row) * nlon + lon) * p.heads + slab.head;
 }
 
-// log2 of key row `row`'s quadrature weight (the row clamped to the grid).
-__device__ __forceinline__ float KeyBias(const Problem& p, int row, int nlat_keys) {
-  return log2f(__ldg(p.quad_weights + min(max(row, 0), nlat_keys - 1)));
+// log2 of the quadrature weight of key row `row` of `rows` (clamped to them): on ring grids the weights are per
+// key point, and `row` a key point.
+__device__ __forceinline__ float KeyBias(const Problem& p, int row, int rows) {
+  return log2f(__ldg(p.quad_weights + min(max(row, 0), rows - 1)));
+}
+
+// Run `run` of tile `tile` on ring grids: (first point, points).
+__device__ __forceinline__ int2 RunOf(const Problem& p, int tile, int run) {
+  return make_int2(__ldg(p.tiles + (static_cast<size_t>(tile) * kTileRuns + run) * 2),
+                   __ldg(p.tiles + (static_cast<size_t>(tile) * kTileRuns + run) * 2 + 1));
 }
 
 // Tile `tile`'s chunks [first, first + count) of the schedule, clamped to its chunk list.
@@ -247,8 +261,16 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>
     for (int i = 0; i < TilesOf(kKind); ++i) {
 #pragma unroll
       for (int block = 0; block < kBlocks<kD>; ++block) {
-        sm90::LoadBox5d(s.tiles[i].rows + block * kTileBlockBytes<kD> / 2, &maps.tiles[i], block * kBlockOf<kD>,
-                        slab.head, __ldg(p.tiles + 2 * tile + 1), __ldg(p.tiles + 2 * tile), batch, &s.tiles_full);
+        T* rows = s.tiles[i].rows + block * kTileBlockBytes<kD> / 2;
+        if (p.ring_grids) {  // a box per run, kRunPoints rows each (whole swizzle patterns of the tile's layout)
+          for (int run = 0; run < kTileRuns; ++run) {
+            sm90::LoadBox5d(rows + run * kRunPoints * kBlockOf<kD>, &maps.tiles[i], block * kBlockOf<kD>, slab.head,
+                            RunOf(p, tile, run).x, 0, batch, &s.tiles_full);
+          }
+        } else {
+          sm90::LoadBox5d(rows, &maps.tiles[i], block * kBlockOf<kD>, slab.head, __ldg(p.tiles + 2 * tile + 1),
+                          __ldg(p.tiles + 2 * tile), batch, &s.tiles_full);
+        }
       }
     }
   }
@@ -262,7 +284,9 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>
       for (int f = 0; f < kSchedChunkFields; ++f) field[f] = __ldg(chunk + f);
       field[3] = min(max(field[3], 0), kChunk);                // valid
       field[5] = min(max(field[5], 0), p.num_stagings - 1);    // staging
-      if (kKind != Kind::kDkv) bias = KeyBias(p, field[0], nlat_keys);
+      if (kKind != Kind::kDkv) {  // a chunk lies on one key ring: its first point's weight is every point's
+        bias = p.ring_grids ? KeyBias(p, field[1], p.nlon_other) : KeyBias(p, field[0], nlat_keys);
+      }
       if (p.classes == 1) {
 #pragma unroll
         for (int a = 0; a < kTileRows; ++a) {
@@ -327,7 +351,8 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>
 __host__ __device__ constexpr int ColumnOf(int e) { return 8 * (e / 4) + (e % 2); }
 
 // The thread's walking points: of tile `tile`, tile row `warp` (of its warpgroup), longitudes lane / 4 and lane / 4 + 8 of the tile, with their
-// residue classes and steps; `real[h]` whether the point is on the walking grid (only those are written).
+// residue classes and steps; `real[h]` whether the point is on the walking grid (only those are written). On
+// ring grids point lane / 4 of runs 2 warp and 2 warp + 1 (row 0), a record per point, real where the run has it.
 struct ThreadPoints {
   int row, lon[2], u[2], step[2];
   bool real[2];
@@ -336,14 +361,21 @@ struct ThreadPoints {
 __device__ __forceinline__ ThreadPoints PointsOf(const Problem& p, int tile) {
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   ThreadPoints points;
-  points.row = __ldg(p.tiles + 2 * tile) + warp;
-  const int first_lon = __ldg(p.tiles + 2 * tile + 1);
+  points.row = p.ring_grids ? 0 : __ldg(p.tiles + 2 * tile) + warp;
+  const int first_lon = p.ring_grids ? 0 : __ldg(p.tiles + 2 * tile + 1);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int column = lane / 4 + 8 * h;
     points.u[h] = column % p.classes, points.step[h] = column / p.classes;
-    points.lon[h] = first_lon + column;
-    points.real[h] = static_cast<unsigned>(points.row) < static_cast<unsigned>(p.nlat_walk) &&
+    bool in_run = true;
+    if (p.ring_grids) {
+      const int2 run = RunOf(p, tile, 2 * warp + h);
+      points.lon[h] = run.x + lane / 4;
+      in_run = lane / 4 < run.y;
+    } else {
+      points.lon[h] = first_lon + column;
+    }
+    points.real[h] = in_run && static_cast<unsigned>(points.row) < static_cast<unsigned>(p.nlat_walk) &&
                      static_cast<unsigned>(points.lon[h]) < static_cast<unsigned>(p.nlon_walk);
   }
   return points;
@@ -362,8 +394,9 @@ __device__ __forceinline__ uint32_t ColumnsBelow(int n) {
 __device__ __forceinline__ uint32_t ColumnBits(int lo, int hi) { return ColumnsBelow(hi) & ~ColumnsBelow(lo); }
 
 // A partial chunk's mask for the thread's two accumulator rows h: bit c of keep[h] says whether column 2 t + c is
-// kept (n with start <= n < start + length and n < valid; RING chunks with start modulo ring_nlon, and also the
-// arc's part past longitude ring_nlon, from the chunk's first column).
+// kept (n with start <= n < start + length and n < valid; RING chunks with start modulo the ring's points, and also
+// the arc's part past the ring's end, from the chunk's first column). The ring's points are ring_nlon, or on ring
+// grids the RING chunk's own, in its flags (kRingPointsShift).
 struct ChunkMask {
   uint32_t keep[2];
 };
@@ -373,6 +406,7 @@ __device__ __forceinline__ ChunkMask MaskOf(const Problem& p, const ChunkInfo& i
   ChunkMask m;
   const int offset = info.offset, valid = info.valid;
   const bool ring = info.flags & kRing;
+  const int ring_points = p.ring_grids ? info.flags >> kRingPointsShift : p.ring_nlon;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int2 record = info.records[warp * p.classes + u[h]];
@@ -380,14 +414,14 @@ __device__ __forceinline__ ChunkMask MaskOf(const Problem& p, const ChunkInfo& i
     const int length = record.y;
     uint32_t keep;
     if (ring) {
-      // start modulo ring_nlon: |start| < 2 ring_nlon for the points that are written (offset and record.x in
-      // [0, ring_nlon), shift * step < ring_nlon; tests/test_schedule.py checks it). Other points may get wrong
-      // masks: their rows are computed, not written.
-      start += start < 0 ? p.ring_nlon : 0;
-      start -= start >= p.ring_nlon ? p.ring_nlon : 0;
-      keep = length >= p.ring_nlon ? ColumnBits(0, valid)
+      // start modulo ring_points: |start| < 2 ring_points for the points that are written (offset and record.x
+      // in [0, ring_points), shift * step < ring_points; tests/test_schedule.py and tests/test_ring_schedule.py
+      // check it). Other points may get wrong masks: their rows are computed, not written.
+      start += start < 0 ? ring_points : 0;
+      start -= start >= ring_points ? ring_points : 0;
+      keep = length >= ring_points ? ColumnBits(0, valid)
                                    : ColumnBits(start, min(start + length, valid)) |
-                                         ColumnBits(0, min(start + length - p.ring_nlon, valid));
+                                         ColumnBits(0, min(start + length - ring_points, valid));
     } else {
       keep = ColumnBits(start, min(start + length, valid));
     }
@@ -822,7 +856,11 @@ template <typename T, int kD>
 __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv, kD>& s, int tile, int count) {
   const int warp = threadIdx.x / 32 % 4, t = threadIdx.x % 4;
   const ThreadPoints points = PointsOf(p, tile);
-  const float key_bias = KeyBias(p, points.row, p.nlat_walk);
+  float key_bias[2];  // of the thread's two key points (on regular grids their one row)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    key_bias[h] = p.ring_grids ? KeyBias(p, points.lon[h], p.nlon_walk) : KeyBias(p, points.row, p.nlat_walk);
+  }
   float dk[kD / 2] = {}, dv[kD / 2] = {}, scores[kChunk / 2], dp[kChunk / 2];
   uint32_t prob[kChunk / 16][4], grad[kChunk / 16][4];
   const Descriptors d = DescriptorsOf(s);
@@ -839,7 +877,8 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv, kD>& s, int t
       Mask(scores, p, info, warp, points, t);
 #pragma unroll
       for (int e = 0; e < kChunk / 2; ++e) {
-        scores[e] = Exp2(fmaf(scores[e], p.scale_log2, key_bias - info.lse_log2[2 * t + ColumnOf(e)]));
+        const float bias = key_bias[(e >> 1) & 1] - info.lse_log2[2 * t + ColumnOf(e)];
+        scores[e] = Exp2(fmaf(scores[e], p.scale_log2, bias));
       }
     } else {
 #pragma unroll
@@ -984,6 +1023,7 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
   p.nlat_other = walk_keys ? g.nlat_q : g.nlat_k;
   p.nlon_other = walk_keys ? g.nlon_q : g.nlon_k;
   p.ring_nlon = g.ring_nlon;
+  p.ring_grids = g.ring_grids;
   p.heads = static_cast<int>(g.heads);
   p.tiles = g.tiles, p.tile_offsets = g.tile_offsets, p.chunks = g.chunks;
   p.records = reinterpret_cast<const int2*>(g.records);
@@ -1002,7 +1042,7 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
   const void* other_data[2] = {walk_keys ? g.q : g.k, walk_keys ? g.dout : g.v};
   for (int i = 0; i < 2; ++i) {
     if (!EncodeActivations(&maps.tiles[i], g.dtype, walk_data[i], g.batch, p.nlat_walk, p.nlon_walk, g.heads, kD,
-                           kBlockOf<kD>, kTileCols, kTileRows)) {
+                           kBlockOf<kD>, g.ring_grids ? kRunPoints : kTileCols, g.ring_grids ? 1 : kTileRows)) {
       return cudaErrorInvalidValue;
     }
   }

@@ -153,7 +153,14 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   S2ATTN_CHECK(a.ring_nlon >= 1 && a.ring_nlon < kMaxExtent,
                "ring_nlon (the other grid's longitudes) must be in [1, 2^29), got " << a.ring_nlon);
   const auto tile_dims = s.tiles.dimensions(), chunk_dims = s.chunks.dimensions();
-  S2ATTN_CHECK(tile_dims.size() == 2 && tile_dims[1] == 2, "tiles must be int32 [tiles, 2]");
+  const bool ring_grids = tile_dims.size() == 3 && tile_dims[1] == kSchedTileRuns && tile_dims[2] == 2;
+  S2ATTN_CHECK(ring_grids || (tile_dims.size() == 2 && tile_dims[1] == 2),
+               "tiles must be int32 [tiles, 2] (regular grids) or [tiles, " << kSchedTileRuns
+                                                                            << ", 2] (ring grids' runs)");
+  S2ATTN_CHECK(!ring_grids || (a.nlat_q == 1 && a.nlat_k == 1 && a.classes == kSchedTileCols && a.stencil_tiles == 0),
+               "a ring grids' schedule (tiles of runs) takes grids of one row (nlat_q = nlat_k = 1, got "
+                   << a.nlat_q << ", " << a.nlat_k << "), a record per point (classes = " << kSchedTileCols
+                   << ", got " << a.classes << ") and no stencil tiles");
   S2ATTN_CHECK(chunk_dims.size() == 2 && chunk_dims[1] == kSchedChunkFields,
                "chunks must be int32 [chunks, " << kSchedChunkFields << "]");
   const int64_t num_tiles = tile_dims[0], num_chunks = chunk_dims[0];
@@ -165,8 +172,10 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
                                                    << ", 2], non-empty where there are chunks");
   S2ATTN_CHECK(num_tiles < (int64_t{1} << 31) && num_chunks < (int64_t{1} << 31) && record_dims[0] < (int64_t{1} << 31),
                "the schedule exceeds the kernels' 32-bit indices");
-  S2ATTN_CHECK(static_cast<int64_t>(s.quad_weights.element_count()) >= a.nlat_k,
-               "quad_weights must hold the " << a.nlat_k << " key rows' weights");
+  const int64_t key_weights = ring_grids ? a.nlon_k : a.nlat_k;
+  S2ATTN_CHECK(static_cast<int64_t>(s.quad_weights.element_count()) >= key_weights,
+               "quad_weights must hold the " << key_weights << (ring_grids ? " key points'" : " key rows'")
+                                             << " weights");
   S2ATTN_CHECK(batch * heads <= INT32_MAX, "batch x heads must be below 2^31");
   g->dtype = ToActivationType(q.element_type());
   g->head_dim = static_cast<int32_t>(dk);
@@ -180,7 +189,9 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   g->nlat_q = static_cast<int32_t>(a.nlat_q), g->nlon_q = static_cast<int32_t>(a.nlon_q);
   g->nlat_k = static_cast<int32_t>(a.nlat_k), g->nlon_k = static_cast<int32_t>(a.nlon_k);
   g->ring_nlon = static_cast<int32_t>(a.ring_nlon);
+  g->ring_grids = ring_grids;
   g->scale = a.scale;
+  if (ring_grids) return ffi::Error::Success();  // the runs' tiles are the schedule's own, not a grid's cut
   const int64_t walk_tiles = ((walk_keys ? a.nlat_k : a.nlat_q) + kSchedTileRows - 1) / kSchedTileRows *
                              (((walk_keys ? a.nlon_k : a.nlon_q) + kSchedTileCols - 1) / kSchedTileCols);
   S2ATTN_CHECK(a.stencil_tiles >= 0 && num_tiles + a.stencil_tiles == walk_tiles,

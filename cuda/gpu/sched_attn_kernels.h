@@ -40,11 +40,16 @@ struct SchedAttnParams {
   const float* dlse = nullptr;
   float* delta_out = nullptr;
   // The walk's schedule (device memory; the kernels clamp every index they derive from it).
-  const int32_t* tiles = nullptr;         // [num_tiles, 2]: first walking row, first walking longitude
+  // [num_tiles, 2]: first walking row, first walking longitude; with ring_grids [num_tiles, kSchedTileRuns, 2]:
+  // runs (first walking point, points <= kSchedRunPoints).
+  const int32_t* tiles = nullptr;
   const int32_t* tile_offsets = nullptr;  // [num_tiles + 1]
   const int32_t* chunks = nullptr;        // [num_chunks, kSchedChunkFields]
   const int32_t* records = nullptr;       // [num_stagings, kSchedTileRows, classes, 2]
-  const float* quad_weights = nullptr;    // [nlat_k]: the key arrays' rows
+  const float* quad_weights = nullptr;    // [nlat_k]: the key arrays' rows; with ring_grids [nlon_k]: per point
+  // Ring grids (jax_s2attn.ring_schedule): flat fields as grids of one row (nlat_q = nlat_k = 1, nlon the points),
+  // tiles of runs, one record per point (classes == kSchedTileCols); chunks name row 0 and lie on one key ring.
+  bool ring_grids = false;
   int64_t num_tiles = 0, num_chunks = 0, num_stagings = 0;
   int32_t classes = 1, shift = 1;
   int64_t batch = 0, heads = 0;

@@ -122,37 +122,37 @@ def check_ring_inputs(query, key, value, plan: RingPlan) -> tuple[tuple[int, ...
     return batch, heads, dk, dv
 
 
-def check_ring_implementation(implementation) -> None:
-    """``implementation`` can run a ring-grid plan somewhere: every value but ``"ffi-tiled"`` (no tensor-core
-    kernels for ring grids)."""
-    if implementation == "ffi-tiled":
-        raise ValueError(
-            "implementation='ffi-tiled' cannot run a RingPlan: the tensor-core kernels take the regular grids of a "
-            "NeighborhoodPlan. Use implementation=None, 'ffi' or 'ffi-arc' (the arc kernels) or 'reference'."
-        )
-
-
 def check_ring_runnable(implementation, platform: str, dtype, dk: int, dv: int) -> None:
-    """A forced native ``implementation`` ("ffi", "ffi-arc") must be able to run a ring-grid plan's inputs of
-    ``dtype`` and head dims ``dk``/``dv`` on ``platform``."""
-    check_ring_implementation(implementation)
+    """A forced native ``implementation`` must be able to run a ring-grid plan's inputs of ``dtype`` and head dims
+    ``dk``/``dv`` on ``platform``: ``"ffi"`` and ``"ffi-arc"`` the ring kernels, ``"ffi-tiled"`` the scheduled
+    tensor-core kernels."""
     if implementation is None or implementation == "reference":
         return
-    reason = _ffi.ring_unavailable_reason(platform, dtype, dk, dv)
+    if implementation == "ffi-tiled":
+        reason = _ffi.scheduled_unavailable_reason(platform, dtype, dk, dv)
+    else:
+        reason = _ffi.ring_unavailable_reason(platform, dtype, dk, dv)
     if reason is not None:
         raise ValueError(
             f"implementation={implementation!r} cannot run a RingPlan on {platform}: {reason}. Use "
-            "implementation=None or 'reference' (pure JAX: any platform, float64 included)."
+            "implementation=None (the fastest kernels that can run) or 'reference' (pure JAX: any platform, "
+            "float64 included)."
         )
 
 
 def ring_kernel_for(implementation, platform: str, dtype, dk: int, dv: int) -> str:
-    """What a checked ``implementation`` runs on a ring-grid plan on ``platform``: ``"arc"`` (the ring kernels)
-    or ``"reference"``. ``None`` takes the kernels where they can run, the ``"ffi"`` values force them."""
+    """What a checked ``implementation`` runs on a ring-grid plan on ``platform``: ``"scheduled"`` (the
+    tensor-core kernels on the plan's ring block schedules), ``"arc"`` (the ring kernels) or ``"reference"``.
+    ``None`` and ``"ffi"`` take the scheduled kernels where they can run and else the ring kernels (``None``
+    the reference where neither can); ``"ffi-arc"`` forces the ring kernels, ``"ffi-tiled"`` the scheduled ones."""
     if implementation == "reference":
         return "reference"
+    if implementation == "ffi-tiled":
+        return "scheduled"
     if implementation is None and _ffi.ring_unavailable_reason(platform, dtype, dk, dv) is not None:
         return "reference"
+    if implementation != "ffi-arc" and _ffi.scheduled_unavailable_reason(platform, dtype, dk, dv) is None:
+        return "scheduled"
     return "arc"
 
 

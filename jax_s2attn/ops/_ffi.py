@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._native import HAS_CPU_EXT, HAS_CUDA_EXT, MODULES, kernel_limits, native_backends, native_status
+from ..ring_schedule import ring_block_schedule
 from ..schedule import ScheduleSet
 
 __all__ = [
@@ -60,6 +61,9 @@ __all__ = [
     "ffi_ring_backward_dkv",
     "ffi_ring_backward_dq",
     "ffi_ring_forward",
+    "ffi_ring_scheduled_dkv",
+    "ffi_ring_scheduled_dq_delta",
+    "ffi_ring_scheduled_forward",
     "ffi_scheduled_dkv",
     "ffi_scheduled_dq",
     "ffi_scheduled_dq_delta",
@@ -868,6 +872,79 @@ def ffi_ring_backward_dkv(query, key, value, dout, lse, delta, tables: RingWalkT
     dk, dv = _ring_call(RING_BACKWARD_DKV_TARGET, operands, tables, sizes, scale, [key.shape, value.shape],
                         poison_results)  # fmt: skip
     return dk, dv
+
+
+def _ring_scheduled_operands(plan, walk: str, scale) -> tuple[tuple, dict]:
+    """The operands (tiles, tile_offsets, chunks, records, quad_weights per input point) and attributes of a
+    scheduled call on ``plan``'s ring block schedule of ``walk`` (:func:`~jax_s2attn.ring_schedule.ring_block_schedule`
+    in the kernels' shape): the flat fields as grids of one row."""
+    limits = kernel_limits()
+    runs, run_points = limits.scheduled_runs
+    s = ring_block_schedule(plan, walk, runs=runs, run_points=run_points, chunk_cols=limits.scheduled_shape[2])
+    weights = plan.grid_in.point_weights().astype(np.float32)
+    operands = (s.tiles, s.tile_offsets, s.chunks, s.records, weights)
+    attributes = {
+        "scale": np.float32(scale),
+        "classes": np.int64(s.classes),
+        "shift": np.int64(s.shift),
+        "nlat_q": np.int64(1),
+        "nlon_q": np.int64(plan.npoints_out),
+        "nlat_k": np.int64(1),
+        "nlon_k": np.int64(plan.npoints_in),
+        "ring_nlon": np.int64(s.nlon),
+        "tile_rows": np.int64(s.tile_rows),
+        "tile_cols": np.int64(s.tile_cols),
+        "chunk_cols": np.int64(s.chunk_cols),
+        "stencil_tiles": np.int64(0),
+    }
+    return operands, attributes
+
+
+def ffi_ring_scheduled_forward(query, key, value, plan, *, scale, out_dtype=jnp.float32, poison_results=False):
+    """The scheduled forward target between ring grids: ``(out, lse)`` of flat fields (``query [..., npoints_out,
+    H, D]``, ``key``/``value [..., npoints_in, H, D]``, bfloat16 or float16, ``D`` one of the scheduled head dims)
+    on ``plan``'s ring block schedule; ``out_dtype`` float32 or the activations' dtype, ``lse`` float32. As
+    :func:`ffi_scheduled_forward`: P rounded once, out divided by the rounded P's row sums."""
+    dtype = _scheduled_result_dtype(out_dtype, query, "out_dtype")
+    schedule, attributes = _ring_scheduled_operands(plan, "forward", scale)
+    lead, points, heads = _flat_dims("query", query)
+    shapes = [(*lead, 1, points, heads, value.shape[-1]), (*lead, 1, points, heads)]
+    operands = (*(x.reshape(*lead, 1, *x.shape[-3:]) for x in (query, key, value)), *schedule)
+    out, lse = _call(SCHEDULED_FORWARD_TARGET, operands, shapes, attributes, poison_results,
+                     (dtype, jnp.dtype(jnp.float32)))  # fmt: skip
+    return out.reshape(*lead, points, heads, value.shape[-1]), lse.reshape(*lead, points, heads)
+
+
+def ffi_ring_scheduled_dq_delta(
+    query, key, value, dout, lse, out, dlse, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False
+):  # fmt: skip
+    """The scheduled dq between ring grids that forms delta itself: ``(dq, delta)`` from the forward's float32
+    ``out`` and ``dlse`` (float32 ``[..., npoints_out, H]``), as :func:`ffi_scheduled_dq_delta` on flat fields."""
+    dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
+    schedule, attributes = _ring_scheduled_operands(plan, "forward", scale)
+    lead, points, heads = _flat_dims("query", query)
+    grid = [x.reshape(*lead, 1, *x.shape[-3:]) for x in (query, key, value, dout, out)]
+    rows = [x.reshape(*lead, 1, points, heads) for x in (lse, dlse)]
+    dout_, out_, dlse_ = _delta_operands(grid[3], grid[4], rows[1])
+    operands = (*grid[:3], dout_, rows[0], out_, dlse_, *schedule)
+    dq, delta = _call(SCHEDULED_BACKWARD_DQ_DELTA_TARGET, operands, [grid[0].shape, rows[1].shape], attributes,
+                      poison_results, (dtype, jnp.dtype(jnp.float32)))  # fmt: skip
+    return dq.reshape(query.shape), delta.reshape(*lead, points, heads)
+
+
+def ffi_ring_scheduled_dkv(
+    query, key, value, dout, lse, delta, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False
+):  # fmt: skip
+    """The scheduled dk/dv target between ring grids on ``plan``'s backward ring block schedule: ``(dk, dv)``
+    shaped like ``key`` and ``value``, from float32 ``lse`` and ``delta`` ``[..., npoints_out, H]``."""
+    dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
+    schedule, attributes = _ring_scheduled_operands(plan, "backward", scale)
+    lead, points, heads = _flat_dims("query", query)
+    grid = [x.reshape(*lead, 1, *x.shape[-3:]) for x in (query, key, value, dout)]
+    rows = [x.reshape(*lead, 1, points, heads) for x in (lse, delta)]
+    dk, dv = _call(SCHEDULED_BACKWARD_DKV_TARGET, (*grid, *rows, *schedule), [grid[1].shape, grid[2].shape],
+                   attributes, poison_results, dtype)  # fmt: skip
+    return dk.reshape(key.shape), dv.reshape(value.shape)
 
 
 def _delta_operands(dout, out, dlse, out_dtype=jnp.float32) -> tuple:

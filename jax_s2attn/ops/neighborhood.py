@@ -74,8 +74,9 @@ def neighborhood_attention(
         Pass it as an ordinary ``jit`` argument to keep its tables out of the
         compiled program; as a static argument or a closure it also works. Between ring grids
         (HEALPix, reduced Gaussian, any longitude counts) a :class:`~jax_s2attn.RingPlan`: fields are then
-        flat, ``[B..., npoints, H, D]`` in ring order, and the arc kernels or the reference compute them
-        (``"ffi-tiled"`` refused).
+        flat, ``[B..., npoints, H, D]`` in ring order, and the scheduled kernels (on the plan's ring block
+        schedules, :func:`~jax_s2attn.ring_schedule.ring_block_schedule`), the ring kernels or the reference
+        compute them.
       scale: logit scale, default ``1/sqrt(Dk)`` (as ``jax.nn.dot_product_attention``).
       implementation: which kernels compute it (see "Implementations" below):
         ``None`` (default), ``"reference"``, ``"ffi"``, ``"ffi-arc"`` or ``"ffi-tiled"``.
@@ -169,14 +170,26 @@ def _ring_op(query, key, value, plan, *, scale, implementation):
     functions = {
         "reference": functools.partial(_ring_reference, scale=scale),
         "arc": functools.partial(_ring_native, scale=scale),
+        "scheduled": functools.partial(ring_scheduled, scale=scale),
     }
-    kernels = {p: _checks.ring_kernel_for(implementation, p, dtype, dk, dv) for p in _ffi.NATIVE_PLATFORMS}
+    kernels = {
+        p: ring_family(plan, _checks.ring_kernel_for(implementation, p, dtype, dk, dv), implementation)
+        for p in _ffi.NATIVE_PLATFORMS
+    }
     if set(kernels.values()) == {"reference"}:
         out, lse = functions["reference"](q, k, v, plan)
     else:
         branches = {platform: functions[kernel] for platform, kernel in kernels.items()}
         out, lse = jax.lax.platform_dependent(q, k, v, plan, default=functions["reference"], **branches)
     return out.reshape(*batch, *out.shape[1:]), lse.reshape(*batch, *lse.shape[1:])
+
+
+def ring_family(plan: RingPlan, kernel: str, implementation: str | None) -> str:
+    """``kernel`` as the op runs it on ``plan``: the scheduled kernels from :data:`SCHEDULED_MIN_NEIGHBORS`
+    neighbours per output point or when forced (``"ffi-tiled"``), the ring kernels below, where the scheduled
+    ones multiply mostly columns outside the arcs (any other kernel as it is)."""
+    few = plan.num_pairs < SCHEDULED_MIN_NEIGHBORS * plan.npoints_out
+    return "arc" if kernel == "scheduled" and few and implementation != "ffi-tiled" else kernel
 
 
 def _ring_reference(query, key, value, plan, *, scale):
@@ -218,6 +231,32 @@ def _ring_walks_backward(sizes, scale, residuals, cotangents):
 
 
 ring_walks.defvjp(_ring_walks_forward, _ring_walks_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def ring_scheduled(query, key, value, plan, scale):
+    """``(out in the input dtype, lse float32)`` of the scheduled tensor-core kernels on ``plan``'s ring block
+    schedules (``[B, npoints, H, D]`` fields, 16-bit); the backward runs the scheduled dq that forms delta from the
+    float32 out, then dk/dv, as on regular grids."""
+    return _ffi.ffi_ring_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=query.dtype)
+
+
+def _ring_scheduled_forward(query, key, value, plan, scale):
+    out, lse = _ffi.ffi_ring_scheduled_forward(query, key, value, plan, scale=scale)  # float32 out, for delta
+    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
+    return (saved[3].astype(query.dtype), saved[4]), saved
+
+
+def _ring_scheduled_backward(plan, scale, residuals, cotangents):
+    query, key, value, out, lse = residuals
+    dout, dlse = cotangents
+    gradients = dict(scale=scale, gradient_dtype=query.dtype)
+    dq, delta = _ffi.ffi_ring_scheduled_dq_delta(query, key, value, dout, lse, out, dlse, plan, **gradients)
+    dk, dv = _ffi.ffi_ring_scheduled_dkv(query, key, value, dout, lse, delta, plan, **gradients)
+    return dq, dk, dv
+
+
+ring_scheduled.defvjp(_ring_scheduled_forward, _ring_scheduled_backward)
 
 
 def _empty_results(query, value):

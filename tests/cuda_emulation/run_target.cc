@@ -201,6 +201,7 @@ s2attn::SchedAttnParams SchedParamsOf(int dtype, int result_dtype, const void* q
   p.classes = static_cast<int32_t>(sizes[9]), p.shift = static_cast<int32_t>(sizes[10]);
   p.head_dim = static_cast<int32_t>(sizes[11]);
   p.ring_nlon = static_cast<int32_t>(sizes[12]);
+  p.ring_grids = sizes[13] != 0;
   p.scale = scale;
   return p;
 }
@@ -209,7 +210,8 @@ s2attn::SchedAttnParams SchedParamsOf(int dtype, int result_dtype, const void* q
 
 // A scheduled target (sched_attn_kernels.h): `kind` 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv), on the
 // walk's schedule (tiles, tile_offsets, chunks, records). sizes: batch, heads, nlat_q, nlon_q, nlat_k, nlon_k (the
-// arrays' grids), num_tiles, num_chunks, num_stagings, classes, shift, head_dim, ring_nlon. dtype and
+// arrays' grids), num_tiles, num_chunks, num_stagings, classes, shift, head_dim, ring_nlon, ring_grids (tiles of
+// runs: a ring grids' schedule). dtype and
 // result_dtype: ActivationType of the activations and of out, dq, dk, dv (lse is float32). Returns the launcher's
 // cudaError_t.
 extern "C" int RunScheduledTarget(int kind, int dtype, int result_dtype, const void* q, const void* k, const void* v,
