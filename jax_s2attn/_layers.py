@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from . import _validate
-from .grids import RingGrid, validate_shape
+from .grids import GRIDS, RingGrid, validate_shape
 from .ops._checks import check_scale
 from .ops.global_attention import attention_s2, quadrature_weights
 from .ops.neighborhood import neighborhood_attention
@@ -201,6 +201,19 @@ def layer_spec(
         normalize_qk=_validate.boolean(normalize_qk, "normalize_qk"),
         use_bias=_validate.boolean(use_bias, "use_bias"),
     )
+
+
+def layer_grid(grid, argname: str):
+    """``grid`` (the argument ``argname``) as a layer takes it: a ring grid's name (:meth:`RingGrid.named`) as that
+    :class:`RingGrid`; a RingGrid, a latitude grid's name (:data:`GRIDS`) or anything else (checked later) as it
+    is."""
+    if not isinstance(grid, str) or grid in GRIDS:
+        return grid
+    try:
+        return RingGrid.named(grid)
+    except ValueError as error:
+        raise ValueError(f"{argname}={grid!r}: {error} Latitude grids are {', '.join(map(repr, GRIDS))} (with "
+                         "in_shape and out_shape).") from None  # fmt: skip
 
 
 def ring_layer_shapes(grid_in, grid_out, in_shape, out_shape) -> tuple[tuple[int], tuple[int]]:

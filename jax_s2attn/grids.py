@@ -14,6 +14,7 @@ north, each ring from its first point eastwards, the order of a flat field ``[..
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 
@@ -34,6 +35,11 @@ __all__ = [
 #: Clenshaw-Curtis with both poles; ``"equiangular-trapezoidal"`` is equispaced
 #: in ``cos(theta)``, not in ``theta``, despite its name.
 GRIDS = ("equiangular", "legendre-gauss", "lobatto", "equiangular-trapezoidal")
+
+
+#: How ring grids are named (:meth:`RingGrid.named`).
+RING_GRID_NAMES = ('ring grids are named "healpix(<nside>)", "O<n>" (octahedral) or "<grid>(<nlat>, <nlon>)" with '
+                   f"<grid> one of {', '.join(GRIDS)}")
 
 
 def validate_grid(grid: str, argname: str = "grid") -> str:
@@ -279,6 +285,24 @@ class RingGrid:
         i = np.arange(1, 2 * n + 1, dtype=np.int64)
         nlon = 4 * np.minimum(i, 2 * n + 1 - i) + 16
         return cls(theta, nlon, np.zeros(2 * n), w, f"O{n}")
+
+    @classmethod
+    def named(cls, name: str) -> "RingGrid":
+        """The grid a name denotes, spelt as the built grids print (:attr:`name`): ``"healpix(<nside>)"``,
+        ECMWF's ``"O<n>"``, or ``"<grid>(<nlat>, <nlon>)"`` for :meth:`latlon` on a grid of :data:`GRIDS`
+        (``"equiangular(721, 1440)"``)."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}.")
+        healpix = re.fullmatch(r"healpix\((\d+)\)", name)
+        octahedral = re.fullmatch(r"O(\d+)", name)
+        latlon = re.fullmatch(r"([a-z-]+)\((\d+), *(\d+)\)", name)
+        if healpix:
+            return cls.healpix(int(healpix[1]))
+        if octahedral:
+            return cls.octahedral(int(octahedral[1]))
+        if latlon and latlon[1] in GRIDS:
+            return cls.latlon(int(latlon[2]), int(latlon[3]), latlon[1])
+        raise ValueError(f"{name!r} names no ring grid; {RING_GRID_NAMES}.")
 
     # -- description -----------------------------------------------------------------------------------
 

@@ -76,14 +76,18 @@ class _SphericalAttention(nn.Module):
         self._mesh_split(self._host_tables())
         super().__post_init__()
 
+    def _grids(self) -> tuple:
+        """``(grid_in, grid_out)``, ring grids' names as their :class:`~jax_s2attn.RingGrid` objects."""
+        return _layers.layer_grid(self.grid_in, "grid_in"), _layers.layer_grid(self.grid_out, "grid_out")
+
     def _rings(self) -> bool:
         """Whether the layer lies between ring grids (flat fields)."""
-        return isinstance(self.grid_in, RingGrid) or isinstance(self.grid_out, RingGrid)
+        return any(isinstance(grid, RingGrid) for grid in self._grids())
 
     def _grid_shapes(self) -> tuple:
         """``(in_shape, out_shape)``: the fields', or between ring grids their point counts."""
         if self._rings():
-            return _layers.ring_layer_shapes(self.grid_in, self.grid_out, self.in_shape, self.out_shape)
+            return _layers.ring_layer_shapes(*self._grids(), self.in_shape, self.out_shape)
         return self.in_shape, self.out_shape
 
     @property
@@ -156,7 +160,7 @@ class _SphericalAttention(nn.Module):
 class NeighborhoodAttentionS2(_SphericalAttention):
     """Attention over geodesic neighbourhoods on the sphere; Linen twin of
     :class:`jax_s2attn.nnx.NeighborhoodAttentionS2` (same arguments, without ``rngs``; between ring grids
-    ``grid_in`` and ``grid_out`` are :class:`~jax_s2attn.RingGrid` objects and fields are flat).
+    ``grid_in`` and ``grid_out`` are :class:`~jax_s2attn.RingGrid` objects or their names and fields are flat).
 
     ``mesh``, ``lat_axis``, ``lon_axis``, ``batch_axis``: with a
     ``jax.sharding.Mesh`` the attention runs through
@@ -172,7 +176,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
     batch_axis: str | None = None
 
     def _ring_plan(self) -> RingPlan:
-        return RingPlan(self.grid_in, self.grid_out, self.theta_cutoff)
+        return RingPlan(*self._grids(), self.theta_cutoff)
 
     def _host_tables(self) -> NeighborhoodPlan | RingPlan:
         if self._rings():
@@ -206,7 +210,7 @@ class AttentionS2(_SphericalAttention):
         global_attention.check_implementation(self.implementation)
 
     def _attention_fn(self, tables, split):
-        return _layers.global_attention_fn(self.grid_in, self.spec.in_shape, self.implementation)
+        return _layers.global_attention_fn(self._grids()[0], self.spec.in_shape, self.implementation)
 
 
 def load_torch_harmonics_state_dict(module: _SphericalAttention, state_dict: Mapping) -> dict:

@@ -4,8 +4,8 @@ Shape legend: ``B...`` any leading batch axes, ``C`` channels; grids are
 ``(nlat, nlon)`` with colatitude ascending (north pole first) as in
 torch-harmonics. Modules are channels-last: query ``[B..., nlat_out, nlon_out,
 in_features]``, key/value ``[B..., nlat_in, nlon_in, in_features]``, output
-``[B..., nlat_out, nlon_out, out_features]``. Between ring grids (:class:`~jax_s2attn.RingGrid` objects as
-``grid_in`` and ``grid_out``) fields are flat: ``[B..., npoints, features]`` in ring order, and the plan a
+``[B..., nlat_out, nlon_out, out_features]``. Between ring grids (:class:`~jax_s2attn.RingGrid` objects or their
+names, :meth:`~jax_s2attn.RingGrid.named`, as ``grid_in`` and ``grid_out``) fields are flat: ``[B..., npoints, features]`` in ring order, and the plan a
 :class:`~jax_s2attn.RingPlan` (its tables are host constants of the program).
 
 The math is torch-harmonics' ``NeighborhoodAttentionS2`` / ``AttentionS2``,
@@ -127,9 +127,11 @@ class NeighborhoodAttentionS2(_SphericalAttention):
     (``nlon_out`` a multiple of ``nlon_in``).
 
     Between ring grids (HEALPix, reduced Gaussian, lat-lon of any longitude count: pass
-    :class:`~jax_s2attn.RingGrid` objects as ``grid_in`` and ``grid_out`` and leave out the shapes) fields are
-    flat, ``[B..., npoints, features]`` in ring order, the plan a :class:`~jax_s2attn.RingPlan` and the attention
-    the pure-JAX reference, serially.
+    :class:`~jax_s2attn.RingGrid` objects or their names, e.g. ``"healpix(256)"``, ``"O320"``,
+    ``"equiangular(721, 1440)"``, as ``grid_in`` and ``grid_out`` and leave out the shapes) fields are flat,
+    ``[B..., npoints, features]`` in ring order, the plan a :class:`~jax_s2attn.RingPlan`, and the op runs it as
+    :func:`jax_s2attn.neighborhood_attention` does (the scheduled tensor-core kernels, the ring kernels or the
+    reference), serially.
 
     Args:
       in_features: channels of query, key and value inputs.
@@ -139,7 +141,8 @@ class NeighborhoodAttentionS2(_SphericalAttention):
       qk_features: channels of the projected queries/keys, default ``in_features``.
       out_features: channels of values and output, default ``in_features``.
       grid_in, grid_out: latitude grids (``"equiangular"``, ``"legendre-gauss"``,
-        ``"lobatto"``, ``"equiangular-trapezoidal"``), or two :class:`~jax_s2attn.RingGrid` objects.
+        ``"lobatto"``, ``"equiangular-trapezoidal"``), or two ring grids: :class:`~jax_s2attn.RingGrid` objects
+        or their names (:meth:`~jax_s2attn.RingGrid.named`).
       theta_cutoff: neighbourhood radius (radians); default the largest latitude
         spacing of the output grid (of the input grid when upsampling). Between ring grids required unless
         both are regular grids whose longitude counts divide one another (:class:`~jax_s2attn.RingPlan`).
@@ -191,6 +194,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
         batch_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
+        grid_in, grid_out = _layers.layer_grid(grid_in, "grid_in"), _layers.layer_grid(grid_out, "grid_out")
         rings = isinstance(grid_in, RingGrid) or isinstance(grid_out, RingGrid)
         if rings:
             plan = RingPlan(grid_in, grid_out, theta_cutoff)
@@ -242,8 +246,8 @@ class AttentionS2(_SphericalAttention):
     Memory: the ``"xla"`` path stores ``4*B*H*T*S`` bytes of logits
     (``T``/``S`` = output/input grid points), e.g. 1.07 GB per batch element and
     head at 91x180; the cuDNN path (GPU, 16-bit dtypes) is linear in ``T + S``.
-    Between ring grids (two :class:`~jax_s2attn.RingGrid` objects, shapes left out) fields are flat and the keys'
-    weights are ``grid_in``'s point weights.
+    Between ring grids (two :class:`~jax_s2attn.RingGrid` objects or names, shapes left out) fields are flat and
+    the keys' weights are ``grid_in``'s point weights.
     """
 
     def __init__(
@@ -266,6 +270,7 @@ class AttentionS2(_SphericalAttention):
         implementation: str | None = None,
         rngs: nnx.Rngs,
     ):
+        grid_in, grid_out = _layers.layer_grid(grid_in, "grid_in"), _layers.layer_grid(grid_out, "grid_out")
         rings = isinstance(grid_in, RingGrid) or isinstance(grid_out, RingGrid)
         if rings:
             in_shape, out_shape = _layers.ring_layer_shapes(grid_in, grid_out, in_shape, out_shape)

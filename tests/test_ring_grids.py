@@ -123,8 +123,17 @@ def test_bad_rings_are_refused_with_the_argument_named(arguments, error, match):
         (lambda: RingGrid.latlon(9, 0), ValueError, r"nlon must be at least 1"),
         (lambda: RingGrid.latlon(9, 16, "gaussian"), ValueError, r"Unknown grid='gaussian'"),
         (lambda: RingGrid([0.5], [4], [0], [1], name=3), TypeError, r"name must be a str"),
+        (lambda: RingGrid.named("HEALPix(4)"), ValueError, r"'HEALPix\(4\)' names no ring grid; ring grids are named"),
+        (lambda: RingGrid.named("gaussian(9, 16)"), ValueError, r"names no ring grid"),
+        (lambda: RingGrid.named(4), TypeError, r"name must be a str"),
     ],
 )
 def test_builders_refuse_bad_arguments(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+@pytest.mark.parametrize("grid", [RingGrid.healpix(3), RingGrid.octahedral(5), RingGrid.latlon(7, 12, "lobatto")],
+                         ids=lambda g: g.name)  # fmt: skip
+def test_a_built_grid_is_named_as_it_prints(grid):
+    assert RingGrid.named(grid.name) == grid

@@ -50,6 +50,25 @@ def test_nnx_and_linen_layers_compute_the_op_on_their_projections():
     np.testing.assert_allclose(module.apply({**variables, "params": params}, query, key), out, rtol=1e-6, atol=1e-6)
 
 
+def test_layers_take_ring_grids_by_name():
+    """"healpix(4)", "O8" and "equiangular(13, 24)" are those grids: the same plan, parameters and outputs as the
+    RingGrid objects."""
+    query, _ = _fields(1)
+    by_object = s2nnx.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF,
+                                              rngs=nnx.Rngs(3))  # fmt: skip
+    by_name = s2nnx.NeighborhoodAttentionS2(6, grid_in="equiangular(13, 24)", grid_out="healpix(4)",
+                                            theta_cutoff=CUTOFF, rngs=nnx.Rngs(3))  # fmt: skip
+    assert by_name.plan == by_object.plan
+    key = jnp.asarray(np.random.default_rng(4).standard_normal((2, GRID_IN.npoints, 6)), jnp.float32)
+    np.testing.assert_array_equal(by_name(query, key), by_object(query, key))
+    module = linen.NeighborhoodAttentionS2(6, grid_in="equiangular(13, 24)", grid_out="healpix(4)", theta_cutoff=CUTOFF)
+    variables = module.init(jax.random.key(0), query, key)
+    assert variables["params"]["q_kernel"].shape == (6, 6)
+    octahedral = s2nnx.AttentionS2(6, grid_in="O8", grid_out="healpix(4)", rngs=nnx.Rngs(0))
+    assert octahedral(query, jnp.zeros((2, RingGrid.octahedral(8).npoints, 6))).shape == query.shape
+    assert RingGrid.named("O8") == RingGrid.octahedral(8) and RingGrid.named(GRID_OUT.name) == GRID_OUT
+
+
 def test_self_attention_on_healpix_takes_key_from_query():
     healpix = RingGrid.healpix(2)
     layer = s2nnx.NeighborhoodAttentionS2(4, (48,), (48,), grid_in=healpix, grid_out=healpix, theta_cutoff=0.7,
@@ -67,6 +86,11 @@ def test_self_attention_on_healpix_takes_key_from_query():
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, in_shape=(311,)), ValueError,
          r"in_shape=\(311,\) does not match the layer's ring grid \(312 points"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT), ValueError, r"theta_cutoff is needed"),
+        (dict(grid_in="healpix4", grid_out=GRID_OUT, theta_cutoff=CUTOFF), ValueError,
+         r"grid_in='healpix4': 'healpix4' names no ring grid; ring grids are named \"healpix\(<nside>\)\".*"
+         r"Latitude grids are 'equiangular'"),
+        (dict(grid_in=GRID_IN, grid_out="healpix(0)", theta_cutoff=CUTOFF), ValueError,
+         r"grid_out='healpix\(0\)': nside must be at least 1"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, out_shape=192), TypeError,
          r"out_shape must be None or \(192,\) between ring grids"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, out_shape=(192.0,)), TypeError,
