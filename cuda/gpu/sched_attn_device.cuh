@@ -105,7 +105,7 @@ struct NoTile {};
 // What the producer warp copies from the schedule for a staged chunk (before the stage's barrier).
 struct ChunkInfo {
   int offset, valid, flags;
-  float bias;                             // log2 of the key row's quadrature weight
+  float bias;                             // log2 of the chunk's keys' quadrature weight (one row, or one ring)
   int2 records[kTileRows * kTileCols];    // the staging's (start, length) per tile row and class
   float lse_log2[kChunk], delta[kChunk];  // dk/dv: of the chunk's queries (+inf and 0 past `valid`)
 };
@@ -228,6 +228,9 @@ __device__ __forceinline__ int2 TileChunks(const Problem& p, int tile) {
   return make_int2(begin, end - begin);
 }
 
+// A producer lane's share of a staging's records (at most a tile's points).
+constexpr int kRecordsPerLane = kTileRows * kTileCols / 32;
+
 // dk/dv's producer loads a chunk's queries' lse and delta this many chunks before it stages the chunk, so that
 // its loop does not wait on global memory once per chunk.
 constexpr int kQueryRowsAhead = 4;
@@ -307,6 +310,17 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>
         if (j < in_batch) ahead[j] = query_row(j);
       }
     }
+    // Several classes a row: the lanes copy a staging's records together, loaded a chunk ahead so that the
+    // loads' latency overlaps the wait for the stage.
+    int2 next_records[kRecordsPerLane] = {};
+    const auto load_records = [&](int k) {
+      const int2* from = p.records + static_cast<size_t>(__shfl_sync(0xffffffffu, field[5], k)) * per_staging;
+#pragma unroll
+      for (int r = 0; r < kRecordsPerLane; ++r) {
+        if (lane + 32 * r < per_staging) next_records[r] = __ldg(from + lane + 32 * r);
+      }
+    };
+    if (p.classes != 1) load_records(0);
     for (int k0 = 0; k0 < in_batch; k0 += kAhead) {
 #pragma unroll
       for (int j = 0; j < kAhead; ++j) {  // unrolled: ahead[j] stays a register
@@ -321,9 +335,12 @@ __device__ void Produce(const Problem& p, const Maps& maps, Shared<T, kKind, kD>
             for (int a = 0; a < kTileRows; ++a) info.records[a] = records[a];
           }
         }
-        if (p.classes != 1) {  // several classes a row: the lanes copy the staging's records together
-          const int2* from = p.records + static_cast<size_t>(__shfl_sync(0xffffffffu, field[5], k)) * per_staging;
-          for (int x = lane; x < per_staging; x += 32) info.records[x] = __ldg(from + x);
+        if (p.classes != 1) {
+#pragma unroll
+          for (int r = 0; r < kRecordsPerLane; ++r) {
+            if (lane + 32 * r < per_staging) info.records[lane + 32 * r] = next_records[r];
+          }
+          if (k + 1 < in_batch) load_records(k + 1);
         }
         if constexpr (kKind == Kind::kDkv) {  // the chunk's queries' lse and delta, a lane per column
           info.lse_log2[lane] = Log2Lse(ahead[j].x);
