@@ -241,11 +241,12 @@ class RingPlan:
     Attributes: ``grid_in``, ``grid_out``, ``theta_cutoff`` (radians), ``arcs`` (:class:`RingArcs`), ``patterns``
     (:class:`RingPatterns`, what the reference and the native forward and dq walk), ``key_patterns`` (the keys'
     walk of the native dk and dv, built on first use), ``num_pairs`` (neighbour pairs over all output points),
-    ``max_neighbors`` (largest neighbourhood).
+    ``max_neighbors`` (largest neighbourhood), ``block_schedules`` (the ring block schedules built for it by
+    :func:`~jax_s2attn.ring_schedule.ring_block_schedule`, by their arguments).
     """
 
     __slots__ = ("_key", "grid_in", "grid_out", "theta_cutoff", "arcs", "patterns", "num_pairs", "max_neighbors",
-                 "_key_patterns")  # fmt: skip
+                 "_key_patterns", "block_schedules")  # fmt: skip
 
     def __new__(cls, grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float | None = None):
         for grid, name in ((grid_in, "grid_in"), (grid_out, "grid_out")):
@@ -331,7 +332,7 @@ def _build_ring_plan(grid_in: RingGrid, grid_out: RingGrid, theta_cutoff: float)
     for name, value in dict(_key=(grid_in, grid_out, theta_cutoff), grid_in=grid_in, grid_out=grid_out,
                             theta_cutoff=float(theta_cutoff), arcs=arcs, patterns=patterns,
                             num_pairs=arcs.num_pairs(grid_out), max_neighbors=int(lengths.max()),
-                            _key_patterns=None).items():  # fmt: skip
+                            _key_patterns=None, block_schedules={}).items():  # fmt: skip
         object.__setattr__(plan, name, value)
     for table in (*arcs[:4], *patterns):
         table.setflags(write=False)

@@ -27,8 +27,6 @@ against the plan's pairs.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from . import _validate
@@ -61,7 +59,7 @@ def ring_block_schedule(
       tile_rings: walking rings a tile lays side by side (a divisor of ``runs``); default: of
         :data:`TILE_RINGS` the one whose schedule multiplies the fewest chunks.
 
-    Returns a :class:`~jax_s2attn.schedule.BlockSchedule` (host numpy, int32, read-only; cached per plan) with
+    Returns a :class:`~jax_s2attn.schedule.BlockSchedule` (host numpy, int32, read-only; cached with the plan) with
     ``tiles [num_tiles, runs, 2]``, ``records [stagings, runs * run_points // 16, 16, 2]`` (``tile_rows`` x
     ``tile_cols`` = 4 x 16 for the kernels' 8 x 8), ``nlat_walk`` 1, ``nlon_walk`` the walking grid's points and
     ``nlon`` the other grid's.
@@ -82,8 +80,15 @@ def ring_block_schedule(
     return _cached_schedule(plan, walk, runs, run_points, chunk_cols, tile_rings)
 
 
-@functools.lru_cache(maxsize=8)
 def _cached_schedule(plan, walk, runs, run_points, chunk_cols, tile_rings) -> BlockSchedule:
+    key = (walk, runs, run_points, chunk_cols, tile_rings)
+    cache = plan.block_schedules
+    if key not in cache:
+        cache[key] = _schedule(plan, walk, runs, run_points, chunk_cols, tile_rings)
+    return cache[key]
+
+
+def _schedule(plan, walk, runs, run_points, chunk_cols, tile_rings) -> BlockSchedule:
     walking, other = (plan.grid_out, plan.grid_in) if walk == "forward" else (plan.grid_in, plan.grid_out)
     arcs = _walk_arcs(plan.patterns if walk == "forward" else plan.key_patterns, walking)
     candidates = [tile_rings] if tile_rings is not None else [r for r in TILE_RINGS if runs % r == 0] or [1]
@@ -162,10 +167,10 @@ def _build(walking, other, arcs, runs, run_points, chunk_cols, tile_rings) -> Bl
     reach = np.maximum.accumulate(staging * big + start + length) - staging * big
     first_of = np.zeros(len(staging), bool)
     first_of[group_start] = True
-    # The gap before each arc (before a staging's first arc: the one across the ring's seam); the largest's arc
-    # is the staging's base.
-    wrap = start + nlon - reach[group_end - 1][staging]
-    gap = np.where(first_of, wrap, start - np.r_[0, reach[:-1]])
+    # The gap before each arc (before a staging's first arc: the one across the ring's seam; before the others
+    # also past the part of the arcs that wraps the seam); the largest's arc is the staging's base.
+    last_reach = reach[group_end - 1][staging]
+    gap = np.where(first_of, start + nlon - last_reach, start - np.maximum(np.r_[0, reach[:-1]], last_reach - nlon))
     base_arc = _argmax_within(gap, group_start)
     base = start[base_arc]
     ring_points = nlon[group_start]

@@ -88,6 +88,8 @@ def test_the_op_runs_the_scheduled_kernels_between_ring_grids(exact_random):
         q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _fields(plan, exact_random))
         text = jax.jit(lambda q, k, v, plan=plan: neighborhood_attention(q, k, v, plan)).lower(q, k, v).as_text()
         assert target in text
+        other = _ffi.RING_FORWARD_TARGET if target == _ffi.SCHEDULED_FORWARD_TARGET else _ffi.SCHEDULED_FORWARD_TARGET
+        assert other not in text
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -125,6 +127,24 @@ def test_gradients_are_the_same_bits_across_programs(exact_random):
     second = jax.jit(lambda q, k, v: [g * 1 for g in grad(q, k, v)] + [jnp.sum(q)])(q, k, v)[:3]
     for a, b in zip(first, second):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_vmap_gives_the_batched_results(exact_random):
+    """vmap broadcasts the schedule's tables with the activations (the handler reads their first copy): the mapped
+    op, its gradients and a map over the query alone give the batch's bits."""
+    plan = PLANS["latlon_3_to_2"]()
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _fields(plan, exact_random, batch=3))
+    attend = lambda q, k, v: neighborhood_attention(q, k, v, plan)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.vmap(attend)(q[:, None], k[:, None], v[:, None]))[:, 0],
+                                  np.asarray(attend(q, k, v)))  # fmt: skip
+    shared = jax.vmap(lambda q: attend(q, k[0], v[0]))(q)
+    np.testing.assert_array_equal(np.asarray(shared[1]), np.asarray(attend(q[1], k[0], v[0])))
+    cotangent = jnp.asarray(exact_random(*q.shape), jnp.float32)
+    loss = lambda q, k, v, g: jnp.vdot(attend(q, k, v).astype(jnp.float32), g)  # noqa: E731
+    mapped = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, cotangent)
+    single = jax.grad(loss, argnums=(0, 1, 2))(q[2], k[2], v[2], cotangent[2])
+    for a, b in zip(mapped, single):
+        assert np.asarray(a[2]).tobytes() == np.asarray(b).tobytes()
 
 
 def test_a_ring_schedule_on_grids_of_several_rows_is_refused(exact_random):

@@ -205,6 +205,18 @@ def test_the_dq_that_forms_delta_refuses_misshapen_operands(exact_random, name):
         np.asarray(dq)
 
 
+def test_vmap_gives_the_batched_results(exact_random):
+    """vmap broadcasts the schedule's tables with the activations (the handler reads their first copy)."""
+    geometry, heads = CASES[4]
+    plan = NeighborhoodPlan(*geometry)
+    q = jnp.asarray(exact_random(3, *plan.out_shape, heads, 64), jnp.bfloat16)
+    k, v = (jnp.asarray(exact_random(3, *plan.in_shape, heads, 64), jnp.bfloat16) for _ in range(2))
+    attend = lambda q, k, v: jax_s2attn.neighborhood_attention(q, k, v, plan, implementation="ffi")  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.vmap(attend)(q, k, v)), np.asarray(attend(q, k, v)))
+    shared = jax.vmap(lambda q: attend(q, k[0], v[0]))(q)
+    np.testing.assert_array_equal(np.asarray(shared[1]), np.asarray(attend(q[1], k[0], v[0])))
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_gradients_are_the_same_bits_run_to_run(exact_random, d):
     geometry, heads = CASES[0]

@@ -27,10 +27,12 @@ using CudaStream = ffi::PlatformStream<cudaStream_t>;
 
 // The attributes of every scheduled target: the softmax scale, the walk's classes and shift, the arrays' grids
 // (whole grids, or a window's local blocks), the other grid's ring, the schedule's shape (which must be the
-// kernels') and the walking grid's tiles it leaves to the stencil targets (stencil_tiles).
+// kernels'), the walking grid's tiles it leaves to the stencil targets (stencil_tiles), and whether it is a ring
+// grids' schedule (ring_grids: flat fields as grids of one row, tiles of runs).
 struct SchedAttrs {
   float scale;
   int64_t classes, shift, nlat_q, nlon_q, nlat_k, nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles;
+  bool ring_grids;
 };
 
 template <typename Binding>
@@ -47,7 +49,8 @@ auto BindSchedAttrs(Binding&& binding) {
       .template Attr<int64_t>("tile_rows")
       .template Attr<int64_t>("tile_cols")
       .template Attr<int64_t>("chunk_cols")
-      .template Attr<int64_t>("stencil_tiles");
+      .template Attr<int64_t>("stencil_tiles")
+      .template Attr<bool>("ring_grids");
 }
 
 // The walk's schedule (tiles, tile_offsets, chunks, records) and the quadrature weights, then the operands
@@ -95,19 +98,6 @@ ActivationType ToActivationType(ffi::DataType type) {
                                       : ActivationType::kBF16;
 }
 
-// Dims of `buffer` are exactly `expected`.
-ffi::Error CheckDims(const char* name, ffi::Span<const int64_t> dims, std::initializer_list<int64_t> expected) {
-  bool ok = dims.size() == expected.size();
-  size_t i = 0;
-  for (const int64_t extent : expected) ok = ok && dims[i++] == extent;
-  Message shape;
-  i = 0;
-  for (const int64_t extent : expected) shape << (i++ == 0 ? "" : ", ") << extent;
-  S2ATTN_CHECK(ok, name << " must have shape [" << shape.str() << "] (the plan's block schedule of the kernels' "
-                        "shape), got rank " << dims.size());
-  return ffi::Error::Success();
-}
-
 // Whether the scheduled kernels are built for head dim `d` (kSchedHeadDims).
 bool IsSchedHeadDim(int64_t d) {
   for (const int dim : kSchedHeadDims) {
@@ -152,29 +142,35 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
                "grid sizes must be below 2^29");
   S2ATTN_CHECK(a.ring_nlon >= 1 && a.ring_nlon < kMaxExtent,
                "ring_nlon (the other grid's longitudes) must be in [1, 2^29), got " << a.ring_nlon);
+  // vmap (broadcast_all) prepends identical copies of the tables to their dims: a table is its trailing dims, and
+  // the kernels read its first copy.
   const auto tile_dims = s.tiles.dimensions(), chunk_dims = s.chunks.dimensions();
-  const bool ring_grids = tile_dims.size() == 3 && tile_dims[1] == kSchedTileRuns && tile_dims[2] == 2;
-  S2ATTN_CHECK(ring_grids || (tile_dims.size() == 2 && tile_dims[1] == 2),
-               "tiles must be int32 [tiles, 2] (regular grids) or [tiles, " << kSchedTileRuns
-                                                                            << ", 2] (ring grids' runs)");
-  S2ATTN_CHECK(!ring_grids || (a.nlat_q == 1 && a.nlat_k == 1 && a.classes == kSchedTileCols && a.stencil_tiles == 0),
+  const auto offset_dims = s.tile_offsets.dimensions(), record_dims = s.records.dimensions();
+  const size_t tile_rank = a.ring_grids ? 3 : 2;
+  S2ATTN_CHECK(tile_dims.size() >= tile_rank && tile_dims.back() == 2 &&
+                   (!a.ring_grids || tile_dims[tile_dims.size() - 2] == kSchedTileRuns),
+               "tiles must be int32 " << (a.ring_grids ? "[tiles, 8, 2] (a ring grids' runs)" : "[tiles, 2]"));
+  S2ATTN_CHECK(!a.ring_grids || (a.nlat_q == 1 && a.nlat_k == 1 && a.classes == kSchedTileCols && a.stencil_tiles == 0),
                "a ring grids' schedule (tiles of runs) takes grids of one row (nlat_q = nlat_k = 1, got "
                    << a.nlat_q << ", " << a.nlat_k << "), a record per point (classes = " << kSchedTileCols
                    << ", got " << a.classes << ") and no stencil tiles");
-  S2ATTN_CHECK(chunk_dims.size() == 2 && chunk_dims[1] == kSchedChunkFields,
+  S2ATTN_CHECK(chunk_dims.size() >= 2 && chunk_dims.back() == kSchedChunkFields,
                "chunks must be int32 [chunks, " << kSchedChunkFields << "]");
-  const int64_t num_tiles = tile_dims[0], num_chunks = chunk_dims[0];
-  S2ATTN_RETURN_IF_ERROR(CheckDims("tile_offsets", s.tile_offsets.dimensions(), {num_tiles + 1}));
-  const auto record_dims = s.records.dimensions();
-  S2ATTN_CHECK(record_dims.size() == 4 && record_dims[1] == kSchedTileRows && record_dims[2] == a.classes &&
-                   record_dims[3] == 2 && (num_chunks == 0 || record_dims[0] > 0),
+  const int64_t num_tiles = tile_dims[tile_dims.size() - tile_rank], num_chunks = chunk_dims[chunk_dims.size() - 2];
+  S2ATTN_CHECK(offset_dims.size() > 0 && offset_dims.back() == num_tiles + 1,
+               "tile_offsets must be int32 [tiles + 1] = [" << num_tiles + 1 << "]");
+  const size_t records_rank = record_dims.size();
+  const int64_t num_stagings = records_rank >= 4 ? record_dims[records_rank - 4] : 0;
+  S2ATTN_CHECK(records_rank >= 4 && record_dims[records_rank - 3] == kSchedTileRows &&
+                   record_dims[records_rank - 2] == a.classes && record_dims[records_rank - 1] == 2 &&
+                   (num_chunks == 0 || num_stagings > 0),
                "records must be int32 [stagings, " << kSchedTileRows << ", classes = " << a.classes
                                                    << ", 2], non-empty where there are chunks");
-  S2ATTN_CHECK(num_tiles < (int64_t{1} << 31) && num_chunks < (int64_t{1} << 31) && record_dims[0] < (int64_t{1} << 31),
+  S2ATTN_CHECK(num_tiles < (int64_t{1} << 31) && num_chunks < (int64_t{1} << 31) && num_stagings < (int64_t{1} << 31),
                "the schedule exceeds the kernels' 32-bit indices");
-  const int64_t key_weights = ring_grids ? a.nlon_k : a.nlat_k;
+  const int64_t key_weights = a.ring_grids ? a.nlon_k : a.nlat_k;
   S2ATTN_CHECK(static_cast<int64_t>(s.quad_weights.element_count()) >= key_weights,
-               "quad_weights must hold the " << key_weights << (ring_grids ? " key points'" : " key rows'")
+               "quad_weights must hold the " << key_weights << (a.ring_grids ? " key points'" : " key rows'")
                                              << " weights");
   S2ATTN_CHECK(batch * heads <= INT32_MAX, "batch x heads must be below 2^31");
   g->dtype = ToActivationType(q.element_type());
@@ -183,15 +179,22 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   g->tiles = s.tiles.typed_data(), g->tile_offsets = s.tile_offsets.typed_data();
   g->chunks = s.chunks.typed_data(), g->records = s.records.typed_data();
   g->quad_weights = s.quad_weights.typed_data();
-  g->num_tiles = num_tiles, g->num_chunks = num_chunks, g->num_stagings = record_dims[0];
+  g->num_tiles = num_tiles, g->num_chunks = num_chunks, g->num_stagings = num_stagings;
   g->classes = static_cast<int32_t>(a.classes), g->shift = static_cast<int32_t>(a.shift);
   g->batch = batch, g->heads = heads;
   g->nlat_q = static_cast<int32_t>(a.nlat_q), g->nlon_q = static_cast<int32_t>(a.nlon_q);
   g->nlat_k = static_cast<int32_t>(a.nlat_k), g->nlon_k = static_cast<int32_t>(a.nlon_k);
   g->ring_nlon = static_cast<int32_t>(a.ring_nlon);
-  g->ring_grids = ring_grids;
+  g->ring_grids = a.ring_grids;
   g->scale = a.scale;
-  if (ring_grids) return ffi::Error::Success();  // the runs' tiles are the schedule's own, not a grid's cut
+  if (a.ring_grids) {  // the runs are the schedule's own cut of the walking points: enough of them for every point
+    const int64_t walk_points = walk_keys ? a.nlon_k : a.nlon_q;
+    S2ATTN_CHECK(num_tiles * kSchedTileRuns * kSchedRunPoints >= walk_points,
+                 "the schedule's " << num_tiles << " tiles cannot hold the " << walk_points
+                                   << " walking points (pass the plan's " << (walk_keys ? "backward" : "forward")
+                                   << " ring schedule)");
+    return ffi::Error::Success();
+  }
   const int64_t walk_tiles = ((walk_keys ? a.nlat_k : a.nlat_q) + kSchedTileRows - 1) / kSchedTileRows *
                              (((walk_keys ? a.nlon_k : a.nlon_q) + kSchedTileCols - 1) / kSchedTileCols);
   S2ATTN_CHECK(a.stencil_tiles >= 0 && num_tiles + a.stencil_tiles == walk_tiles,
@@ -215,10 +218,10 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    I32Buffer tile_offsets, I32Buffer chunks, I32Buffer records, F32Buffer quad_weights,
                    ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale, int64_t classes,
                    int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t ring_nlon,
-                   int64_t tile_rows, int64_t tile_cols, int64_t chunk_cols, int64_t stencil_tiles) {
+                   int64_t tile_rows, int64_t tile_cols, int64_t chunk_cols, int64_t stencil_tiles, bool ring_grids) {
   SchedAttnParams g;
   const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,     nlat_k,
-                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles, ring_grids};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
@@ -247,10 +250,10 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                       I32Buffer records, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
                       float scale, int64_t classes, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                       int64_t nlon_k, int64_t ring_nlon, int64_t tile_rows, int64_t tile_cols,
-                      int64_t chunk_cols, int64_t stencil_tiles) {
+                      int64_t chunk_cols, int64_t stencil_tiles, bool ring_grids) {
   SchedAttnParams g;
   const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,     nlat_k,
-                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles, ring_grids};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, "delta", &g));
@@ -270,10 +273,10 @@ ffi::Error BackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                            ffi::RemainingArgs /*aliased_results*/, AnyResult dq, F32Result delta, float scale,
                            int64_t classes, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
                            int64_t nlon_k, int64_t ring_nlon, int64_t tile_rows, int64_t tile_cols,
-                           int64_t chunk_cols, int64_t stencil_tiles) {
+                           int64_t chunk_cols, int64_t stencil_tiles, bool ring_grids) {
   SchedAttnParams g;
   const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,     nlat_k,
-                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles, ring_grids};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
   S2ATTN_CHECK(stencil_tiles == 0,
@@ -296,10 +299,10 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        I32Buffer records, F32Buffer quad_weights, ffi::RemainingArgs /*aliased_results*/,
                        AnyResult dk, AnyResult dv, float scale, int64_t classes, int64_t shift, int64_t nlat_q,
                        int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t ring_nlon, int64_t tile_rows,
-                       int64_t tile_cols, int64_t chunk_cols, int64_t stencil_tiles) {
+                       int64_t tile_cols, int64_t chunk_cols, int64_t stencil_tiles, bool ring_grids) {
   SchedAttnParams g;
   const SchedAttrs a{scale,  classes,   shift,     nlat_q,    nlon_q,     nlat_k,
-                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles};
+                     nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles, ring_grids};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, delta, "delta", &g));

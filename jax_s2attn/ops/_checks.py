@@ -143,8 +143,9 @@ def check_ring_runnable(implementation, platform: str, dtype, dk: int, dv: int) 
 def ring_kernel_for(implementation, platform: str, dtype, dk: int, dv: int) -> str:
     """What a checked ``implementation`` runs on a ring-grid plan on ``platform``: ``"scheduled"`` (the
     tensor-core kernels on the plan's ring block schedules), ``"arc"`` (the ring kernels) or ``"reference"``.
-    ``None`` and ``"ffi"`` take the scheduled kernels where they can run and else the ring kernels (``None``
-    the reference where neither can); ``"ffi-arc"`` forces the ring kernels, ``"ffi-tiled"`` the scheduled ones."""
+    ``None`` and ``"ffi"`` take the scheduled kernels where they and the ring kernels (the same CUDA module) can
+    run, else the ring kernels (``None``: the reference where the ring kernels cannot run); ``"ffi-arc"`` forces
+    the ring kernels, ``"ffi-tiled"`` the scheduled ones."""
     if implementation == "reference":
         return "reference"
     if implementation == "ffi-tiled":

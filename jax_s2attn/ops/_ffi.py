@@ -652,6 +652,7 @@ def _scheduled_operands(
         "tile_cols": np.int64(tile_cols),
         "chunk_cols": np.int64(chunk_cols),
         "stencil_tiles": np.int64(stencil_tiles),
+        "ring_grids": False,
     }
     return operands, attributes
 
@@ -896,6 +897,7 @@ def _ring_scheduled_operands(plan, walk: str, scale) -> tuple[tuple, dict]:
         "tile_cols": np.int64(s.tile_cols),
         "chunk_cols": np.int64(s.chunk_cols),
         "stencil_tiles": np.int64(0),
+        "ring_grids": True,
     }
     return operands, attributes
 

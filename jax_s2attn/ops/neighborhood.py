@@ -96,7 +96,8 @@ def neighborhood_attention(
       * arc kernels (native, CPU and CUDA): each output point walks the arc segments of
         its neighbourhood on the CPU or on CUDA cores; float16, bfloat16 and float32
         inputs, any head dims (on CUDA ``Dk + Dv <= 6144``), float32 accumulation, exact
-        to float32 round-off. The general native path, and the native path between ring grids.
+        to float32 round-off. The general native path; between ring grids the ring kernels, the same
+        arithmetic on the plan's ring patterns.
       * tiled kernels (native, CUDA only): neighbouring output points share staged
         key/value tiles, multiplied on tensor cores; bfloat16 and float16 inputs with
         ``Dk == Dv`` in 32, 64 or 128 (the instantiated tile shapes). Probabilities and
@@ -109,7 +110,8 @@ def neighborhood_attention(
         where they apply.
       * scheduled kernels (native, CUDA sm_90: H100, H200): wgmma on the plan's block schedules
         (:meth:`~jax_s2attn.NeighborhoodPlan.block_schedule`, built once per plan on the host);
-        bfloat16 and float16 inputs with ``Dk == Dv`` of 32, 64 or 128, whole grids. P is rounded once and out is
+        bfloat16 and float16 inputs with ``Dk == Dv`` of 32, 64 or 128, whole grids, and between ring grids on
+        the plan's ring block schedules (:func:`~jax_s2attn.ring_schedule.ring_block_schedule`). P is rounded once and out is
         divided by the row sums of the rounded P, so that the backward's delta (from a float32 out
         when differentiated) stays consistent on smooth fields; the 16-bit bar as the tiled kernels,
         ``lse`` float32-exact. Run from :data:`SCHEDULED_MIN_NEIGHBORS` neighbours per output point,
@@ -146,7 +148,8 @@ def neighborhood_attention(
 
 
 def _ring_attention(query, key, value, plan: RingPlan, scale, implementation, return_residual):
-    """neighborhood_attention on a ring-grid plan: flat fields, the ring kernels or the pure-JAX reference."""
+    """neighborhood_attention on a ring-grid plan: flat fields, the scheduled kernels, the ring kernels or the
+    pure-JAX reference."""
     _, _, dk, dv = _checks.check_ring_inputs(query, key, value, plan)
     scale = _checks.check_scale(scale, dk)
     return_residual = _validate.boolean(return_residual, "return_residual")
