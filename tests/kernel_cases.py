@@ -869,7 +869,7 @@ def ring_schedules(plan: RingPlan) -> tuple[BlockSchedule, BlockSchedule]:
                  for walk in ("forward", "backward"))  # fmt: skip
 
 
-def _run_ring_scheduled(lib, case: RingCase, kind: str, schedule, lse=None, delta=None, forming=None, memory=None):
+def run_ring_scheduled_kind(lib, case: RingCase, kind: str, schedule, lse=None, delta=None, forming=None, memory=None):
     """One scheduled kernel on ``case``'s flat fields (grids of one row) and ring ``schedule``: ``(out, lse)``,
     ``(dq, delta)`` with ``forming = (out, dlse)`` (the dq that forms delta), or ``(dk, dv)``; results float32,
     NaN-poisoned first."""
@@ -907,10 +907,10 @@ def run_ring_scheduled_case(lib, case: RingCase, memory_of=HostMemory) -> dict[s
     """The scheduled forward, dq and dk/dv on ``case``'s ring grids as the op runs them: the forward's float32 out
     feeds the dq that forms delta (dlse 0), whose delta and the forward's lse feed dk/dv."""
     forward, backward = ring_schedules(case.plan)
-    out, lse = _run_ring_scheduled(lib, case, "forward", forward, memory=memory_of())
+    out, lse = run_ring_scheduled_kind(lib, case, "forward", forward, memory=memory_of())
     dlse = np.zeros_like(lse)
-    dq, delta = _run_ring_scheduled(lib, case, "dq", forward, lse, forming=(out, dlse), memory=memory_of())
-    dk, dv = _run_ring_scheduled(lib, case, "dkv", backward, lse, delta, memory=memory_of())
+    dq, delta = run_ring_scheduled_kind(lib, case, "dq", forward, lse, forming=(out, dlse), memory=memory_of())
+    dk, dv = run_ring_scheduled_kind(lib, case, "dkv", backward, lse, delta, memory=memory_of())
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 

@@ -67,7 +67,9 @@ from kernel_cases import (  # noqa: E402
     run_narrow_forward,
     run_ring_case,
     run_ring_kind,
+    ring_schedules,
     run_ring_scheduled_case,
+    run_ring_scheduled_kind,
     run_scheduled_case,
     run_scheduled_dq_forming_delta,
     run_scheduled_kind,
@@ -988,6 +990,27 @@ def test_ring_scheduled_kernels_match_float64(emulated_library, rng, plan_name, 
     verify_ring_case(case, results, TILED_TOLERANCE[dtype])
     error = np.max(np.abs(results["lse"] - case.expected["lse"]))
     assert error <= 1e-4, f"lse: absolute error {error:.1e}"
+
+
+def test_ring_scheduled_kernels_with_corrupted_schedules_stay_in_bounds(emulated_library, rng):
+    """A ring schedule in device memory is not checked by the host: garbage runs, tile offsets, chunks (flags and
+    their ring modulus included) or records must never index outside the arrays (the sanitized run); with only the
+    records garbage, every result element is still written."""
+    case = prepare_ring_case(rng, RING_PLANS["latlon-3:2"](), 1, 1, 32, 32, "bfloat16")
+    big = np.iinfo(np.int32).max
+    schedules = dict(zip(("forward", "backward"), ring_schedules(case.plan)))
+    lse, delta = case.lse, case.delta
+    out = np.asarray(case.expected["out"], np.float32)
+    for kind, walk in (("forward", "forward"), ("dq", "forward"), ("dkv", "backward")):
+        for name in ("tiles", "tile_offsets", "chunks", "records"):
+            table = getattr(schedules[walk], name)
+            garbage = rng.integers(-big, big, size=table.shape, dtype=np.int64).astype(np.int32)
+            garbage.reshape(-1)[: garbage.size // 2] %= 64  # plausible small values too
+            schedule = schedules[walk]._replace(**{name: garbage})
+            forming = (out, np.zeros_like(lse)) if kind == "dq" else None
+            results = run_ring_scheduled_kind(emulated_library, case, kind, schedule, lse, delta, forming)
+            if name == "records":
+                assert not any(np.isnan(r).any() for r in results), (kind, name)
 
 
 def test_ring_kernels_with_corrupted_tables_stay_in_bounds(emulated_library, rng):
