@@ -43,21 +43,27 @@ from .grids import GRIDS, RingGrid, validate_shape
 from .ops._checks import check_scale
 from .ops.global_attention import attention_s2, quadrature_weights
 from .ops.neighborhood import neighborhood_attention
+from .parallel.ring_shards import _check_ring_mesh, ring_shard_layout, sharded_ring_attention
 from .parallel.sharded import _check_mesh, padded_grid_shapes, sharded_neighborhood_attention
 from .plan import NeighborhoodPlan
+from .ring_plan import RingPlan
 
 __all__ = [
     "LayerSpec",
     "MeshSplit",
     "ParamSpec",
+    "RingMeshSplit",
     "attention_layer",
     "check_dtypes",
     "global_attention_fn",
+    "layer_grid",
     "layer_spec",
     "mesh_split",
     "neighborhood_attention_fn",
     "param_specs",
     "params_from_torch_harmonics",
+    "ring_layer_shapes",
+    "ring_mesh_split",
     "rms_norm",
 ]
 
@@ -131,10 +137,49 @@ def mesh_split(plan: NeighborhoodPlan, mesh, lat_axis="lat", lon_axis="lon", bat
     return MeshSplit(mesh, lat_axis, lon_axis, batch_axis, padded)
 
 
-def neighborhood_attention_fn(plan: NeighborhoodPlan, implementation, split: MeshSplit | None) -> Callable:
+@dataclasses.dataclass(frozen=True)
+class RingMeshSplit:
+    """How a neighbourhood layer between ring grids splits its attention over a device mesh: the arguments of
+    :func:`jax_s2attn.parallel.sharded_ring_attention` (the rings over ``axis``, the layer's ``lat_axis``),
+    validated against the layer's plan. Its inputs are the flat fields (``padded_shapes`` None)."""
+
+    mesh: Mesh
+    axis: str
+    batch_axis: str | None
+    padded_shapes: None = None
+
+
+def ring_mesh_split(plan: RingPlan, mesh, lat_axis="lat", batch_axis=None,
+                    implementation=None) -> RingMeshSplit | None:  # fmt: skip
+    """Validate a ring layer's mesh arguments (``None`` without a mesh); errors name the argument."""
+    if mesh is None:
+        return None
+    if implementation not in (None, "ffi", "ffi-arc"):
+        raise ValueError(
+            f"implementation={implementation!r}: a layer between ring grids on a mesh runs "
+            "jax_s2attn.parallel.sharded_ring_attention on the ring kernels; pass implementation=None, 'ffi' or "
+            "'ffi-arc' (or mesh=None)."
+        )
+    _check_ring_mesh(mesh, lat_axis, batch_axis)
+    ring_shard_layout(plan, mesh.shape[lat_axis])  # raises where the rings cannot be split over the axis
+    return RingMeshSplit(mesh, lat_axis, batch_axis)
+
+
+def _sharded_rings(query, key, value, *, scale, plan: RingPlan, split: RingMeshSplit, implementation):
+    """``sharded_ring_attention`` on flat fields: to the block layout and back."""
+    layout = ring_shard_layout(plan, split.mesh.shape[split.axis])
+    blocks = [layout.to_blocks(x, grid) for x, grid in ((query, "out"), (key, "in"), (value, "in"))]
+    out = sharded_ring_attention(*blocks, plan, mesh=split.mesh, axis=split.axis, batch_axis=split.batch_axis,
+                                 scale=scale, implementation=implementation)  # fmt: skip
+    return layout.from_blocks(out, "out")
+
+
+def neighborhood_attention_fn(plan, implementation, split: MeshSplit | RingMeshSplit | None) -> Callable:
     """``attention(q, k, v, scale=...)`` of a neighbourhood layer: serial, or sharded per ``split``."""
     if split is None:
         return functools.partial(neighborhood_attention, plan=plan, implementation=implementation)
+    if isinstance(split, RingMeshSplit):
+        return functools.partial(_sharded_rings, plan=plan, split=split, implementation=implementation)
     return functools.partial(
         sharded_neighborhood_attention,
         plan=plan,
@@ -237,15 +282,6 @@ def ring_layer_shapes(grid_in, grid_out, in_shape, out_shape) -> tuple[tuple[int
                 f"[batch..., npoints, features]); pass {name}=None or {shapes[name]!r}."
             )
     return shapes["in_shape"], shapes["out_shape"]
-
-
-def check_no_mesh_for_rings(mesh) -> None:
-    """A layer between ring grids takes no mesh."""
-    if mesh is not None:
-        raise ValueError(
-            "mesh: layers between ring grids run serially (over a mesh, call jax_s2attn.parallel.sharded_ring_attention "
-            "on the block layout); pass mesh=None."
-        )
 
 
 def check_dtypes(dtype, param_dtype) -> None:

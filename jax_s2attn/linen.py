@@ -187,10 +187,9 @@ class NeighborhoodAttentionS2(_SphericalAttention):
     def _check_implementation(self) -> None:
         _checks.check_implementation(self.implementation)
 
-    def _mesh_split(self, plan) -> _layers.MeshSplit | None:
+    def _mesh_split(self, plan) -> _layers.MeshSplit | _layers.RingMeshSplit | None:
         if isinstance(plan, RingPlan):
-            _layers.check_no_mesh_for_rings(self.mesh)
-            return None
+            return _layers.ring_mesh_split(plan, self.mesh, self.lat_axis, self.batch_axis, self.implementation)
         return _layers.mesh_split(plan, self.mesh, self.lat_axis, self.lon_axis, self.batch_axis)
 
     def _attention_fn(self, plan, split):

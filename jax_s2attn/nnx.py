@@ -131,7 +131,7 @@ class NeighborhoodAttentionS2(_SphericalAttention):
     ``"equiangular(721, 1440)"``, as ``grid_in`` and ``grid_out`` and leave out the shapes) fields are flat,
     ``[B..., npoints, features]`` in ring order, the plan a :class:`~jax_s2attn.RingPlan`, and the op runs it as
     :func:`jax_s2attn.neighborhood_attention` does (the scheduled tensor-core kernels, the ring kernels or the
-    reference), serially.
+    reference), or over a ``mesh`` as :func:`jax_s2attn.parallel.sharded_ring_attention` does.
 
     Args:
       in_features: channels of query, key and value inputs.
@@ -163,8 +163,11 @@ class NeighborhoodAttentionS2(_SphericalAttention):
         Inputs take the true grid sizes (padded and gathered internally where the
         mesh does not divide a grid axis) or, to stay evenly sharded, those end-padded
         to :func:`jax_s2attn.parallel.padded_grid_shapes`; the output then keeps the
-        padding, where it holds the output bias (ignore or slice it off).
-      lat_axis, lon_axis: mesh axes that split latitudes and longitudes.
+        padding, where it holds the output bias (ignore or slice it off). Between ring grids the rings are split
+        over ``lat_axis`` by :func:`jax_s2attn.parallel.sharded_ring_attention` (the ring kernels:
+        ``implementation`` ``None``, ``"ffi"`` or ``"ffi-arc"``) on the flat fields, moved into its block layout
+        and back (``lon_axis`` replicates).
+      lat_axis, lon_axis: mesh axes that split latitudes (between ring grids: the rings) and longitudes.
       batch_axis: mesh axis that splits the first batch dimension, or ``None``.
       rngs: ``nnx.Rngs`` for parameter initialisation.
     """
@@ -199,7 +202,6 @@ class NeighborhoodAttentionS2(_SphericalAttention):
         if rings:
             plan = RingPlan(grid_in, grid_out, theta_cutoff)
             in_shape, out_shape = _layers.ring_layer_shapes(grid_in, grid_out, in_shape, out_shape)
-            _layers.check_no_mesh_for_rings(mesh)
         spec = _layers.layer_spec(
             in_features,
             in_shape,
@@ -222,7 +224,9 @@ class NeighborhoodAttentionS2(_SphericalAttention):
             precision=precision,
             implementation=implementation,
             rngs=rngs,
-            split=None if rings else _layers.mesh_split(plan, mesh, lat_axis, lon_axis, batch_axis),
+            split=_layers.ring_mesh_split(plan, mesh, lat_axis, batch_axis, implementation)
+            if rings
+            else _layers.mesh_split(plan, mesh, lat_axis, lon_axis, batch_axis),
         )
         self.tables = S2Tables(plan)
 

@@ -104,13 +104,56 @@ def test_bad_layer_arguments_are_refused(arguments, error, match):
         linen.NeighborhoodAttentionS2(6, **arguments)
 
 
-def test_a_mesh_is_refused_between_ring_grids():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("lat", "lon"))
-    with pytest.raises(ValueError, match=r"mesh: layers between ring grids run serially"):
-        s2nnx.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, mesh=mesh,
-                                      rngs=nnx.Rngs(0))  # fmt: skip
-    with pytest.raises(ValueError, match=r"mesh: layers between ring grids run serially"):
-        linen.NeighborhoodAttentionS2(6, grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, mesh=mesh)
+def _ring_mesh(shape, names):
+    cpus = jax.devices("cpu")
+    if len(cpus) < int(np.prod(shape)):
+        pytest.fail(f"needs {int(np.prod(shape))} CPU devices (tests/conftest.py asks XLA for 8)")
+    return jax.make_mesh(shape, names, devices=cpus[: int(np.prod(shape))],
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(names))  # fmt: skip
+
+
+def test_layers_on_a_mesh_split_the_rings_and_give_the_serial_results():
+    """With a mesh the rings are split over lat_axis (sharded_ring_attention; lon_axis replicates, batch_axis splits
+    the batch): the NNX and Linen layers give the serial layer's outputs, and the same parameter gradients."""
+    grid, cutoff = RingGrid.healpix(4), 0.35
+    mesh = _ring_mesh((2, 2, 2), ("batch", "lat", "lon"))
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, grid.npoints, 6)), jnp.float32)
+    serial = s2nnx.NeighborhoodAttentionS2(6, grid_in=grid, grid_out=grid, theta_cutoff=cutoff, num_heads=2,
+                                           rngs=nnx.Rngs(7))  # fmt: skip
+    sharded = s2nnx.NeighborhoodAttentionS2(6, grid_in=grid, grid_out=grid, theta_cutoff=cutoff, num_heads=2,
+                                            mesh=mesh, batch_axis="batch", rngs=nnx.Rngs(7))  # fmt: skip
+    np.testing.assert_allclose(sharded(x), serial(x), rtol=1e-6, atol=1e-6)
+
+    def grads(layer):
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        loss = lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(x) ** 2)  # noqa: E731
+        return jax.grad(loss)(params)
+
+    for a, b in zip(jax.tree.leaves(grads(sharded)), jax.tree.leaves(grads(serial)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    module = linen.NeighborhoodAttentionS2(6, grid_in=grid, grid_out=grid, theta_cutoff=cutoff, num_heads=2,
+                                           mesh=mesh, batch_axis="batch")  # fmt: skip
+    variables = module.init(jax.random.key(0), x)
+    plain = linen.NeighborhoodAttentionS2(6, grid_in=grid, grid_out=grid, theta_cutoff=cutoff, num_heads=2)
+    np.testing.assert_allclose(module.apply(variables, x), plain.apply(variables, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        (dict(implementation="reference"), r"implementation='reference': a layer between ring grids on a mesh runs"),
+        (dict(lat_axis="rings"), r"axis='rings' is not an axis of the mesh"),
+        (dict(batch_axis="lat"), r"axis must name the mesh axis that splits the rings \(not the batch axis\)"),
+    ],
+)
+def test_bad_mesh_arguments_between_ring_grids_are_refused(arguments, match):
+    mesh = _ring_mesh((2, 2), ("lat", "lon"))
+    kwargs = dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, mesh=mesh, **arguments)
+    with pytest.raises(ValueError, match=match):
+        s2nnx.NeighborhoodAttentionS2(6, **kwargs, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=match):
+        linen.NeighborhoodAttentionS2(6, **kwargs)
 
 
 def test_flat_shapes_belong_to_ring_grids_only():
