@@ -150,35 +150,38 @@ def _block_and_rows(real_rows, segments_of, block: int, cap: int) -> tuple[int, 
         block += deficit
 
 
-def _ring_pattern_arcs(table, ring: int, move) -> list[list[tuple]]:
-    """The arcs of each pattern of walking ring ``ring`` of ``table`` (RingPatterns), each ``(visited ring, first,
-    start, length, nlon, shift)`` with ``(visited ring, first) = move(visited ring, first)`` (the shard's
-    numbering); an arc whose ``move`` is None is dropped."""
-    base = int(table.ring_patterns[ring])
-    patterns = []
-    for pattern in range(base, base + int(table.period[ring])):
-        moved = [(move(int(b), int(first)), rest)
-                 for b, first, *rest in table.arcs[table.offsets[pattern] : table.offsets[pattern + 1]]]  # fmt: skip
-        patterns.append([(*where, *(int(x) for x in rest)) for where, rest in moved if where is not None])
-    return patterns
+def _rings_pattern_arcs(table, first_ring: int, end_ring: int, visited_ring, visited_first):
+    """``(arcs per pattern, arcs [n, 6])`` of the patterns of walking rings ``first_ring .. end_ring - 1`` of
+    ``table`` (RingPatterns; a ring's patterns are consecutive), each arc ``(visited ring, first, start, length,
+    nlon, shift)`` with its visited ring ``b`` and first point replaced by ``visited_ring[b]`` and
+    ``visited_first[b]`` (the shard's numbering); arcs whose ``visited_ring`` is negative are dropped."""
+    patterns = table.ring_patterns[first_ring : end_ring + 1]
+    bounds = table.offsets[patterns[0] : patterns[-1] + 1]
+    arcs = np.asarray(table.arcs[bounds[0] : bounds[-1]], np.int64)
+    keep = visited_ring[arcs[:, 0]] >= 0
+    pattern = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))[keep]
+    moved = arcs[keep]
+    moved[:, 1] = visited_first[moved[:, 0]]
+    moved[:, 0] = visited_ring[moved[:, 0]]
+    return np.bincount(pattern, minlength=len(bounds) - 1), moved
 
 
-def _walk_tables(rings, arcs, pattern_count: int, arc_count: int) -> _ffi.RingWalkTables:
-    """One shard's ``RingWalkTables`` from its rows ``(first, points, pattern, period, weight)`` and its patterns'
-    arcs (a list per pattern), padded to ``pattern_count`` patterns (empty but the last) and ``arc_count`` arcs."""
+def _walk_tables(rings, lengths, arcs, pattern_count: int, arc_count: int) -> _ffi.RingWalkTables:
+    """One shard's ``RingWalkTables`` from its rows ``(first, points, pattern, period, weight)``, its patterns' arc
+    counts and their arcs ``[n, 6]``, padded to ``pattern_count`` patterns (empty but the last) and ``arc_count``
+    arcs."""
     offsets = np.zeros(pattern_count + 1, np.int64)
-    lengths = [len(a) for a in arcs]
     offsets[1 : len(lengths) + 1] = np.cumsum(lengths)
     offsets[len(lengths) + 1 :] = offsets[len(lengths)]
-    rows = [a for pattern_arcs in arcs for a in pattern_arcs]
-    rows += [_PADDING_ARC] * (arc_count - len(rows))  # in the last pattern, which no ring uses
+    padding = np.tile(np.asarray(_PADDING_ARC, np.int64), (arc_count - len(arcs), 1))
+    rows = np.concatenate([arcs.reshape(-1, 6), padding])  # the padding arcs in the last pattern, which no ring uses
     offsets[-1] = arc_count
     walk_rings = np.asarray([r[:4] for r in rings], np.int32)
     return _ffi.RingWalkTables(
         walk_rings=walk_rings,
         ring_order=np.argsort(-walk_rings[:, 1], kind="stable").astype(np.int32),
         pattern_offsets=offsets.astype(np.int32),
-        pattern_arcs=np.asarray(rows, np.int32).reshape(-1, 6),
+        pattern_arcs=rows.astype(np.int32),
         quad_weights=np.asarray([r[4] for r in rings], np.float32),
     )
 
@@ -234,46 +237,49 @@ def ring_shard_layout(plan: RingPlan, parts: int) -> RingShardLayout:
                                              max(k_points), k_cap)  # fmt: skip
 
     weights_in = (2.0 * np.pi * grid_in.weights / grid_in.nlon).astype(np.float32)
+    in_rings, out_rings = np.arange(grid_in.nrings), np.arange(grid_out.nrings)
+    in_owner = _owner(in_cuts, in_rings)
+    owner_first = k_offsets[np.asarray(in_cuts)[in_owner]]  # each input ring's block's first point
     forward, backward = [], []
     for s in range(parts):
+        # The shard's key buffer: the input rings of blocks s - halo .. s + halo (in range), contiguous.
+        lo, hi = in_cuts[max(s - halo, 0)], in_cuts[min(s + halo + 1, parts)]
+        in_buffer = (in_rings >= lo) & (in_rings < hi)
+        buffer_first = np.where(in_buffer, (in_owner - s + halo) * k_block + k_offsets[:-1] - owner_first, -1)
         # The queries' walk: the shard's output rings, their patterns' arcs moved into the buffer (visited rings
         # numbered in the buffer, weighed by the shard's weights).
-        local_ring = {ring: i for i, ring in enumerate(buffer_rings[s])}
-        buffer_first = {}
-        for j in blocks[s]:
-            if in_range(j):
-                for ring in range(in_cuts[j], in_cuts[j + 1]):
-                    buffer_first[ring] = (j - s + halo) * k_block + int(k_offsets[ring] - k_offsets[in_cuts[j]])
-        rings, arcs = [], []
-        for ring in own_rings[s]:
-            first = int(q_offsets[ring] - q_offsets[out_cuts[s]])
-            rings.append((first, int(grid_out.nlon[ring]), len(arcs), int(table.period[ring]), 1.0))
-            arcs += _ring_pattern_arcs(table, ring, lambda b, _: (local_ring[b], buffer_first[b]))
+        own = np.arange(out_cuts[s], out_cuts[s + 1])
+        lengths, arcs = _rings_pattern_arcs(table, out_cuts[s], out_cuts[s + 1], np.where(in_buffer, in_rings - lo, -1),
+                                            buffer_first)  # fmt: skip
+        assert sum(lengths) == table.offsets[table.ring_patterns[out_cuts[s + 1]]] - table.offsets[
+            table.ring_patterns[out_cuts[s]]], "the halo holds every key ring the shard's queries meet"  # fmt: skip
+        rings = list(zip((q_offsets[own] - q_offsets[out_cuts[s]]).tolist(), grid_out.nlon[own].tolist(),
+                         (table.ring_patterns[own] - table.ring_patterns[out_cuts[s]]).tolist(),
+                         table.period[own].tolist(), [1.0] * len(own)))  # fmt: skip
         padding = _split_padding([(q_points[s], q_block - q_points[s])], forward_rows - len(rings), q_cap)
         rings += [(first, count, -1, 1, 1.0) for first, count in padding]
-        weights = weights_in[buffer_rings[s]]
-        forward.append((rings, arcs, weights))
+        forward.append((rings, lengths, arcs, weights_in[lo:hi]))
         # The keys' walk: the buffer's input rings, their key patterns cut to this shard's output rings (visited
         # rings numbered from the shard's first).
-        rings, arcs = [], []
-        local = int(q_offsets[out_cuts[s]])
-        for ring in buffer_rings[s]:
-            rings.append((buffer_first[ring], int(grid_in.nlon[ring]), len(arcs), int(key_table.period[ring]),
-                          float(weights_in[ring])))  # fmt: skip
-            arcs += _ring_pattern_arcs(key_table, ring, lambda a, first, s=s, local=local: (
-                (a - out_cuts[s], first - local) if out_cuts[s] <= a < out_cuts[s + 1] else None))  # fmt: skip
+        own_out = (out_rings >= out_cuts[s]) & (out_rings < out_cuts[s + 1])
+        buffer = np.arange(lo, hi)
+        lengths, arcs = _rings_pattern_arcs(key_table, lo, hi, np.where(own_out, out_rings - out_cuts[s], -1),
+                                            q_offsets[:-1] - q_offsets[out_cuts[s]])  # fmt: skip
+        rings = list(zip(buffer_first[buffer].tolist(), grid_in.nlon[buffer].tolist(),
+                         (key_table.ring_patterns[buffer] - key_table.ring_patterns[lo]).tolist(),
+                         key_table.period[buffer].tolist(), weights_in[buffer].tolist()))  # fmt: skip
         padding = _split_padding(key_padding(s, k_block), backward_rows - len(rings), k_cap)
         rings = sorted(rings + [(first, count, -1, 1, 1.0) for first, count in padding])  # in point order
-        backward.append((rings, arcs, None))
+        backward.append((rings, lengths, arcs, None))
 
     def finish(walks, visited_rings, cap):
         # After a shard's own patterns: the padding rows' empty pattern, more empty ones, and the padding arcs' one.
-        pattern_count = max(len(arcs) for _, arcs, _ in walks) + 2
-        arc_count = max(1, max(sum(len(a) for a in arcs) for _, arcs, _ in walks))
+        pattern_count = max(len(lengths) for _, lengths, _, _ in walks) + 2
+        arc_count = max(1, max(len(arcs) for _, _, arcs, _ in walks))
         tables = []
-        for rings, arcs, weights in walks:
-            rings = [(f, c, len(arcs) if p < 0 else p, period, w) for f, c, p, period, w in rings]
-            walk = _walk_tables(rings, arcs, pattern_count, arc_count)
+        for rings, lengths, arcs, weights in walks:
+            rings = [(f, c, len(lengths) if p < 0 else p, period, w) for f, c, p, period, w in rings]
+            walk = _walk_tables(rings, lengths, arcs, pattern_count, arc_count)
             if weights is not None:  # per visited ring, padded to the largest shard's
                 padded = np.ones(visited_rings, np.float32)
                 padded[: len(weights)] = weights
