@@ -257,8 +257,8 @@ def layer_grid(grid, argname: str):
     try:
         return RingGrid.named(grid)
     except ValueError as error:
-        raise ValueError(f"{argname}={grid!r}: {error} Latitude grids are {', '.join(map(repr, GRIDS))} (with "
-                         "in_shape and out_shape).") from None  # fmt: skip
+        raise ValueError(f"{argname}={grid!r}: {error} The valid grids are {', '.join(map(repr, GRIDS))} (latitude "
+                         "grids, with in_shape and out_shape) and ring grids' names.") from None  # fmt: skip
 
 
 def ring_layer_shapes(grid_in, grid_out, in_shape, out_shape) -> tuple[tuple[int], tuple[int]]:

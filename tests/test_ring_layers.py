@@ -88,7 +88,7 @@ def test_self_attention_on_healpix_takes_key_from_query():
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT), ValueError, r"theta_cutoff is needed"),
         (dict(grid_in="healpix4", grid_out=GRID_OUT, theta_cutoff=CUTOFF), ValueError,
          r"grid_in='healpix4': 'healpix4' names no ring grid; ring grids are named \"healpix\(<nside>\)\".*"
-         r"Latitude grids are 'equiangular'"),
+         r"The valid grids are 'equiangular'"),
         (dict(grid_in=GRID_IN, grid_out="healpix(0)", theta_cutoff=CUTOFF), ValueError,
          r"grid_out='healpix\(0\)': nside must be at least 1"),
         (dict(grid_in=GRID_IN, grid_out=GRID_OUT, theta_cutoff=CUTOFF, out_shape=192), TypeError,
