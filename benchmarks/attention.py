@@ -30,7 +30,7 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
   computed pair for the forward, dQ and dK/dV); none where the scheduled targets run beside the stencil ones;
 * each native kernel family's targets alone (``ffi_<kernel>_{forward,dq,dkv,delta}_target_ms``:
   the forward, dQ, dK/dV and delta custom calls on their own, fed with the forward's lse and a
-  delta from the same inputs; the tiled family, and the scheduled one without stencil rows beside it, also
+  delta from the same inputs; the tiled and scheduled families also
   ``dq_delta``, the dQ that forms delta, which the op runs in place of delta and dQ), so a change can be
   placed in one walk; forward+backward
   is the op's targets' sum plus XLA's glue;
@@ -109,6 +109,7 @@ CONFIGS = [
     Config("qdeg_tc0017", (721, 1440), (721, 1440), 0.017),
     Config("qdeg_tc003", (721, 1440), (721, 1440), 0.03),
     Config("qdeg_tc003_C256_H4", (721, 1440), (721, 1440), 0.03, channels=256, heads=4),
+    Config("qdeg_default_C256_H4", (721, 1440), (721, 1440), None, channels=256, heads=4),
     Config("hdeg_tc003_H2", (360, 720), (360, 720), 0.03, channels=64, heads=2),  # head dim 32
     Config("hdeg_tc003_C128", (360, 720), (360, 720), 0.03, channels=128),  # head dim 128
 ]
@@ -207,9 +208,9 @@ def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
 
 def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
     """Median ms of the scheduled forward (out in float32, as differentiated), dq, dkv and delta targets, each
-    alone, the backward ones fed with the forward's lse and a delta of its out; each with the stencil targets on
-    the plan's tile stencil pairs where the op runs them; where it does not, also the dq that forms delta
-    (``dq_delta``, what the op runs in place of dq and delta)."""
+    alone, the backward ones fed with the forward's lse and a delta of its out, and the dq that forms delta
+    (``dq_delta``, what the op runs in place of dq and delta); each with the stencil targets on the plan's tile
+    stencil pairs where the op runs them."""
     q0 = input_sets[0][0]
     scale = float(q0.shape[-1]) ** -0.5
     stencil = {walk: uses_stencil_rows(plan, q0, "scheduled", walk) for walk in ("forward", "backward")}
@@ -233,10 +234,9 @@ def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
         "dkv": median_ms(dkv, backward_sets, reps),
         "delta": median_ms(delta, delta_sets, reps),
     }
-    if not stencil["forward"]:
-        dq_delta = jax.jit(lambda q, k, v, g, lse, out, dlse, p: _ffi.ffi_scheduled_dq_delta(
-            q, k, v, g, lse, out, dlse, p, **gradients))  # fmt: skip
-        times["dq_delta"] = median_ms(dq_delta, forming_sets, reps)
+    dq_delta = jax.jit(lambda q, k, v, g, lse, out, dlse, p: _ffi.ffi_scheduled_dq_delta(
+        q, k, v, g, lse, out, dlse, p, **gradients, stencil=stencil["forward"]))  # fmt: skip
+    times["dq_delta"] = median_ms(dq_delta, forming_sets, reps)
     return times
 
 

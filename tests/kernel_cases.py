@@ -56,9 +56,11 @@ DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "floa
 FORWARD, DQ, DKV = 0, 1, 2
 TILED_TARGET_OFFSET = 3
 STENCIL_TARGET_OFFSET = 6
-# The tiled dq that forms delta itself (run_target.cc's RunTiledDqFormingDelta): a launch of it takes
-# (forward out, its remainder or None, dlse) in place of delta and gives (dq, delta).
+# The tiled and the stencil dq that form delta themselves (run_target.cc's RunDqFormingDelta): a launch of either
+# takes (forward out, its remainder or None, dlse) in place of delta and gives (dq, delta).
 TILED_DQ_FORMING_DELTA = 9
+STENCIL_DQ_FORMING_DELTA = 10
+DQ_FORMING_DELTA_FAMILIES = {TILED_DQ_FORMING_DELTA: 1, STENCIL_DQ_FORMING_DELTA: 2}
 # Its delta against float64, per row relative to sum |dout * out| + |dlse| (float32 sums of Dv terms).
 FORMED_DELTA_TOLERANCE = 1e-6
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
@@ -529,7 +531,7 @@ def call_run_target(
     if stencil_pairs is not None and len(stencil_pairs):
         pairs = [ctypes.c_void_p(address(stencil_pairs)), ctypes.c_int64(len(stencil_pairs))]
     tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale), *pairs]
-    forming_delta = target == TILED_DQ_FORMING_DELTA
+    forming_delta = target in DQ_FORMING_DELTA_FAMILIES
     if forming_delta and (r2 is not None or r3 is not None):
         raise ValueError("the dq that forms delta has two results")
     row_inputs = delta if forming_delta else (delta,)  # (forward out, remainder, dlse) or (delta,)
@@ -540,7 +542,7 @@ def call_run_target(
     pointers = [ctypes.c_void_p(None if a is None else address(a)) for a in arrays]
     types = [ctypes.c_int(DTYPES[dtype][0]), ctypes.c_int(gradient_dtype)]
     if forming_delta:
-        return lib.RunTiledDqFormingDelta(*types, *pointers, *tail)
+        return lib.RunDqFormingDelta(ctypes.c_int(DQ_FORMING_DELTA_FAMILIES[target]), *types, *pointers, *tail)
     return lib.RunNbhdAttnTarget(ctypes.c_int(target), *types, *pointers, *tail)
 
 
@@ -649,11 +651,12 @@ def _schedule_arguments(case: KernelCase, schedule, walk_keys: bool) -> tuple[li
 
 
 def run_scheduled_dq_forming_delta(
-    lib, case: KernelCase, result_type, schedule, lse, out, dlse, memory=None
+    lib, case: KernelCase, result_type, schedule, lse, out, dlse, memory=None, stencil_pairs=None
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """The scheduled dq that forms delta (``lib`` and ``memory`` as for :func:`run_scheduled_kind`) on ``case``'s
-    whole grids and the plan's forward ``schedule``, from the forward's float32 ``out`` and ``dlse``: ``(dq,
-    delta)``, dq of numpy type ``result_type``, both poisoned with NaN first."""
+    """The scheduled dq that forms delta (``lib``, ``memory`` and ``stencil_pairs`` as for
+    :func:`run_scheduled_kind`: the stencil dq that forms delta writes those rows) on ``case``'s whole grids and
+    the plan's forward ``schedule``, from the forward's float32 ``out`` and ``dlse``: ``(dq, delta)``, dq of numpy
+    type ``result_type``, both poisoned with NaN first."""
     memory = memory or HostMemory()
     q, k, v, dout = case.inputs[:4]
     results = (np.full(q.shape, np.nan, result_type), np.full(q.shape[:-1], np.nan, np.float32))
@@ -665,13 +668,16 @@ def run_scheduled_dq_forming_delta(
         ctypes.c_void_p(sizes.ctypes.data), ctypes.c_float(case.scale),
     )  # fmt: skip
     assert status == 0, f"scheduled dq forming delta: launcher returned cudaError {status}"
+    if stencil_pairs is not None:
+        _run_stencil_kind(lib, case, "dq_delta", results, lse, (out, dlse), memory, stencil_pairs)
     memory.finish(results)
     return results
 
 
 def _run_stencil_kind(lib, case: KernelCase, kind: str, results, lse, delta, memory, stencil_pairs) -> None:
     """The stencil target of ``kind`` on ``case``'s whole grids, writing the rows of ``stencil_pairs`` into
-    ``results`` (a scheduled kind's, in ``memory``)."""
+    ``results`` (a scheduled kind's, in ``memory``); ``kind`` "dq_delta" is the dq that forms delta, ``delta`` then
+    ``(forward out, dlse)``."""
     q, k, v, dout, *_, window = case.inputs
     walk_keys = kind == "dkv"
     table = case.plan.backward_segments if walk_keys else case.plan.forward_segments
@@ -679,7 +685,10 @@ def _run_stencil_kind(lib, case: KernelCase, kind: str, results, lse, delta, mem
     first, second = results
     narrow_out = kind == "forward" and first.dtype != np.float32
     r0, r1, r2 = (None, second, first) if narrow_out else (first, second, None)
-    target = STENCIL_TARGET_OFFSET + {"forward": FORWARD, "dq": DQ, "dkv": DKV}[kind]
+    if kind == "dq_delta":
+        target, delta = STENCIL_DQ_FORMING_DELTA, (delta[0], None, delta[1])
+    else:
+        target = STENCIL_TARGET_OFFSET + {"forward": FORWARD, "dq": DQ, "dkv": DKV}[kind]
     inputs = (q, k, v, None, None, None) if kind == "forward" else (q, k, v, dout, lse, delta)
     pairs = np.ascontiguousarray(stencil_pairs, np.int32)
     status = call_run_target(lib, memory.address, target, case.dtype, case.sizes[:12], case.scale, *inputs, window,
@@ -732,9 +741,8 @@ def run_scheduled_case(
     lib, case: KernelCase, result_type=np.float32, memory=None, stencil: bool = False
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """The scheduled forward, dq and dk/dv on ``case`` (whole grids) as the op runs them: the forward's out in
-    float32 feeds delta = rowsum(dout * out), formed by the dq (:func:`run_scheduled_dq_forming_delta`, dlse 0)
-    or, with ``stencil``, given to it (in float64, then float32, as the delta target forms it); the backward takes
-    the forward's lse; out, dq, dk and dv of numpy type ``result_type``; ``memory`` as for
+    float32 feeds delta = rowsum(dout * out), formed by the dq (:func:`run_scheduled_dq_forming_delta`, dlse 0);
+    the backward takes the forward's lse; out, dq, dk and dv of numpy type ``result_type``; ``memory`` as for
     :func:`run_scheduled_kind`. ``stencil``: the stencil targets take the rows of the plan's tile stencil pairs,
     the scheduled kernels the others."""
     assert whole_grids(case), "run_scheduled_case forms delta from its own forward: whole grids only"
@@ -746,13 +754,9 @@ def run_scheduled_case(
     out32, lse = run("forward", np.float32, forward, stencil_pairs=pairs["forward"])
     out = out32 if np.dtype(result_type) == np.float32 else run("forward", result_type, forward,
                                                                 stencil_pairs=pairs["forward"])[0]  # fmt: skip
-    if stencil:
-        dout = case.inputs[3].astype(np.float64)
-        delta = (dout * out32).sum(axis=-1).astype(np.float32)
-        (dq, _) = run("dq", result_type, forward, lse, delta, stencil_pairs=pairs["forward"])
-    else:
-        dlse = np.zeros(lse.shape, np.float32)
-        dq, delta = run_scheduled_dq_forming_delta(lib, case, result_type, forward, lse, out32, dlse, memory)
+    dlse = np.zeros(lse.shape, np.float32)
+    dq, delta = run_scheduled_dq_forming_delta(lib, case, result_type, forward, lse, out32, dlse, memory,
+                                               pairs["forward"])  # fmt: skip
     dk, dv = run("dkv", result_type, backward, lse, delta, stencil_pairs=pairs["backward"])
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv, "out32": out32}
 

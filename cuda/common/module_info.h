@@ -80,11 +80,13 @@ void AddTiledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_d
 }
 
 // Adds the stencil targets (CUDA only) to a registrations() dict.
-template <typename Fwd, typename Dq, typename Dkv>
-void AddStencilRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv) {
+template <typename Fwd, typename Dq, typename Dkv, typename DqDelta>
+void AddStencilRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv,
+                             DqDelta* backward_dq_delta) {
   targets[kTargetStencilForward] = HandlerCapsule(forward);
   targets[kTargetStencilBackwardDq] = HandlerCapsule(backward_dq);
   targets[kTargetStencilBackwardDkv] = HandlerCapsule(backward_dkv);
+  targets[kTargetStencilBackwardDqDelta] = HandlerCapsule(backward_dq_delta);
 }
 
 // Adds the scheduled targets (CUDA only) to a registrations() dict.

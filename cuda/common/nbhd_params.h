@@ -31,6 +31,7 @@ inline constexpr char kTargetScheduledBackwardDqDelta[] = "jax_s2attn_sched_bwd_
 inline constexpr char kTargetStencilForward[] = "jax_s2attn_stencil_fwd";
 inline constexpr char kTargetStencilBackwardDq[] = "jax_s2attn_stencil_bwd_dq";
 inline constexpr char kTargetStencilBackwardDkv[] = "jax_s2attn_stencil_bwd_dkv";
+inline constexpr char kTargetStencilBackwardDqDelta[] = "jax_s2attn_stencil_bwd_dq_delta";
 // The arc walk between ring grids (CPU and CUDA): flat fields [..., npoints, H, D] and a RingPlan's patterns
 // (common/ring_walk.h, common/ring_params.h).
 inline constexpr char kTargetRingForward[] = "jax_s2attn_ring_fwd";

@@ -16,7 +16,7 @@ NB_MODULE(_s2attn_cuda, m) {
     s2attn::AddScheduledRegistrations(targets, S2AttnScheduledForwardCuda, S2AttnScheduledBackwardDqCuda,
                                       S2AttnScheduledBackwardDkvCuda, S2AttnScheduledBackwardDqDeltaCuda);
     s2attn::AddStencilRegistrations(targets, S2AttnStencilForwardCuda, S2AttnStencilBackwardDqCuda,
-                                    S2AttnStencilBackwardDkvCuda);
+                                    S2AttnStencilBackwardDkvCuda, S2AttnStencilBackwardDqDeltaCuda);
     s2attn::AddRingRegistrations(targets, S2AttnRingForwardCuda, S2AttnRingBackwardDqCuda, S2AttnRingBackwardDkvCuda);
     return targets;
   });

@@ -127,6 +127,7 @@ struct TiledKernels {
   static constexpr const char* kForward = kTargetTiledForward;
   static constexpr const char* kBackwardDq = kTargetTiledBackwardDq;
   static constexpr const char* kBackwardDkv = kTargetTiledBackwardDkv;
+  static constexpr const char* kBackwardDqDelta = kTargetTiledBackwardDqDelta;
   static constexpr bool kNarrowResults = true;
   static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnFwd(s, g); }
   static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDq(s, g); }
@@ -150,6 +151,7 @@ struct StencilKernels {
   static constexpr const char* kForward = kTargetStencilForward;
   static constexpr const char* kBackwardDq = kTargetStencilBackwardDq;
   static constexpr const char* kBackwardDkv = kTargetStencilBackwardDkv;
+  static constexpr const char* kBackwardDqDelta = kTargetStencilBackwardDqDelta;
   static constexpr bool kNarrowResults = true;
   static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchStencilAttnFwd(s, g); }
   static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchStencilAttnBwdDq(s, g); }
@@ -423,21 +425,23 @@ ffi::Error StencilBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                                        MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_tiled_bwd_dq_delta: the tiled dq, forming delta = sum(dout * out, -1) - dlse from the
-// forward's out (float32, or in q's type with its rounding remainder) at each unit's entry and returning it
-// for the dk/dv target, so that the op needs no delta target between the passes.
-ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                ffi::AnyBuffer dout, F32Buffer lse, ffi::AnyBuffer out, ffi::AnyBuffer out_remainder,
-                                F32Buffer dlse, I32Buffer window,
-                                I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                                I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
-                                F32Result delta, float scale,
-                                int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
-                                int64_t nlon_k) {
+// jax_s2attn_tiled_bwd_dq_delta and jax_s2attn_stencil_bwd_dq_delta: dq forming delta = sum(dout * out, -1) - dlse
+// from the forward's out (float32, or in q's type with its rounding remainder) at each unit's entry and returning it
+// for the dk/dv target, so that the op needs no delta target between the passes; `Kernels` the tiled family (dq of
+// every row, the stencil kernel on the stencil pairs' rows) or the stencil kernels alone (dq and delta of the
+// stencil pairs' rows, the others aliased to the scheduled dq_delta's).
+template <typename Kernels>
+ffi::Error BackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer dout, F32Buffer lse, ffi::AnyBuffer out, ffi::AnyBuffer out_remainder,
+                           F32Buffer dlse, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
+                           I32Buffer arcs, F32Buffer quad_weights, I32Buffer stencil_pairs,
+                           ffi::RemainingArgs /*aliased_results*/, AnyResult dq, F32Result delta, float scale,
+                           int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
+                           int64_t nlon_k) {
   NbhdAttnGpuParams g;
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, dlse, "dlse", window, row_order, arc_offsets, arcs,
                                         quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
-                                        /*walk_keys=*/false, TiledKernels::kForm, &g));
+                                        /*walk_keys=*/false, Kernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_v));
   const bool split = out.element_type() != ffi::DataType::F32;
   if (split) {
@@ -464,10 +468,11 @@ ffi::Error TiledBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
   }
   g.dlse = dlse.typed_data();
   g.delta_out = delta->typed_data();
-  S2ATTN_RETURN_IF_ERROR(TiledKernels::Check(g));
-  return LaunchOnStreamDevice(stream, kTargetTiledBackwardDqDelta,
-                              [&] { return TiledKernels::BackwardDq(stream, g); });
+  S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
+  return LaunchOnStreamDevice(stream, Kernels::kBackwardDqDelta,
+                              [&] { return Kernels::BackwardDq(stream, g); });
 }
+
 
 ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buffer dlse,
                  ffi::RemainingArgs /*aliased_results*/, F32Result delta) {
@@ -615,7 +620,9 @@ S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledForward, s2attn::TiledBack
                             true, true);
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnStencil, s2attn::StencilForward, s2attn::StencilBackwardDq,
                             s2attn::StencilBackwardDkv, true, false);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::TiledBackwardDqDelta,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::BackwardDqDelta<s2attn::TiledKernels>,
+                              s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnStencilBackwardDqDeltaCuda, s2attn::BackwardDqDelta<s2attn::StencilKernels>,
                               s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnRingForwardCuda, s2attn::RingForward,
                               s2attn::BindRingForward(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));

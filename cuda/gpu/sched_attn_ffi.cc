@@ -266,7 +266,8 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
 
 // jax_s2attn_sched_bwd_dq_delta: the scheduled dq forming delta = sum(dout * out, -1) - dlse of its points from
 // the forward's float32 out at each block's entry, and returning it for the dk/dv target, so that the op needs no
-// delta target between the passes.
+// delta target between the passes (beside the stencil targets, jax_s2attn_stencil_bwd_dq_delta forms the stencil
+// rows' delta into the same result).
 ffi::Error BackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer dout, F32Buffer lse, F32Buffer out, F32Buffer dlse, I32Buffer tiles,
                            I32Buffer tile_offsets, I32Buffer chunks, I32Buffer records, F32Buffer quad_weights,
@@ -279,10 +280,6 @@ ffi::Error BackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                      nlon_k, ring_nlon, tile_rows, tile_cols, chunk_cols, stencil_tiles, ring_grids};
   S2ATTN_RETURN_IF_ERROR(
       Decode(q, k, v, {tiles, tile_offsets, chunks, records, quad_weights}, a, /*walk_keys=*/false, &g));
-  S2ATTN_CHECK(stencil_tiles == 0,
-               "the dq that forms delta walks every tile (stencil_tiles 0, got " << stencil_tiles
-                                                                                << "): beside the stencil targets, "
-                                                                                   "form delta with the delta target");
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, dout, lse, dlse, "dlse", &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("dq", dq->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));

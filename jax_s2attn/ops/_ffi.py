@@ -40,6 +40,7 @@ __all__ = [
     "SCHEDULED_FORWARD_TARGET",
     "SCHEDULED_TARGETS",
     "STENCIL_BACKWARD_DKV_TARGET",
+    "STENCIL_BACKWARD_DQ_DELTA_TARGET",
     "STENCIL_BACKWARD_DQ_TARGET",
     "STENCIL_FORWARD_TARGET",
     "STENCIL_TARGETS",
@@ -123,7 +124,11 @@ SCHEDULED_TARGETS = (
 STENCIL_FORWARD_TARGET = "jax_s2attn_stencil_fwd"
 STENCIL_BACKWARD_DQ_TARGET = "jax_s2attn_stencil_bwd_dq"
 STENCIL_BACKWARD_DKV_TARGET = "jax_s2attn_stencil_bwd_dkv"
-STENCIL_TARGETS = (STENCIL_FORWARD_TARGET, STENCIL_BACKWARD_DQ_TARGET, STENCIL_BACKWARD_DKV_TARGET)
+# The stencil dq that forms its rows' delta (the tiled dq_delta's operands), beside the scheduled one.
+STENCIL_BACKWARD_DQ_DELTA_TARGET = "jax_s2attn_stencil_bwd_dq_delta"
+STENCIL_TARGETS = (
+    STENCIL_FORWARD_TARGET, STENCIL_BACKWARD_DQ_TARGET, STENCIL_BACKWARD_DKV_TARGET, STENCIL_BACKWARD_DQ_DELTA_TARGET
+)
 
 # The arc walk between ring grids (CPU and CUDA): flat fields [..., npoints, H, D] and a RingPlan's patterns (the queries'
 # walk for the forward and dq, the keys' walk for dk/dv).
@@ -727,23 +732,27 @@ def ffi_scheduled_dq(
 
 
 def ffi_scheduled_dq_delta(
-    query, key, value, dout, lse, out, dlse, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False
+    query, key, value, dout, lse, out, dlse, plan, *, scale, gradient_dtype=jnp.float32, poison_results=False,
+    stencil=False,
 ):  # fmt: skip
     """The scheduled dq that forms delta itself: ``(dq, delta)``, whole grids.
 
     As :func:`ffi_scheduled_dq`, but given the forward's float32 ``out`` and ``dlse`` (as :func:`ffi_delta` takes
     them) in place of delta: each block forms ``delta = sum(dout * out, -1) - dlse`` of its query tile at its
     entry, in a fixed order (not the delta target's: the last bits may differ), uses it, and returns it for
-    :func:`ffi_scheduled_dkv`, so that the op needs no delta target between the passes. Every tile of the plan's
-    forward schedule: beside the stencil targets, and where dq is summed over key windows (the sharded op),
-    :func:`ffi_delta` forms delta instead."""
+    :func:`ffi_scheduled_dkv`, so that the op needs no delta target between the passes. With ``stencil`` the
+    stencil target forms the delta of the stencil rows the same way. Where dq is summed over key windows (the
+    sharded op), :func:`ffi_delta` forms delta instead."""
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
-    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key)
+    schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, stencil=stencil)
     dout, out, dlse = _delta_operands(dout, out, dlse)
-    operands = (query, key, value, dout, lse, out, dlse, *schedule)
-    dq, delta = _call(SCHEDULED_BACKWARD_DQ_DELTA_TARGET, operands, [query.shape, dlse.shape], attributes,
-                      poison_results, (dtype, jnp.dtype(jnp.float32)))  # fmt: skip
-    return dq, delta
+    dtypes = (dtype, jnp.dtype(jnp.float32))
+    results = _call(SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (query, key, value, dout, lse, out, dlse, *schedule),
+                    [query.shape, dlse.shape], attributes, poison_results, dtypes)  # fmt: skip
+    if stencil:
+        operands = (query, key, value, dout, lse, out, jnp.zeros((0,), jnp.float32), dlse)  # no out remainder
+        results = _stencil_rows(STENCIL_BACKWARD_DQ_DELTA_TARGET, "forward", operands, plan, scale, results, dtypes)
+    return tuple(results)
 
 
 def ffi_scheduled_dkv(

@@ -382,18 +382,13 @@ def _native_backward(scale, kernel, residuals, cotangents):
     dout, dlse = cotangents
     # delta from the unrounded output (float32, or the tiled forward's two parts), never from a rounded one.
     # A cotangent of lse adds dlse * p_j to every score gradient, exactly as lowering delta by dlse does.
-    # The native targets sum in a fixed order: the gradients are the same bits in every program. The tiled
-    # dq, and the scheduled one where no stencil rows run beside it, form delta at their entry (one pass over
-    # dout and out fewer); the arc kernels and the scheduled ones beside the stencil rows take it from the delta
-    # target.
+    # The native targets sum in a fixed order: the gradients are the same bits in every program. The tensor-core
+    # dq kernels (and the stencil ones beside them) form delta at their entry (one pass over dout and out fewer);
+    # the arc kernels take it from the delta target.
     gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
     if kernel == "scheduled":
-        stencil = uses_stencil_rows(plan, query, kernel)
-        if stencil:
-            delta = _ffi.ffi_delta(dout, out, dlse)
-            dq = _ffi.ffi_scheduled_dq(query, key, value, dout, lse, delta, plan, stencil=True, **gradients)
-        else:
-            dq, delta = _ffi.ffi_scheduled_dq_delta(query, key, value, dout, lse, out, dlse, plan, **gradients)
+        dq, delta = _ffi.ffi_scheduled_dq_delta(query, key, value, dout, lse, out, dlse, plan, **gradients,
+                                                stencil=uses_stencil_rows(plan, query, kernel))  # fmt: skip
         dk, dv = _ffi.ffi_scheduled_dkv(query, key, value, dout, lse, delta, plan, **gradients,
                                         stencil=uses_stencil_rows(plan, query, kernel, "backward"))  # fmt: skip
     else:

@@ -103,10 +103,10 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
   }
 }
 
-// The tiled dq that forms delta (the target jax_s2attn_tiled_bwd_dq_delta): target 4's arguments with
-// the forward's out and dlse in place of delta; results dq and delta. The out is float32 (`remainder` null),
-// or in `dtype` with its rounding remainder.
-extern "C" int RunTiledDqFormingDelta(int dtype, int gradient_dtype, const void* q, const void* k, const void* v,
+// The dq that forms delta (the targets jax_s2attn_tiled_bwd_dq_delta, `family` 1, and
+// jax_s2attn_stencil_bwd_dq_delta, `family` 2): target 4's or 7's arguments with the forward's out and dlse in place
+// of delta; results dq and delta. The out is float32 (`remainder` null), or in `dtype` with its rounding remainder.
+extern "C" int RunDqFormingDelta(int family, int dtype, int gradient_dtype, const void* q, const void* k, const void* v,
                                       const void* dout, const float* lse, const void* forward_out,
                                       const void* remainder, const float* dlse,
                                       const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
@@ -126,7 +126,8 @@ extern "C" int RunTiledDqFormingDelta(int dtype, int gradient_dtype, const void*
   p.dlse = dlse;
   p.dq = dq;
   p.delta_out = delta;
-  return s2attn::LaunchTiledAttnBwdDq(nullptr, p);
+  if (family == 1) return s2attn::LaunchTiledAttnBwdDq(nullptr, p);
+  return family == 2 ? s2attn::LaunchStencilAttnBwdDq(nullptr, p) : cudaErrorInvalidValue;
 }
 
 // A ring target (the arc kernels between ring grids): `kind` 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk,
