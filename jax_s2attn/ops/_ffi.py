@@ -644,22 +644,18 @@ def _scheduled_operands(
             f"{s.nlat_walk}x{s.nlon_walk}: build the schedules for these blocks (parallel.layout.window_schedules)."
         )
     operands = (_index(tiles), _index(tile_offsets), _index(s.chunks), _index(s.records), weights)
-    attributes = {
-        "scale": np.float32(scale),
-        "classes": np.int64(s.classes),
-        "shift": np.int64(s.shift),
-        "nlat_q": np.int64(nq_lat),
-        "nlon_q": np.int64(nq_lon),
-        "nlat_k": np.int64(nk_lat),
-        "nlon_k": np.int64(nk_lon),
-        "ring_nlon": np.int64(s.nlon),
-        "tile_rows": np.int64(tile_rows),
-        "tile_cols": np.int64(tile_cols),
-        "chunk_cols": np.int64(chunk_cols),
-        "stencil_tiles": np.int64(stencil_tiles),
-        "ring_grids": False,
-    }
-    return operands, attributes
+    return operands, _scheduled_attributes(s, scale, (nq_lat, nq_lon), (nk_lat, nk_lon), stencil_tiles)
+
+
+def _scheduled_attributes(schedule, scale, query_grid, key_grid, stencil_tiles=0, ring_grids=False) -> dict:
+    """The attributes of a scheduled call on ``schedule`` (a :class:`~jax_s2attn.schedule.BlockSchedule` or a ring
+    grids' schedule in the kernels' shape) between the arrays' ``query_grid`` and ``key_grid`` ``(rows,
+    longitudes)`` (cuda/README.md, "Scheduled targets")."""
+    (nq_lat, nq_lon), (nk_lat, nk_lon) = query_grid, key_grid
+    sizes = dict(classes=schedule.classes, shift=schedule.shift, nlat_q=nq_lat, nlon_q=nq_lon, nlat_k=nk_lat,
+                 nlon_k=nk_lon, ring_nlon=schedule.nlon, tile_rows=schedule.tile_rows, tile_cols=schedule.tile_cols,
+                 chunk_cols=schedule.chunk_cols, stencil_tiles=stencil_tiles)  # fmt: skip
+    return {"scale": np.float32(scale), **{k: np.int64(v) for k, v in sizes.items()}, "ring_grids": bool(ring_grids)}
 
 
 def _stencil_rows(target, walk: str, operands, plan, scale, results, dtypes) -> tuple:
@@ -893,22 +889,7 @@ def _ring_scheduled_operands(plan, walk: str, scale) -> tuple[tuple, dict]:
     s = ring_block_schedule(plan, walk, runs=runs, run_points=run_points, chunk_cols=limits.scheduled_shape[2])
     weights = plan.grid_in.point_weights().astype(np.float32)
     operands = (s.tiles, s.tile_offsets, s.chunks, s.records, weights)
-    attributes = {
-        "scale": np.float32(scale),
-        "classes": np.int64(s.classes),
-        "shift": np.int64(s.shift),
-        "nlat_q": np.int64(1),
-        "nlon_q": np.int64(plan.npoints_out),
-        "nlat_k": np.int64(1),
-        "nlon_k": np.int64(plan.npoints_in),
-        "ring_nlon": np.int64(s.nlon),
-        "tile_rows": np.int64(s.tile_rows),
-        "tile_cols": np.int64(s.tile_cols),
-        "chunk_cols": np.int64(s.chunk_cols),
-        "stencil_tiles": np.int64(0),
-        "ring_grids": True,
-    }
-    return operands, attributes
+    return operands, _scheduled_attributes(s, scale, (1, plan.npoints_out), (1, plan.npoints_in), ring_grids=True)
 
 
 def ffi_ring_scheduled_forward(query, key, value, plan, *, scale, out_dtype=jnp.float32, poison_results=False):
