@@ -112,6 +112,13 @@ inline cudaError_t LaunchRowGrid(void (*kernel)(NbhdAttnGpuParams), cudaStream_t
 // (`hi`) plus what that rounding left, rounded to T again (`lo`, PackRemainder's bits): hi + lo carries about
 // twice T's significant bits, which delta needs where dP - delta cancels (fields smooth in position). In
 // float16, lo turns subnormal where |out| < ~4e-3 and carries fewer bits there (bfloat16 has float32's range).
+// Whether a call gives the forward's out in one form (float32, or in T with its remainder) or none: the dq
+// launchers that form delta refuse anything else.
+inline bool ForwardOutInOneForm(const NbhdAttnGpuParams& p) {
+  const bool narrow = p.forward_out_narrow != nullptr;
+  return narrow == (p.forward_out_remainder != nullptr) && !(narrow && p.forward_out != nullptr);
+}
+
 template <typename T>
 struct ForwardOut {
   const float* whole;
@@ -139,7 +146,7 @@ struct ForwardOut {
   }
 
   // Elements `at` .. `at + 7` by 16-byte loads (`at` a multiple of 8; the pointers 16-byte aligned, as
-  // TiledAttnSupported checks).
+  // TiledAttnSupported and StencilAttnSupported check).
   __device__ __forceinline__ void Eight(int64_t at, float (&x)[8]) const {
     if (whole != nullptr) {
       const float4* src = reinterpret_cast<const float4*>(whole + at);

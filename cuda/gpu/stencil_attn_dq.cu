@@ -73,6 +73,8 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilDq);
 }  // namespace gpu
 
 cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  // The forward's out, if given, in one form: float32, or in T with its remainder.
+  if (!gpu::ForwardOutInOneForm(p)) return cudaErrorInvalidValue;
   return gpu::stencil::DispatchStencil(p, [&](auto variant) {
     using V = decltype(variant);
     return gpu::stencil::LaunchStencilDq<typename V::Element, V::kDim>(stream, p);

@@ -66,7 +66,8 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilFwd);
 
 bool StencilAttnSupported(const NbhdAttnGpuParams& p) {
   return gpu::SixteenBitTypes(p, kStencilHeadDims) && p.num_stencil_pairs > 0 && p.stencil_pairs != nullptr &&
-         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.out_narrow});
+         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.out_narrow, p.forward_out, p.forward_out_narrow,
+                         p.forward_out_remainder});
 }
 
 cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {

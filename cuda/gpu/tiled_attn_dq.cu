@@ -117,10 +117,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocksPerSm<D>()) TiledDqKernel(c
 
 cudaError_t LaunchTiledAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
   // The forward's out, if given, in one form: float32, or in T with its remainder.
-  const bool narrow_out = p.forward_out_narrow != nullptr;
-  if (narrow_out != (p.forward_out_remainder != nullptr) || (narrow_out && p.forward_out != nullptr)) {
-    return cudaErrorInvalidValue;
-  }
+  if (!gpu::ForwardOutInOneForm(p)) return cudaErrorInvalidValue;
   return gpu::tiled::DispatchTiled(p, [&](auto variant) {
     using V = decltype(variant);
     using T = typename V::Element;
