@@ -114,8 +114,9 @@ def test_smooth_values_keep_gradients_accurate(dtype, geometry, d, rng, dense_at
 
 def _run_targets(plan, q, k, v, dout, result_dtype, **kwargs) -> list[np.ndarray]:
     """``(out, lse, dq, dk, dv)`` of the three scheduled targets, results poisoned with NaN first, of
-    ``result_dtype`` (lse float32); the backward from this forward's lse and a delta of its float32 out, as the
-    op runs it. ``kwargs``: the targets' ``scale`` and ``stencil``."""
+    ``result_dtype`` (lse float32); the backward from this forward's lse and the delta target's delta of its float32
+    out (the op forms the same delta in its dq: test_the_dq_that_forms_delta_*). ``kwargs``: the targets' ``scale``
+    and ``stencil``."""
     kwargs["poison_results"] = True
     out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, out_dtype=result_dtype, **kwargs)
     out32, _ = _ffi.ffi_scheduled_forward(q, k, v, plan, **kwargs)
@@ -365,7 +366,7 @@ STENCIL_CASES = [
 def test_targets_beside_the_stencil_rows_match_float64(case, dtype, exact_random, dense_attention, rel_error):
     """The scheduled targets on the schedules without the stencil rows' tiles, the stencil targets writing those
     rows into the same results (poisoned with NaN first): every element written, out, lse and the gradients
-    against float64 (the backward from this forward's lse and a delta from its float32 out, as the op runs it);
+    against float64 (the backward from this forward's lse and the delta target's delta of its float32 out);
     results in the activations' dtype the float32 ones rounded, bit for bit."""
     geometry, heads, d = case
     plan = NeighborhoodPlan(*geometry)
@@ -384,24 +385,38 @@ def test_targets_beside_the_stencil_rows_match_float64(case, dtype, exact_random
         assert n.tobytes() == rounded.tobytes(), f"{name}: not the float32 result rounded"
 
 
+@pytest.mark.parametrize("gradients", ["float32", "activations"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", STENCIL_CASES, ids=str)
-def test_the_dq_that_forms_delta_beside_the_stencil_rows(case, exact_random):
-    """The scheduled dq that forms delta on the schedule without the stencil rows' tiles, the stencil dq forming
-    those rows' delta into the same results (poisoned with NaN first): every element written, delta within
-    FORMED_DELTA_TOLERANCE of float64 on every row, dq the bits of the two dq targets given that delta, and the
-    same bits run to run."""
+def test_the_dq_that_forms_delta_beside_the_stencil_rows(case, dtype, gradients, exact_random):
+    """The scheduled dq that forms delta on the schedule without the stencil rows' tiles writes dq and delta of
+    exactly the other rows (poisoned with NaN first, the stencil rows stay NaN); the stencil dq forming delta
+    fills exactly those rows of the same results: every element written, delta within FORMED_DELTA_TOLERANCE of
+    float64 on every row, dq the bits of the two dq targets given that delta, and the same bits run to run."""
     geometry, heads, d = case
     plan = NeighborhoodPlan(*geometry)
-    q, dout = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), jnp.bfloat16) for _ in range(2))
-    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, d), jnp.bfloat16) for _ in range(2))
+    q, dout = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), dtype) for _ in range(2))
+    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, d), dtype) for _ in range(2))
     dlse = jnp.asarray(exact_random(2, *plan.out_shape, heads), jnp.float32)
+    result_dtype = jnp.dtype(jnp.float32 if gradients == "float32" else dtype)
     out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, scale=0.125, stencil=True)
+    schedule, attributes = _ffi._scheduled_operands(plan, "forward", 0.125, q, k, stencil=True)
+    alone = _ffi._call(_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (q, k, v, dout, lse, out, dlse, *schedule),
+                       [q.shape, lse.shape], attributes, True, (result_dtype, jnp.dtype(jnp.float32)))  # fmt: skip
+    pairs = plan.tile_stencil_pairs("forward")
+    stencil_rows = np.zeros(plan.nlat_out, bool)
+    stencil_rows[pairs[:, 0]] = stencil_rows[pairs[:, 0] + 1] = True
+    for name, x in zip(("dq", "delta"), alone, strict=True):
+        unwritten = np.isnan(np.asarray(x, np.float32)).reshape(2, plan.nlat_out, -1)
+        assert (unwritten.all(axis=(0, 2)) == stencil_rows).all(), f"{name}: NaN rows are not the stencil rows"
+        assert not unwritten[:, ~stencil_rows].any(), f"{name}: unwritten elements outside the stencil rows"
     run = functools.partial(_ffi.ffi_scheduled_dq_delta, q, k, v, dout, lse, out, dlse, plan, scale=0.125,
-                            poison_results=True, stencil=True)  # fmt: skip
+                            gradient_dtype=result_dtype, poison_results=True, stencil=True)  # fmt: skip
     (dq, delta), again = run(), run()
-    given = _ffi.ffi_scheduled_dq(q, k, v, dout, lse, delta, plan, scale=0.125, poison_results=True, stencil=True)
+    given = _ffi.ffi_scheduled_dq(q, k, v, dout, lse, delta, plan, scale=0.125, gradient_dtype=result_dtype,
+                                  poison_results=True, stencil=True)  # fmt: skip
     dq, delta, given = (np.asarray(x) for x in (dq, delta, given))
-    assert not np.isnan(dq).any() and not np.isnan(delta).any(), "unwritten elements"
+    assert not np.isnan(np.asarray(dq, np.float32)).any() and not np.isnan(delta).any(), "unwritten elements"
     _assert_formed_delta(delta, dout, out, dlse)
     assert dq.tobytes() == given.tobytes(), "dq: not the bits of the dq given its delta"
     assert all(np.asarray(a).tobytes() == b.tobytes() for a, b in zip(again, (dq, delta))), "not the same bits"
