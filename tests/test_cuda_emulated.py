@@ -935,6 +935,27 @@ def test_scheduled_beside_the_stencil_rows_matches_float64(emulated_library, rng
         assert narrow[name].tobytes() == wide[name].astype(narrow[name].dtype).tobytes(), name
 
 
+@pytest.mark.parametrize(("plan_name", "d", "dtype"), SCHEDULED_STENCIL_CASES,
+                         ids=[f"{p}-d{d}-{t}" for p, d, t in SCHEDULED_STENCIL_CASES])  # fmt: skip
+def test_scheduled_dq_forms_delta_beside_the_stencil_rows(emulated_library, rng, plan_name, d, dtype):
+    """The scheduled dq that forms delta on the schedule without the stencil rows' tiles, then the stencil dq
+    forming those rows' delta into the same results, from the forward's float32 out and dlse (not zero): delta of
+    every point within FORMED_DELTA_TOLERANCE of float64, dq the bits of the two dq given that delta, every element
+    of both written (NaN-poisoned first)."""
+    plan = STENCIL_PLANS[plan_name]()
+    pairs = plan.tile_stencil_pairs("forward")
+    case = prepare_case(rng, plan, 2, 2, d, d, dtype)
+    forward, _ = scheduled_schedules(case, stencil=True)
+    run = functools.partial(run_scheduled_kind, emulated_library, case, result_type=np.float32, schedule=forward,
+                            stencil_pairs=pairs)  # fmt: skip
+    out, lse = run("forward")
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    dq, delta = run_scheduled_dq_forming_delta(emulated_library, case, np.float32, forward, lse, out, dlse,
+                                               stencil_pairs=pairs)  # fmt: skip
+    (dq_given, _) = run("dq", lse=lse, delta=delta)
+    verify_dq_forming_delta(case, out, dlse, {"dq": dq, "delta": delta, "dq_given_delta": dq_given})
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("dtype", TILED_DTYPES)
 def test_scheduled_results_in_the_activations_type_are_the_rounded_float32_ones(emulated_library, rng, dtype,
