@@ -68,8 +68,8 @@ auto BindForward(Binding&& binding) {
 }
 
 // Operands of the backward targets: q, k, v, dout, lse, delta, then the tables; with kDeltaFromOut
-// (jax_s2attn_tiled_bwd_dq_delta) the forward's out, its rounding remainder (or empty) and dlse in place of
-// delta.
+// (jax_s2attn_tiled_bwd_dq_delta, jax_s2attn_stencil_bwd_dq_delta) the forward's out, its rounding remainder (or
+// empty) and dlse in place of delta.
 template <bool kDeltaFromOut = false, bool kStencilPairs = false, typename Binding>
 auto BindBackwardArgs(Binding&& binding) {
   auto through_lse = std::move(binding)
@@ -97,7 +97,8 @@ auto BindBackwardDq(Binding&& binding) {
   return BindAttrs(BindBackwardArgs<false, kStencilPairs>(std::move(binding)).template Ret<ffi::AnyBuffer>());
 }
 
-// jax_s2attn_tiled_bwd_dq_delta: backward operands with out and dlse, and the stencil pairs -> (dq, delta).
+// jax_s2attn_tiled_bwd_dq_delta, jax_s2attn_stencil_bwd_dq_delta: backward operands with out and dlse, and the
+// stencil pairs -> (dq, delta).
 template <typename Binding>
 auto BindBackwardDqDelta(Binding&& binding) {
   return BindAttrs(

@@ -1,6 +1,6 @@
 // CUDA handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
 // arc-segment targets, their three tiled tensor-core twins and the three stencil targets, one handler template
-// each, the tiled dq that forms delta itself, the three ring targets (the arc kernels between ring grids), and the
+// each, the tiled and the stencil dq that form delta themselves (one template), the three ring targets (the arc kernels between ring grids), and the
 // backward's delta.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
@@ -472,7 +472,6 @@ ffi::Error BackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
   return LaunchOnStreamDevice(stream, Kernels::kBackwardDqDelta,
                               [&] { return Kernels::BackwardDq(stream, g); });
 }
-
 
 ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buffer dlse,
                  ffi::RemainingArgs /*aliased_results*/, F32Result delta) {

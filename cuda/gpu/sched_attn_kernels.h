@@ -72,7 +72,8 @@ bool SchedAttnBuiltForSm90a();
 bool SchedAttnAvailable();
 
 // out and lse (a query without neighbours: out 0, lse -inf); dq (and, given forward_out, dlse and delta_out in
-// place of delta, delta of every walking point); dk and dv (cuda/README.md, "Scheduled targets").
+// place of delta, delta of every walking point of the listed tiles); dk and dv (cuda/README.md, "Scheduled
+// targets").
 cudaError_t LaunchSchedAttnFwd(cudaStream_t stream, const SchedAttnParams& params);
 cudaError_t LaunchSchedAttnDq(cudaStream_t stream, const SchedAttnParams& params);
 cudaError_t LaunchSchedAttnDkv(cudaStream_t stream, const SchedAttnParams& params);

@@ -43,8 +43,8 @@ cudaError_t LaunchStencilDkv(cudaStream_t stream, const NbhdAttnGpuParams& p);
 bool StencilAttnSupported(const NbhdAttnGpuParams& p);
 
 // The stencil targets: the launchers above for the call's type and head dim, writing only the rows of
-// p.stencil_pairs (out or out_narrow and lse_out; dq, with p.delta; dk and dv); cudaErrorInvalidValue where
-// StencilAttnSupported is false.
+// p.stencil_pairs (out or out_narrow and lse_out; dq, with p.delta, or given the forward's out and dlse also
+// delta_out; dk and dv); cudaErrorInvalidValue where StencilAttnSupported is false.
 cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
 cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p);
 cudaError_t LaunchStencilAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p);

@@ -661,7 +661,8 @@ def _scheduled_attributes(schedule, scale, query_grid, key_grid, stencil_tiles=0
 def _stencil_rows(target, walk: str, operands, plan, scale, results, dtypes) -> tuple:
     """``results`` of a scheduled call on whole grids whose schedule left out the stencil rows' tiles, with those
     rows (of :meth:`NeighborhoodPlan.tile_stencil_pairs` of ``walk``) written in place by the stencil target
-    ``target`` on the activations ``operands`` (the scheduled call's)."""
+    ``target`` on the operands before its tables: the scheduled call's activations (and, for the dq that forms
+    delta, the forward's out, an empty remainder and dlse)."""
     tables = (getattr(plan.tables, f"{walk}_{name}") for name in ("row_order", "segment_offsets", "segments"))
     pairs = plan.tile_stencil_pairs(walk, tile_rows=kernel_limits().scheduled_shape[0])
     operands = (*operands, full_window(plan), *tables, plan.quad_weights, pairs)

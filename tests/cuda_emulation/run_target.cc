@@ -106,13 +106,12 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
 // The dq that forms delta (the targets jax_s2attn_tiled_bwd_dq_delta, `family` 1, and
 // jax_s2attn_stencil_bwd_dq_delta, `family` 2): target 4's or 7's arguments with the forward's out and dlse in place
 // of delta; results dq and delta. The out is float32 (`remainder` null), or in `dtype` with its rounding remainder.
-extern "C" int RunDqFormingDelta(int family, int dtype, int gradient_dtype, const void* q, const void* k, const void* v,
-                                      const void* dout, const float* lse, const void* forward_out,
-                                      const void* remainder, const float* dlse,
-                                      const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
-                                      const int32_t* arcs, const float* quad_weights, void* dq, float* delta,
-                                      const int64_t* sizes, float scale, const int32_t* stencil_pairs,
-                                      int64_t num_pairs) {
+extern "C" int RunDqFormingDelta(int family, int dtype, int gradient_dtype, const void* q, const void* k,
+                                 const void* v, const void* dout, const float* lse, const void* forward_out,
+                                 const void* remainder, const float* dlse, const int32_t* window,
+                                 const int32_t* row_order, const int32_t* arc_offsets, const int32_t* arcs,
+                                 const float* quad_weights, void* dq, float* delta, const int64_t* sizes,
+                                 float scale, const int32_t* stencil_pairs, int64_t num_pairs) {
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
                                          arcs, quad_weights, sizes, scale);
   p.stencil_pairs = stencil_pairs;
