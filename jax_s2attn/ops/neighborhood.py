@@ -36,11 +36,11 @@ RESIDUAL_NAME = "s2attn_residual"
 STENCIL_MIN_POINTS = 1 << 17
 
 #: Mean neighbours per output point from which the op runs the scheduled tensor-core kernels rather than the tiled
-#: ones where both can run. Below it the tiled kernels are faster on the largest grids: 721x1440 at the default
-#: cutoff (23 neighbours; bf16, C 64, f+b, one H100 run) takes 1.39 ms tiled against 1.49 ms scheduled, both beside
-#: the stencil kernels, where 180x360 -> 360x720 at tc 0.03 (42) takes 0.53 against 0.40 ms on the H200; at the
-#: default cutoff the smaller grids gain on the scheduled kernels (360x720 0.50 against 0.46 ms), which this
-#: count does not tell apart (docs/performance.md).
+#: ones where both can run. Below it the tiled kernels are as fast or faster on the largest grids: 721x1440 at the
+#: default cutoff (23 neighbours; bf16, f+b, one H100 run, both beside the stencil kernels) takes 1.398 ms tiled
+#: against 1.389 scheduled with C 64 and 4.98 against 5.30 with C 256 in 4 heads, where 180x360 -> 360x720 at tc
+#: 0.03 (42) takes 0.53 against 0.40 ms on the H200; at the default cutoff the smaller grids gain on the scheduled
+#: kernels (360x720 0.50 against 0.45 ms), which this count does not tell apart (docs/performance.md).
 SCHEDULED_MIN_NEIGHBORS = 32
 
 
