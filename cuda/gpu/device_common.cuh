@@ -108,10 +108,6 @@ inline cudaError_t LaunchRowGrid(void (*kernel)(NbhdAttnGpuParams), cudaStream_t
   return cudaGetLastError();
 }
 
-// The forward's out as the dq kernels read it to form delta: float32 (`whole`), or in T as its rounded value
-// (`hi`) plus what that rounding left, rounded to T again (`lo`, PackRemainder's bits): hi + lo carries about
-// twice T's significant bits, which delta needs where dP - delta cancels (fields smooth in position). In
-// float16, lo turns subnormal where |out| < ~4e-3 and carries fewer bits there (bfloat16 has float32's range).
 // Whether a call gives the forward's out in one form (float32, or in T with its remainder) or none: the dq
 // launchers that form delta refuse anything else.
 inline bool ForwardOutInOneForm(const NbhdAttnGpuParams& p) {
@@ -119,6 +115,10 @@ inline bool ForwardOutInOneForm(const NbhdAttnGpuParams& p) {
   return narrow == (p.forward_out_remainder != nullptr) && !(narrow && p.forward_out != nullptr);
 }
 
+// The forward's out as the dq kernels read it to form delta: float32 (`whole`), or in T as its rounded value
+// (`hi`) plus what that rounding left, rounded to T again (`lo`, PackRemainder's bits): hi + lo carries about
+// twice T's significant bits, which delta needs where dP - delta cancels (fields smooth in position). In
+// float16, lo turns subnormal where |out| < ~4e-3 and carries fewer bits there (bfloat16 has float32's range).
 template <typename T>
 struct ForwardOut {
   const float* whole;

@@ -1,7 +1,7 @@
 // CUDA handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
 // arc-segment targets, their three tiled tensor-core twins and the three stencil targets, one handler template
-// each, the tiled and the stencil dq that form delta themselves (one template), the three ring targets (the arc kernels between ring grids), and the
-// backward's delta.
+// each, the tiled and the stencil dq that form delta themselves (one template), the three ring targets (the arc
+// kernels between ring grids), and the backward's delta.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
 // table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream with its device current
