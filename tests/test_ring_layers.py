@@ -131,11 +131,15 @@ def test_layers_on_a_mesh_split_the_rings_and_give_the_serial_results():
         return jax.grad(loss)(params)
 
     # The key bias's exact gradient is zero (it adds one constant to all of a query's scores), so both layers hold
-    # round-off there: every leaf is compared to float32 round-off of the largest gradient.
+    # only round-off there: it is checked to be round-off of the largest gradient, every other leaf as before.
     serial_grads = grads(serial)
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(serial_grads))
-    for a, b in zip(jax.tree.leaves(grads(sharded)), jax.tree.leaves(serial_grads), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+    leaves = zip(jax.tree_util.tree_leaves_with_path(grads(sharded)), jax.tree.leaves(serial_grads), strict=True)
+    for (path, a), b in leaves:
+        if jax.tree_util.keystr(path).startswith("['k_bias']"):
+            assert max(float(jnp.abs(a).max()), float(jnp.abs(b).max())) <= 1e-6 * scale, jax.tree_util.keystr(path)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     module = linen.NeighborhoodAttentionS2(6, grid_in=grid, grid_out=grid, theta_cutoff=cutoff, num_heads=2,
                                            mesh=mesh, batch_axis="batch")  # fmt: skip
     variables = module.init(jax.random.key(0), x)
