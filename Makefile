@@ -22,6 +22,9 @@ CUDA_RUN := $(or $(JAX_S2ATTN_CUDA),OFF)
 # torch >= 2.14, hence --no-deps.
 TORCH := torch==2.13.0
 TORCH_HARMONICS := torch-harmonics==0.9.3
+# The CuTe/CUTLASS headers that experimental/mainloop_primitives.sh builds against (tests/test_experimental.py): only
+# the headers are used, hence --no-deps (its metadata asks for cuda-python, scipy and graph tools).
+CUTLASS_HEADERS := nvidia-cutlass==4.2.0.0
 
 PIP := $(BIN)/python -m pip
 PIP_QUIET := --quiet --disable-pip-version-check
@@ -82,6 +85,8 @@ $(VENV)/.installed-test-$(CUDA_TEST): $(SOURCES) | $(VENV)/.build-tools
 	@echo "jax_s2attn: installing $(TORCH) and $(TORCH_HARMONICS) for the parity tests"
 	$(PIP) install $(PIP_QUIET) "$(TORCH)"
 	$(PIP) install $(PIP_QUIET) --no-deps "$(TORCH_HARMONICS)"
+	@echo "jax_s2attn: installing $(CUTLASS_HEADERS) (headers only) for the experimental programs' build test"
+	$(PIP) install $(PIP_QUIET) --no-deps "$(CUTLASS_HEADERS)"
 	@touch $(call covered,test fast demo,$(CUDA_TEST))
 
 # --- what runs ------------------------------------------------------------------------------------------

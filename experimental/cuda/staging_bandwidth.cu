@@ -10,17 +10,8 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "check_cuda.h"
 #include "gpu/tma_sm90.cuh"  // the driver's tensor-map encoder, through the runtime (no -lcuda)
-
-// CUDA errors print and return false.
-#define CHECK_CUDA(x)                                                              \
-  do {                                                                             \
-    const cudaError_t e = (x);                                                     \
-    if (e != cudaSuccess) {                                                        \
-      std::printf("CUDA error %s at line %d\n", cudaGetErrorString(e), __LINE__); \
-      return false;                                                                \
-    }                                                                              \
-  } while (0)
 
 namespace {
 
