@@ -80,7 +80,7 @@ $(VENV)/.installed-fast-$(CUDA_RUN): $(SOURCES) | $(VENV)/.build-tools
 	$(call install,test,$(CUDA_RUN))
 	@touch $(call covered,fast demo,$(CUDA_RUN))
 
-$(VENV)/.installed-test-$(CUDA_TEST): $(SOURCES) | $(VENV)/.build-tools
+$(VENV)/.installed-test-$(CUDA_TEST): $(SOURCES) Makefile | $(VENV)/.build-tools
 	$(call install,test,$(CUDA_TEST))
 	@echo "jax_s2attn: installing $(TORCH) and $(TORCH_HARMONICS) for the parity tests"
 	$(PIP) install $(PIP_QUIET) "$(TORCH)"

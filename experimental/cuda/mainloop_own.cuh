@@ -10,8 +10,7 @@
 // guarded by full and empty mbarriers. The consumer, in the scheduled forward's order (WalkChunks): with chunk j's P
 // in registers it issues S(j + 1) = Q K(j + 1)^T (SS, 4 m64n32k16), then O += P(j) V(j) (RS, 2 m64n64k16, V MN-major),
 // scales S(j + 1) while the product runs, waits for it, releases stage j and rounds S(j + 1) to bf16 as P(j + 1).
-// At the end the thread's rows of O (float32) go to `out`. Like the kernels of cuda/gpu it also builds for the host
-// emulation of tests/cuda_emulation (S2ATTN_HOST_EMULATION: DynamicShared(), cudaLaunchKernel).
+// At the end the thread's rows of O (float32) go to `out`.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -169,7 +168,7 @@ __device__ __forceinline__ void Consume(Shared& s, float* out, int count, float 
 
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
     OwnMainLoop(const __grid_constant__ Maps maps, float* out, Walk walk, float scale) {
-#if defined(S2ATTN_HOST_EMULATION) || (defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   auto* base = reinterpret_cast<unsigned char*>(gpu::DynamicShared());
   base += (1024 - reinterpret_cast<uintptr_t>(base) % 1024) % 1024;  // the shared window is 1024-byte aligned
   Shared& s = *reinterpret_cast<Shared*>(base);
@@ -237,12 +236,7 @@ std::function<cudaError_t(cudaStream_t)> PrepareOwnMainLoop(const __nv_bfloat16*
   *shared_bytes = shared;
   const Walk walk{chunks_per_block, total_chunks, stride};
   return [=](cudaStream_t stream) {
-    Maps launch_maps = maps;
-    float* launch_out = out;
-    Walk launch_walk = walk;
-    float launch_scale = scale;
-    void* args[4] = {&launch_maps, &launch_out, &launch_walk, &launch_scale};
-    // Through cudaLaunchKernel (not <<< >>>), so that the kernel also builds for the host emulation.
-    return cudaLaunchKernel(OwnMainLoop, dim3(blocks), dim3(kThreads), args, shared, stream);
+    OwnMainLoop<<<blocks, kThreads, shared, stream>>>(maps, out, walk, scale);
+    return cudaGetLastError();
   };
 }
