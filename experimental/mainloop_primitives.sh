@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds and runs the main-loop primitives comparison (experimental/cuda/mainloop_primitives.cu): the same streaming
-# attention main loop on the project's own PTX wrappers (mainloop_own.cuh) and on CuTe/CUTLASS (mainloop_cute.cuh),
+# attention main loop on the project's own PTX wrappers (mainloop_own.cu) and on CuTe/CUTLASS (mainloop_cute.cu),
 # checked against a host reference and against each other, then timed alternately.
 # Each version is a translation unit of its own; the build prints how long each took and ptxas's registers and spills.
 # The CUTLASS headers come from $CUTLASS_INCLUDE, else from the cutlass_library Python package (nvidia-cutlass, which
@@ -44,7 +44,7 @@ flags=(-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I cuda -I "$cutlass
   -DNDEBUG)
 for version in own cute; do
   start=$(date +%s%N)
-  nvcc "${flags[@]}" -Xptxas -v -x cu -c "experimental/cuda/mainloop_$version.cuh" \
+  nvcc "${flags[@]}" -Xptxas -v -c "experimental/cuda/mainloop_$version.cu" \
     -o "$out/mainloop_primitives_$version.o" 2>"$out/mainloop_primitives_$version.log" ||
     { cat "$out/mainloop_primitives_$version.log" >&2; exit 1; }
   # ptxas's report (registers, spills) and anything else the compiler said (warnings); the kernel's mangled name

@@ -2,7 +2,7 @@
 // streaming attention main loop, the scheduled forward's shape at head dim 64 (a producer warp staging K and V chunks
 // of 32 keys by tensor-map boxes into a 4-stage mbarrier ring, a consumer warpgroup forming S = Q K^T by an SS wgmma,
 // P = bf16(S scale) in registers and O += P V by an RS wgmma), written once on the project's wrappers
-// (mainloop_own.cuh) and once on CuTe and CUTLASS (mainloop_cute.cuh), each its own translation unit. This driver
+// (mainloop_own.cu) and once on CuTe and CUTLASS (mainloop_cute.cu), each its own translation unit. This driver
 // checks both against a float64 host reference on a sample of blocks and against each other on every element, then
 // times them alternately and prints one table: median time, chunks per microsecond, TFLOP/s of the two products,
 // registers, local memory, shared memory and resident blocks per SM. Exit status 1 on a failed check or CUDA error,
@@ -28,7 +28,7 @@
 #include "check_cuda.h"
 #include "mainloop_shape.h"
 
-// The two versions' entry points (mainloop_own.cuh, mainloop_cute.cuh): set up the launches of a version over these
+// The two versions' entry points (mainloop_own.cu, mainloop_cute.cu): set up the launches of a version over these
 // arrays, or return an empty function after printing why not; `kernel`, `threads` and `shared_bytes` receive what
 // the resource queries need.
 std::function<cudaError_t(cudaStream_t)> PrepareOwnMainLoop(const __nv_bfloat16* q, const __nv_bfloat16* k,

@@ -1,6 +1,6 @@
 // The streaming attention main loop on CuTe and CUTLASS primitives: one of the two versions
-// experimental/mainloop_primitives.sh compares, the other on the project's own PTX wrappers (mainloop_own.cuh, whose
-// header says what the loop does). Compiled as a translation unit of its own (nvcc -x cu), so that the build times
+// experimental/mainloop_primitives.sh compares, the other on the project's own PTX wrappers (mainloop_own.cu, whose
+// opening comment says what the loop does). Compiled as a translation unit of its own, so that the build times
 // each version; mainloop_primitives.cu declares its entry point, PrepareCuteMainLoop.
 //
 // The same block, tiles, chunk walk and order of operations as the own version, each step by the library: tensor-map

@@ -1,6 +1,6 @@
 // The streaming attention main loop on the project's own PTX wrappers (gpu/tma_sm90.cuh, gpu/mbarrier_sm90.cuh,
 // gpu/wgmma_sm90.cuh): one of the two versions experimental/mainloop_primitives.sh compares, the other on CuTe and
-// CUTLASS primitives (mainloop_cute.cuh). Compiled as a translation unit of its own (nvcc -x cu), so that the build
+// CUTLASS primitives (mainloop_cute.cu). Compiled as a translation unit of its own, so that the build
 // times each version; mainloop_primitives.cu declares its entry point, PrepareOwnMainLoop.
 //
 // The shape of the scheduled forward (gpu/sched_attn_device.cuh) at head dim 64, without its mask and softmax: a block
