@@ -102,11 +102,6 @@ struct Params {
   float scale;
 };
 
-template <class P>
-__device__ __forceinline__ int ChunkOf(const P& p, int i) {
-  return static_cast<int>((static_cast<int64_t>(blockIdx.x) * p.stride + i) % p.total_chunks);
-}
-
 // Lane 0 of the producer warp: the Q tile, then every chunk's K and V into the pipeline's stages.
 template <class P>
 __device__ __forceinline__ void Produce(const P& p, SharedStorage& s, Pipeline& pipeline) {
@@ -130,7 +125,7 @@ __device__ __forceinline__ void Produce(const P& p, SharedStorage& s, Pipeline& 
   for (int i = 0; i < p.chunks_per_block; ++i) {
     pipeline.producer_acquire(state);  // the stage released; arrives on its full barrier expecting kChunkBytes
     uint64_t* full = pipeline.producer_get_barrier(state);
-    const int chunk = ChunkOf(p, i);
+    const int chunk = ChunkOf(blockIdx.x, i, p.stride, p.total_chunks);
     copy(p.k.with(*full), tKg(_, chunk), tKs(_, state.index()));
     copy(p.v.with(*full), tVg(_, chunk), tVs(_, state.index()));
     ++state;

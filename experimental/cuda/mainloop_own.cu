@@ -56,14 +56,10 @@ struct Maps {
   CUtensorMap q, k, v;
 };
 
-// The chunks a block walks: chunk (block * stride + i) mod total_chunks for i < chunks_per_block.
+// The chunks a block walks: ChunkOf(block, i, stride, total_chunks) for i < chunks_per_block.
 struct Walk {
   int chunks_per_block, total_chunks, stride;
 };
-
-__device__ __forceinline__ int ChunkOf(const Walk& walk, int i) {
-  return static_cast<int>((static_cast<int64_t>(blockIdx.x) * walk.stride + i) % walk.total_chunks);
-}
 
 // Descriptors step 16-byte units: a k16 step of a K-major operand is 32 bytes along its rows, of the MN-major V
 // 16 rows; stages lie one tile apart.
@@ -79,7 +75,7 @@ __device__ __forceinline__ void Produce(const Maps& maps, Shared& s, const Walk&
     const int stage = i % kStages;
     // The stage's previous use released (the first pass waits on the phase before a fresh barrier's first).
     gpu::MbarrierWait(&s.empty[stage], ((i / kStages) & 1) ^ 1);
-    const int chunk = ChunkOf(walk, i);
+    const int chunk = ChunkOf(blockIdx.x, i, walk.stride, walk.total_chunks);
     sm90::MbarrierArriveExpectBytes(&s.full[stage], 2 * kChunkTileBytes);
     sm90::LoadBox3d(s.tiles.k[stage], &maps.k, 0, 0, chunk, &s.full[stage]);
     sm90::LoadBox3d(s.tiles.v[stage], &maps.v, 0, 0, chunk, &s.full[stage]);

@@ -99,54 +99,36 @@ bool ParseOptions(int argc, char** argv, Options* o) {
   return true;
 }
 
-// bf16 as its 16 bits, rounded to nearest even (the inputs and P are finite).
-uint16_t ToBf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float FromBf16(uint16_t h) {
-  const uint32_t bits = uint32_t{h} << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-
-// Uniform bf16 values in [-1, 1) from a fixed-seed generator (the same inputs every run).
-std::vector<uint16_t> RandomBf16(size_t count, uint64_t seed) {
-  std::vector<uint16_t> values(count);
+// Uniform bf16 values in [-1, 1) from a fixed-seed generator (the same inputs every run), rounded to nearest even.
+std::vector<__nv_bfloat16> RandomBf16(size_t count, uint64_t seed) {
+  std::vector<__nv_bfloat16> values(count);
   uint64_t state = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (uint16_t& v : values) {
+  for (__nv_bfloat16& v : values) {
     state = state * 6364136223846793005ull + 1442695040888963407ull;
-    v = ToBf16(static_cast<float>(static_cast<int32_t>(state >> 40) - (1 << 23)) / static_cast<float>(1 << 23));
+    v = __float2bfloat16_rn(static_cast<float>(static_cast<int32_t>(state >> 40) - (1 << 23)) /
+                            static_cast<float>(1 << 23));
   }
   return values;
 }
 
-int ChunkOf(const Options& o, int block, int i) {
-  return static_cast<int>((static_cast<int64_t>(block) * o.stride + i) % o.total_chunks);
-}
-
 // Block `block`'s O in float64, with P rounded to bf16 from float32 S times the scale, as the kernels round it.
-std::vector<double> ReferenceBlock(const Options& o, int block, const std::vector<uint16_t>& q,
-                                   const std::vector<uint16_t>& k, const std::vector<uint16_t>& v) {
+std::vector<double> ReferenceBlock(const Options& o, int block, const std::vector<__nv_bfloat16>& q,
+                                   const std::vector<__nv_bfloat16>& k, const std::vector<__nv_bfloat16>& v) {
   std::vector<double> out(kQueryRows * kHeadDim, 0.0), query(kQueryRows * kHeadDim);
   const size_t first_row = static_cast<size_t>(block) * kQueryRows * kHeadDim;
-  for (int e = 0; e < kQueryRows * kHeadDim; ++e) query[e] = FromBf16(q[first_row + e]);
+  for (int e = 0; e < kQueryRows * kHeadDim; ++e) query[e] = __bfloat162float(q[first_row + e]);
   std::vector<double> key(kChunkRows * kHeadDim), value(kChunkRows * kHeadDim), p(kQueryRows * kChunkRows);
   for (int i = 0; i < o.chunks; ++i) {
-    const size_t first = static_cast<size_t>(ChunkOf(o, block, i)) * kChunkRows * kHeadDim;
+    const size_t first = static_cast<size_t>(ChunkOf(block, i, o.stride, o.total_chunks)) * kChunkRows * kHeadDim;
     for (int e = 0; e < kChunkRows * kHeadDim; ++e) {
-      key[e] = FromBf16(k[first + e]);
-      value[e] = FromBf16(v[first + e]);
+      key[e] = __bfloat162float(k[first + e]);
+      value[e] = __bfloat162float(v[first + e]);
     }
     for (int r = 0; r < kQueryRows; ++r) {
       for (int c = 0; c < kChunkRows; ++c) {
         double s = 0.0;
         for (int d = 0; d < kHeadDim; ++d) s += query[r * kHeadDim + d] * key[c * kHeadDim + d];
-        p[r * kChunkRows + c] = FromBf16(ToBf16(static_cast<float>(s) * kScale));
+        p[r * kChunkRows + c] = __bfloat162float(__float2bfloat16_rn(static_cast<float>(s) * kScale));
       }
     }
     for (int r = 0; r < kQueryRows; ++r) {
@@ -261,8 +243,8 @@ bool Main(int argc, char** argv) {
               o.chunks, kChunkRows, kv_elements * 2 / 1e6, o.stride);
   std::fflush(stdout);
 
-  const std::vector<uint16_t> q = RandomBf16(q_elements, 1), k = RandomBf16(kv_elements, 2),
-                              v = RandomBf16(kv_elements, 3);
+  const std::vector<__nv_bfloat16> q = RandomBf16(q_elements, 1), k = RandomBf16(kv_elements, 2),
+                                   v = RandomBf16(kv_elements, 3);
   __nv_bfloat16 *q_device = nullptr, *k_device = nullptr, *v_device = nullptr;
   float* out_device = nullptr;
   CHECK_CUDA(cudaMalloc(&q_device, q_elements * 2));
