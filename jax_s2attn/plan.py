@@ -41,7 +41,7 @@ from .grids import (
     validate_grid,
     validate_shape,
 )
-from .schedule import BlockSchedule, build_schedule, check_shape, tile_stencil_pairs, without_row_tiles
+from .schedule import BlockSchedule, as_runs, build_schedule, check_shape, tile_stencil_pairs, without_row_tiles
 
 __all__ = ["ArcTable", "NeighborhoodPlan", "PlanTables", "SegmentTable", "THETA_CUTOFF_EPS", "stencil_pairs"]
 
@@ -433,8 +433,9 @@ class NeighborhoodPlan:
                 )
 
     def block_schedule(
-        self, walk: str, *, tile_rows: int = 4, tile_cols: int = 16, chunk_cols: int = 32, stencil: bool = False
-    ) -> BlockSchedule:
+        self, walk: str, *, tile_rows: int = 4, tile_cols: int = 16, chunk_cols: int = 32, stencil: bool = False,
+        runs: tuple[int, int] | None = None,
+    ) -> BlockSchedule:  # fmt: skip
         """The block-sparse schedule of one walk (:mod:`jax_s2attn.schedule`), built once per plan and shape.
 
         Args:
@@ -442,12 +443,19 @@ class NeighborhoodPlan:
             (key tiles over query chunks: dK/dV).
           tile_rows, tile_cols, chunk_cols: the shape of a tile and of a chunk.
           stencil: leave out the tiles of the rows :meth:`tile_stencil_pairs` gives the stencil kernels.
+          runs: ``(runs, run_points)``: the schedule in the ring grids' format (:func:`~jax_s2attn.schedule.as_runs`:
+            flat fields, a tile as ``runs`` runs of up to ``run_points`` points along its rows); None: the
+            regular format.
         """
         walk = _check_walk(walk)
         stencil = _validate.boolean(stencil, "stencil")
         # Checked before the cache, whose keys would take True for 1 and 16.0 for 16.
         shape = check_shape("tile_rows", tile_rows, 1), check_shape("tile_cols", tile_cols, 1)
-        return _block_schedule(self._key, walk, *shape, check_shape("chunk_cols", chunk_cols, 16), stencil)
+        if runs is not None:
+            if not isinstance(runs, tuple) or len(runs) != 2:
+                raise TypeError(f"runs must be a tuple (runs, run_points) or None, got {runs!r}.")
+            runs = _validate.integer(runs[0], "runs[0]", 1), _validate.integer(runs[1], "runs[1]", 1)
+        return _block_schedule(self._key, walk, *shape, check_shape("chunk_cols", chunk_cols, 16), stencil, runs)
 
     def tile_stencil_pairs(self, walk: str, *, tile_rows: int = 4) -> np.ndarray:
         """The stencil pairs of one walk (:attr:`forward_stencil_pairs` or :attr:`backward_stencil_pairs`) whose
@@ -630,10 +638,13 @@ def _check_walk(walk) -> str:
 # A schedule is ~40 bytes a chunk (23 MB per walk at 721x1440, tc 0.03): a few plans' worth are kept (with and
 # without the stencil rows' tiles).
 @functools.lru_cache(maxsize=16)
-def _block_schedule(key: _PlanKey, walk: str, tile_rows: int, tile_cols: int, chunk_cols: int,
-                    stencil: bool) -> BlockSchedule:  # fmt: skip
+def _block_schedule(key: _PlanKey, walk: str, tile_rows: int, tile_cols: int, chunk_cols: int, stencil: bool,
+                    runs: tuple[int, int] | None = None) -> BlockSchedule:  # fmt: skip
     plan = _build_plan(key)
-    if stencil:
+    if runs is not None:
+        nlat_other = plan.nlat_in if walk == "forward" else plan.nlat_out
+        schedule = as_runs(_block_schedule(key, walk, tile_rows, tile_cols, chunk_cols, stencil), *runs, nlat_other)
+    elif stencil:
         schedule = without_row_tiles(_block_schedule(key, walk, tile_rows, tile_cols, chunk_cols, False),
                                      _tile_stencil_pairs(key, walk, tile_rows))  # fmt: skip
     else:

@@ -32,13 +32,9 @@ import numpy as np
 from . import _validate
 from .grids import RingGrid
 from .ring_plan import RingPlan
-from .schedule import FULL, RING, BlockSchedule
+from .schedule import FULL, RING, RING_POINTS_SHIFT, BlockSchedule
 
 __all__ = ["RING_POINTS_SHIFT", "TILE_RINGS", "ring_block_schedule"]
-
-#: A ``RING`` chunk's flags hold its ring's points from this bit (the modulus of its records; ``kRingPointsShift``
-#: of ``cuda/gpu/sched_attn_device.cuh``).
-RING_POINTS_SHIFT = 2
 
 #: Walking rings a tile may lay side by side; :func:`ring_block_schedule` keeps the one of fewest chunks.
 TILE_RINGS = (8, 4, 2)

@@ -57,14 +57,18 @@ import numpy as np
 from . import _validate
 
 __all__ = [
-    "FULL", "RING", "BlockSchedule", "ScheduleSet", "WalkWindow", "build_schedule", "check_shape", "join_schedules",
-    "tile_stencil_pairs", "without_row_tiles",
+    "FULL", "RING", "RING_POINTS_SHIFT", "BlockSchedule", "ScheduleSet", "WalkWindow", "as_runs", "build_schedule",
+    "check_shape", "join_schedules", "tile_stencil_pairs", "without_row_tiles",
 ]  # fmt: skip
 
 #: Chunk flag: every on-grid point of the tile sees every column: no mask.
 FULL = 1
 #: Chunk flag: the staging is in ring mode: a point's interval is taken modulo ``nlon``.
 RING = 2
+#: In the ring grids' format (flat fields, :func:`as_runs`, :mod:`jax_s2attn.ring_schedule`) a ``RING`` chunk's
+#: flags hold its ring's points (the modulus of its records) from this bit (``kRingPointsShift`` of
+#: ``cuda/gpu/sched_attn_device.cuh``).
+RING_POINTS_SHIFT = 2
 
 # Bounds the temporaries: candidate (tile, other row) stagings, and then their chunks, are expanded per
 # point ~2M entries at a time.
@@ -204,6 +208,53 @@ def without_row_tiles(schedule: BlockSchedule, pairs: np.ndarray) -> BlockSchedu
     np.cumsum(counts[~drop], out=tile_offsets[1:])
     return s._replace(tiles=np.ascontiguousarray(s.tiles[~drop]), tile_offsets=tile_offsets,
                       chunks=np.ascontiguousarray(chunks), records=np.ascontiguousarray(s.records[order]))  # fmt: skip
+
+
+def as_runs(schedule: BlockSchedule, runs: int, run_points: int, nlat_other: int) -> BlockSchedule:
+    """``schedule`` (of whole regular grids, any tile shape of ``runs * run_points`` points whose rows are whole
+    runs) in the ring grids' format (:mod:`jax_s2attn.ring_schedule`): the walking grid as one row of all its
+    points in row-major order, a tile as ``runs`` runs of up to ``run_points`` consecutive points along one of its
+    rows (``tiles [num_tiles, runs, 2]`` of ``(first point, points)``; points past the walking grid are in no run),
+    one record per point (``records [stagings, runs * run_points // 16, 16, 2]``, ``classes`` 16), chunks naming
+    row 0 and the flat index of their first point, ``RING`` chunks carrying the other grid's longitudes from bit
+    :data:`RING_POINTS_SHIFT` of their flags, and ``nlon`` the other grid's points (``nlat_other`` rows). The pairs
+    are ``schedule``'s, tile for tile and chunk for chunk: the kernels take in this format tile shapes the regular
+    one does not have (1 × 64 for the polar rows of small cutoffs)."""
+    s = schedule
+    points = runs * run_points
+    if s.tile_rows * s.tile_cols != points or s.tile_cols % run_points or points % 16:
+        raise ValueError(
+            f"a {s.tile_rows}x{s.tile_cols} tile is not {runs} runs of {run_points} points along its rows "
+            "(in tiles of whole multiples of 16 points)."
+        )
+    # Point p of a tile (row-major, as the regular records' rows and classes lay them out) is tile row
+    # p // tile_cols, column p % tile_cols; run r holds points r * run_points ...
+    tile_point = np.arange(points)
+    row = s.tiles[:, 0, None].astype(np.int64) + tile_point // s.tile_cols
+    lon = s.tiles[:, 1, None].astype(np.int64) + tile_point % s.tile_cols
+    on_grid = (row < s.nlat_walk) & (lon < s.nlon_walk)
+    run_first = (row * s.nlon_walk + lon)[:, ::run_points]
+    run_length = on_grid.reshape(-1, runs, run_points).sum(axis=2)
+    tiles = np.stack([np.where(run_length > 0, run_first, 0), run_length], axis=2)
+    # Records per point: class p % classes of its tile row, moved on by shift * (its column // classes); a RING
+    # staging's starts reduced modulo the ring (the kernels' mask takes starts within one turn of the offset).
+    column = tile_point % s.tile_cols
+    start = s.records[:, tile_point // s.tile_cols, column % s.classes, 0] + s.shift * (column // s.classes)
+    length = s.records[:, tile_point // s.tile_cols, column % s.classes, 1]
+    ring_staging = np.zeros(s.records.shape[0], bool)
+    ring_staging[s.chunks[(s.chunks[:, 4] & RING) != 0, 5]] = True
+    start = np.where(ring_staging[:, None], start % s.nlon, start)
+    records = np.stack([start, length], axis=2).reshape(-1, points // 16, 16, 2)
+    chunks = s.chunks.astype(np.int64)
+    chunks[:, 1] += chunks[:, 0] * s.nlon
+    chunks[:, 0] = 0
+    chunks[:, 4] |= np.where(chunks[:, 4] & RING, s.nlon << RING_POINTS_SHIFT, 0)
+    if max(nlat_other * s.nlon, s.nlat_walk * s.nlon_walk) >= 1 << 31 or s.nlon >= 1 << (31 - RING_POINTS_SHIFT):
+        raise ValueError("the flat grids exceed the kernels' 32-bit indices.")
+    return s._replace(tiles=np.ascontiguousarray(tiles, np.int32), chunks=chunks.astype(np.int32),
+                      records=np.ascontiguousarray(records, np.int32), tile_rows=points // 16, tile_cols=16,
+                      classes=16, shift=1, nlat_walk=1, nlon_walk=s.nlat_walk * s.nlon_walk,
+                      nlon=nlat_other * s.nlon)  # fmt: skip
 
 
 def _row_mask(pairs: np.ndarray, nlat_walk: int) -> np.ndarray:

@@ -115,10 +115,12 @@ CASES = [
     ("scheduled", "self", 64, 64, "bfloat16", WINDOWED),
     ("scheduled", "self-72", 32, 32, "float16", LONG_ROW_WINDOWS["self-72"]),
     ("scheduled", "up-100", 128, 128, "bfloat16", LONG_ROW_WINDOWS["up-100"]),
-    # The scheduled kernels beside the stencil targets (the plan's tile stencil pairs), writing one set of results.
+    # The scheduled kernels beside the stencil targets (the op's _ffi.stencil_schedule: tiles of one row in the ring
+    # grids' format on the first three, 4 x 16 tiles on self-9x4), writing one set of results.
     ("scheduled+stencil", "self-17x72", 64, 64, "bfloat16", {}),
     ("scheduled+stencil", "lat-10x40-9x40", 128, 128, "float16", {}),
     ("scheduled+stencil", "legendre-gauss", 32, 32, "bfloat16", {}),
+    ("scheduled+stencil", "self-9x4", 64, 64, "float16", {}),
 ]
 
 

@@ -37,7 +37,7 @@ from jax_s2attn.ops import _ffi
 from jax_s2attn.plan import ArcTable, NeighborhoodPlan, SegmentTable
 from jax_s2attn.ring_plan import RingPlan
 from jax_s2attn.ring_schedule import ring_block_schedule
-from jax_s2attn.schedule import BlockSchedule
+from jax_s2attn.schedule import FULL, RING, RING_POINTS_SHIFT, BlockSchedule
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
@@ -639,15 +639,22 @@ def _dtype_code(result_type) -> int:
 
 def _schedule_arguments(case: KernelCase, schedule, walk_keys: bool) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """The schedule's tables (tiles, tile_offsets, chunks, records), RunScheduledTarget's ``sizes`` and the local
-    key rows' weights of a scheduled call on ``case`` (``walk_keys``: dk/dv's backward schedule)."""
+    key rows' weights of a scheduled call on ``case`` (``walk_keys``: dk/dv's backward schedule). A schedule in
+    the ring grids' format (tiles of runs, :func:`~jax_s2attn.schedule.as_runs`) takes the grids as grids of one
+    row and a weight per key point."""
     batch, heads, dk, _, nlat_q, nlon_q, nlat_k, nlon_k = case.sizes[:8]  # the local arrays' grids
     ring_nlon = case.plan.nlon_out if walk_keys else case.plan.nlon_in
+    weights = local_key_weights(case)
+    flat = schedule.tiles.ndim == 3
+    if flat:
+        weights = np.repeat(weights, nlon_k)
+        nlat_q, nlon_q, nlat_k, nlon_k = 1, nlat_q * nlon_q, 1, nlat_k * nlon_k
     tables = [np.ascontiguousarray(getattr(schedule, name), np.int32)
               for name in ("tiles", "tile_offsets", "chunks", "records")]  # fmt: skip
     sizes = np.asarray([batch, heads, nlat_q, nlon_q, nlat_k, nlon_k, len(schedule.tiles), len(schedule.chunks),
-                        len(schedule.records), schedule.classes, schedule.shift, dk, ring_nlon, 0],
+                        len(schedule.records), schedule.classes, schedule.shift, dk, ring_nlon, int(flat)],
                        np.int64)  # fmt: skip
-    return tables, sizes, local_key_weights(case)
+    return tables, sizes, weights
 
 
 def run_scheduled_dq_forming_delta(
@@ -710,13 +717,15 @@ def whole_grids(case: KernelCase) -> bool:
 
 
 def scheduled_schedules(case: KernelCase, stencil: bool = False) -> tuple[BlockSchedule, BlockSchedule]:
-    """The forward and backward schedules of ``case``: the plan's for whole grids (with ``stencil``, without the
-    tiles of its tile stencil pairs), else its windows'."""
+    """The forward and backward schedules of ``case``: the plan's for whole grids (with ``stencil``, the op's
+    beside the stencil rows: :func:`jax_s2attn.ops._ffi.stencil_schedule`), else its windows'."""
     plan = case.plan
     tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
     shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    if whole_grids(case) and stencil:
+        return tuple(_ffi.stencil_schedule(plan, walk).schedule for walk in ("forward", "backward"))
     if whole_grids(case):
-        return tuple(plan.block_schedule(walk, stencil=stencil, **shape) for walk in ("forward", "backward"))
+        return tuple(plan.block_schedule(walk, **shape) for walk in ("forward", "backward"))
     if stencil:
         raise ValueError("the stencil rows need whole grids (no windows, no padding)")
     window = (*case.q_window, *case.k_window)
@@ -747,8 +756,7 @@ def run_scheduled_case(
     the scheduled kernels the others."""
     assert whole_grids(case), "run_scheduled_case forms delta from its own forward: whole grids only"
     forward, backward = scheduled_schedules(case, stencil)
-    tile_rows = kernel_limits().scheduled_shape[0]
-    pairs = {walk: case.plan.tile_stencil_pairs(walk, tile_rows=tile_rows) if stencil else None
+    pairs = {walk: _ffi.stencil_schedule(case.plan, walk).pairs if stencil else None
              for walk in ("forward", "backward")}  # fmt: skip
     run = functools.partial(run_scheduled_kind, lib, case, memory=memory)
     out32, lse = run("forward", np.float32, forward, stencil_pairs=pairs["forward"])
@@ -863,6 +871,34 @@ def run_ring_case(lib, case: RingCase, memory_of=HostMemory) -> dict[str, np.nda
     dq, _ = run_ring_kind(lib, case, "dq", memory=memory_of())
     dk, dv = run_ring_kind(lib, case, "dkv", memory=memory_of())
     return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def expand_runs_schedule(schedule: BlockSchedule) -> np.ndarray:
+    """``[walking point, other point]`` counts of what the kernels compute from ``schedule`` in the ring grids'
+    format (tiles of runs: ``jax_s2attn.ring_schedule``, ``jax_s2attn.schedule.as_runs``): every real point of
+    every tile's runs against every kept column of its chunks (the mask of cuda/gpu/sched_attn_device.cuh)."""
+    pairs = np.zeros((schedule.nlon_walk, schedule.nlon), np.int32)
+    records = schedule.records.reshape(len(schedule.records), -1, 2)
+    run_points = records.shape[1] // schedule.tiles.shape[1]
+    for tile, runs in enumerate(schedule.tiles):
+        points = [(r * run_points + j, first + j) for r, (first, count) in enumerate(runs) for j in range(count)]
+        for row, first, offset, valid, flags, staging in schedule.chunks[
+            schedule.tile_offsets[tile] : schedule.tile_offsets[tile + 1]
+        ]:
+            assert row == 0 and 1 <= valid <= schedule.chunk_cols
+            columns = np.arange(valid)
+            for slot, point in points:
+                start, length = records[staging, slot]
+                if flags & RING:
+                    ring_points = flags >> RING_POINTS_SHIFT
+                    assert abs(start - offset) < 2 * ring_points
+                    keep = (columns - (start - offset)) % ring_points < length
+                else:
+                    keep = (columns - (start - offset) >= 0) & (columns - (start - offset) < length)
+                if flags & FULL:
+                    assert valid == schedule.chunk_cols and keep.all(), "a FULL chunk must need no mask"
+                pairs[point, first + columns[keep]] += 1
+    return pairs
 
 
 def ring_schedules(plan: RingPlan) -> tuple[BlockSchedule, BlockSchedule]:

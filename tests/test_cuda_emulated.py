@@ -911,7 +911,7 @@ def test_scheduled_beside_the_stencil_rows_matches_float64(emulated_library, rng
     throughout: P and dS never rounded) hold out, dq, dk and dv within float32 round-off, which the scheduled
     kernels' rows do not; results in the activations' type are the float32 ones rounded, bit for bit."""
     plan = STENCIL_PLANS[plan_name]()
-    pairs = {walk: plan.tile_stencil_pairs(walk) for walk in ("forward", "backward")}
+    pairs = {walk: _ffi.stencil_schedule(plan, walk).pairs for walk in ("forward", "backward")}
     assert all(len(p) for p in pairs.values()), "the plan must leave whole tiles to the stencil kernels"
     case = prepare_case(rng, plan, 2, 2, d, d, dtype)
     bar = tolerance_of("tiled", dtype)
@@ -943,7 +943,7 @@ def test_scheduled_dq_forms_delta_beside_the_stencil_rows(emulated_library, rng,
     every point within FORMED_DELTA_TOLERANCE of float64, dq the bits of the two dq given that delta, every element
     of both written (NaN-poisoned first)."""
     plan = STENCIL_PLANS[plan_name]()
-    pairs = plan.tile_stencil_pairs("forward")
+    pairs = _ffi.stencil_schedule(plan, "forward").pairs
     case = prepare_case(rng, plan, 2, 2, d, d, dtype)
     forward, _ = scheduled_schedules(case, stencil=True)
     run = functools.partial(run_scheduled_kind, emulated_library, case, result_type=np.float32, schedule=forward,

@@ -1,13 +1,19 @@
 """Ring block schedules (jax_s2attn.ring_schedule): expanded by the kernels' contract, they hold exactly the
 plan's pairs, once each, for both walks, every tile shape and grids of every kind."""
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from jax_s2attn.grids import RingGrid
 from jax_s2attn.ring_plan import RingPlan
-from jax_s2attn.ring_schedule import RING_POINTS_SHIFT, TILE_RINGS, ring_block_schedule
+from jax_s2attn.ring_schedule import TILE_RINGS, ring_block_schedule
 from jax_s2attn.schedule import FULL, RING
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_cases import expand_runs_schedule  # noqa: E402
 
 PLANS = {
     "healpix-self": lambda: RingPlan(RingGrid.healpix(4), RingGrid.healpix(4), 0.35),
@@ -29,33 +35,6 @@ def dense_pairs(plan: RingPlan) -> np.ndarray:
     return pairs
 
 
-def expand(schedule) -> np.ndarray:
-    """``[walking point, other point]`` counts of what the kernels compute from ``schedule``: every real point of
-    every tile's runs against every kept column of its chunks (the mask of cuda/gpu/sched_attn_device.cuh)."""
-    pairs = np.zeros((schedule.nlon_walk, schedule.nlon), np.int32)
-    records = schedule.records.reshape(len(schedule.records), -1, 2)
-    run_points = records.shape[1] // schedule.tiles.shape[1]
-    for tile, runs in enumerate(schedule.tiles):
-        points = [(r * run_points + j, first + j) for r, (first, count) in enumerate(runs) for j in range(count)]
-        for row, first, offset, valid, flags, staging in schedule.chunks[
-            schedule.tile_offsets[tile] : schedule.tile_offsets[tile + 1]
-        ]:
-            assert row == 0 and 1 <= valid <= schedule.chunk_cols
-            columns = np.arange(valid)
-            for slot, point in points:
-                start, length = records[staging, slot]
-                if flags & RING:
-                    ring_points = flags >> RING_POINTS_SHIFT
-                    assert abs(start - offset) < 2 * ring_points
-                    keep = (columns - (start - offset)) % ring_points < length
-                else:
-                    keep = (columns - (start - offset) >= 0) & (columns - (start - offset) < length)
-                if flags & FULL:
-                    assert valid == schedule.chunk_cols and keep.all(), "a FULL chunk must need no mask"
-                pairs[point, first + columns[keep]] += 1
-    return pairs
-
-
 @pytest.fixture(scope="module", params=sorted(PLANS))
 def plan_and_pairs(request):
     plan = PLANS[request.param]()
@@ -68,7 +47,7 @@ def test_schedule_holds_every_pair_once(plan_and_pairs, walk, tile_rings):
     plan, pairs = plan_and_pairs
     schedule = ring_block_schedule(plan, walk, tile_rings=tile_rings)
     expected = pairs if walk == "forward" else pairs.T
-    np.testing.assert_array_equal(expand(schedule), expected)
+    np.testing.assert_array_equal(expand_runs_schedule(schedule), expected)
 
 
 @pytest.mark.parametrize("walk", ["forward", "backward"])

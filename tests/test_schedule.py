@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from jax_s2attn._native import kernel_limits
+from jax_s2attn.ops import _ffi
 from jax_s2attn.parallel.layout import shard_layout, window_schedules
 from jax_s2attn.plan import NeighborhoodPlan
 from jax_s2attn.schedule import (
@@ -25,7 +26,7 @@ from jax_s2attn.schedule import (
 )  # fmt: skip
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_cases import psi_pairs  # noqa: E402
+from kernel_cases import expand_runs_schedule, psi_pairs  # noqa: E402
 
 # (in_shape, out_shape, grid, theta_cutoff): self-attention at small, medium and whole-ring cutoffs,
 # other grids, downsampling by 2, 3 and 128, upsampling by 2 and 4, odd sizes, nlon not a multiple of the tile.
@@ -254,6 +255,68 @@ def test_a_schedule_beside_the_stencil_rows_covers_every_other_row_once(shapes, 
         np.testing.assert_array_equal(_sorted_pairs(_expand(s), walk), expected, err_msg=f"{walk} walk")
         full = plan.block_schedule(walk, tile_rows=tile_rows)
         assert s.chunks.shape[0] < full.chunks.shape[0] or len(stencil_pairs) == 0
+
+
+def _dense_pairs(plan: NeighborhoodPlan, walk: str) -> np.ndarray:
+    """``[walking point, other point]`` counts of the plan's pairs (from ``psi``)."""
+    query, key = psi_pairs(plan)
+    dense = np.zeros((plan.nlat_out * plan.nlon_out, plan.nlat_in * plan.nlon_in), np.int32)
+    np.add.at(dense, (query, key), 1)
+    return dense if walk == "forward" else dense.T
+
+
+# Tiles of runs: the m64 shapes whose rows are whole runs of 8 points.
+RUN_SHAPES = [(1, 64), (2, 32), (4, 16), (8, 8)]
+
+
+@pytest.mark.parametrize("shape", RUN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("args", [PLANS[i] for i in (1, 3, 4, 7, 9, 11)],
+                         ids=lambda a: f"{a[0][0]}x{a[0][1]}-{a[1][0]}x{a[1][1]}-{a[2]}-{a[3]}")  # fmt: skip
+def test_a_schedule_as_runs_holds_the_same_pairs(args, shape):
+    """A regular schedule in the ring grids' format (as_runs) holds every plan pair once, expanded by the ring
+    grids' contract on flat fields; runs cover every walking point once, none past the grid."""
+    plan = _plan(args)
+    for walk, walk_shape in [("forward", plan.out_shape), ("backward", plan.in_shape)]:
+        s = plan.block_schedule(walk, tile_rows=shape[0], tile_cols=shape[1], runs=(8, 8))
+        assert s.tiles.shape[1:] == (8, 2) and s.records.shape[1:] == (4, 16, 2) and s.classes == 16
+        np.testing.assert_array_equal(expand_runs_schedule(s), _dense_pairs(plan, walk), err_msg=walk)
+        runs = s.tiles.reshape(-1, 2)
+        points = np.concatenate([first + np.arange(count) for first, count in runs])
+        np.testing.assert_array_equal(np.sort(points), np.arange(walk_shape[0] * walk_shape[1]))
+
+
+def test_as_runs_refuses_tiles_that_are_not_whole_runs():
+    plan = _plan(PLANS[1])
+    with pytest.raises(ValueError, match="is not 8 runs of 8 points"):
+        plan.block_schedule("forward", tile_rows=16, tile_cols=4, runs=(8, 8))
+    with pytest.raises(TypeError, match="runs must be a tuple"):
+        plan.block_schedule("forward", runs=8)
+
+
+@pytest.mark.skipif(kernel_limits() is None, reason="the kernels' shapes need a native module's limits (CI has one)")
+@pytest.mark.parametrize(("shapes", "cutoff", "flat"), [(((17, 72), (17, 72)), None, True),
+                                                        (((33, 72), (33, 72)), 0.25, False)])  # fmt: skip
+def test_the_stencil_schedule_is_the_tile_shape_of_fewer_chunks(shapes, cutoff, flat):
+    """Beside the stencil rows the op takes, of the kernels' 4 x 16 tiles and 1 x 64 tiles as runs, the schedule
+    of fewer chunks (1 x 64 at the default cutoff, where the rows left are polar ones), with the stencil pairs of
+    its tiles' rows; it covers every plan pair of the other rows once and none of the stencil rows."""
+    plan = NeighborhoodPlan(*shapes, theta_cutoff=cutoff)
+    for walk, walk_shape in [("forward", plan.out_shape), ("backward", plan.in_shape)]:
+        chosen = _ffi.stencil_schedule(plan, walk)
+        rows = plan.block_schedule(walk, stencil=True)
+        one_row = plan.block_schedule(walk, tile_rows=1, tile_cols=64, stencil=True, runs=(8, 8))
+        assert chosen.flat == flat
+        assert chosen.schedule is (one_row if flat else rows)
+        assert chosen.schedule.chunks.shape[0] == min(rows.chunks.shape[0], one_row.chunks.shape[0])
+        np.testing.assert_array_equal(chosen.pairs, plan.tile_stencil_pairs(walk, tile_rows=1 if flat else 4))
+        if not flat:
+            continue
+        stencil_rows = np.zeros(walk_shape[0], bool)
+        stencil_rows[chosen.pairs[:, 0]] = stencil_rows[chosen.pairs[:, 0] + 1] = True
+        stencil_points = np.repeat(stencil_rows, walk_shape[1])
+        expected = _dense_pairs(plan, walk)
+        expected[stencil_points] = 0
+        np.testing.assert_array_equal(expand_runs_schedule(chosen.schedule), expected, err_msg=walk)
 
 
 def test_joining_no_schedules_is_refused():

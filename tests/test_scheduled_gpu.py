@@ -352,13 +352,21 @@ def test_a_ring_modulus_out_of_range_is_refused(exact_random, ring_nlon):
         np.asarray(out)
 
 
-# Plans whose walks leave whole tiles of rows to the stencil kernels (NeighborhoodPlan.tile_stencil_pairs): a band
-# in mid-grid, the same at a longer ring, more key rows than query rows; heads, head dim.
+# Plans whose walks leave rows to the stencil kernels (_ffi.stencil_schedule): a band in mid-grid, the same at a
+# longer ring, more key rows than query rows (these three on tiles of one row, in the ring grids' format), and every
+# row but one (on the kernels' 4 x 16 tiles); heads, head dim.
 STENCIL_CASES = [
     (((17, 72), (17, 72), EQ, EQ, None), 2, 64),
     (((65, 144), (65, 144), EQ, EQ, None), 1, 32),
     (((10, 40), (9, 40), EQ, EQ, 0.2), 2, 128),
+    (((9, 4), (9, 4), EQ, EQ, None), 1, 64),
 ]
+
+
+def test_the_stencil_cases_take_both_schedule_formats():
+    flat = {_ffi.stencil_schedule(NeighborhoodPlan(*geometry), walk).flat
+            for geometry, _, _ in STENCIL_CASES for walk in ("forward", "backward")}  # fmt: skip
+    assert flat == {True, False}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -370,7 +378,7 @@ def test_targets_beside_the_stencil_rows_match_float64(case, dtype, exact_random
     results in the activations' dtype the float32 ones rounded, bit for bit."""
     geometry, heads, d = case
     plan = NeighborhoodPlan(*geometry)
-    assert all(len(plan.tile_stencil_pairs(walk)) for walk in ("forward", "backward"))
+    assert all(len(_ffi.stencil_schedule(plan, walk).pairs) for walk in ("forward", "backward"))
     q = exact_random(2, *plan.out_shape, heads, d)
     k, v = (exact_random(2, *plan.in_shape, heads, d) for _ in range(2))
     dout = exact_random(2, *plan.out_shape, heads, d)
@@ -401,9 +409,9 @@ def test_the_dq_that_forms_delta_beside_the_stencil_rows(case, dtype, gradients,
     result_dtype = jnp.dtype(jnp.float32 if gradients == "float32" else dtype)
     out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, scale=0.125, stencil=True)
     schedule, attributes = _ffi._scheduled_operands(plan, "forward", 0.125, q, k, stencil=True)
-    alone = _ffi._call(_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (q, k, v, dout, lse, out, dlse, *schedule),
-                       [q.shape, lse.shape], attributes, True, (result_dtype, jnp.dtype(jnp.float32)))  # fmt: skip
-    pairs = plan.tile_stencil_pairs("forward")
+    alone = _ffi._scheduled_call(_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (q, k, v, dout, lse, out, dlse), schedule,
+                                 [q.shape, lse.shape], attributes, True, (result_dtype, jnp.dtype(jnp.float32)))  # fmt: skip
+    pairs = _ffi.stencil_schedule(plan, "forward").pairs
     stencil_rows = np.zeros(plan.nlat_out, bool)
     stencil_rows[pairs[:, 0]] = stencil_rows[pairs[:, 0] + 1] = True
     for name, x in zip(("dq", "delta"), alone, strict=True):

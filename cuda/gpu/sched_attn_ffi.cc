@@ -150,10 +150,10 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   S2ATTN_CHECK(tile_dims.size() >= tile_rank && tile_dims.back() == 2 &&
                    (!a.ring_grids || tile_dims[tile_dims.size() - 2] == kSchedTileRuns),
                "tiles must be int32 " << (a.ring_grids ? "[tiles, 8, 2] (a ring grids' runs)" : "[tiles, 2]"));
-  S2ATTN_CHECK(!a.ring_grids || (a.nlat_q == 1 && a.nlat_k == 1 && a.classes == kSchedTileCols && a.stencil_tiles == 0),
+  S2ATTN_CHECK(!a.ring_grids || (a.nlat_q == 1 && a.nlat_k == 1 && a.classes == kSchedTileCols),
                "a ring grids' schedule (tiles of runs) takes grids of one row (nlat_q = nlat_k = 1, got "
-                   << a.nlat_q << ", " << a.nlat_k << "), a record per point (classes = " << kSchedTileCols
-                   << ", got " << a.classes << ") and no stencil tiles");
+                   << a.nlat_q << ", " << a.nlat_k << ") and a record per point (classes = " << kSchedTileCols
+                   << ", got " << a.classes << ")");
   S2ATTN_CHECK(chunk_dims.size() >= 2 && chunk_dims.back() == kSchedChunkFields,
                "chunks must be int32 [chunks, " << kSchedChunkFields << "]");
   const int64_t num_tiles = tile_dims[tile_dims.size() - tile_rank], num_chunks = chunk_dims[chunk_dims.size() - 2];
@@ -189,10 +189,12 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   g->scale = a.scale;
   if (a.ring_grids) {  // the runs are the schedule's own cut of the walking points: enough of them for every point
     const int64_t walk_points = walk_keys ? a.nlon_k : a.nlon_q;
-    S2ATTN_CHECK(num_tiles * kSchedTileRuns * kSchedRunPoints >= walk_points,
-                 "the schedule's " << num_tiles << " tiles cannot hold the " << walk_points
+    const int64_t tile_points = kSchedTileRuns * kSchedRunPoints;
+    S2ATTN_CHECK(a.stencil_tiles >= 0 && (num_tiles + a.stencil_tiles) * tile_points >= walk_points,
+                 "the schedule's " << num_tiles << " tiles and the " << a.stencil_tiles
+                                   << " it leaves to the stencil targets cannot hold the " << walk_points
                                    << " walking points (pass the plan's " << (walk_keys ? "backward" : "forward")
-                                   << " ring schedule)");
+                                   << " schedule)");
     return ffi::Error::Success();
   }
   const int64_t walk_tiles = ((walk_keys ? a.nlat_k : a.nlat_q) + kSchedTileRows - 1) / kSchedTileRows *

@@ -17,7 +17,7 @@ import numpy as np
 
 from .._native import HAS_CPU_EXT, HAS_CUDA_EXT, MODULES, kernel_limits, native_backends, native_status
 from ..ring_schedule import ring_block_schedule
-from ..schedule import ScheduleSet
+from ..schedule import BlockSchedule, ScheduleSet
 
 __all__ = [
     "BACKWARD_DKV_TARGET",
@@ -601,26 +601,63 @@ def full_window(plan) -> np.ndarray:
     return np.array([0, 0, *plan.out_shape, 0, 0, *plan.in_shape], dtype=np.int32)
 
 
+class StencilSchedule(NamedTuple):
+    """A walk's schedule beside the stencil rows, as the kernels take it.
+
+    Attributes:
+      schedule: the plan's block schedule without the stencil rows' tiles, in the regular format or (``flat``) in
+        the ring grids' (:func:`~jax_s2attn.schedule.as_runs`: the arrays go to the kernels as grids of one row).
+      pairs: the stencil pairs whose rows it leaves out (:meth:`~jax_s2attn.NeighborhoodPlan.tile_stencil_pairs`
+        of its tiles' rows), what the stencil targets take.
+      flat: whether ``schedule`` is in the ring grids' format.
+    """
+
+    schedule: BlockSchedule
+    pairs: np.ndarray
+    flat: bool
+
+
+def stencil_schedule(plan, walk: str) -> StencilSchedule:
+    """The schedule of ``walk`` ("forward" or "backward") the scheduled targets take beside the stencil targets on
+    ``plan``'s whole grids: of the kernels' tiles (``scheduled_shape``: 4 × 16 walking points) and tiles of one
+    row (1 × 64, in the ring grids' format, ``scheduled_runs``), the one that multiplies fewer chunks. Rows of
+    short arcs go to the stencil kernels, so the rows left are the polar ones, whose arcs at the default cutoff
+    span tens of longitudes: there 64 consecutive points of one row share more of their chunks than 16 of four
+    rows (``docs/performance.md``, "What each tile shape multiplies")."""
+    limits = kernel_limits()
+    tile_rows, tile_cols, chunk_cols = limits.scheduled_shape
+    rows = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols, stencil=True)
+    one_row = plan.block_schedule(walk, tile_rows=1, tile_cols=tile_rows * tile_cols, chunk_cols=chunk_cols,
+                                  stencil=True, runs=limits.scheduled_runs)  # fmt: skip
+    if one_row.chunks.shape[0] < rows.chunks.shape[0]:
+        return StencilSchedule(one_row, plan.tile_stencil_pairs(walk, tile_rows=1), True)
+    return StencilSchedule(rows, plan.tile_stencil_pairs(walk, tile_rows=tile_rows), False)
+
+
 def _scheduled_operands(
     plan, walk: str, scale, query, key, window=None, schedules=None, stencil=False
 ) -> tuple[tuple, dict]:  # fmt: skip
     """The schedule operands (tiles, tile_offsets, chunks, records, quad_weights) of ``walk`` in the kernels'
     shape and the attributes of a scheduled call on ``query``'s and ``key``'s grids: the plan's schedule for whole
-    grids (with ``stencil``, without the tiles of the stencil rows, :meth:`NeighborhoodPlan.tile_stencil_pairs`),
-    or with ``window`` (int32 ``[8]``) and ``schedules`` (:class:`WindowSchedules`) the window's, with the
-    quadrature weights of the key arrays' rows."""
+    grids (with ``stencil``, :func:`stencil_schedule`, whose attribute ``ring_grids`` says whether the arrays go
+    as grids of one row: :func:`_scheduled_call`), or with ``window`` (int32 ``[8]``) and ``schedules``
+    (:class:`WindowSchedules`) the window's, with the quadrature weights of the key arrays' rows."""
     tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
     if (window is None) != (schedules is None):
         raise ValueError("window and schedules go together: pass both (a shard's blocks) or neither (whole grids).")
     if stencil and schedules is not None:
         raise ValueError("stencil=True needs whole grids; the blocks of a sharded grid take no stencil rows.")
-    stencil_tiles = 0
+    stencil_tiles, flat = 0, False
     if schedules is None:
-        s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols, stencil=stencil)
-        tiles, tile_offsets, weights = s.tiles, s.tile_offsets, plan.quad_weights
-        if stencil:  # the stencil pairs' tiles: whole bands of tile_rows rows
-            bands = np.unique(plan.tile_stencil_pairs(walk, tile_rows=tile_rows)[:, 0] // tile_rows).size
-            stencil_tiles = bands * -(-s.nlon_walk // tile_cols)
+        if stencil:
+            s, _, flat = stencil_schedule(plan, walk)
+            rows, cols = (1, tile_rows * tile_cols) if flat else (tile_rows, tile_cols)
+            walk_shape = plan.out_shape if walk == "forward" else plan.in_shape
+            stencil_tiles = -(-walk_shape[0] // rows) * -(-walk_shape[1] // cols) - s.tiles.shape[0]
+        else:
+            s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+        tiles, tile_offsets = s.tiles, s.tile_offsets
+        weights = np.repeat(plan.quad_weights, plan.nlon_in) if flat else plan.quad_weights  # per key point
     else:
         s = schedules.forward if walk == "forward" else schedules.backward
         if (s.tile_rows, s.tile_cols, s.chunk_cols) != (tile_rows, tile_cols, chunk_cols):
@@ -644,7 +681,25 @@ def _scheduled_operands(
             f"{s.nlat_walk}x{s.nlon_walk}: build the schedules for these blocks (parallel.layout.window_schedules)."
         )
     operands = (_index(tiles), _index(tile_offsets), _index(s.chunks), _index(s.records), weights)
-    return operands, _scheduled_attributes(s, scale, (nq_lat, nq_lon), (nk_lat, nk_lon), stencil_tiles)
+    grids = ((1, nq_lat * nq_lon), (1, nk_lat * nk_lon)) if flat else ((nq_lat, nq_lon), (nk_lat, nk_lon))
+    return operands, _scheduled_attributes(s, scale, *grids, stencil_tiles, ring_grids=flat)
+
+
+def _scheduled_call(target, arrays, schedule, shapes, attributes, poison_results, dtypes) -> list:
+    """The scheduled ``target`` on ``arrays`` (q first, then activations and per-point operands ``[..., nlat,
+    nlon, ...]`` of whole grids) and ``schedule``'s operands, results of ``shapes``. Where the schedule is in the ring
+    grids' format (attribute ``ring_grids``, :func:`stencil_schedule`) the grids go as grids of one row, which
+    for contiguous arrays is only another shape."""
+    if not attributes["ring_grids"]:
+        return _call(target, (*arrays, *schedule), shapes, attributes, poison_results, dtypes)
+    lead = arrays[0].ndim - 5  # q [..., nlat, nlon, H, D]
+
+    def one_row(shape):
+        return (*shape[:lead], 1, shape[lead] * shape[lead + 1], *shape[lead + 2 :])
+
+    flat = [x.reshape(one_row(x.shape)) for x in arrays]
+    results = _call(target, (*flat, *schedule), [one_row(s) for s in shapes], attributes, poison_results, dtypes)
+    return [r.reshape(s) for r, s in zip(results, shapes)]
 
 
 def _scheduled_attributes(schedule, scale, query_grid, key_grid, stencil_tiles=0, ring_grids=False) -> dict:
@@ -660,11 +715,11 @@ def _scheduled_attributes(schedule, scale, query_grid, key_grid, stencil_tiles=0
 
 def _stencil_rows(target, walk: str, operands, plan, scale, results, dtypes) -> tuple:
     """``results`` of a scheduled call on whole grids whose schedule left out the stencil rows' tiles, with those
-    rows (of :meth:`NeighborhoodPlan.tile_stencil_pairs` of ``walk``) written in place by the stencil target
-    ``target`` on the operands before its tables: the scheduled call's activations (and, for the dq that forms
-    delta, the forward's out, an empty remainder and dlse)."""
+    rows (the pairs of :func:`stencil_schedule` of ``walk``) written in place by the stencil target ``target`` on
+    the operands before its tables: the scheduled call's activations (and, for the dq that forms delta, the
+    forward's out, an empty remainder and dlse)."""
     tables = (getattr(plan.tables, f"{walk}_{name}") for name in ("row_order", "segment_offsets", "segments"))
-    pairs = plan.tile_stencil_pairs(walk, tile_rows=kernel_limits().scheduled_shape[0])
+    pairs = stencil_schedule(plan, walk).pairs
     operands = (*operands, full_window(plan), *tables, plan.quad_weights, pairs)
     attributes = _attributes(plan, getattr(plan, f"{walk}_segments"), scale)
     return tuple(_call(target, operands, [x.shape for x in results], attributes, False, dtypes, initial=results))
@@ -703,8 +758,8 @@ def ffi_scheduled_forward(
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
     dtypes = (dtype, jnp.dtype(jnp.float32))
-    results = _call(SCHEDULED_FORWARD_TARGET, (query, key, value, *schedule), shapes, attributes, poison_results,
-                    dtypes)  # fmt: skip
+    results = _scheduled_call(SCHEDULED_FORWARD_TARGET, (query, key, value), schedule, shapes, attributes,
+                              poison_results, dtypes)  # fmt: skip
     if stencil:
         results = _stencil_rows(STENCIL_FORWARD_TARGET, "forward", (query, key, value), plan, scale, results, dtypes)
     return tuple(results)
@@ -721,8 +776,8 @@ def ffi_scheduled_dq(
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
     schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, window, schedules, stencil)
     operands = (query, key, value, dout, lse, delta)
-    results = _call(SCHEDULED_BACKWARD_DQ_TARGET, (*operands, *schedule), [query.shape], attributes, poison_results,
-                    dtype)  # fmt: skip
+    results = _scheduled_call(SCHEDULED_BACKWARD_DQ_TARGET, operands, schedule, [query.shape], attributes,
+                              poison_results, dtype)  # fmt: skip
     if stencil:
         results = _stencil_rows(STENCIL_BACKWARD_DQ_TARGET, "forward", operands, plan, scale, results, dtype)
     return results[0]
@@ -744,8 +799,8 @@ def ffi_scheduled_dq_delta(
     schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, stencil=stencil)
     dout, out, dlse = _delta_operands(dout, out, dlse)
     dtypes = (dtype, jnp.dtype(jnp.float32))
-    results = _call(SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (query, key, value, dout, lse, out, dlse, *schedule),
-                    [query.shape, dlse.shape], attributes, poison_results, dtypes)  # fmt: skip
+    results = _scheduled_call(SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (query, key, value, dout, lse, out, dlse),
+                              schedule, [query.shape, dlse.shape], attributes, poison_results, dtypes)  # fmt: skip
     if stencil:
         operands = (query, key, value, dout, lse, out, jnp.zeros((0,), jnp.float32), dlse)  # no out remainder
         results = _stencil_rows(STENCIL_BACKWARD_DQ_DELTA_TARGET, "forward", operands, plan, scale, results, dtypes)
@@ -762,8 +817,8 @@ def ffi_scheduled_dkv(
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
     schedule, attributes = _scheduled_operands(plan, "backward", scale, query, key, window, schedules, stencil)
     operands = (query, key, value, dout, lse, delta)
-    results = _call(SCHEDULED_BACKWARD_DKV_TARGET, (*operands, *schedule), [key.shape, value.shape], attributes,
-                    poison_results, dtype)  # fmt: skip
+    results = _scheduled_call(SCHEDULED_BACKWARD_DKV_TARGET, operands, schedule, [key.shape, value.shape],
+                              attributes, poison_results, dtype)  # fmt: skip
     if stencil:
         results = _stencil_rows(STENCIL_BACKWARD_DKV_TARGET, "backward", operands, plan, scale, results, dtype)
     return tuple(results)
