@@ -458,13 +458,16 @@ def test_a_windows_scheduled_operands_are_refused_without_their_pair_or_on_other
 def test_export_for_cuda_runs_the_stencil_targets_beside_the_scheduled_ones(scheduled_build):
     """The op on the scheduled kernels at 360x720 and the default cutoff (one head: the rows of whole tiles of
     stencil pairs pass the stencil gate), exported for CUDA: forward, dq and dk/dv each a scheduled target whose
-    schedule leaves out the stencil rows' tiles (its stencil_tiles attribute counts them) and a stencil target
-    that updates the scheduled target's results in place (aliased operands); delta formed by the two dq targets
-    (the scheduled and the stencil dq_delta), no delta target."""
+    schedule leaves out the stencil rows' tiles (its stencil_tiles attribute counts them; tiles of one row, in the
+    ring grids' format on the flat grids) and a stencil target that updates the scheduled target's results in
+    place (aliased operands); delta formed by the two dq targets (the scheduled and the stencil dq_delta), no
+    delta target."""
     plan = NeighborhoodPlan((360, 720), (360, 720))
-    pairs = plan.tile_stencil_pairs("forward")
-    assert len(pairs) > 0 and np.array_equal(pairs, plan.tile_stencil_pairs("backward"))
-    left_out = len(np.unique(pairs[:, 0] // 4)) * (720 // 16)
+    chosen = [_ffi.stencil_schedule(plan, walk) for walk in ("forward", "backward")]
+    assert all(c.flat for c in chosen) and np.array_equal(chosen[0].pairs, chosen[1].pairs)
+    pairs = chosen[0].pairs
+    assert np.array_equal(pairs, plan.tile_stencil_pairs("forward", tile_rows=1)) and len(pairs) > 0
+    left_out = 2 * len(pairs) * -(-720 // 64)  # tiles of one row
 
     def loss(q, k, v, plan):
         return neighborhood._native_attention(q, k, v, plan, 0.125, "scheduled")[0].astype(jnp.float32).sum()
@@ -482,7 +485,8 @@ def test_export_for_cuda_runs_the_stencil_targets_beside_the_scheduled_ones(sche
         assert not any(f"@{target}(" in line for line in calls), target
     for line in calls:
         if "@jax_s2attn_sched_" in line:
-            assert f"stencil_tiles = {left_out} : i64" in line
+            assert f"stencil_tiles = {left_out} : i64" in line and "ring_grids = true" in line
+            assert "tensor<1x1x259200x1x64xbf16>" in line
         if "@jax_s2attn_stencil_" in line:
             assert "output_operand_aliases" in line
 

@@ -692,7 +692,7 @@ def _scheduled_call(target, arrays, schedule, shapes, attributes, poison_results
     for contiguous arrays is only another shape."""
     if not attributes["ring_grids"]:
         return _call(target, (*arrays, *schedule), shapes, attributes, poison_results, dtypes)
-    lead = arrays[0].ndim - 5  # q [..., nlat, nlon, H, D]
+    lead = arrays[0].ndim - 4  # q [..., nlat, nlon, H, D]
 
     def one_row(shape):
         return (*shape[:lead], 1, shape[lead] * shape[lead + 1], *shape[lead + 2 :])
