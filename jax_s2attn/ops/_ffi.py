@@ -627,6 +627,8 @@ def stencil_schedule(plan, walk: str) -> StencilSchedule:
     limits = kernel_limits()
     tile_rows, tile_cols, chunk_cols = limits.scheduled_shape
     rows = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols, stencil=True)
+    if not len(plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs):
+        return StencilSchedule(rows, plan.tile_stencil_pairs(walk, tile_rows=tile_rows), False)  # the whole walk
     one_row = plan.block_schedule(walk, tile_rows=1, tile_cols=tile_rows * tile_cols, chunk_cols=chunk_cols,
                                   stencil=True, runs=limits.scheduled_runs)  # fmt: skip
     if one_row.chunks.shape[0] < rows.chunks.shape[0]:

@@ -36,11 +36,11 @@ RESIDUAL_NAME = "s2attn_residual"
 STENCIL_MIN_POINTS = 1 << 17
 
 #: Mean neighbours per output point from which the op runs the scheduled tensor-core kernels rather than the tiled
-#: ones where both can run. Below it the tiled kernels are as fast or faster on the largest grids: 721x1440 at the
-#: default cutoff (23 neighbours; bf16, f+b, one H100 run, both beside the stencil kernels) takes 1.398 ms tiled
-#: against 1.389 scheduled with C 64 and 4.98 against 5.30 with C 256 in 4 heads, where 180x360 -> 360x720 at tc
-#: 0.03 (42) takes 0.53 against 0.40 ms on the H200; at the default cutoff the smaller grids gain on the scheduled
-#: kernels (360x720 0.50 against 0.45 ms), which this count does not tell apart (docs/performance.md).
+#: ones where both can run (180x360 -> 360x720 at tc 0.03, 42 neighbours: 0.40 against 0.53 ms f+b on the H200).
+#: Below it the op keeps the tiled kernels. At the default cutoff (23 neighbours; bf16, one H100 run, both beside
+#: the stencil kernels) the scheduled ones are faster in f+b (721x1440 1.279 against 1.379 ms, C 256 in 4 heads
+#: 4.85 against 4.95, 360x720 0.40 against 0.58) but slower in 721x1440's forward alone (0.289 against 0.260 ms),
+#: by more than their kernels' durations say (docs/performance.md, "Open questions").
 SCHEDULED_MIN_NEIGHBORS = 32
 
 
@@ -350,14 +350,13 @@ def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "f
     """Whether the op on ``kernel`` leaves ``plan``'s stencil pairs of ``walk`` ("forward": its forward and dq;
     "backward": its dk/dv) to the stencil kernels for queries shaped like ``query``: on the tensor-core kernels,
     from :data:`STENCIL_MIN_POINTS` points of the pairs per batch entry (rows x longitudes x heads): the walk's
-    pairs on the tiled kernels, those of whole tiles (:meth:`~jax_s2attn.NeighborhoodPlan.tile_stencil_pairs`) on
-    the scheduled ones."""
-    if kernel == "tiled":
-        pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
-    elif kernel == "scheduled":
-        pairs = plan.tile_stencil_pairs(walk, tile_rows=_ffi.kernel_limits().scheduled_shape[0])
-    else:
+    pairs on the tiled kernels, those of whole tiles of the scheduled ones' schedule beside them
+    (:func:`~jax_s2attn.ops._ffi.stencil_schedule`) on the scheduled ones."""
+    if kernel not in ("tiled", "scheduled"):
         return False
+    pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
+    if kernel == "scheduled" and len(pairs):
+        pairs = _ffi.stencil_schedule(plan, walk).pairs
     points = 2 * len(pairs) * (plan.nlon_out if walk == "forward" else plan.nlon_in) * query.shape[-2]
     return points >= STENCIL_MIN_POINTS
 
