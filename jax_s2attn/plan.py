@@ -635,17 +635,19 @@ def _check_walk(walk) -> str:
     return walk
 
 
-# A schedule is ~40 bytes a chunk (23 MB per walk at 721x1440, tc 0.03): a few plans' worth are kept (with and
-# without the stencil rows' tiles).
-@functools.lru_cache(maxsize=16)
+# A schedule is ~40 bytes a chunk (23 MB per walk at 721x1440, tc 0.03): a few plans' worth are kept (a plan with
+# stencil rows keeps up to five a walk: whole and without those rows' tiles, on 4 x 16 and 1 x 64 tiles, and the
+# latter as runs). Every call passes all seven arguments, so that one schedule has one key.
+@functools.lru_cache(maxsize=32)
 def _block_schedule(key: _PlanKey, walk: str, tile_rows: int, tile_cols: int, chunk_cols: int, stencil: bool,
                     runs: tuple[int, int] | None = None) -> BlockSchedule:  # fmt: skip
     plan = _build_plan(key)
     if runs is not None:
         nlat_other = plan.nlat_in if walk == "forward" else plan.nlat_out
-        schedule = as_runs(_block_schedule(key, walk, tile_rows, tile_cols, chunk_cols, stencil), *runs, nlat_other)
+        regular = _block_schedule(key, walk, tile_rows, tile_cols, chunk_cols, stencil, None)
+        schedule = as_runs(regular, *runs, nlat_other)
     elif stencil:
-        schedule = without_row_tiles(_block_schedule(key, walk, tile_rows, tile_cols, chunk_cols, False),
+        schedule = without_row_tiles(_block_schedule(key, walk, tile_rows, tile_cols, chunk_cols, False, None),
                                      _tile_stencil_pairs(key, walk, tile_rows))  # fmt: skip
     else:
         segments, shape = (

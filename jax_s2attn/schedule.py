@@ -217,9 +217,10 @@ def as_runs(schedule: BlockSchedule, runs: int, run_points: int, nlat_other: int
     rows (``tiles [num_tiles, runs, 2]`` of ``(first point, points)``; points past the walking grid are in no run),
     one record per point (``records [stagings, runs * run_points // 16, 16, 2]``, ``classes`` 16), chunks naming
     row 0 and the flat index of their first point, ``RING`` chunks carrying the other grid's longitudes from bit
-    :data:`RING_POINTS_SHIFT` of their flags, and ``nlon`` the other grid's points (``nlat_other`` rows). The pairs
-    are ``schedule``'s, tile for tile and chunk for chunk: the kernels take in this format tile shapes the regular
-    one does not have (1 × 64 for the polar rows of small cutoffs)."""
+    :data:`RING_POINTS_SHIFT` of their flags, and ``nlon`` the other grid's points (``nlat_other`` rows);
+    ``tile_rows`` and ``tile_cols`` become the records' layout (``runs * run_points // 16`` × 16). The pairs are
+    ``schedule``'s, tile for tile and chunk for chunk: the kernels take in this format tile shapes the regular one
+    does not have (1 × 64 for the polar rows of small cutoffs)."""
     s = schedule
     points = runs * run_points
     if s.tile_rows * s.tile_cols != points or s.tile_cols % run_points or points % 16:

@@ -889,10 +889,13 @@ def expand_runs_schedule(schedule: BlockSchedule) -> np.ndarray:
             columns = np.arange(valid)
             for slot, point in points:
                 start, length = records[staging, slot]
-                if flags & RING:
+                if flags & RING:  # start modulo the ring by one conditional add and one subtract, as MaskOf
                     ring_points = flags >> RING_POINTS_SHIFT
-                    assert abs(start - offset) < 2 * ring_points
-                    keep = (columns - (start - offset)) % ring_points < length
+                    begin = start - offset
+                    assert -ring_points <= begin < 2 * ring_points, "a ring start the kernels cannot reduce"
+                    begin += ring_points if begin < 0 else 0
+                    begin -= ring_points if begin >= ring_points else 0
+                    keep = (columns - begin) % ring_points < length
                 else:
                     keep = (columns - (start - offset) >= 0) & (columns - (start - offset) < length)
                 if flags & FULL:

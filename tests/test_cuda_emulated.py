@@ -893,9 +893,9 @@ def test_scheduled_forward_keeps_maxima_that_rise_past_the_rescale_slack(emulate
     verify_case(case, run_scheduled_case(emulated_library, case), bar, out_tolerance=bar)
 
 
-# Plans whose walks leave whole tiles of rows to the stencil kernels beside the scheduled ones
-# (NeighborhoodPlan.tile_stencil_pairs): Legendre-Gauss rows from the pole, a band in mid-grid, every row,
-# more key rows than query rows (the two walks' pairs differ).
+# Plans whose walks leave rows to the stencil kernels beside the scheduled ones (_ffi.stencil_schedule: tiles of
+# one row in the ring grids' format, on self-9x4 the kernels' 4 x 16): Legendre-Gauss rows from the pole, a band in
+# mid-grid, every row but one, more key rows than query rows (the two walks' pairs differ).
 SCHEDULED_STENCIL_CASES = [
     ("legendre-gauss", 32, "float16"), ("self-17x72", 64, "bfloat16"), ("self-17x72", 128, "float16"),
     ("self-9x4", 64, "bfloat16"), ("lat-10x40-9x40", 64, "float16"),
@@ -912,7 +912,7 @@ def test_scheduled_beside_the_stencil_rows_matches_float64(emulated_library, rng
     kernels' rows do not; results in the activations' type are the float32 ones rounded, bit for bit."""
     plan = STENCIL_PLANS[plan_name]()
     pairs = {walk: _ffi.stencil_schedule(plan, walk).pairs for walk in ("forward", "backward")}
-    assert all(len(p) for p in pairs.values()), "the plan must leave whole tiles to the stencil kernels"
+    assert all(len(p) for p in pairs.values()), "the plan must leave rows to the stencil kernels"
     case = prepare_case(rng, plan, 2, 2, d, d, dtype)
     bar = tolerance_of("tiled", dtype)
     wide = run_scheduled_case(emulated_library, case, stencil=True)

@@ -410,7 +410,8 @@ def test_the_dq_that_forms_delta_beside_the_stencil_rows(case, dtype, gradients,
     out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, scale=0.125, stencil=True)
     schedule, attributes = _ffi._scheduled_operands(plan, "forward", 0.125, q, k, stencil=True)
     alone = _ffi._scheduled_call(_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (q, k, v, dout, lse, out, dlse), schedule,
-                                 [q.shape, lse.shape], attributes, True, (result_dtype, jnp.dtype(jnp.float32)))  # fmt: skip
+                                 [q.shape, lse.shape], attributes, True,
+                                 (result_dtype, jnp.dtype(jnp.float32)))  # fmt: skip
     pairs = _ffi.stencil_schedule(plan, "forward").pairs
     stencil_rows = np.zeros(plan.nlat_out, bool)
     stencil_rows[pairs[:, 0]] = stencil_rows[pairs[:, 0] + 1] = True

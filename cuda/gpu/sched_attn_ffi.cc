@@ -190,7 +190,8 @@ ffi::Error Decode(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   if (a.ring_grids) {  // the runs are the schedule's own cut of the walking points: enough of them for every point
     const int64_t walk_points = walk_keys ? a.nlon_k : a.nlon_q;
     const int64_t tile_points = kSchedTileRuns * kSchedRunPoints;
-    S2ATTN_CHECK(a.stencil_tiles >= 0 && (num_tiles + a.stencil_tiles) * tile_points >= walk_points,
+    S2ATTN_CHECK(a.stencil_tiles >= 0 && a.stencil_tiles < kMaxExtent &&
+                     (num_tiles + a.stencil_tiles) * tile_points >= walk_points,
                  "the schedule's " << num_tiles << " tiles and the " << a.stencil_tiles
                                    << " it leaves to the stencil targets cannot hold the " << walk_points
                                    << " walking points (pass the plan's " << (walk_keys ? "backward" : "forward")

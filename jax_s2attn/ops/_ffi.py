@@ -610,11 +610,13 @@ class StencilSchedule(NamedTuple):
       pairs: the stencil pairs whose rows it leaves out (:meth:`~jax_s2attn.NeighborhoodPlan.tile_stencil_pairs`
         of its tiles' rows), what the stencil targets take.
       flat: whether ``schedule`` is in the ring grids' format.
+      stencil_tiles: the walking grid's tiles of its shape it leaves out (the scheduled targets' attribute).
     """
 
     schedule: BlockSchedule
     pairs: np.ndarray
     flat: bool
+    stencil_tiles: int
 
 
 def stencil_schedule(plan, walk: str) -> StencilSchedule:
@@ -626,14 +628,23 @@ def stencil_schedule(plan, walk: str) -> StencilSchedule:
     rows (``docs/performance.md``, "What each tile shape multiplies")."""
     limits = kernel_limits()
     tile_rows, tile_cols, chunk_cols = limits.scheduled_shape
-    rows = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols, stencil=True)
-    if not len(plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs):
-        return StencilSchedule(rows, plan.tile_stencil_pairs(walk, tile_rows=tile_rows), False)  # the whole walk
-    one_row = plan.block_schedule(walk, tile_rows=1, tile_cols=tile_rows * tile_cols, chunk_cols=chunk_cols,
-                                  stencil=True, runs=limits.scheduled_runs)  # fmt: skip
-    if one_row.chunks.shape[0] < rows.chunks.shape[0]:
-        return StencilSchedule(one_row, plan.tile_stencil_pairs(walk, tile_rows=1), True)
-    return StencilSchedule(rows, plan.tile_stencil_pairs(walk, tile_rows=tile_rows), False)
+    nlat, nlon = plan.out_shape if walk == "forward" else plan.in_shape
+
+    def chosen(schedule, rows, cols, flat):
+        tiles = -(-nlat // rows) * -(-nlon // cols)
+        pairs = plan.tile_stencil_pairs(walk, tile_rows=rows)
+        return StencilSchedule(schedule, pairs, flat, tiles - schedule.tiles.shape[0])
+
+    shape = dict(tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
+    if not len(plan.tile_stencil_pairs(walk, tile_rows=1)):  # the walk has no stencil pairs: all of it
+        return chosen(plan.block_schedule(walk, **shape), tile_rows, tile_cols, False)
+    rows = plan.block_schedule(walk, **shape, stencil=True)
+    points = tile_rows * tile_cols
+    one_row = plan.block_schedule(walk, tile_rows=1, tile_cols=points, chunk_cols=chunk_cols, stencil=True,
+                                  runs=limits.scheduled_runs)  # fmt: skip
+    if one_row.chunks.shape[0] < rows.chunks.shape[0]:  # a tie keeps the kernels' own tiles
+        return chosen(one_row, 1, points, True)
+    return chosen(rows, tile_rows, tile_cols, False)
 
 
 def _scheduled_operands(
@@ -641,8 +652,8 @@ def _scheduled_operands(
 ) -> tuple[tuple, dict]:  # fmt: skip
     """The schedule operands (tiles, tile_offsets, chunks, records, quad_weights) of ``walk`` in the kernels'
     shape and the attributes of a scheduled call on ``query``'s and ``key``'s grids: the plan's schedule for whole
-    grids (with ``stencil``, :func:`stencil_schedule`, whose attribute ``ring_grids`` says whether the arrays go
-    as grids of one row: :func:`_scheduled_call`), or with ``window`` (int32 ``[8]``) and ``schedules``
+    grids (with ``stencil``, :func:`stencil_schedule`; in the ring grids' format, the attribute ``ring_grids``,
+    the arrays go as grids of one row: :func:`_scheduled_call`), or with ``window`` (int32 ``[8]``) and ``schedules``
     (:class:`WindowSchedules`) the window's, with the quadrature weights of the key arrays' rows."""
     tile_rows, tile_cols, chunk_cols = kernel_limits().scheduled_shape
     if (window is None) != (schedules is None):
@@ -652,10 +663,7 @@ def _scheduled_operands(
     stencil_tiles, flat = 0, False
     if schedules is None:
         if stencil:
-            s, _, flat = stencil_schedule(plan, walk)
-            rows, cols = (1, tile_rows * tile_cols) if flat else (tile_rows, tile_cols)
-            walk_shape = plan.out_shape if walk == "forward" else plan.in_shape
-            stencil_tiles = -(-walk_shape[0] // rows) * -(-walk_shape[1] // cols) - s.tiles.shape[0]
+            s, _, flat, stencil_tiles = stencil_schedule(plan, walk)
         else:
             s = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
         tiles, tile_offsets = s.tiles, s.tile_offsets

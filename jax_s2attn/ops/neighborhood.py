@@ -40,7 +40,8 @@ STENCIL_MIN_POINTS = 1 << 17
 #: Below it the op keeps the tiled kernels. At the default cutoff (23 neighbours; bf16, one H100 run, both beside
 #: the stencil kernels) the scheduled ones are faster in f+b (721x1440 1.279 against 1.379 ms, C 256 in 4 heads
 #: 4.85 against 4.95, 360x720 0.40 against 0.58) but slower in 721x1440's forward alone (0.289 against 0.260 ms),
-#: by more than their kernels' durations say (docs/performance.md, "Open questions").
+#: which their kernels' durations under ncu do not explain; the threshold stays until the op's timeline does
+#: (docs/performance.md, "Open questions").
 SCHEDULED_MIN_NEIGHBORS = 32
 
 
@@ -354,8 +355,9 @@ def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "f
     (:func:`~jax_s2attn.ops._ffi.stencil_schedule`) on the scheduled ones."""
     if kernel not in ("tiled", "scheduled"):
         return False
-    pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
-    if kernel == "scheduled" and len(pairs):
+    if kernel == "tiled":
+        pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
+    else:
         pairs = _ffi.stencil_schedule(plan, walk).pairs
     points = 2 * len(pairs) * (plan.nlon_out if walk == "forward" else plan.nlon_in) * query.shape[-2]
     return points >= STENCIL_MIN_POINTS
