@@ -492,6 +492,31 @@ def test_export_for_cuda_runs_the_stencil_targets_beside_the_scheduled_ones(sche
 
 
 @native
+def test_export_for_cuda_passes_flat_grids_under_vmap_and_batch_dims(scheduled_build):
+    """The scheduled targets on tiles of one row (360x720, default cutoff) under vmap, with two batch dims: each
+    takes and returns its grids as grids of one row after all the leading dims, the tables with vmap's copies in
+    front; the stencil targets take the grids as they are."""
+    plan = NeighborhoodPlan((360, 720), (360, 720))
+
+    def loss(q, k, v):
+        attend = lambda q, k, v: neighborhood._native_attention(q, k, v, plan, 0.125, "scheduled")[0]
+        return jax.vmap(attend)(q, k, v).astype(jnp.float32).sum()
+
+    args = [jax.ShapeDtypeStruct((2, 3, 360, 720, 1, 64), BF16)] * 3
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+                                 disabled_checks=_ffi.export_disabled_checks())(*args)  # fmt: skip
+    calls = [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call @jax_s2attn" in line]
+    assert len(calls) == 6
+    for line in calls:
+        signature = line[line.rindex(" : (") :]
+        if "@jax_s2attn_sched_" in line:
+            assert "tensor<2x3x1x259200x1x64xbf16>" in signature and "x360x720x" not in signature
+            assert "tensor<2x259200xf32>" in signature  # a weight per key point, vmap's copy in front
+        else:
+            assert "tensor<2x3x360x720x1x64xbf16>" in signature and "x259200x" not in signature
+
+
+@native
 def test_export_for_cuda_forms_delta_in_the_scheduled_dq_without_stencil_rows(scheduled_build):
     """The op on the scheduled kernels where no stencil rows run beside them (tc 0.1 on 33x72), exported for
     CUDA: its backward forms delta in the scheduled dq (the dq_delta target, float32 out and dlse in, dq and
