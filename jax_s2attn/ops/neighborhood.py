@@ -353,12 +353,12 @@ def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "f
     from :data:`STENCIL_MIN_POINTS` points of the pairs per batch entry (rows x longitudes x heads): the walk's
     pairs on the tiled kernels, those of whole tiles of the scheduled ones' schedule beside them
     (:func:`~jax_s2attn.ops._ffi.stencil_schedule`) on the scheduled ones."""
-    if kernel not in ("tiled", "scheduled"):
-        return False
     if kernel == "tiled":
         pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
-    else:
+    elif kernel == "scheduled":
         pairs = _ffi.stencil_schedule(plan, walk).pairs
+    else:
+        return False
     points = 2 * len(pairs) * (plan.nlon_out if walk == "forward" else plan.nlon_in) * query.shape[-2]
     return points >= STENCIL_MIN_POINTS
 
