@@ -777,7 +777,7 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward, kD>& 
     inverse[h] = sum > 0.f ? 1.f / sum : 0.f;
     if (points.real[h] && t == 0) {
       p.lse_out[PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h])] =
-          l[h] > 0.f ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;
+          !(l[h] == 0.f) ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;  // no neighbour: -inf; a NaN sum stays NaN
     }
   }
   StoreRows<T, kD>(p, points, p.out, o, inverse);
