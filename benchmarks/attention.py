@@ -8,10 +8,9 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
   (``timing.median_ms``: the host's dispatch and the final wait cancel), cycling through several
   input sets so small problems are not served from L2;
 * the native kernel families side by side, each as the op runs it (its custom VJP): the arc kernels
-  (``ffi_arc_*``, every row), the tiled tensor-core kernels (``ffi_tiled_*``, CUDA rows they support:
-  16-bit inputs, head dims 32/64/128) and the scheduled ones (``ffi_scheduled_*``, sm_90 rows with head
-  dims 32/64/128), both with the stencil kernels on rows of short arcs where the op runs them, the ratios ``arc_over_tiled_*`` and ``tiled_over_scheduled_*``, and as ``ffi_*`` the one that
-  ``implementation="ffi"`` picks (``ffi_kernel``);
+  (``ffi_arc_*``, every row) and the scheduled tensor-core kernels (``ffi_scheduled_*``, sm_90 rows with 16-bit
+  inputs and head dims 32/64/128, with the stencil kernels on rows of short arcs where the op runs them), the
+  ratio ``arc_over_scheduled_*``, and as ``ffi_*`` the one that ``implementation="ffi"`` picks (``ffi_kernel``);
 * the floor: max(bytes / copy bandwidth, FLOPs / peak) with each input read and each output
   written once (forward: q, k, v, out; backward adds out, dout, dq, dk, dv) and the useful
   FLOPs (below), at the ceilings measured on the H200 (4.3 TB/s copy, 790 TFLOP/s bf16
@@ -19,21 +18,17 @@ configurations plus quarter-degree ones, in float32 and bfloat16:
 * FLOPs, counted as 2 per multiply-add of the attention's matrix products, with ``d`` the
   head dim and pairs summed over batch and heads. *Useful*: per (query, neighbour) pair
   ``4d`` forward (S = QK^T, O = PV) and ``10d`` backward (S again, dP, dV, dQ, dK), so
-  ``14d`` for forward+backward. *Computed* (tiled kernels, padding and masked entries
-  included, from the walk's tile statistics): ``4d`` per computed pair of the forward walk
-  forward; the backward adds ``6d`` per computed pair of the forward walk (dQ walk: S, dP,
-  dQ) and ``8d`` per computed pair of the backward walk (dK/dV walk: S, dP, dV, dK). MMA
-  utilization ``tile_util_*`` = useful / computed pairs per walk; ``*_tflops_*`` = FLOPs /
-  measured time (computed TFLOP/s over 790 is the kernels' own efficiency, tile waste aside). The
-  scheduled kernels' computed pairs are their block schedules' (``sched_util_*`` = useful / computed),
-  and ``ffi_scheduled_eta_<target>`` = computed TFLOP/s of each target alone over 790 (4d, 6d and 8d per
-  computed pair for the forward, dQ and dK/dV); none where the scheduled targets run beside the stencil ones;
+  ``14d`` for forward+backward; ``ffi_*_useful_tflops_*`` = useful FLOPs / measured time. *Computed*
+  (padding and masked entries included): the pairs of the scheduled kernels' block schedules,
+  ``sched_util_*`` = useful / computed pairs per walk, and ``ffi_scheduled_eta_<target>`` = computed TFLOP/s of
+  each target alone over 790 (4d, 6d and 8d per computed pair for the forward, dQ and dK/dV walks: S, O; S, dP,
+  dQ; S, dP, dV, dK), the kernels' own efficiency, tile waste aside; none where the scheduled targets run
+  beside the stencil ones (their time is then not all wgmma);
 * each native kernel family's targets alone (``ffi_<kernel>_{forward,dq,dkv,delta}_target_ms``:
   the forward, dQ, dK/dV and delta custom calls on their own, fed with the forward's lse and a
-  delta from the same inputs; the tiled and scheduled families also
-  ``dq_delta``, the dQ that forms delta, which the op runs in place of delta and dQ), so a change can be
-  placed in one walk; forward+backward
-  is the op's targets' sum plus XLA's glue;
+  delta from the same inputs; the scheduled family also ``dq_delta``, the dQ that forms delta, which the op
+  runs in place of delta and dQ; each with the stencil targets beside it where the op runs them), so a change
+  can be placed in one walk; forward+backward is the op's targets' sum plus XLA's glue;
 * the pure-JAX reference measured in the same run (where it fits in time and memory);
 * torch-harmonics' CUDA module (module level: projections included) when importable;
 * the same attention written with PyTorch FlexAttention (``flex_attention.py``: a block mask built from the
@@ -73,14 +68,13 @@ import numpy as np  # noqa: E402
 import jax_s2attn  # noqa: E402
 from jax_s2attn.ops import _ffi  # noqa: E402  (which native kernels can run a row, and which one "ffi" picks)
 from jax_s2attn.ops.local import full_window  # noqa: E402
-from jax_s2attn.ops.neighborhood import _native_attention, tensor_core_family, uses_stencil_rows  # noqa: E402
+from jax_s2attn.ops.neighborhood import _native_attention, uses_stencil_rows  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also under -P
 from ceilings import PEAK_FLOPS, floor_ms  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 from flex_attention import flex_runs  # noqa: E402  (the same attention in PyTorch FlexAttention)
-from tile_walk import tile_statistics  # noqa: E402  (the tiled kernels' walk: utilization, computed pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +121,6 @@ def _useful_flops(cfg: Config, plan, backward: bool) -> float:
     return (14 if backward else 4) * d * _pairs(cfg, plan.num_pairs)
 
 
-def _computed_flops(cfg: Config, stats: dict, backward: bool) -> float:
-    """Matrix FLOPs the tiled kernels multiply: 4d per forward-walk computed pair forward; the
-    backward adds 6d per forward-walk (dQ) and 8d per backward-walk (dK/dV) computed pair."""
-    d = cfg.channels // cfg.heads
-    forward, backward_walk = (_pairs(cfg, stats[f"computed_pairs_{w}"]) for w in ("forward", "backward"))
-    return 4 * d * forward + (6 * d * forward + 8 * d * backward_walk if backward else 0)
-
-
 def _floor_ms(cfg: Config, plan, dtype: str, backward: bool) -> float:
     q_points, k_points = cfg.batch * math.prod(cfg.out_shape), cfg.batch * math.prod(cfg.in_shape)
     return floor_ms(q_points, k_points, cfg.channels, _useful_flops(cfg, plan, backward), dtype, backward)
@@ -165,45 +151,28 @@ def _jax_runs(plan, cfg: Config, dtype: str, kernel: str, reps: int, input_sets)
     return fwd_ms, both_ms, memory
 
 
-def _target_runs(plan, kernel: str, reps: int, input_sets) -> dict[str, float]:
-    """Median ms of the forward, dq, dkv and delta targets of ``kernel`` ("arc" or "tiled"), and for
-    "tiled" its dq that forms delta (``dq_delta``), each alone: the backward targets read the lse,
-    out and delta of a forward of the same inputs. The tiled targets run as the op runs them (with the plan's
-    stencil rows where the op leaves them to the stencil kernels)."""
+def _arc_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
+    """Median ms of the arc forward, dq, dkv and delta targets, each alone: the backward targets read the lse and
+    a delta of the out of a forward of the same inputs."""
     window, scale = full_window(plan), float(input_sets[0][0].shape[-1]) ** -0.5
-    stencil = uses_stencil_rows(plan, input_sets[0][0], kernel)
-    forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(
-        q, k, v, p, window, p.tables.forward_row_order, scale=scale, kernel=kernel, stencil=stencil))  # fmt: skip
-    gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, input_sets[0][0].dtype))
-    if kernel == "tiled":
-        gradients["stencil"] = stencil
+    forward_rows, backward_rows = plan.tables.forward_row_order, plan.tables.backward_row_order
+    forward = jax.jit(lambda q, k, v, p: _ffi.ffi_forward(q, k, v, p, window, forward_rows, scale=scale))
     dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dq(
-        q, k, v, g, lse, delta, p, window, p.tables.forward_row_order, kernel=kernel, **gradients))  # fmt: skip
-    dkv_gradients = dict(gradients)
-    if kernel == "tiled":
-        dkv_gradients["stencil"] = uses_stencil_rows(plan, input_sets[0][0], kernel, "backward")
+        q, k, v, g, lse, delta, p, window, forward_rows, scale=scale))  # fmt: skip
     dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_backward_dkv(
-        q, k, v, g, lse, delta, p, window, p.tables.backward_row_order, kernel=kernel, **dkv_gradients))  # fmt: skip
+        q, k, v, g, lse, delta, p, window, backward_rows, scale=scale))  # fmt: skip
     delta = jax.jit(_ffi.ffi_delta)
-    forward_sets = [(q, k, v, plan) for q, k, v, _ in input_sets]
-    delta_sets, backward_sets, forming_sets = [], [], []
+    delta_sets, backward_sets = [], []
     for q, k, v, g in input_sets:
         out, lse = forward(q, k, v, plan)
         delta_sets.append((g, out))
         backward_sets.append((q, k, v, g, lse, delta(g, out), plan))
-        if kernel == "tiled":
-            forming_sets.append((q, k, v, g, lse, out, jnp.zeros_like(lse), plan))
-    times = {
-        "forward": median_ms(forward, forward_sets, reps),
+    return {
+        "forward": median_ms(forward, [(q, k, v, plan) for q, k, v, _ in input_sets], reps),
         "dq": median_ms(dq, backward_sets, reps),
         "dkv": median_ms(dkv, backward_sets, reps),
         "delta": median_ms(delta, delta_sets, reps),
     }
-    if kernel == "tiled":
-        dq_delta = jax.jit(lambda q, k, v, g, lse, out, dlse, p: _ffi.ffi_backward_dq_delta(
-            q, k, v, g, lse, out, dlse, p, window, p.tables.forward_row_order, **gradients))  # fmt: skip
-        times["dq_delta"] = median_ms(dq_delta, forming_sets, reps)
-    return times
 
 
 def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
@@ -289,29 +258,21 @@ def _tflops(flops: float, ms: float) -> float:
 
 
 def _kernel_metrics(cfg: Config, plan, row: dict) -> dict:
-    """Tile statistics, achieved TFLOP/s and arc/tiled time ratios of the timed native
-    kernels (formulas in the module docstring)."""
+    """Useful TFLOP/s and arc/scheduled time ratios of the timed native kernels, and the scheduled kernels' schedule
+    utilization and η (formulas in the module docstring)."""
     metrics = {}
-    stats = tile_statistics(plan)
-    metrics.update(
-        computed_pairs_fwd=stats["computed_pairs_forward"], computed_pairs_bwd=stats["computed_pairs_backward"],
-        tile_util_fwd=stats["utilization_forward"], tile_util_bwd=stats["utilization_backward"],
-    )
     for step, backward in (("fwd", False), ("fwdbwd", True)):
-        for kernel in ("arc", "tiled"):
+        for kernel in ("arc", "scheduled"):
             if f"ffi_{kernel}_{step}_ms" in row:
                 useful = _tflops(_useful_flops(cfg, plan, backward), row[f"ffi_{kernel}_{step}_ms"])
                 metrics[f"ffi_{kernel}_useful_tflops_{step}"] = useful
-        if f"ffi_tiled_{step}_ms" in row:
-            tiled_ms = row[f"ffi_tiled_{step}_ms"]
-            metrics[f"arc_over_tiled_{step}"] = row[f"ffi_arc_{step}_ms"] / tiled_ms
-            metrics[f"ffi_tiled_computed_tflops_{step}"] = _tflops(_computed_flops(cfg, stats, backward), tiled_ms)
-        if f"ffi_scheduled_{step}_ms" in row and f"ffi_tiled_{step}_ms" in row:
-            metrics[f"tiled_over_scheduled_{step}"] = row[f"ffi_tiled_{step}_ms"] / row[f"ffi_scheduled_{step}_ms"]
+        if f"ffi_arc_{step}_ms" in row and f"ffi_scheduled_{step}_ms" in row:
+            metrics[f"arc_over_scheduled_{step}"] = row[f"ffi_arc_{step}_ms"] / row[f"ffi_scheduled_{step}_ms"]
     d = cfg.channels // cfg.heads
     query = jax.ShapeDtypeStruct((cfg.batch, *cfg.out_shape, cfg.heads, d), jnp.bfloat16)
-    beside_stencil = any(uses_stencil_rows(plan, query, "scheduled", walk) for walk in ("forward", "backward"))
-    if "ffi_scheduled_forward_target_ms" in row and not beside_stencil:  # the targets' time is then not all wgmma
+    timed = "ffi_scheduled_forward_target_ms" in row
+    beside_stencil = timed and any(uses_stencil_rows(plan, query, "scheduled", w) for w in ("forward", "backward"))
+    if timed and not beside_stencil:  # beside the stencil targets, the targets' time is not all wgmma
         shape = dict(zip(("tile_rows", "tile_cols", "chunk_cols"), _ffi.kernel_limits().scheduled_shape, strict=True))
         walks = {walk: plan.block_schedule(walk, **shape) for walk in ("forward", "backward")}
         metrics.update(sched_util_fwd=plan.num_pairs / walks["forward"].computed_pairs,
@@ -393,14 +354,12 @@ def main() -> None:
             pairs=plan.num_pairs,
             floor_fwd_ms=_floor_ms(cfg, plan, dtype, False), floor_fwdbwd_ms=_floor_ms(cfg, plan, dtype, True),
         )
-        # The kernel implementation="ffi" runs for this row; the arc kernels are timed on every row, each
-        # tensor-core family on the rows it can run.
-        ffi_kernel = tensor_core_family(plan, _ffi.choose_kernel(platform, dtype, d, d)) if native else None
+        # The kernel implementation="ffi" runs for this row; the arc kernels are timed on every row, the scheduled
+        # ones on the rows they can run.
+        ffi_kernel = _ffi.choose_kernel(platform, dtype, d, d) if native else None
         kernels = []
         if native:
             kernels = ["arc"]
-            if _ffi.tiled_unavailable_reason(platform, dtype, d, d) is None:
-                kernels.append("tiled")
             if _ffi.scheduled_unavailable_reason(platform, dtype, d, d) is None:
                 kernels.append("scheduled")
         if _pairs(cfg, plan.num_pairs) <= args.reference_max_pairs:
@@ -414,11 +373,9 @@ def main() -> None:
                 continue
             column = "reference" if kernel == "reference" else f"ffi_{kernel}"
             row.update({f"{column}_fwd_ms": fwd, f"{column}_fwdbwd_ms": both, f"{column}_device_bytes": memory})
-            if kernel == "scheduled":
-                targets = _scheduled_target_runs(plan, reps, input_sets)
-            elif kernel != "reference":
-                targets = _target_runs(plan, kernel, reps, input_sets)
             if kernel != "reference":
+                runs = _scheduled_target_runs if kernel == "scheduled" else _arc_target_runs
+                targets = runs(plan, reps, input_sets)
                 row.update({f"{column}_{target}_target_ms": ms for target, ms in targets.items()})
         if f"ffi_{ffi_kernel}_fwd_ms" in row:
             row["ffi_kernel"] = ffi_kernel
@@ -458,14 +415,13 @@ def main() -> None:
         return f"{x:9.3f}" if isinstance(x, float) else f"{str(x):>9}"
 
     columns = {  # printed label -> CSV column
-        "arc fwd": "ffi_arc_fwd_ms", "tiled fwd": "ffi_tiled_fwd_ms", "sched fwd": "ffi_scheduled_fwd_ms",
-        "arc f+b": "ffi_arc_fwdbwd_ms", "tiled f+b": "ffi_tiled_fwdbwd_ms", "sched f+b": "ffi_scheduled_fwdbwd_ms",
+        "arc fwd": "ffi_arc_fwd_ms", "sched fwd": "ffi_scheduled_fwd_ms",
+        "arc f+b": "ffi_arc_fwdbwd_ms", "sched f+b": "ffi_scheduled_fwdbwd_ms",
         "eta fwd": "ffi_scheduled_eta_forward", "eta dq": "ffi_scheduled_eta_dq", "eta dkv": "ffi_scheduled_eta_dkv",
-        "dq+delta": "ffi_tiled_dq_delta_target_ms", "tiled dkv": "ffi_tiled_dkv_target_ms",
-        "s dq+dlt": "ffi_scheduled_dq_delta_target_ms",
-        "arc/tiled": "arc_over_tiled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
-        "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "tile_util_fwd",
-        "TF/s f+b": "ffi_tiled_useful_tflops_fwdbwd",
+        "s dq+dlt": "ffi_scheduled_dq_delta_target_ms", "s dkv": "ffi_scheduled_dkv_target_ms",
+        "arc/sched": "arc_over_scheduled_fwdbwd", "floor f+b": "floor_fwdbwd_ms",
+        "ffi/floor": "ffi_fwdbwd_over_floor", "util fwd": "sched_util_fwd", "util bwd": "sched_util_bwd",
+        "TF/s f+b": "ffi_scheduled_useful_tflops_fwdbwd",
         "ref f+b": "reference_fwdbwd_ms", "ffi/ref": "speedup_fwdbwd_vs_reference",
         "flex f+b": "flex_fwdbwd_ms", "flex/ffi": "flex_over_ffi_fwdbwd",
     }

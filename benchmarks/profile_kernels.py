@@ -1,13 +1,15 @@
 """Runs the native kernels once per configuration (a forward, then a forward+backward) for a profiler.
 
 Meant to run under Nsight Compute, which selects the kernels by name; ``run_h200.sh profile``
-does that and keeps the reports. Per configuration the kernels run as a forward (one launch), then
-as a forward+backward (forward, dq, dk/dv); ``ncu -k regex:Tiled --launch-skip 1 --launch-count 3`` takes
-the three kernels of the second, one configuration per ncu call. ``--implementation`` picks the kernels as
-``neighborhood_attention`` does (default ``ffi-tiled``; ``ffi`` runs the scheduled kernels where they apply,
-``regex:ScheduledAttention``); ``--family tiled`` or ``scheduled`` runs that tensor-core family's forward and
-backward as the native op does (the stencil kernels beside it where the op runs them) whatever the op's dispatch
-would pick, for a per-kernel timeline of either family (``ncu --metrics gpu__time_duration.sum``).
+does that and keeps the reports. Per configuration the kernels run as a forward (one launch per kernel), then
+as a forward+backward (forward, dq, dk/dv); ``ncu -k regex:ScheduledAttention --launch-skip 1 --launch-count 3``
+takes the three scheduled kernels of the second, one configuration per ncu call (``regex:Stencil`` the stencil
+kernels beside them on rows of short arcs, ``regex:"ScheduledAttention|Stencil" --launch-skip 2 --launch-count 6``
+both families where the op runs both). ``--implementation`` picks the kernels as ``neighborhood_attention`` does
+(default ``ffi-tiled``: the tensor-core path, the scheduled kernels with the stencil ones where the op runs them;
+``ffi-arc`` the arc kernels); ``--family scheduled`` or ``arc`` runs that family's forward and backward as the
+native op does (the stencil kernels beside the scheduled ones where the op runs them) whatever the op's dispatch
+would pick, for a per-kernel timeline (``ncu --metrics gpu__time_duration.sum``).
 
 Run: ``python benchmarks/profile_kernels.py --grid 721 1440 --theta-cutoff 0.03 [--grid ...]``.
 """
@@ -32,8 +34,8 @@ def main() -> None:
     parser.add_argument("--channels", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--implementation", default="ffi-tiled")
-    parser.add_argument("--family", choices=("tiled", "scheduled"),
-                        help="run this tensor-core family as the native op does, in place of --implementation")
+    parser.add_argument("--family", choices=("scheduled", "arc"),
+                        help="run this native kernel family as the native op does, in place of --implementation")
     args = parser.parse_args()
     cutoffs = args.theta_cutoff or [None] * len(args.grid)
     if len(cutoffs) != len(args.grid):

@@ -1,21 +1,23 @@
 """How a plan's pairs split between walking rows of short arcs and rows of long ones.
 
-The tiled kernels stage whole chunks of K/V (or Q/dout) columns for 64-point units, so a walking row
-whose arcs are a few columns wide multiplies mostly masked pairs, while rows of long arcs (near the
+The scheduled tensor-core kernels stage whole chunks of K/V (or Q/dout) columns for tiles of 64 walking points,
+so a walking row whose arcs are a few columns wide multiplies mostly masked pairs, while rows of long arcs (near the
 poles, or any row at a wide cutoff) keep the tensor cores busy; the stencil kernels
 (``cuda/gpu/stencil_attn_*.cu``) take pairs of short-arc rows on CUDA cores. Per walk (forward: query rows, which the
 forward and dq walk; backward: key rows, which dk/dv walk) and per bound W on a row's longest arc, this
 prints how many rows have all arcs within W, their share of the pairs and their pairs per point, and
 the same for the remaining rows.
 
-With ``--time KERNEL ...`` ("tiled" or "scheduled" on a GPU, "arc" anywhere a native module runs), it
+With ``--time KERNEL ...`` ("scheduled" on an sm_90 GPU, "arc" anywhere a native module runs), it
 also times, per kernel, the forward target (bf16, C 64, one head) on every row and, per split of the forward
 walk, on the band of query rows from its first to its last short-arc row (a window of those rows; the
 short-arc rows of a self-attention plan are one band around the equator, and the count of rows in the band
 says whether others lie inside): what that kernel spends on the rows a stencil kernel could take. Where the
 plan has stencil rows, it times the forward target on the query rows outside the forward walk's stencil
 pairs and the dk/dv target on the key rows outside the backward walk's, one window per band of such rows
-(the polar rows at the default cutoff): what the kernel beside the stencil kernels costs.
+(the polar rows at the default cutoff): what the kernel beside the stencil kernels costs. These are the plan's
+stencil pairs; the op beside the scheduled kernels leaves the stencil kernels those of whole tiles
+(``jax_s2attn.ops._ffi.stencil_schedule``), which may be fewer rows.
 
 Usage: ``python benchmarks/row_widths.py [--grid NLAT NLON [--theta-cutoff TC]] ... [--time KERNEL ...]``
 (default: the benchmark's 721x1440 default cutoff, 721x1440 tc 0.03 and 360x720 tc 0.03, self-attention).

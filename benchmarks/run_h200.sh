@@ -3,7 +3,8 @@
 # package against the local jax, then runs the GPU tests, the sanitizers and the benchmark.
 # Usage (from the repository root): bash benchmarks/run_h200.sh [tests|sanitize|bench|profile|all] ...
 # Logs and CSVs go to $OUT (default ./out). "profile" (not part of "all") writes ncu's reports and raw metrics
-# (stall reasons included) of each scheduled kernel and of the tiled ones. TORCH_HARMONICS_SRC (an unpacked
+# (stall reasons included) of each scheduled kernel at tc 0.03, and of the scheduled and stencil kernels together at
+# the default cutoff. TORCH_HARMONICS_SRC (an unpacked
 # torch-harmonics 0.9.3 wheel or sdist) builds it in the background while the tests run, for the benchmark's
 # torch-harmonics column (about 4 minutes) and, after the benchmark, the parity tests against it. BENCH_ARGS are passed to benchmarks/attention.py. GPU_TESTS (default:
 # tests) picks the test files or node ids of "tests", so that the suite can run in parts; TEST_TIMEOUT bounds each
@@ -73,16 +74,18 @@ if [[ " $steps " == *" profile "* ]]; then
   # a 2 ms kernel takes a minute or more), each report exported whole, then its raw metrics (stall reasons
   # included) as CSV. profile_kernels.py runs a forward, then a forward+backward. Kernels are picked by their
   # demangled names: a scheduled kernel by its kind (ScheduledAttention<T, (...::Kind)k, (int)D>: k 0 forward,
-  # 1 dq, 2 dk/dv, whatever order XLA launches dq and dk/dv in; the forward's launch 1 is the differentiated one);
-  # the tiled ones (forward, dq, dk/dv in one report, launches 1 to 3) at tc 0.03 and at the default cutoff.
+  # 1 dq, 2 dk/dv, whatever order XLA launches dq and dk/dv in; the forward's launch 1 is the differentiated one)
+  # at tc 0.03; at the default cutoff, where the stencil kernels (Stencil{Fwd,Dq,Dkv}Kernel) take the rows of short
+  # arcs beside them, both families' forward, dq and dk/dv of the forward+backward in one report (launches 2 to 7:
+  # the undifferentiated forward launches one kernel of each).
   sections=(--section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats
             --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis
             --section SourceCounters)
   tc003="--theta-cutoff 0.03 --implementation ffi"
   for spec in "sched-fwd:ScheduledAttention<[^,]+, [^,]*Kind\)0,:1:1:$tc003" \
               "sched-dq:ScheduledAttention<[^,]+, [^,]*Kind\)1,:0:1:$tc003" \
-              "sched-dkv:ScheduledAttention<[^,]+, [^,]*Kind\)2,:0:1:$tc003" "tiled-tc003:Tiled:1:3:--theta-cutoff 0.03" \
-              "tiled-default:Tiled:1:3:"; do
+              "sched-dkv:ScheduledAttention<[^,]+, [^,]*Kind\)2,:0:1:$tc003" \
+              "sched-stencil-default:ScheduledAttention|Stencil:2:6:--implementation ffi"; do
     IFS=: read -r name regex skip count arguments <<< "$spec"
     report="$OUT/ncu-$name"
     timeout ${PROFILE_TIMEOUT:-400} ncu --clock-control none --kernel-name-base demangled -k "regex:$regex" \

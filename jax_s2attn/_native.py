@@ -95,8 +95,6 @@ class KernelLimits:
 
     Attributes:
       arc_dtypes: activation dtypes of the arc-segment kernels (CPU and CUDA).
-      tiled_dtypes: activation dtypes of the tiled tensor-core kernels (CUDA).
-      tiled_head_dims: head dims (``Dk == Dv``) the tiled kernels are built for.
       stencil_max_other_rows: rows of the other grid a stencil row pair may see.
       stencil_max_half: longitudes each side of a point that a stencil row's arcs stay within.
       scheduled_shape: ``(tile_rows, tile_cols, chunk_cols)`` of the block schedule the scheduled
@@ -110,8 +108,6 @@ class KernelLimits:
     """
 
     arc_dtypes: tuple[np.dtype, ...]
-    tiled_dtypes: tuple[np.dtype, ...]
-    tiled_head_dims: tuple[int, ...]
     stencil_max_other_rows: int
     stencil_max_half: int
     scheduled_shape: tuple[int, int, int]
@@ -133,8 +129,6 @@ def _kernel_limits() -> KernelLimits | None:
     limits = modules[0].build_info()["limits"]
     return KernelLimits(
         arc_dtypes=_dtypes(limits["arc_dtypes"]),
-        tiled_dtypes=_dtypes(limits["tiled_dtypes"]),
-        tiled_head_dims=tuple(int(d) for d in limits["tiled_head_dims"]),
         stencil_max_other_rows=int(limits["stencil_max_other_rows"]),
         stencil_max_half=int(limits["stencil_max_half"]),
         scheduled_shape=tuple(int(x) for x in limits["scheduled_shape"]),

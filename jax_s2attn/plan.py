@@ -14,8 +14,8 @@ of the same sparsity:
 * ``backward_arcs``: the transpose, keyed by input point, walked by dK/dV.
 * ``forward_segments`` / ``backward_segments``: the same arcs merged per walking
   *row* (all ``R`` residues of one row side by side, one entry per other-grid
-  row), the form the tiled kernels read: a tile of consecutive longitudes spans
-  every residue.
+  row), the form the stencil kernels read (rows of short arcs beside the scheduled
+  tensor-core kernels).
 
 Arcs are ``(row, lo, len)`` int32 triples: the ``len`` longitudes
 ``(lo + j) mod nlon`` for ``j < len`` (one wrap at most; a full ring has
@@ -60,8 +60,7 @@ class ArcTable(NamedTuple):
       arcs: ``[num_arcs, 3]`` rows of ``(row, lo, len)``, rows ascending per pattern.
       row_order: ``[rows]`` rows of the walking grid, most neighbours first
         (summed over the row's residues): the kernels' schedule. The table's stencil
-        rows (:func:`stencil_pairs`) come last, ascending: the tiled kernels walk the
-        ranks before them.
+        rows (:func:`stencil_pairs`, short arcs) come last, ascending.
       residues: ``R``; pattern of point ``(h, w)`` is ``h*R + w % R``.
       shift: ``S``; arcs of point ``(h, w)`` start ``S*(w // R)`` longitudes later.
       nlon: longitudes of the grid the arcs run on.
@@ -579,7 +578,7 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
 
     forward_segments, backward_segments = SegmentTable.from_arcs(forward), SegmentTable.from_arcs(backward)
     forward_stencil_pairs, backward_stencil_pairs = stencil_pairs(forward_segments), stencil_pairs(backward_segments)
-    # The tiled kernels walk the first ranks of a row order, the stencil kernels the pairs' rows.
+    # The stencil pairs' rows (short arcs) go last in the row orders the arc kernels walk.
     forward = forward._replace(row_order=_stencil_rows_last(forward.row_order, forward_stencil_pairs))
     backward = backward._replace(row_order=_stencil_rows_last(backward.row_order, backward_stencil_pairs))
     for arcs, segments in [(forward, forward_segments), (backward, backward_segments)]:

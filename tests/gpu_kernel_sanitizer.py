@@ -1,11 +1,11 @@
 """The CUDA kernels alone on a GPU (no JAX/XLA in the process), for compute-sanitizer.
 
-Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/tiled_attn_{fwd,dq,dkv}.cu``,
-``cuda/gpu/stencil_attn_{fwd,dq,dkv}.cu``, ``cuda/gpu/sched_attn_{fwd,dq,dkv}.cu`` and the C entry point
+Compiles ``cuda/gpu/nbhd_attn_{fwd,bwd}.cu``, ``cuda/gpu/stencil_attn_{fwd,dq,dkv}.cu``,
+``cuda/gpu/sched_attn_{fwd,dq,dkv}.cu``, ``cuda/gpu/delta_kernel.cu`` and the C entry point
 ``tests/cuda_emulation/run_target.cc`` with nvcc into a temporary shared library, uploads the inputs of a few
 small cases with cupy (every buffer its own ``cudaMalloc``, results poisoned with NaN), runs forward, dq and dkv
-of the arc-segment, the tiled or the scheduled kernels (the latter two also beside the stencil kernels; and the
-tiled dq that forms delta) on the default stream,
+of the arc-segment or the scheduled kernels (the latter as the op runs them, with the dq that forms delta, and
+also beside the stencil kernels), and the ring targets, on the default stream,
 synchronises after every launch and checks the results against the float64 reference of ``kernel_cases.py``
 (the one the host-emulation tests use), including that every result element was written.
 
@@ -49,33 +49,33 @@ from kernel_cases import (  # noqa: E402
     RING_PLANS,
     ROOT,
     RUN_TARGET_SHIM,
+    SCHEDULED_TOLERANCE,
     STENCIL_PLANS,
-    TILED_TOLERANCE,
     KernelCase,
     call_run_target,
     prepare_case,
     prepare_ring_case,
     run_case,
-    run_dq_forming_delta,
-    run_narrow_forward,
     run_ring_case,
     run_ring_scheduled_case,
     run_scheduled_case,
+    run_scheduled_dq_forming_delta,
+    run_scheduled_kind,
     run_scheduled_windows,
+    scheduled_schedules,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
-    verify_narrow_forward,
-    verify_one_part_forward,
     verify_ring_case,
     whole_grids,
 )
+from jax_s2attn.ops import _ffi  # noqa: E402
 
 NOT_AVAILABLE = 2
 # (kernel, plan, Dk, Dv, dtype, windows). Arc kernels: 64/64 takes the vector fast path, 5/7
 # the general path. "self" has full polar rings and wrapping arcs; "down" has shift 2, "up"
-# residues 2; the long-row plans (kernel_cases.LONG_ROW_PLANS) give the tiled kernels several
-# blocks per row, tails and seams inside a block, and several staged chunks per segment.
+# residues 2; the long-row plans (kernel_cases.LONG_ROW_PLANS) give the scheduled kernels several
+# tiles per row, tails and seams inside a tile, and several staged chunks per arc.
 WINDOWED = {"q_window": (2, 3, 4, 9), "k_window": (1, 5, 5, 7), "padding": (1, 2, 2, 1)}
 CASES = [
     ("arc", "self", 64, 64, "float32", {}),
@@ -88,18 +88,6 @@ CASES = [
     ("arc", "up", 5, 7, "float32", {}),
     ("arc", "self", 64, 64, "float32", WINDOWED),
     ("arc", "self", 5, 7, "bfloat16", WINDOWED),
-    ("tiled", "self", 64, 64, "bfloat16", {}),
-    ("tiled", "self", 32, 32, "float16", WINDOWED),
-    ("tiled", "self", 128, 128, "bfloat16", WINDOWED),
-    ("tiled", "down", 64, 64, "float16", {}),
-    ("tiled", "up", 128, 128, "bfloat16", {}),
-    ("tiled", "self-72", 64, 64, "float16", LONG_ROW_WINDOWS["self-72"]),
-    ("tiled", "up-100", 32, 32, "bfloat16", LONG_ROW_WINDOWS["up-100"]),
-    ("tiled", "rings-72", 64, 64, "float16", {}),
-    # The tiled kernels leaving the plan's stencil pairs to the stencil kernels (kernel_cases.STENCIL_PLANS).
-    ("tiled+stencil", "self-17x72", 32, 32, "bfloat16", {}),
-    ("tiled+stencil", "self-9x4", 64, 64, "float16", {}),
-    ("tiled+stencil", "lat-10x40-9x40", 128, 128, "bfloat16", {}),
     # The scheduled kernels (whole grids, D 32, 64 and 128): whole rings, shift 2, residues 2, rows of several tiles
     # (nlon not a multiple of the tile), whole-ring polar rows.
     ("scheduled", "self", 64, 64, "bfloat16", {}),
@@ -239,7 +227,7 @@ def main(argv=None) -> int:
             kernel, stencil = kind.removesuffix("+stencil"), kind.endswith("+stencil")
             try:
                 if kernel == "scheduled":  # float32 results, then the activations' type (the op's)
-                    bar = tolerance_of("tiled", case.dtype)
+                    bar = tolerance_of("scheduled", case.dtype)
                     if whole_grids(case):
                         run_scheduled = functools.partial(run_scheduled_case, stencil=stencil)
                     else:
@@ -248,24 +236,20 @@ def main(argv=None) -> int:
                     narrow = run_scheduled(lib, case, DTYPES[case.dtype][1], DeviceMemory(cupy))
                     narrow = {name: result.astype(np.float32) for name, result in narrow.items()}
                     verify_case(case, narrow, bar, out_tolerance=bar)
+                    if whole_grids(case):  # the dq that forms delta (and the stencil one) from random out and dlse
+                        forward = scheduled_schedules(case, stencil)[0]
+                        pairs = _ffi.stencil_schedule(case.plan, "forward").pairs if stencil else None
+                        lse = case.inputs[4]
+                        out = rng.standard_normal(case.inputs[3].shape).astype(np.float32)
+                        dlse = rng.standard_normal(lse.shape).astype(np.float32)
+                        dq, delta = run_scheduled_dq_forming_delta(lib, case, np.float32, forward, lse, out, dlse,
+                                                                   DeviceMemory(cupy), pairs)  # fmt: skip
+                        given, _ = run_scheduled_kind(lib, case, "dq", np.float32, forward, lse, delta,
+                                                      DeviceMemory(cupy), pairs)  # fmt: skip
+                        verify_dq_forming_delta(case, out, dlse, {"dq": dq, "delta": delta, "dq_given_delta": given})
                     print(f"ok   {name}")
                     continue
-                results = run_case(case, launch, kernel, stencil=stencil)
-                verify_case(case, results, tolerance_of(kernel, case.dtype))
-                # Tiled: its forward writing out in the activations' type with its remainder and without (P
-                # multiplied once), and its dq that forms delta from random out (padding rows too) and from that
-                # out and remainder.
-                if kernel == "tiled":
-                    narrow = run_narrow_forward(case, launch, stencil, remainder=True)
-                    verify_narrow_forward(results, narrow)
-                    verify_one_part_forward(case, results, run_narrow_forward(case, launch, stencil))
-                    out = rng.standard_normal(results["out"].shape).astype(np.float32)
-                    dlse = rng.standard_normal(results["lse"].shape).astype(np.float32)
-                    verify_dq_forming_delta(case, out, dlse, run_dq_forming_delta(case, launch, out, dlse,
-                                                                                  stencil=stencil))  # fmt: skip
-                    hi, lo = narrow["out"], narrow["remainder"]
-                    verify_dq_forming_delta(case, hi, dlse, run_dq_forming_delta(case, launch, hi, dlse,
-                                                                                 stencil=stencil, remainder=lo), lo)
+                verify_case(case, run_case(case, launch), tolerance_of(kernel, case.dtype))
                 print(f"ok   {name}")
             except AssertionError as error:
                 failures += 1
@@ -279,7 +263,7 @@ def main(argv=None) -> int:
                     verify_ring_case(case, run_ring_case(lib, case, memory_of=memory_of))
                 else:  # the scheduled kernels on ring block schedules: P and dS rounded, the 16-bit bar
                     verify_ring_case(case, run_ring_scheduled_case(lib, case, memory_of=memory_of),
-                                     TILED_TOLERANCE[dtype])  # fmt: skip
+                                     SCHEDULED_TOLERANCE[dtype])  # fmt: skip
                 print(f"ok   {name}")
             except AssertionError as error:
                 failures += 1

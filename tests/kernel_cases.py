@@ -2,19 +2,20 @@
 and ``gpu_kernel_sanitizer.py`` (the real GPU): inputs on local blocks of the grids, a dense
 float64 reference built from the plan's arcs, the three launches, and the checks.
 
-Two kernel families run the same cases: the arc-segment kernels (``nbhd_attn_*.cu``, walking
-the plan's arc tables) and the tiled tensor-core kernels (``tiled_attn_*.cu``, walking its
-segment tables; 16-bit activations with Dk == Dv in {32, 64, 128}).
+The same cases run on the arc-segment kernels (``nbhd_attn_*.cu``, walking the plan's arc tables) and on the
+scheduled tensor-core kernels (``sched_attn_*.cu``, walking the plan's block schedules; 16-bit activations with
+Dk == Dv in {32, 64, 128}), the latter also beside the stencil targets (``stencil_attn_*.cu``, walking the
+segment tables' rows of the plan's stencil pairs).
 
-A *launch* callable runs one target through ``tests/cuda_emulation/run_target.cc``::
+A *launch* callable runs one arc or stencil target through ``tests/cuda_emulation/run_target.cc``::
 
     launch(target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table,
-           weights, result0, result1[, result2[, result3]])
+           weights, result0, result1[, result2], stencil_pairs=None)
 
 with numpy inputs (``None`` for unused ones), ``table`` an ArcTable (arc targets) or a
-SegmentTable (tiled targets), and NaN-filled numpy results that it overwrites in place
-(``result2``: the tiled forward's out in the activations' type, in place of ``result0``; ``result3``: with
-it, what that rounding left, rounded again: the residual the op's tiled backward forms delta from).
+SegmentTable (stencil targets), and NaN-filled numpy results that it overwrites in place
+(``result2``: the stencil forward's out in the activations' type, in place of ``result0``).
+The scheduled targets run through :func:`run_scheduled_kind` and the functions after it.
 """
 
 from __future__ import annotations
@@ -42,8 +43,7 @@ from jax_s2attn.schedule import FULL, RING, RING_POINTS_SHIFT, BlockSchedule
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = [
     ROOT / "cuda" / "gpu" / name
-    for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "tiled_attn_fwd.cu", "tiled_attn_dq.cu",
-                 "tiled_attn_dkv.cu", "stencil_attn_fwd.cu", "stencil_attn_dq.cu",
+    for name in ("nbhd_attn_fwd.cu", "nbhd_attn_bwd.cu", "stencil_attn_fwd.cu", "stencil_attn_dq.cu",
                  "stencil_attn_dkv.cu", "sched_attn_fwd.cu", "sched_attn_dq.cu", "sched_attn_dkv.cu",
                  "delta_kernel.cu")
 ]
@@ -51,29 +51,23 @@ RUN_TARGET_SHIM = ROOT / "tests" / "cuda_emulation" / "run_target.cc"
 
 # dtype name -> (ActivationType of nbhd_attn_kernels.h, numpy storage type)
 DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
-# Targets of run_target.cc: the arc kernels' forward, dq and dkv; the tiled ones' are 3 further, the stencil
-# targets' 6 further.
+# Targets of run_target.cc's RunNbhdAttnTarget: the arc kernels' forward, dq and dkv; the stencil targets' are 3
+# further.
 FORWARD, DQ, DKV = 0, 1, 2
-TILED_TARGET_OFFSET = 3
-STENCIL_TARGET_OFFSET = 6
-# The tiled and the stencil dq that form delta themselves (run_target.cc's RunDqFormingDelta): a launch of either
-# takes (forward out, its remainder or None, dlse) in place of delta and gives (dq, delta).
-TILED_DQ_FORMING_DELTA = 9
-STENCIL_DQ_FORMING_DELTA = 10
-DQ_FORMING_DELTA_FAMILIES = {TILED_DQ_FORMING_DELTA: 1, STENCIL_DQ_FORMING_DELTA: 2}
+STENCIL_TARGET_OFFSET = 3
+# The stencil dq that forms delta itself (run_target.cc's RunStencilDqFormingDelta): a launch of it takes (the
+# forward's float32 out, dlse) in place of delta and gives (dq, delta).
+STENCIL_DQ_FORMING_DELTA = 6
 # Its delta against float64, per row relative to sum |dout * out| + |dlse| (float32 sums of Dv terms).
 FORMED_DELTA_TOLERANCE = 1e-6
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
 # the bar is float32 round-off for every storage dtype.
 TOLERANCE = 2e-5
-# The tiled kernels also round P and dS to the 16-bit storage type before the P.V and dS.K/Q
+# The scheduled kernels also round P and dS to the 16-bit storage type before the P.V and dS.K/Q
 # products (as flash-attention kernels do): the bar is that type's round-off.
-TILED_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
-# out (float32; on the tiled kernels the op keeps it as its rounding to the activations' type plus the
-# remainder, within 2^-17 of it in bfloat16) is also what the op forms delta = rowsum(dout * out) from: both
-# kernel families must keep it far inside the 16-bit bar (the tiled forward multiplies P in two parts where delta
-# is formed from its out: a float32 out, or a remainder asked for), or
-# smooth fields push dq and dk past it.
+SCHEDULED_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
+# out (float32) is also what the op forms delta = rowsum(dout * out) from: the arc kernels keep it far inside the
+# 16-bit bar, or smooth fields push dq and dk past it.
 OUT_TOLERANCE = 1e-4
 
 PLANS = {
@@ -88,8 +82,8 @@ PLANS = {
     "lon-only": lambda: NeighborhoodPlan((6, 12), (6, 6), theta_cutoff=0.7),
 }
 
-# Rows of more than one tiled block (64 points) and segment windows wider than one staged chunk
-# (64 columns); none of the longitude counts is a multiple of 64.
+# Rows of several scheduled tiles (16 longitudes) and arcs wider than one staged chunk (32 columns); none of the
+# longitude counts is a multiple of 32.
 LONG_ROW_PLANS = {
     "self-72": lambda: NeighborhoodPlan((8, 72), (8, 72), theta_cutoff=0.9),  # partial arcs of 1..31
     "up-100": lambda: NeighborhoodPlan((4, 50), (8, 100), theta_cutoff=0.6),  # residues 2
@@ -126,12 +120,7 @@ STENCIL_PLANS = {
     }.items()
 }
 
-# Walking rows with more segments than a tiled block lays out at once (kSlots = 64 segment slots in
-# cuda/gpu/tiled_attn_device.cuh), so the walk runs in batches: up to 150 segments, three batches.
-MANY_SEGMENTS_PLAN = lambda: NeighborhoodPlan((150, 8), (150, 8), theta_cutoff=3.0)  # noqa: E731
-TILED_SEGMENT_SLOTS = 64
-
-# Windows (prepare_case keyword arguments) of shards whose rows start mid-ring and span two blocks.
+# Windows (prepare_case keyword arguments) of shards whose rows start mid-ring and span several tiles.
 LONG_ROW_WINDOWS = {
     # queries over two blocks; keys up to the seam
     "self-72": {"q_window": (1, 3, 6, 69), "k_window": (0, 40, 8, 32), "padding": (1, 2, 1, 3)},
@@ -326,115 +315,30 @@ def prepare_case(
 
 
 def run_case(
-    case: KernelCase, launch: Launch, kernel: str = "arc", tables=None, as_op: bool = False,
-    gradient_type=np.float32, stencil: bool = False,
+    case: KernelCase, launch: Launch, tables=None, as_op: bool = False, gradient_type=np.float32
 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """Runs forward, dq and dkv of ``kernel`` ("arc" or "tiled") with ``launch`` into NaN-filled
-    results and returns them. ``tables``: the (forward, backward) tables walked, by default the
-    plan's arc tables ("arc") or segment tables ("tiled"). ``as_op``: the backward targets get the lse of this
-    forward and a delta from its out (float32; on "tiled" the one its dq forms from the forward's out in the
-    activations' type and its remainder), as the op feeds them, instead of the case's exact float64 ones; whole
-    grids only (the forward's lse covers the window's keys, the backward needs every key's). ``gradient_type``:
-    the numpy type of dq, dk and dv (float32, or for the tiled kernels the activations' storage type).
-    ``stencil``: the tiled kernels leave the plan's stencil rows to the stencil kernels, as the op's do (whole
-    grids)."""
+    """Runs forward, dq and dkv of the arc kernels with ``launch`` into NaN-filled results and returns them.
+    ``tables``: the (forward, backward) arc tables walked, by default the plan's. ``as_op``: the backward targets
+    get the lse of this forward and a delta from its float32 out, as the op feeds them, instead of the case's
+    exact float64 ones; whole grids only (the forward's lse covers the window's keys, the backward needs every
+    key's). ``gradient_type``: the numpy type of dq, dk and dv (float32: the arc launchers refuse others)."""
     q, k, v, dout, lse_in, delta, window = case.inputs
     if as_op and case.sizes[4:8] != case.sizes[8:12]:
         raise ValueError("as_op needs whole grids (no windows, no padding)")
     plan, weights = case.plan, case.plan.quad_weights
-    if kernel == "arc":
-        first, default_tables = 0, (plan.forward_arcs, plan.backward_arcs)
-    elif kernel == "tiled":
-        first, default_tables = TILED_TARGET_OFFSET, (plan.forward_segments, plan.backward_segments)
-    else:
-        raise ValueError(f"kernel must be 'arc' or 'tiled', got {kernel!r}")
-    forward_table, backward_table = tables or default_tables
-    common = (case.dtype, case.sizes, case.scale)
-    pairs = stencil_pairs_of(case, kernel, stencil)
-    out, lse = run_forward(case, launch, kernel, forward_table, pairs)
+    forward_table, backward_table = tables or (plan.forward_arcs, plan.backward_arcs)
+    out, lse = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32), np.full(q.shape[:4], np.nan, np.float32)
+    launch(FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window, case.fwd_order,
+           forward_table, weights, out, lse)  # fmt: skip
+    if as_op:
+        lse_in, delta = lse, (dout.astype(np.float64) * out).sum(-1).astype(np.float32)
     dq = np.full(q.shape, np.nan, gradient_type)
-    if as_op and kernel == "tiled":  # as the op: the tiled dq forms delta from out in two parts, for dk/dv too
-        lse_in, delta = lse, np.full(q.shape[:4], np.nan, np.float32)
-        split = run_narrow_forward(case, launch, stencil, remainder=True)
-        launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse_in, (split["out"], split["remainder"],
-               np.zeros_like(lse)), window, case.fwd_order, forward_table, weights, dq, delta,
-               stencil_pairs=pairs)  # fmt: skip
-    else:
-        if as_op:
-            lse_in, delta = lse, (dout.astype(np.float64) * out).sum(-1).astype(np.float32)
-        launch(first + DQ, *common, q, k, v, dout, lse_in, delta, window, case.fwd_order, forward_table, weights,
-               dq, None, stencil_pairs=pairs)  # fmt: skip
-    backward_inputs = (q, k, v, dout, lse_in, delta, window)
-    dk, dv = run_dkv(case, launch, kernel, backward_table, backward_inputs,
-                     stencil_pairs_of(case, kernel, stencil, "backward"), gradient_type)  # fmt: skip
-    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-
-
-def run_forward(case: KernelCase, launch: Launch, kernel: str, table, stencil_pairs=None) -> tuple[np.ndarray, ...]:
-    """The forward of ``kernel`` walking ``table``, into NaN-filled results: float32 ``(out, lse)``; the tiled
-    one leaving ``stencil_pairs`` (if given) to the stencil kernel."""
-    q, k, v, *_, window = case.inputs
-    out = np.full((*q.shape[:4], v.shape[-1]), np.nan, np.float32)
-    lse = np.full(q.shape[:4], np.nan, np.float32)
-    first = TILED_TARGET_OFFSET if kernel == "tiled" else 0
-    launch(first + FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window, case.fwd_order,
-           table, case.plan.quad_weights, out, lse, stencil_pairs=stencil_pairs)  # fmt: skip
-    return out, lse
-
-
-def run_dkv(
-    case: KernelCase, launch: Launch, kernel: str, table, backward_inputs, stencil_pairs=None, gradient_type=np.float32
-) -> tuple[np.ndarray, ...]:  # fmt: skip
-    """dk/dv of ``kernel`` walking ``table`` from ``backward_inputs`` (q, k, v, dout, lse, delta, window), into
-    NaN-filled results of ``gradient_type``: ``(dk, dv)``; the tiled one leaving ``stencil_pairs`` (if given)
-    to the stencil kernel."""
-    k, v = backward_inputs[1:3]
+    launch(DQ, case.dtype, case.sizes, case.scale, q, k, v, dout, lse_in, delta, window, case.fwd_order,
+           forward_table, weights, dq, None)  # fmt: skip
     dk, dv = np.full(k.shape, np.nan, gradient_type), np.full(v.shape, np.nan, gradient_type)
-    first = TILED_TARGET_OFFSET if kernel == "tiled" else 0
-    launch(first + DKV, case.dtype, case.sizes, case.scale, *backward_inputs, case.bwd_order, table,
-           case.plan.quad_weights, dk, dv, stencil_pairs=stencil_pairs)  # fmt: skip
-    return dk, dv
-
-
-def stencil_pairs_of(case: KernelCase, kernel: str, stencil: bool, walk: str = "forward") -> np.ndarray | None:
-    """The plan's stencil pairs of ``walk`` ("forward": the forward and dq; "backward": dk/dv) where ``stencil``
-    (tiled kernels, whole grids), else None."""
-    if not stencil:
-        return None
-    if kernel != "tiled" or case.sizes[4:8] != case.sizes[8:12]:
-        raise ValueError("the stencil rows belong to the tiled kernels on whole grids (no windows, no padding)")
-    return getattr(case.plan, f"{walk}_stencil_pairs")
-
-
-def run_narrow_forward(
-    case: KernelCase, launch: Launch, stencil: bool = False, remainder: bool = False
-) -> dict[str, np.ndarray]:
-    """The tiled forward writing out in the activations' type (what the op returns), into NaN-filled
-    results: ``{"out", "lse"}``, with ``remainder`` also ``"remainder"`` (what the rounding left, as the op
-    keeps it for its backward when differentiated; without it the kernel multiplies P in one part, as for the
-    op undifferentiated). ``stencil`` as in run_case."""
-    q, k, v, *_, window = case.inputs
-    out = np.full((*q.shape[:4], v.shape[-1]), np.nan, q.dtype)
-    lse = np.full(q.shape[:4], np.nan, np.float32)
-    results = {"out": out, "lse": lse} | ({"remainder": np.full_like(out, np.nan)} if remainder else {})
-    launch(TILED_TARGET_OFFSET + FORWARD, case.dtype, case.sizes, case.scale, q, k, v, None, None, None, window,
-           case.fwd_order, case.plan.forward_segments, case.plan.quad_weights, None, lse, out,
-           results.get("remainder"), stencil_pairs=stencil_pairs_of(case, "tiled", stencil))  # fmt: skip
-    return results
-
-
-def verify_narrow_forward(float32: dict[str, np.ndarray], narrow: dict[str, np.ndarray]) -> None:
-    """The narrow forward with its remainder (the differentiated op's): out is the float32 forward's
-    (``run_case``) rounded to nearest, bit for bit, padding zeros included, its lse the same bits, and its
-    remainder the rest of the float32 out (exact in float32) rounded to nearest."""
-    assert "remainder" in narrow, "without a remainder the forward multiplies P in one part: verify_one_part_forward"
-    for name, result in narrow.items():
-        assert not np.isnan(result).any(), f"{name}: some elements were never written"
-    rounded = float32["out"].astype(narrow["out"].dtype)
-    assert narrow["out"].tobytes() == rounded.tobytes(), "out: not the float32 out rounded to nearest"
-    assert narrow["lse"].tobytes() == float32["lse"].tobytes(), "lse: not the float32 forward's"
-    rest = (float32["out"] - rounded.astype(np.float32)).astype(narrow["out"].dtype)
-    assert narrow["remainder"].tobytes() == rest.tobytes(), "remainder: not what rounding out left"
+    launch(DKV, case.dtype, case.sizes, case.scale, q, k, v, dout, lse_in, delta, window, case.bwd_order,
+           backward_table, weights, dk, dv)  # fmt: skip
+    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
 def _real_block(local: np.ndarray, window) -> np.ndarray:
@@ -447,22 +351,6 @@ def _padding(local: np.ndarray, window) -> np.ndarray:
     """The padding points of a local result, flattened: every row past the real ones, and the columns past the
     real ones of the real rows."""
     return np.concatenate([local[:, window[2] :].reshape(-1), local[:, : window[2], window[3] :].reshape(-1)])
-
-
-def verify_one_part_forward(case: KernelCase, float32: dict[str, np.ndarray], narrow: dict[str, np.ndarray]) -> None:
-    """The narrow forward without a remainder (the op undifferentiated), which multiplies P rounded once: every
-    element written, lse the float32 forward's bits, out within the 16-bit bar of float64 on the real block and
-    zero on padding, and not the float32 out rounded everywhere (the one-part kernel ran, not the two-part one:
-    so the case needs tiled rows with neighbours, where the two can differ)."""
-    assert "remainder" not in narrow
-    out, lse = narrow["out"], narrow["lse"]
-    assert not np.isnan(out).any() and not np.isnan(lse).any(), "some elements were never written"
-    assert lse.tobytes() == float32["lse"].tobytes(), "lse: not the float32 forward's"
-    error = _relative(_real_block(out, case.q_window).astype(np.float64), case.expected["out"])
-    assert error <= TILED_TOLERANCE[case.dtype], f"out: relative error {error:.2e} against float64"
-    assert (_padding(out, case.q_window) == 0).all(), "out: padding points must be zero"
-    rounded = float32["out"].astype(out.dtype)
-    assert out.tobytes() != rounded.tobytes(), "out: the bits of the two-part forward (P multiplied in two parts)"
 
 
 def verify_case(
@@ -495,16 +383,16 @@ def verify_case(
 
 
 def tolerance_of(kernel: str, dtype: str) -> float:
-    """The relative bar of verify_case for ``kernel`` ("arc" or "tiled") on ``dtype``."""
-    return TILED_TOLERANCE[dtype] if kernel == "tiled" else TOLERANCE
+    """The relative bar of verify_case for ``kernel`` ("arc" or "scheduled") on ``dtype``."""
+    if kernel not in ("arc", "scheduled"):
+        raise ValueError(f"kernel must be 'arc' or 'scheduled', got {kernel!r}")
+    return SCHEDULED_TOLERANCE[dtype] if kernel == "scheduled" else TOLERANCE
 
 
-def check_case(
-    launch: Launch, rng, plan, batch, heads, dk, dv, dtype, *window_args, kernel: str = "arc", **window_kwargs
-) -> None:
-    """prepare_case, run_case and verify_case of ``kernel`` in one call (arguments as prepare_case)."""
+def check_case(launch: Launch, rng, plan, batch, heads, dk, dv, dtype, *window_args, **window_kwargs) -> None:
+    """prepare_case, run_case and verify_case of the arc kernels in one call (arguments as prepare_case)."""
     case = prepare_case(rng, plan, batch, heads, dk, dv, dtype, *window_args, **window_kwargs)
-    verify_case(case, run_case(case, launch, kernel), tolerance_of(kernel, dtype))
+    verify_case(case, run_case(case, launch), tolerance_of("arc", dtype))
 
 
 def table_rows(table: ArcTable | SegmentTable) -> np.ndarray:
@@ -518,65 +406,42 @@ def table_rows(table: ArcTable | SegmentTable) -> np.ndarray:
 
 def call_run_target(
     lib, address, target, dtype, sizes, scale, q, k, v, dout, lse, delta, window, row_order, table, weights, r0, r1,
-    r2=None, r3=None, stencil_pairs=None,
+    r2=None, stencil_pairs=None,
 ) -> int:  # fmt: skip
-    """Calls ``RunNbhdAttnTarget`` of ``lib`` (ctypes) with the arguments of a launch callable and returns its
+    """Calls ``RunNbhdAttnTarget`` (or for ``target`` STENCIL_DQ_FORMING_DELTA ``RunStencilDqFormingDelta``, ``delta``
+    then ``(forward out, dlse)``) of ``lib`` (ctypes) with the arguments of a launch callable and returns its
     cudaError_t. ``address(array)`` gives the buffer address the kernels use for a (non-None) numpy array;
-    ``table`` is an ArcTable or a SegmentTable. The gradient results' type is that of ``r0`` (the forward's lse
-    and ``r0`` out are float32); ``r2``, ``r3`` as a launch's ``result2``, ``result3``; ``stencil_pairs`` (int32
-    ``[pairs, 2]``, tiled targets) the walking row pairs left to the stencil kernels."""
+    ``table`` is an ArcTable (arc targets) or a SegmentTable (stencil targets). The gradient results' type is that
+    of ``r0`` (the forward's lse and ``r0`` out are float32); ``r2`` as a launch's ``result2``; ``stencil_pairs``
+    (int32 ``[pairs, 2]``, stencil targets) the walking row pairs the stencil targets walk."""
     rows = table_rows(table)
     all_sizes = np.asarray([*sizes, table.residues, table.shift, rows.shape[0]], np.int64)  # host memory
     pairs = [ctypes.c_void_p(None), ctypes.c_int64(0)]
     if stencil_pairs is not None and len(stencil_pairs):
         pairs = [ctypes.c_void_p(address(stencil_pairs)), ctypes.c_int64(len(stencil_pairs))]
     tail = [ctypes.c_void_p(all_sizes.ctypes.data), ctypes.c_float(scale), *pairs]
-    forming_delta = target in DQ_FORMING_DELTA_FAMILIES
-    if forming_delta and (r2 is not None or r3 is not None):
+    forming_delta = target == STENCIL_DQ_FORMING_DELTA
+    if forming_delta and r2 is not None:
         raise ValueError("the dq that forms delta has two results")
-    row_inputs = delta if forming_delta else (delta,)  # (forward out, remainder, dlse) or (delta,)
-    results = (r0, r1) if forming_delta else (r0, r1, r2, r3)
+    row_inputs = delta if forming_delta else (delta,)  # (forward out, dlse) or (delta,)
+    results = (r0, r1) if forming_delta else (r0, r1, r2)
     arrays = (q, k, v, dout, lse, *row_inputs, window, row_order, table.offsets, rows, weights, *results)
     result_type = np.float32 if r0 is None else r0.dtype
     gradient_dtype = next(code for code, storage in DTYPES.values() if np.dtype(storage) == result_type)
     pointers = [ctypes.c_void_p(None if a is None else address(a)) for a in arrays]
     types = [ctypes.c_int(DTYPES[dtype][0]), ctypes.c_int(gradient_dtype)]
     if forming_delta:
-        return lib.RunDqFormingDelta(ctypes.c_int(DQ_FORMING_DELTA_FAMILIES[target]), *types, *pointers, *tail)
+        return lib.RunStencilDqFormingDelta(*types, *pointers, *tail)
     return lib.RunNbhdAttnTarget(ctypes.c_int(target), *types, *pointers, *tail)
 
 
-def run_dq_forming_delta(
-    case: KernelCase, launch: Launch, out: np.ndarray, dlse: np.ndarray, gradient_type=np.float32,
-    stencil: bool = False, remainder: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:  # fmt: skip
-    """The tiled dq that forms delta from the forward's ``out`` (float32, or in the activations' type plus
-    its ``remainder``) and ``dlse``, into NaN-filled results, and the tiled dq given that delta:
-    ``{"dq", "delta", "dq_given_delta"}``. ``stencil`` as in run_case."""
-    pairs = stencil_pairs_of(case, "tiled", stencil)
-    q, k, v, dout, lse, _, window = case.inputs
-    common = (case.dtype, case.sizes, case.scale)
-    table, weights = case.plan.forward_segments, case.plan.quad_weights
-    dq = np.full(q.shape, np.nan, gradient_type)
-    delta = np.full(q.shape[:4], np.nan, np.float32)
-    launch(TILED_DQ_FORMING_DELTA, *common, q, k, v, dout, lse, (out, remainder, dlse), window, case.fwd_order, table,
-           weights, dq, delta, stencil_pairs=pairs)  # fmt: skip
-    dq_given = np.full(q.shape, np.nan, gradient_type)
-    launch(TILED_TARGET_OFFSET + DQ, *common, q, k, v, dout, lse, delta, window, case.fwd_order, table, weights,
-           dq_given, None, stencil_pairs=pairs)  # fmt: skip
-    return {"dq": dq, "delta": delta, "dq_given_delta": dq_given}
-
-
-def verify_dq_forming_delta(
-    case: KernelCase, out: np.ndarray, dlse: np.ndarray, results: dict[str, np.ndarray],
-    remainder: np.ndarray | None = None,
-):  # fmt: skip
-    """Every element written; delta = sum(dout * out, -1) - dlse of every local row (padding too; out plus
-    its ``remainder`` if given) to FORMED_DELTA_TOLERANCE; dq the bits of the tiled dq given that delta."""
+def verify_dq_forming_delta(case: KernelCase, out: np.ndarray, dlse: np.ndarray, results: dict[str, np.ndarray]):
+    """Every element written; delta = sum(dout * out, -1) - dlse of every local row to FORMED_DELTA_TOLERANCE; dq
+    (``results["dq"]``, of the dq that formed ``results["delta"]``) the bits of ``results["dq_given_delta"]``, the
+    dq given that delta."""
     for name, result in results.items():
         assert not np.isnan(result).any(), f"{name}: some elements were never written"
-    whole = out.astype(np.float64) + (0.0 if remainder is None else remainder.astype(np.float64))
-    terms = case.inputs[3].astype(np.float64) * whole
+    terms = case.inputs[3].astype(np.float64) * out.astype(np.float64)
     expected = terms.sum(-1) - dlse
     bound = FORMED_DELTA_TOLERANCE * (np.abs(terms).sum(-1) + np.abs(dlse))
     excess = np.abs(results["delta"] - expected) - bound
@@ -598,6 +463,35 @@ class HostMemory:
         pass
 
 
+def call_scheduled_target(
+    lib, case: KernelCase, kind: str, result_type, schedule, lse=None, delta=None, memory=None, ring_nlon=None
+) -> tuple[int, tuple[np.ndarray, np.ndarray | None]]:  # fmt: skip
+    """Calls ``RunScheduledTarget`` of ``lib`` for ``kind`` on ``case``'s grids and ``schedule`` into results
+    poisoned with NaN (arguments as :func:`run_scheduled_kind`; ``ring_nlon`` in place of the other grid's
+    longitudes, the RING chunks' modulus) and returns the launcher's cudaError_t and the results (in ``memory``,
+    not yet finished)."""
+    memory = memory or HostMemory()
+    q, k, v, dout = case.inputs[:4]
+    dv = case.sizes[3]
+    if kind == "forward":
+        results = (np.full(q.shape[:-1] + (dv,), np.nan, result_type), np.full(q.shape[:-1], np.nan, np.float32))
+    elif kind == "dq":
+        results = (np.full(q.shape, np.nan, result_type), None)
+    else:
+        results = (np.full(k.shape, np.nan, result_type), np.full(v.shape, np.nan, result_type))
+    tables, sizes, weights = _schedule_arguments(case, schedule, walk_keys=kind == "dkv")
+    if ring_nlon is not None:
+        sizes[12] = ring_nlon
+    arrays = (q, k, v, dout, lse, delta, *tables, weights, *results)
+    pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in arrays]
+    status = lib.RunScheduledTarget(
+        ctypes.c_int(SCHEDULED_KINDS[kind]), ctypes.c_int(DTYPES[case.dtype][0]),
+        ctypes.c_int(_dtype_code(result_type)), *pointers, ctypes.c_void_p(sizes.ctypes.data),
+        ctypes.c_float(case.scale),
+    )  # fmt: skip
+    return status, results
+
+
 def run_scheduled_kind(
     lib, case: KernelCase, kind: str, result_type, schedule, lse=None, delta=None, memory=None, stencil_pairs=None
 ) -> tuple[np.ndarray, np.ndarray | None]:  # fmt: skip
@@ -609,22 +503,7 @@ def run_scheduled_kind(
     ``stencil_pairs`` (whole grids; the schedule without their tiles): the stencil target then writes their rows
     into the same results."""
     memory = memory or HostMemory()
-    q, k, v, dout = case.inputs[:4]
-    dv = case.sizes[3]
-    if kind == "forward":
-        results = (np.full(q.shape[:-1] + (dv,), np.nan, result_type), np.full(q.shape[:-1], np.nan, np.float32))
-    elif kind == "dq":
-        results = (np.full(q.shape, np.nan, result_type), None)
-    else:
-        results = (np.full(k.shape, np.nan, result_type), np.full(v.shape, np.nan, result_type))
-    tables, sizes, weights = _schedule_arguments(case, schedule, walk_keys=kind == "dkv")
-    arrays = (q, k, v, dout, lse, delta, *tables, weights, *results)
-    pointers = [ctypes.c_void_p(None if a is None else memory.address(a)) for a in arrays]
-    status = lib.RunScheduledTarget(
-        ctypes.c_int(SCHEDULED_KINDS[kind]), ctypes.c_int(DTYPES[case.dtype][0]),
-        ctypes.c_int(_dtype_code(result_type)), *pointers, ctypes.c_void_p(sizes.ctypes.data),
-        ctypes.c_float(case.scale),
-    )  # fmt: skip
+    status, results = call_scheduled_target(lib, case, kind, result_type, schedule, lse, delta, memory)
     assert status == 0, f"scheduled {kind}: launcher returned cudaError {status}"
     if stencil_pairs is not None:
         _run_stencil_kind(lib, case, kind, results, lse, delta, memory, stencil_pairs)
@@ -693,7 +572,7 @@ def _run_stencil_kind(lib, case: KernelCase, kind: str, results, lse, delta, mem
     narrow_out = kind == "forward" and first.dtype != np.float32
     r0, r1, r2 = (None, second, first) if narrow_out else (first, second, None)
     if kind == "dq_delta":
-        target, delta = STENCIL_DQ_FORMING_DELTA, (delta[0], None, delta[1])
+        target = STENCIL_DQ_FORMING_DELTA
     else:
         target = STENCIL_TARGET_OFFSET + {"forward": FORWARD, "dq": DQ, "dkv": DKV}[kind]
     inputs = (q, k, v, None, None, None) if kind == "forward" else (q, k, v, dout, lse, delta)

@@ -48,14 +48,17 @@ def test_attention_benchmark(tmp_path):
     assert float(row["reference_fwd_ms"]) > 0 and float(row["reference_fwdbwd_ms"]) > 0
     if "ffi_fwd_ms" in row:  # present when the native CPU module is built (as in CI)
         assert float(row["ffi_fwdbwd_ms"]) > 0 and float(row["speedup_fwdbwd_vs_reference"]) > 0
-        # On the CPU "ffi" is the arc kernels, timed once; the tiled kernels are CUDA only.
+        # On the CPU "ffi" is the arc kernels, timed once; the scheduled kernels (and their schedules' statistics,
+        # the arc/scheduled ratios) are sm_90 only.
         assert row["ffi_kernel"] == "arc" and row["ffi_fwd_ms"] == row["ffi_arc_fwd_ms"]
         assert float(row["ffi_arc_useful_tflops_fwdbwd"]) > 0
         targets = [float(row[f"ffi_arc_{t}_target_ms"]) for t in ("forward", "dq", "dkv", "delta")]
         assert min(targets) > 0 and sum(targets) < 2 * float(row["ffi_arc_fwdbwd_ms"])
-        assert not any(column.startswith("ffi_tiled") for column in row)
-    assert 0 < float(row["tile_util_fwd"]) <= 1 and 0 < float(row["tile_util_bwd"]) <= 1
-    assert int(row["computed_pairs_fwd"]) >= int(row["pairs"])
+        assert not any(column.startswith(("ffi_scheduled", "sched_util", "arc_over")) for column in row)
+    # Per native family (ffi_<family>_*, besides the "ffi" choice's own columns) only the op's kernel families.
+    own = ("ffi_fwd", "ffi_device_bytes", "ffi_kernel", "ffi_gpairs_per_s")
+    families = {column.split("_")[1] for column in row if column.startswith("ffi_") and not column.startswith(own)}
+    assert families <= set(jax_s2attn.ops._ffi.KERNELS), families
 
 
 def _benchmark_module(name: str):
@@ -113,40 +116,6 @@ def test_distributed_benchmark_smoke(tmp_path):
     modes = {line.split()[0] for line in table if line.split() and line.split()[0] in ("strong", "weak")}
     assert modes == {"strong", "weak"}
     assert not list(tmp_path.glob("*.csv"))
-
-
-def test_occupancy_arithmetic():
-    occupancy = _benchmark_module("occupancy")
-    # (registers, warps per block, dynamic shared bytes) -> warps/SM by registers, by shared, resident.
-    # 168 registers and 4 warps per block: ncu on the H200 reports 3 blocks per SM, limited by registers (its
-    # shared-memory limit, also 3, is for a 196 KiB carveout the driver may choose; 228 KiB allows 4).
-    assert occupancy.resident_warps(168, 4, 56832) == (12, 16, 12)
-    # 128 registers (4096 per warp: 4 warps per sub-partition) do not help while shared memory allows 3 blocks.
-    assert occupancy.resident_warps(128, 4, 62976) == (16, 12, 12)
-    # 255 registers round up to 8192 per warp: 2 warps per sub-partition.
-    assert occupancy.resident_warps(255, 4, 112128) == (8, 8, 8)
-    # Tiny blocks stop at 32 blocks per SM.
-    assert occupancy.resident_warps(32, 1, 0) == (64, 228, 32)
-
-
-def test_occupancy_reads_ptxas_logs():
-    log = """ptxas info    : Compiling entry function '_Z5otherPf' for 'sm_90'
-ptxas info    : Used 20 registers, used 0 barriers
-ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__c27e54b6_17_tiled_attn_dkv_cu_3892373f14TiledDkvKernelI13__nv_bfloat16Li64EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
-ptxas info    : Function properties for _ZN6s2attn3gpu5tiled50_GLOBAL__N__c27e54b6_17_tiled_attn_dkv_cu_3892373f14TiledDkvKernelI13__nv_bfloat16Li64EEEvNS_17NbhdAttnGpuParamsE
-    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
-ptxas info    : Used 168 registers, used 1 barriers, 8 bytes cumulative stack size
-ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__59ef16a0_17_tiled_attn_fwd_cu_295e0f0d14TiledFwdKernelI6__halfLi128ELi2EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
-ptxas info    : Used 240 registers, used 1 barriers
-ptxas info    : Compiling entry function '_ZN6s2attn3gpu5tiled50_GLOBAL__N__59ef16a0_17_tiled_attn_fwd_cu_295e0f0d14TiledFwdKernelI6__halfLi128ELi1EEEvNS_17NbhdAttnGpuParamsE' for 'sm_90'
-ptxas info    : Used 232 registers, used 1 barriers
-"""
-    occupancy = _benchmark_module("occupancy")
-    assert occupancy.parse_ptxas(log) == [
-        occupancy.KernelResources("TiledDkv", "bfloat16", 64, 168, 4),
-        occupancy.KernelResources("TiledFwd", "float16", 128, 240, 0),
-        occupancy.KernelResources("TiledFwd1", "float16", 128, 232, 0),
-    ]
 
 
 def test_torch_harmonics_build_imports_without_the_disco_extension(tmp_path, monkeypatch):
@@ -230,35 +199,6 @@ def test_torch_harmonics_build_leaves_a_wheels_prebuilt_extensions_behind(tmp_pa
     (stale / "_C.cpython-312-x86_64-linux-gnu.so").write_text("")
     package = build._copy_sources(tmp_path / "wheel", tmp_path / "dest")
     assert sorted(p.name for p in (package / "attention").iterdir()) == ["__init__.py", "attention.py"]
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
-@pytest.mark.slow
-def test_occupancy_report(tmp_path):
-    lines = _run("occupancy.py", cwd=tmp_path).splitlines()
-    rows = [line.split() for line in lines if line.startswith("Tiled")]
-    # Every instantiation, once: 4 kernels (the forward with P in two parts and once) x 2 dtypes x 3 head dims,
-    # each with at least one resident warp.
-    kernels = ("TiledFwd", "TiledFwd1", "TiledDq", "TiledDkv")
-    assert sorted((r[0], r[1], int(r[2])) for r in rows) == sorted(
-        (k, t, d) for k in kernels for t in ("bfloat16", "float16") for d in (32, 64, 128)
-    )
-    assert all(0 < int(r[-1]) <= 64 and 0 < int(r[6]) <= 255 for r in rows)
-    # Each kernel file's own pipeline shape (warps, chunk, stages).
-    shapes = {r[0]: tuple(map(int, r[3:6])) for r in rows}
-    assert shapes == {"TiledFwd": (4, 32, 4), "TiledFwd1": (4, 32, 4), "TiledDq": (4, 32, 4), "TiledDkv": (4, 32, 3)}
-    # What dk/dv's shape is for: 16 resident warps per SM at D = 64, its k and v fragments (16 KiB)
-    # counted in its shared memory.
-    dkv64 = [r for r in rows if r[0] == "TiledDkv" and r[2] == "64"]
-    assert all(int(r[-1]) == 16 and float(r[8]) > 48 for r in dkv64)
-
-
-def test_occupancy_takes_each_kernels_shape_from_its_includes():
-    occupancy = _benchmark_module("occupancy")
-    text = '#include "gpu/tiled_narrow_shape.cuh"  // shape\n#include "gpu/tiled_attn_device.cuh"\n#include "x.cuh"\n'
-    assert occupancy.shape_includes(text, "k.cu") == text.splitlines()[:2]
-    with pytest.raises(SystemExit, match="k.cu: no #include of gpu/tiled_attn_device.cuh"):
-        occupancy.shape_includes('#include "gpu/tiled_attn_dispatch.cuh"\n', "k.cu")
 
 
 @pytest.mark.slow
@@ -463,3 +403,23 @@ def test_scheduled_eta_is_computed_tflops_over_the_peak():
     assert metrics["ffi_scheduled_eta_forward"] == pytest.approx(0.5, rel=1e-12)
     assert metrics["ffi_scheduled_eta_dq"] == pytest.approx(0.25, rel=1e-12)
     assert metrics["ffi_scheduled_eta_dkv"] == pytest.approx(0.125, rel=1e-12)
+
+
+def test_kernel_metrics_set_the_families_side_by_side():
+    """Useful TFLOP/s of each timed native family (14d per pair forward+backward) and arc / scheduled time ratios;
+    without the scheduled targets timed, no schedule statistics."""
+    attention = _benchmark_module("attention")
+    cfg = attention.Config("small", (33, 64), (33, 64), 0.3, channels=128, heads=2, batch=3)
+    plan = NeighborhoodPlan(cfg.in_shape, cfg.out_shape, theta_cutoff=cfg.theta_cutoff)
+    useful = 14 * 64 * plan.num_pairs * cfg.batch * cfg.heads
+    row = {"ffi_arc_fwd_ms": 3.0, "ffi_arc_fwdbwd_ms": 8.0, "ffi_scheduled_fwd_ms": 1.0,
+           "ffi_scheduled_fwdbwd_ms": 1e3 * useful / 100e12}  # fmt: skip
+    metrics = attention._kernel_metrics(cfg, plan, row)
+    assert metrics["ffi_scheduled_useful_tflops_fwdbwd"] == pytest.approx(100, rel=1e-12)
+    assert metrics["ffi_arc_useful_tflops_fwdbwd"] == pytest.approx(100 * row["ffi_scheduled_fwdbwd_ms"] / 8.0)
+    assert metrics["arc_over_scheduled_fwd"] == 3.0
+    assert metrics["arc_over_scheduled_fwdbwd"] == pytest.approx(8.0 / row["ffi_scheduled_fwdbwd_ms"])
+    assert not any(name.startswith(("sched_util", "ffi_scheduled_eta")) for name in metrics)
+    del row["ffi_scheduled_fwd_ms"], row["ffi_scheduled_fwdbwd_ms"]
+    arc_only = attention._kernel_metrics(cfg, plan, row)
+    assert set(arc_only) == {"ffi_arc_useful_tflops_fwd", "ffi_arc_useful_tflops_fwdbwd"}

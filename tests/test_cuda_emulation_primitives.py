@@ -1,9 +1,9 @@
-"""Self-test of the host emulation (``tests/cuda_emulation``) on the primitives the tiled kernels
-build on: ``mma.sync`` m16n8k16, ``ldmatrix`` (plain and transposed) and ``cp.async`` of
-``cuda/gpu/mma_sm80.cuh``, the mbarriers of ``cuda/gpu/mbarrier_sm90.cuh``, ``__syncthreads``,
-``__syncwarp``, votes and shuffles, and the dynamic shared memory limits. The kernels are in
-``cuda_emulation/primitives_selftest.cu``; expected values come from numpy in float64. Misuses the
-emulation must catch abort it, so those run in a subprocess.
+"""Self-test of the host emulation (``tests/cuda_emulation``) on the primitives the kernels build on:
+``cp.async`` of ``cuda/gpu/cp_async_sm80.cuh``, the mbarriers of ``cuda/gpu/mbarrier_sm90.cuh``, the
+wgmma products of ``cuda/gpu/wgmma_sm90.cuh``, the tensor-map boxes of ``cuda/gpu/tma_sm90.cuh``,
+``__syncthreads``, ``__syncwarp``, votes and shuffles, and the dynamic shared memory limits. The
+kernels are in ``cuda_emulation/primitives_selftest.cu``; expected values come from numpy in float64.
+Misuses the emulation must catch abort it, so those run in a subprocess.
 """
 
 from __future__ import annotations
@@ -22,17 +22,15 @@ from emulation_build import EMULATION, build_emulated_library  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a host build of the emulation and its runs
 
-# ActivationType of nbhd_attn_kernels.h and numpy storage type of the 16-bit inputs.
-DTYPES = {"bfloat16": (1, ml_dtypes.bfloat16), "float16": (2, np.float16)}
 CUDA_ERROR_INVALID_VALUE = 1
 DEFAULT_SHARED_LIMIT = 48 * 1024
 MAX_SHARED = 232448  # the H200's opt-in maximum
-TILE_BYTES = 16 + 3 * 16 * 16 * 2  # the barrier the copies land on (8 bytes, padded), then A, Bt, B
+STAGED_PIECES, STAGED_WORDS = 64, 32  # of StagedCopyKernel: 16-byte pieces (CopyAsync16), floats (CopyAsync4)
+STAGED_BYTES = 16 + 16 * STAGED_PIECES + 4 * STAGED_WORDS  # the barrier (8 bytes, padded), the pieces, the words
 # Faults of primitives_selftest.cu.
-(NO_FAULT, LANE_SKIPS_MMA, MISALIGNED_LDMATRIX_ROW, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS,
- THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL, UNINITIALISED_BARRIER, COPY_NOT_TRACKED,
- THREAD_ARRIVES_TWICE, COPIES_ARRIVE_TWICE, BOX_MISALIGNED, LANE_OTHER_DESCRIPTOR,
- WARP_SKIPS_WGMMA, NO_WGMMA_WAIT) = range(15)  # fmt: skip
+(NO_FAULT, COPY_ASYNC_TO_GLOBAL, THREAD_SKIPS_SYNCTHREADS, THREAD_WAITS_FOR_ITS_WARP, THREAD_SKIPS_ARRIVAL,
+ UNINITIALISED_BARRIER, COPY_NOT_TRACKED, THREAD_ARRIVES_TWICE, COPIES_ARRIVE_TWICE, BOX_MISALIGNED,
+ LANE_OTHER_DESCRIPTOR, WARP_SKIPS_WGMMA, NO_WGMMA_WAIT) = range(13)  # fmt: skip
 BLOCK_THREADS = 128  # of BlockCentreKernel
 
 
@@ -45,12 +43,10 @@ def library(tmp_path_factory) -> Path:
 def lib(library) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.RunTileMma.argtypes = [ctypes.c_int, p, p, p, p, p, i64, i64, ctypes.c_int, i64]
+    lib.RunStagedCopy.argtypes = [p, p, p, i64, i64, ctypes.c_int, i64]
     lib.RunBlockCentre.argtypes = [p, p, ctypes.c_int, i64, i64]
     lib.RunWarpVotes.argtypes = [p, p]
     lib.RunMbarrierRing.argtypes = [p, p, i64, i64]
-    lib.RunMmaLayout.argtypes = [ctypes.c_int, p, p, p, p]
-    lib.RunLdMatrixLayout.argtypes = [p, p, p]
     lib.RunWgmma.argtypes = [p, p, p, p, i64]
     lib.RunTensorMapBoxes.argtypes = [p, p]
     return lib
@@ -60,80 +56,41 @@ def _relative(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max() / np.abs(expected).max())
 
 
-def _bits(x: np.ndarray) -> np.ndarray:
-    return x.view(np.uint16).astype(np.uint32)
-
-
-def _pair(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Fragment registers of two 16-bit values, ``lo`` in the low half."""
-    return _bits(lo) | (_bits(hi) << 16)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mma_takes_the_documented_fragments(lib, rng, dtype):
-    """Fragments built by plain indexing per the layout table of mma_sm80.cuh (no ldmatrix)."""
-    storage = DTYPES[dtype][1]
-    a = rng.standard_normal((16, 16)).astype(storage)
-    b = rng.standard_normal((16, 8)).astype(storage)
-    c = rng.standard_normal((16, 8)).astype(np.float32)
-    d = np.full((16, 8), np.nan, np.float32)
-    assert lib.RunMmaLayout(DTYPES[dtype][0], a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data) == 0
-    assert _relative(d, c + a.astype(np.float64) @ b.astype(np.float64)) <= 1e-6
-
-
-def test_ldmatrix_gives_the_documented_registers(lib, rng):
-    """Lane l addresses row rows[l] of a 32x8 matrix; lanes 8i..8i+7 give the rows of matrix i.
-    Plain: register i of lane (g, t) = (row g, columns 2t, 2t+1) of matrix i; .trans: (rows 2t,
-    2t+1, column g)."""
-    matrix = rng.integers(0, 1 << 16, (32, 8), dtype=np.uint16)
-    rows = rng.permutation(32).astype(np.int32)
-    out = np.zeros((32, 2, 4), np.uint32)
-    assert lib.RunLdMatrixLayout(matrix.ctypes.data, rows.ctypes.data, out.ctypes.data) == 0
-    matrices = matrix[rows].reshape(4, 8, 8)  # [i, row, column]
-    lane = np.arange(32)[:, None]
-    g, t, i = lane // 4, lane % 4, np.arange(4)[None, :]
-    np.testing.assert_array_equal(out[:, 0], _pair(matrices[i, g, 2 * t], matrices[i, g, 2 * t + 1]))
-    np.testing.assert_array_equal(out[:, 1], _pair(matrices[i, 2 * t, g], matrices[i, 2 * t + 1, g]))
-
-
-def _tile_mma(lib, dtype, a, bt, b, c, *, shared_offset=0, shared_bytes=TILE_BYTES, shared_limit=DEFAULT_SHARED_LIMIT):
-    out = np.full((2, 16, 16), np.nan, np.float32)
-    status = lib.RunTileMma(DTYPES[dtype][0], a.ctypes.data, bt.ctypes.data, b.ctypes.data, c.ctypes.data,
-                            out.ctypes.data, shared_offset, shared_bytes, shared_limit, NO_FAULT)  # fmt: skip
+def _staged_copy(lib, tile, words, *, shared_offset=0, shared_bytes=STAGED_BYTES, shared_limit=DEFAULT_SHARED_LIMIT):
+    out = np.full(4 * STAGED_PIECES + STAGED_WORDS, np.nan, np.float32)
+    status = lib.RunStagedCopy(tile.ctypes.data, words.ctypes.data, out.ctypes.data, shared_offset, shared_bytes,
+                               shared_limit, NO_FAULT)  # fmt: skip
     return status, out
 
 
-def _mma_inputs(rng, dtype):
-    storage = DTYPES[dtype][1]
-    a, bt, b = (rng.standard_normal((16, 16)).astype(storage) for _ in range(3))
-    c = rng.standard_normal((16, 16)).astype(np.float32)
-    return a, bt, b, c
+def _staged_inputs(rng):
+    tile = rng.integers(0, 1 << 8, 16 * STAGED_PIECES, dtype=np.uint8)
+    words = rng.standard_normal(STAGED_WORDS).astype(np.float32)
+    return tile, words
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("shared_offset", "shared_bytes", "shared_limit"),
-    [(0, TILE_BYTES, DEFAULT_SHARED_LIMIT), (MAX_SHARED - TILE_BYTES, MAX_SHARED, MAX_SHARED)],
-    ids=["small", "tiles-at-the-end-of-227KiB"],
+    [(0, STAGED_BYTES, DEFAULT_SHARED_LIMIT), (MAX_SHARED - STAGED_BYTES, MAX_SHARED, MAX_SHARED)],
+    ids=["small", "staged-at-the-end-of-227KiB"],
 )
-def test_ldmatrix_and_mma_match_numpy(lib, rng, dtype, shared_offset, shared_bytes, shared_limit):
-    """cp.async stages A, Bt and B in shared memory (landing on an mbarrier); plain ldmatrix gives
-    the fragments of A and Bt (C + A Bt^T, as S = Q K^T), ldmatrix .trans those of B (C + A B, as
-    O = P V)."""
-    a, bt, b, c = _mma_inputs(rng, dtype)
-    status, out = _tile_mma(lib, dtype, a, bt, b, c, shared_offset=shared_offset, shared_bytes=shared_bytes,
-                            shared_limit=shared_limit)  # fmt: skip
+def test_copies_land_before_their_mbarrier_completes(lib, rng, shared_offset, shared_bytes, shared_limit):
+    """cp.async stages 16-byte pieces and 4-byte words in shared memory, each lane's copies arriving on
+    an mbarrier (.noinc) besides the lane itself; after the wait every lane reads back what another lane
+    copied (NaN, were the barrier not waiting for the copies)."""
+    tile, words = _staged_inputs(rng)
+    status, out = _staged_copy(lib, tile, words, shared_offset=shared_offset, shared_bytes=shared_bytes,
+                               shared_limit=shared_limit)  # fmt: skip
     assert status == 0
-    a64, bt64, b64 = (x.astype(np.float64) for x in (a, bt, b))
-    assert _relative(out[0], c + a64 @ bt64.T) <= 1e-6
-    assert _relative(out[1], c + a64 @ b64) <= 1e-6
+    np.testing.assert_array_equal(out[: 4 * STAGED_PIECES].view(np.uint8), tile)
+    np.testing.assert_array_equal(out[4 * STAGED_PIECES :], words)
 
 
 def test_dynamic_shared_memory_limits(lib, rng):
     """Past 48 KiB a launch needs cudaFuncSetAttribute, and no limit goes past the H200's 227 KiB."""
-    a, bt, b, c = _mma_inputs(rng, "float16")
-    assert _tile_mma(lib, "float16", a, bt, b, c, shared_bytes=DEFAULT_SHARED_LIMIT + 16)[0] == CUDA_ERROR_INVALID_VALUE
-    assert _tile_mma(lib, "float16", a, bt, b, c, shared_limit=MAX_SHARED + 1)[0] == CUDA_ERROR_INVALID_VALUE
+    tile, words = _staged_inputs(rng)
+    assert _staged_copy(lib, tile, words, shared_bytes=DEFAULT_SHARED_LIMIT + 16)[0] == CUDA_ERROR_INVALID_VALUE
+    assert _staged_copy(lib, tile, words, shared_limit=MAX_SHARED + 1)[0] == CUDA_ERROR_INVALID_VALUE
     x = rng.standard_normal(BLOCK_THREADS).astype(np.float32)
     out = np.full_like(x, np.nan)
     status = lib.RunBlockCentre(x.ctypes.data, out.ctypes.data, 1, DEFAULT_SHARED_LIMIT + 4, NO_FAULT)
@@ -178,17 +135,13 @@ def test_votes_shuffles_and_syncwarp(lib, rng):
 
 # Each fault in a fresh process (the emulation aborts): the call (I: int64_t) and what stderr must say.
 FAULTS = {
-    "lane-skips-mma": (
-        f"RunTileMma(1, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({LANE_SKIPS_MMA}))",
-        "returned from the kernel while other lanes of its warp wait at MmaM16N8K16<bf16> (block 0,0,0, thread 5)",
-    ),
-    "misaligned-ldmatrix-row": (
-        f"RunTileMma(2, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({MISALIGNED_LDMATRIX_ROW}))",
-        "LdMatrixX4: shared address",
-    ),
     "copy-async-to-global": (
-        f"RunTileMma(1, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPY_ASYNC_TO_GLOBAL}))",
+        f"RunStagedCopy(c, a, out, I(0), I({STAGED_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPY_ASYNC_TO_GLOBAL}))",
         "CopyAsync16 destination: address",
+    ),
+    "copy-past-the-launch-shared-memory": (
+        f"RunStagedCopy(c, a, out, I(0), I({STAGED_BYTES - 16}), {DEFAULT_SHARED_LIMIT}, I({NO_FAULT}))",
+        f"is not inside the launch's {STAGED_BYTES - 16} bytes of dynamic shared memory",
     ),
     "thread-skips-syncthreads": (
         f"RunBlockCentre(c, out, 1, I(512), I({THREAD_SKIPS_SYNCTHREADS}))",
@@ -203,7 +156,7 @@ FAULTS = {
         "threads 0..127: MbarrierWait",
     ),
     "copy-not-tracked": (
-        f"RunTileMma(1, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPY_NOT_TRACKED}))",
+        f"RunStagedCopy(c, a, out, I(0), I({STAGED_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPY_NOT_TRACKED}))",
         "MbarrierArrive with cp.async copies that no barrier tracks (CopyAsyncArriveOn first)",
     ),
     "mbarrier-double-arrival": (
@@ -211,7 +164,7 @@ FAULTS = {
         "MbarrierArrive: thread arrives twice in one phase of barrier",
     ),
     "mbarrier-double-copy-arrival": (
-        f"RunTileMma(1, a, a, a, c, out, I(0), I({TILE_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPIES_ARRIVE_TWICE}))",
+        f"RunStagedCopy(c, a, out, I(0), I({STAGED_BYTES}), {DEFAULT_SHARED_LIMIT}, I({COPIES_ARRIVE_TWICE}))",
         "CopyAsyncArriveOn: thread arrives twice in one phase of barrier",
     ),
     "mbarrier-not-initialised": (

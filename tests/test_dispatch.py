@@ -1,9 +1,9 @@
-"""Which kernel runs where: the tiled tensor-core kernels vs the arc kernels vs the reference.
+"""Which kernel runs where: the scheduled tensor-core kernels vs the arc kernels vs the reference.
 
 Runs without a GPU: the choice is static (platform, dtype, head dims), so it shows in the
 arguments of the choosing functions, in the errors of forced implementations and in the
 custom calls of programs exported for CUDA. The kernels' numbers are checked on the GPU
-(test_tiled_gpu.py).
+(test_scheduled_gpu.py).
 """
 
 from __future__ import annotations
@@ -27,18 +27,9 @@ PLAN = NeighborhoodPlan((12, 24), (6, 12))  # downsampling: forward and backward
 
 
 @pytest.fixture
-def tiled_build(monkeypatch):
-    """Pretend the CUDA module was built with the tiled kernels (whatever this machine has),
-    so that the choice depends on platform, dtype and head dims alone."""
-    monkeypatch.setattr(_ffi, "_tiled_build_reason", lambda: None)
-    monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: "no sm_90 device (test)")
-
-
-@pytest.fixture
 def scheduled_build(monkeypatch):
-    """Pretend the CUDA module has the tiled kernels and runs the scheduled ones (an sm_90a build on an sm_90
-    device)."""
-    monkeypatch.setattr(_ffi, "_tiled_build_reason", lambda: None)
+    """Pretend the CUDA module runs the scheduled kernels (an sm_90a build on an sm_90 device), whatever this
+    machine has, so that the choice depends on platform, dtype and head dims alone."""
     monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: None)
 
 
@@ -54,60 +45,31 @@ def _arrays(dtype, dk, dv, heads=2, batch=2, plan=PLAN):
 
 # ----------------------------------------------------------------------------- the choice
 
-# (platform, dtype, Dk, Dv) -> kernel of implementation="ffi" with a CUDA module that has the tiled kernels.
+# (platform, dtype, Dk, Dv) -> kernel of implementation="ffi" where the scheduled kernels can run (whole grids and
+# the blocks of a sharded grid alike).
 CHOICES = [
-    ("cuda", BF16, 64, 64, "tiled"),
-    ("cuda", F16, 64, 64, "tiled"),
-    ("cuda", BF16, 32, 32, "tiled"),
-    ("cuda", F16, 128, 128, "tiled"),
+    ("cuda", BF16, 64, 64, "scheduled"),
+    ("cuda", F16, 64, 64, "scheduled"),
+    ("cuda", BF16, 32, 32, "scheduled"),
+    ("cuda", F16, 128, 128, "scheduled"),
     ("cuda", F32, 64, 64, "arc"),  # tensor cores would round float32 inputs
     ("cuda", F64, 64, 64, "arc"),
     ("cuda", BF16, 64, 32, "arc"),  # Dk != Dv
     ("cuda", BF16, 5, 5, "arc"),
-    ("cuda", BF16, 16, 16, "arc"),
+    ("cuda", BF16, 16, 16, "arc"),  # head dims no tensor-core kernel takes
     ("cuda", F16, 256, 256, "arc"),
-    ("cpu", BF16, 64, 64, "arc"),  # the tiled kernels are CUDA only
+    ("cpu", BF16, 64, 64, "arc"),  # the tensor-core kernels are CUDA only
     ("cpu", F32, 32, 32, "arc"),
     ("rocm", BF16, 64, 64, "arc"),
 ]
 
 
 @pytest.mark.parametrize("platform, dtype, dk, dv, kernel", CHOICES)
-def test_choose_kernel_truth_table(tiled_build, platform, dtype, dk, dv, kernel):
+def test_choose_kernel_truth_table(scheduled_build, platform, dtype, dk, dv, kernel):
     assert _ffi.choose_kernel(platform, dtype, dk, dv) == kernel
-    assert (_ffi.tiled_unavailable_reason(platform, dtype, dk, dv) is None) == (kernel == "tiled")
-
-
-# (platform, dtype, Dk, Dv) -> kernel of implementation="ffi" where the scheduled kernels can run (whole grids and
-# the blocks of a sharded grid alike).
-SCHEDULED_CHOICES = [
-    ("cuda", BF16, 64, 64, "scheduled"),
-    ("cuda", F16, 64, 64, "scheduled"),
-    ("cuda", BF16, 32, 32, "scheduled"),
-    ("cuda", F16, 128, 128, "scheduled"),
-    ("cuda", BF16, 16, 16, "arc"),  # head dims no tensor-core kernel takes
-    ("cuda", F32, 64, 64, "arc"),
-    ("cpu", BF16, 64, 64, "arc"),
-]
-
-
-@pytest.mark.parametrize("platform, dtype, dk, dv, kernel", SCHEDULED_CHOICES)
-def test_choose_kernel_with_the_scheduled_kernels(scheduled_build, platform, dtype, dk, dv, kernel):
-    assert _ffi.choose_kernel(platform, dtype, dk, dv) == kernel
-    if kernel != "arc":  # "ffi-tiled" names the tensor cores: the same choice between the two families
+    assert (_ffi.scheduled_unavailable_reason(platform, dtype, dk, dv) is None) == (kernel == "scheduled")
+    if kernel == "scheduled":  # "ffi-tiled" names the tensor cores
         assert _checks.kernel_for("ffi-tiled", platform, dtype, dk, dv) == kernel
-
-
-def test_the_op_runs_the_scheduled_kernels_from_the_neighbourhood_gate():
-    """The scheduled kernels where a plan's output points have SCHEDULED_MIN_NEIGHBORS neighbours or more on
-    average, the tiled ones below; other kernels pass through."""
-    small = NeighborhoodPlan((91, 180), (91, 180))  # the default cutoff: about 20 neighbours
-    large = NeighborhoodPlan((91, 180), (91, 180), theta_cutoff=0.15)
-    for plan, expected in ((small, "tiled"), (large, "scheduled")):
-        mean = plan.num_pairs / (plan.nlat_out * plan.nlon_out)
-        assert (mean >= neighborhood.SCHEDULED_MIN_NEIGHBORS) == (expected == "scheduled"), mean
-        assert neighborhood.tensor_core_family(plan, "scheduled") == expected
-        assert neighborhood.tensor_core_family(plan, "arc") == "arc"
 
 
 def test_scheduled_reason_names_every_unmet_condition(monkeypatch):
@@ -120,50 +82,51 @@ def test_scheduled_reason_names_every_unmet_condition(monkeypatch):
     assert "no sm_90 device (test)" in _ffi.scheduled_unavailable_reason("cuda", BF16, 64, 64)
 
 
-def test_without_tiled_kernels_in_the_build_cuda_runs_the_arc_kernels(monkeypatch):
-    monkeypatch.setattr(_ffi, "_tiled_build_reason", lambda: "_s2attn_cuda is not built (test)")
+def test_without_the_scheduled_kernels_cuda_runs_the_arc_kernels(monkeypatch):
+    monkeypatch.setattr(_ffi, "_scheduled_build_reason", lambda: "no sm_90 device (test)")
     assert _ffi.choose_kernel("cuda", BF16, 64, 64) == "arc"
-    assert "_s2attn_cuda is not built (test)" in _ffi.tiled_unavailable_reason("cuda", BF16, 64, 64)
 
 
-def test_a_cuda_module_without_the_tiled_targets_is_named(monkeypatch):
-    class ArcOnly:
-        @staticmethod
-        def registrations():
-            return dict.fromkeys(_ffi.TARGETS)
-
-    monkeypatch.setitem(_ffi.MODULES, "cuda", (ArcOnly, "available"))
-    reason = _ffi.tiled_unavailable_reason("cuda", BF16, 64, 64)
-    assert "built without the tiled kernels" in reason and _ffi.TILED_FORWARD_TARGET in reason
-
-
-def test_tiled_reason_names_every_unmet_condition():
-    reason = _ffi.tiled_unavailable_reason("cpu", F32, 5, 5)
-    assert "only on CUDA GPUs, not on cpu" in reason
-    assert "bfloat16 or float16 inputs, got float32" in reason
-    assert "Dk == Dv in (32, 64, 128), got Dk=5, Dv=5" in reason
+@pytest.mark.parametrize(
+    ("sm90a", "capabilities", "match"),
+    [(False, ("9.0",), r"not built for sm_90a \(CMAKE_CUDA_ARCHITECTURES=90a\)"),
+     (True, ("8.0", "9.0"), "they run on compute capability 9.0 .* this process has 8.0, 9.0"),
+     (True, None, None), (True, ("9.0",), None)],  # fmt: skip
+    ids=["no-sm90a-build", "other-devices", "no-device-to-ask", "sm90"],
+)
+def test_the_build_and_the_devices_decide_whether_the_scheduled_kernels_run(monkeypatch, sm90a, capabilities, match):
+    """A CUDA module not built for sm_90a, or a process with devices other than compute capability 9.0, runs the
+    arc kernels, named in the reason; a program lowered for CUDA without a device to ask takes the scheduled
+    kernels."""
+    module = object()
+    monkeypatch.setitem(_ffi.MODULES, "cuda", (module, "available"))
+    monkeypatch.setattr(_ffi, "_scheduled_build_facts", lambda m: (sm90a, capabilities) if m is module else None)
+    reason = _ffi._scheduled_build_reason()
+    assert (reason is None) == (match is None)
+    if match is not None:
+        assert re.search(match, reason), reason
 
 
 # (implementation, platform, dtype, Dk) -> what runs, with the native modules of both platforms
-# built and the CUDA one with the tiled kernels.
+# built and the CUDA one running the scheduled kernels.
 IMPLEMENTATION_CHOICES = [
-    (None, "cuda", BF16, 64, "tiled"),
+    (None, "cuda", BF16, 64, "scheduled"),
     (None, "cuda", F32, 64, "arc"),
     (None, "cuda", F64, 64, "reference"),  # float64 always takes the reference
     (None, "cpu", BF16, 64, "arc"),
     (None, None, BF16, 64, "reference"),  # a platform without native kernels
-    ("ffi", "cuda", BF16, 64, "tiled"),
+    ("ffi", "cuda", BF16, 64, "scheduled"),
     ("ffi", "cuda", BF16, 8, "arc"),
     ("ffi", "cpu", F16, 64, "arc"),
     ("ffi", None, BF16, 64, "arc"),  # forced native everywhere
     ("ffi-arc", "cuda", BF16, 64, "arc"),
-    ("ffi-tiled", "cuda", BF16, 64, "tiled"),
+    ("ffi-tiled", "cuda", BF16, 64, "scheduled"),
     ("reference", "cuda", BF16, 64, "reference"),
 ]
 
 
 @pytest.mark.parametrize("implementation, platform, dtype, dk, kernel", IMPLEMENTATION_CHOICES)
-def test_what_each_implementation_runs(tiled_build, monkeypatch, implementation, platform, dtype, dk, kernel):
+def test_what_each_implementation_runs(scheduled_build, monkeypatch, implementation, platform, dtype, dk, kernel):
     monkeypatch.setattr(_ffi, "unavailable_reason", lambda platform, dk=1, dv=1: None if platform else "none")
     assert _checks.kernel_for(implementation, platform, dtype, dk, dk) == kernel
 
@@ -185,20 +148,20 @@ def test_unknown_implementation_lists_the_choices():
         (BF16, 5, r"got Dk=5, Dv=5"),
     ],
 )
-def test_forcing_tiled_on_cpu_names_the_reason_and_the_fix(dtype, dk, match):
+def test_forcing_the_tensor_cores_on_cpu_names_the_reason_and_the_fix(dtype, dk, match):
     q, k, v = (jax.device_put(x, jax.devices("cpu")[0]) for x in _arrays(dtype, dk, dk))
-    with pytest.raises(ValueError, match=r"implementation='ffi-tiled' cannot run on cpu: the tiled kernels") as info:
+    with pytest.raises(ValueError, match=r"implementation='ffi-tiled' cannot run on cpu: the scheduled kernels") as info:
         neighborhood_attention(q, k, v, PLAN, implementation="ffi-tiled")
     assert info.match(match)
     assert info.match(r"Use implementation='ffi' .* or 'ffi-arc'\.")
 
 
-def test_forcing_tiled_on_a_cpu_mesh_names_the_mesh():
+def test_forcing_the_tensor_cores_on_a_cpu_mesh_names_the_mesh():
     mesh = jax.make_mesh((2, 2), ("lat", "lon"), devices=jax.devices("cpu")[:4])
     q, k, v = _arrays(BF16, 64, 64)
-    with pytest.raises(ValueError, match="implementation='ffi-tiled' cannot run on this cpu mesh: the tiled kernels"):
+    match = "implementation='ffi-tiled' cannot run on this cpu mesh: the scheduled kernels"
+    with pytest.raises(ValueError, match=match):
         sharded_neighborhood_attention(q, k, v, PLAN, mesh=mesh, implementation="ffi-tiled")
-
 
 def test_forcing_a_native_kernel_with_float64_points_to_the_reference():
     q, k, v = _arrays(F64, 4, 4)
@@ -263,18 +226,15 @@ def _exported_module(implementation, dtype, dk, dv, platforms, program=None) -> 
     args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
     plan = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), PLAN)
     exported = jax.export.export(
-        jax.jit(program),
-        platforms=platforms,
-        disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call(t)
-            for t in (*_ffi.TARGETS, *_ffi.TILED_TARGETS, _ffi.DELTA_TARGET)
-        ],
+        jax.jit(program), platforms=platforms, disabled_checks=_ffi.export_disabled_checks()
     )(*args, plan)
     return exported.mlir_module()
 
 
-# The tiled targets of the op's forward and backward (its dq forms delta: no delta target).
-OP_TILED_TARGETS = {_ffi.TILED_FORWARD_TARGET, _ffi.TILED_BACKWARD_DQ_DELTA_TARGET, _ffi.TILED_BACKWARD_DKV_TARGET}
+# The scheduled targets of the op's forward and backward (its dq forms delta: no delta target).
+OP_SCHEDULED_TARGETS = {
+    _ffi.SCHEDULED_FORWARD_TARGET, _ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET, _ffi.SCHEDULED_BACKWARD_DKV_TARGET
+}  # fmt: skip
 
 
 def _calls(module: str, targets) -> set[str]:
@@ -283,23 +243,23 @@ def _calls(module: str, targets) -> set[str]:
 
 @native
 @pytest.mark.parametrize("implementation", ["ffi", None])
-def test_export_for_cuda_runs_tiled_kernels_for_16_bit_heads_of_64(tiled_build, implementation):
-    """bfloat16, Dk = Dv = 64, exported for CUDA: the forward and both backward targets are
-    the tiled ones (the custom VJP carries the choice to the backward)."""
+def test_export_for_cuda_runs_scheduled_kernels_for_16_bit_heads_of_64(scheduled_build, implementation):
+    """bfloat16, Dk = Dv = 64, exported for CUDA, at the default cutoff (a few neighbours per point): the forward
+    and both backward targets are the scheduled ones (the custom VJP carries the choice to the backward)."""
     if implementation is None and not _ffi.HAS_CUDA_EXT:
         pytest.skip("implementation=None picks native CUDA kernels only where the CUDA module is built")
     module = _exported_module(implementation, BF16, 64, 64, ["cuda"])
-    assert _calls(module, _ffi.TILED_TARGETS) == OP_TILED_TARGETS
+    assert _calls(module, _ffi.SCHEDULED_TARGETS) == OP_SCHEDULED_TARGETS
     assert not _calls(module, _ffi.TARGETS)
-    assert not _calls(module, [_ffi.DELTA_TARGET])  # the tiled dq forms delta
+    assert not _calls(module, [_ffi.DELTA_TARGET])  # the scheduled dq forms delta
 
 
 @native
 @pytest.mark.parametrize("dtype, dk, dv", [(F32, 64, 64), (BF16, 64, 32), (F16, 8, 8)])
-def test_export_for_cuda_runs_arc_kernels_elsewhere(tiled_build, dtype, dk, dv):
+def test_export_for_cuda_runs_arc_kernels_elsewhere(scheduled_build, dtype, dk, dv):
     module = _exported_module("ffi", dtype, dk, dv, ["cuda"])
     assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
-    assert not _calls(module, _ffi.TILED_TARGETS)
+    assert not _calls(module, _ffi.SCHEDULED_TARGETS)
     assert _calls(module, [_ffi.DELTA_TARGET])
 
 
@@ -314,9 +274,9 @@ def _attention(q, k, v, plan):
 
 
 _SAVING_RESIDUALS = jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)
-# Programs running the op, and whether they differentiate it: the tiled forward writes out in the activations'
-# dtype either way (no float32 out, no cast), and where the op is differentiated also the remainder of that
-# rounding, which the backward forms delta from.
+# Programs running the op, and whether they differentiate it: the scheduled forward writes out in the activations'
+# dtype where the op is not differentiated (no float32 out, no cast), and in float32 where it is (the backward
+# forms delta from it).
 FORWARD_OUT_TYPES = {
     "alone": (_attention, False),
     "vmap": (jax.vmap(_attention, in_axes=(0, 0, 0, None)), False),
@@ -329,76 +289,83 @@ FORWARD_OUT_TYPES = {
 
 @native
 @pytest.mark.parametrize("name", FORWARD_OUT_TYPES)
-def test_export_for_cuda_writes_out_in_the_input_dtype_with_a_remainder_when_differentiated(tiled_build, name):
-    """The tiled forward writes out in bfloat16 itself (no float32 out, no cast); differentiated, its third
-    result is the remainder of that rounding (out's shape and type), else empty. One forward either way."""
+def test_export_for_cuda_writes_out_in_the_input_dtype_unless_differentiated(scheduled_build, name):
+    """The scheduled forward writes out in bfloat16 itself (no float32 out, no cast) where the op is not
+    differentiated, in float32 where it is. One forward either way."""
     if not _ffi.HAS_CUDA_EXT:
         pytest.skip("the CUDA module is not built")
     program, differentiated = FORWARD_OUT_TYPES[name]
     module = _exported_module("ffi", BF16, 64, 64, ["cuda"], program)
     out_shape = "2x" + "x".join(map(str, PLAN.out_shape)) + "x2x64"
     rows = out_shape.removesuffix("x64")
-    out, lse, remainder = _forward_result_types(module, _ffi.TILED_FORWARD_TARGET).strip("()").split(", ")
-    assert (out, lse) == (f"tensor<{out_shape}xbf16>", f"tensor<{rows}xf32>")
-    if differentiated:
-        assert remainder == out
-    else:
-        assert re.fullmatch(r"tensor<(\d+x)*0xbf16>", remainder), remainder
+    out, lse = _forward_result_types(module, _ffi.SCHEDULED_FORWARD_TARGET).strip("()").split(", ")
+    assert (out, lse) == (f"tensor<{out_shape}x{'f32' if differentiated else 'bf16'}>", f"tensor<{rows}xf32>")
 
 
-STENCIL_PLAN = NeighborhoodPlan((65, 100), (65, 100))  # 27 stencil pairs: 5,400 query points per batch and head
-# Downsampling: no forward pairs; 55 backward pairs, 11,000 key points per batch and head.
+STENCIL_PLAN = NeighborhoodPlan((65, 100), (65, 100))
+# Downsampling: no forward pairs, backward pairs on the finer key grid.
 DOWN_STENCIL_PLAN = NeighborhoodPlan((129, 100), (65, 100))
 
 
-@native
-@pytest.mark.parametrize(
-    ("plan", "heads", "pairs"),
-    [(STENCIL_PLAN, 24, (0, 0)), (STENCIL_PLAN, 25, (27, 27)), (DOWN_STENCIL_PLAN, 11, (0, 0)),
-     (DOWN_STENCIL_PLAN, 12, (0, 55))],  # fmt: skip
-    ids=["self-24", "self-25", "down-11", "down-12"],
-)
-def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_points(tiled_build, plan, heads, pairs):
-    """The tiled forward and dq get the plan's forward stencil pairs, dk/dv its backward ones, each from
-    STENCIL_MIN_POINTS points of its walk's pairs per batch entry (5,400 query points x 25 heads; 11,000 key
-    points x 12), none below (x 24, x 11; batch 2 either way): their last operand."""
-    if not _ffi.HAS_CUDA_EXT:
-        pytest.skip("the CUDA module is not built")
-    from jax_s2attn.ops.neighborhood import STENCIL_MIN_POINTS
+def _stencil_gate_cases():
+    """``(plan, walk, heads)`` at the stencil gate of each walk that has stencil pairs: the fewest heads whose
+    points of the pairs per batch entry reach STENCIL_MIN_POINTS, and one head fewer."""
+    cases = []
+    for name, plan in (("self", STENCIL_PLAN), ("down", DOWN_STENCIL_PLAN)):
+        for walk, nlon in (("forward", plan.nlon_out), ("backward", plan.nlon_in)):
+            points = 2 * len(_ffi.stencil_schedule(plan, walk).pairs) * nlon
+            if points:
+                heads = -(-neighborhood.STENCIL_MIN_POINTS // points)
+                cases += [pytest.param(plan, walk, h, id=f"{name}-{walk}-{h}") for h in (heads - 1, heads)]
+    return cases
 
-    assert 5_400 * 24 < STENCIL_MIN_POINTS <= 5_400 * 25 and 11_000 * 11 < STENCIL_MIN_POINTS <= 11_000 * 12
-    assert (len(plan.forward_stencil_pairs), len(plan.backward_stencil_pairs)) in [(27, 27), (0, 55)]
+
+@native
+@pytest.mark.parametrize(("plan", "walk", "heads"), _stencil_gate_cases() if _ffi.HAS_CPU_EXT else [])
+def test_export_for_cuda_leaves_stencil_rows_to_the_stencil_kernel_from_enough_points(
+    scheduled_build, plan, walk, heads
+):  # fmt: skip
+    """The stencil targets of a walk (forward: the forward and the dq that forms delta; backward: dk/dv) run
+    beside the scheduled ones, on the pairs of the walk's stencil schedule (an int32 operand [pairs, 2]), from
+    STENCIL_MIN_POINTS points of those pairs per batch entry, and not below (batch 2 either way)."""
+    pairs = _ffi.stencil_schedule(plan, walk).pairs
+    points = 2 * len(pairs) * (plan.nlon_out if walk == "forward" else plan.nlon_in) * heads
     shapes = (plan.out_shape, plan.in_shape, plan.in_shape)
     args = [jax.ShapeDtypeStruct((2, *shape, heads, 32), BF16) for shape in shapes]
     tables = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), plan)
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (*_ffi.TILED_TARGETS, _ffi.DELTA_TARGET)]
-    exported = jax.export.export(jax.jit(_gradient(_loss)), platforms=["cuda"], disabled_checks=checks)(*args, tables)
-    forward_pairs, backward_pairs = pairs
-    targets = {_ffi.TILED_FORWARD_TARGET: forward_pairs, _ffi.TILED_BACKWARD_DQ_DELTA_TARGET: forward_pairs,
-               _ffi.TILED_BACKWARD_DKV_TARGET: backward_pairs}  # fmt: skip
-    for target, count in targets.items():
-        (line,) = [x for x in exported.mlir_module().splitlines() if f"stablehlo.custom_call @{target}(" in x]
-        operand_types = line.split(" : (", 1)[1].split(") ->", 1)[0]
-        assert operand_types.endswith(f"tensor<{count}x2xi32>"), target
-
-
-def test_stencil_rows_need_the_tiled_kernel_and_whole_grids():
-    plan = STENCIL_PLAN
-    q, k, v = _arrays(BF16, 32, 32, plan=plan)
-    args = (plan, np.array([0, 0, *plan.out_shape, 0, 0, *plan.in_shape], np.int32), plan.tables.forward_row_order)
-    with pytest.raises(ValueError, match="stencil=True needs kernel='tiled'"):
-        _ffi.ffi_forward(q, k, v, *args, scale=1.0, stencil=True)
-    with pytest.raises(ValueError, match=r"needs whole grids.*\(got \(64, 100\) and \(65, 100\)\)"):
-        _ffi.ffi_forward(q[:, :-1], k, v, *args, scale=1.0, kernel="tiled", stencil=True)
+    exported = jax.export.export(jax.jit(_gradient(_loss)), platforms=["cuda"],
+                                 disabled_checks=_ffi.export_disabled_checks())(*args, tables)  # fmt: skip
+    module = exported.mlir_module()
+    targets = (
+        (_ffi.STENCIL_FORWARD_TARGET, _ffi.STENCIL_BACKWARD_DQ_DELTA_TARGET) if walk == "forward"
+        else (_ffi.STENCIL_BACKWARD_DKV_TARGET,)
+    )  # fmt: skip
+    for target in targets:
+        lines = [x for x in module.splitlines() if f"stablehlo.custom_call @{target}(" in x]
+        assert len(lines) == (points >= neighborhood.STENCIL_MIN_POINTS), (target, points)
+        for line in lines:
+            operand_types = line.split(" : (", 1)[1].split(") ->", 1)[0].split(", ")
+            assert f"tensor<{len(pairs)}x2xi32>" in operand_types, target  # before the aliased results
 
 
 @native
-def test_export_for_cpu_and_cuda_chooses_per_platform(tiled_build):
-    """One program for both platforms: the arc kernels in its CPU branch, the tiled ones in its CUDA branch."""
-    module = _exported_module("ffi", BF16, 64, 64, ["cpu", "cuda"])
-    assert _calls(module, _ffi.TILED_TARGETS) == OP_TILED_TARGETS
-    assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
+def test_stencil_rows_need_whole_grids():
+    plan = STENCIL_PLAN
+    q, k, v = _arrays(BF16, 32, 32, plan=plan)
+    with pytest.raises(ValueError, match=r"query grid 64x100 and key grid 65x100 must be the plan's"):
+        _ffi.ffi_scheduled_forward(q[:, :-1], k, v, plan, scale=1.0, stencil=True)
+    layout, schedules, query, key = _window_case(0)
+    with pytest.raises(ValueError, match="stencil=True needs whole grids"):
+        _ffi.ffi_scheduled_forward(query, key, key, PLAN, scale=1.0, window=layout.windows[0], schedules=schedules,
+                                   stencil=True)  # fmt: skip
 
+
+@native
+def test_export_for_cpu_and_cuda_chooses_per_platform(scheduled_build):
+    """One program for both platforms: the arc kernels in its CPU branch, the scheduled ones in its CUDA branch."""
+    module = _exported_module("ffi", BF16, 64, 64, ["cpu", "cuda"])
+    assert _calls(module, _ffi.SCHEDULED_TARGETS) == OP_SCHEDULED_TARGETS
+    assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
 
 # ----------------------------------------------------------------------------- a window's scheduled operands
 

@@ -173,81 +173,63 @@ def test_cuda_head_dim_limit_is_known_before_lowering():
     assert "Dk + Dv <= 6144" in _ffi.unavailable_reason("cuda", 4000, 4000)
 
 
-@pytest.mark.parametrize(("kernel", "dtype", "allowed"), [("arc", jnp.bfloat16, r"float32 \(16-bit results need"),
-                                                          ("tiled", jnp.float16, "float32 or bfloat16")])  # fmt: skip
+@native
 @pytest.mark.parametrize("target", ["forward", "dq", "dkv"])
-def test_result_dtypes_are_checked_before_lowering(plan, kernel, dtype, allowed, target):
-    q, k, v = _arrays(plan, dtype=jnp.bfloat16)
-    common = dict(query=q, key=k, value=v, plan=plan, window=full_window(plan), scale=0.5, kernel=kernel,
-                  row_order=plan.tables.forward_row_order)  # fmt: skip
+def test_scheduled_result_dtypes_are_checked_before_lowering(plan, target):
+    """The scheduled targets write float32 or the activations' dtype, named before anything is lowered."""
+    q, k, v = _arrays(plan, dk=64, dv=64, dtype=jnp.bfloat16)
+    common = dict(query=q, key=k, value=v, plan=plan, scale=0.5)
     if target == "forward":
-        call, name, args = _ffi.ffi_forward, "out_dtype", dict(out_dtype=dtype)
+        call, name, args = _ffi.ffi_scheduled_forward, "out_dtype", dict(out_dtype=jnp.float16)
     else:
         rows = np.zeros(q.shape[:-1], np.float32)
         dout = np.ones((*q.shape[:-1], v.shape[-1]), jnp.bfloat16)
-        call = _ffi.ffi_backward_dq if target == "dq" else _ffi.ffi_backward_dkv
-        name, args = "gradient_dtype", dict(dout=dout, lse=rows, delta=rows, gradient_dtype=dtype)
-    with pytest.raises(ValueError, match=f"{name} must be {allowed}"):
+        call = _ffi.ffi_scheduled_dq if target == "dq" else _ffi.ffi_scheduled_dkv
+        name, args = "gradient_dtype", dict(dout=dout, lse=rows, delta=rows, gradient_dtype=jnp.float16)
+    with pytest.raises(ValueError, match=rf"{name} must be float32 or bfloat16 \(the dtype of query\), got float16"):
         call(**common, **args)
 
 
-@pytest.mark.parametrize(("kernel", "out_dtype"), [("arc", jnp.float32), ("tiled", jnp.float32)])
-def test_forward_remainder_needs_a_16_bit_tiled_out(plan, kernel, out_dtype):
-    """Only the tiled forward writing out in the activations' dtype has a rounding remainder to return."""
-    q, k, v = _arrays(plan, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="remainder=True needs kernel='tiled' and out_dtype the dtype of query"):
-        _ffi.ffi_forward(q, k, v, plan, full_window(plan), plan.tables.forward_row_order, scale=0.5, kernel=kernel,
-                         out_dtype=out_dtype, remainder=True)  # fmt: skip
-
-
-# (change of the arguments, error, message) for the tiled dq that forms delta.
+# (change of the arguments, error, message) for the scheduled dq that forms delta.
 DQ_DELTA_ERRORS = {
     "gradient-dtype": (lambda a: dict(gradient_dtype=jnp.float16), ValueError, "gradient_dtype must be float32 or bf"),
     "out-dtype": (lambda a: dict(out=a["out"].astype(jnp.bfloat16)), ValueError, "out must be float32 .* got bfloat16"),
     "out-shape": (lambda a: dict(out=a["out"][..., :-1]), ValueError, "out must be float32 with the shape of dout"),
     "dlse-shape": (lambda a: dict(dlse=a["dlse"][..., :1]), ValueError, r"dlse must be float32 of shape \(2, 6, 12, 2"),
     "dout-dtype": (lambda a: dict(dout=a["dout"].astype(np.float64)), TypeError, "dout must be float32, bfloat16 or"),
-    # out in two parts (the differentiated op's): both in q's dtype, one shape.
-    "split-out-dtype": (lambda a: dict(out=a["out"].astype(jnp.float16), out_remainder=a["out"].astype(jnp.float16)),
-                        ValueError, "out must be bfloat16 with the shape of dout .* got float16"),
-    "remainder-dtype": (lambda a: dict(out=a["out"].astype(jnp.bfloat16), out_remainder=a["out"]),
-                        ValueError, "out_remainder must be bfloat16 with the shape of out .* got float32"),
-    "remainder-shape": (lambda a: dict(out=a["out"].astype(jnp.bfloat16),
-                                       out_remainder=a["out"][..., :-1].astype(jnp.bfloat16)),
-                        ValueError, "out_remainder must be bfloat16 with the shape of out"),
 }
 
 
+@native
 @pytest.mark.parametrize("name", DQ_DELTA_ERRORS)
 def test_dq_that_forms_delta_checks_its_operands_before_lowering(plan, name):
-    """The tiled dq that forms delta takes out and dlse as the delta target does, checked in Python:
+    """The scheduled dq that forms delta takes out and dlse as the delta target does, checked in Python:
     a handler's error would crash jax 0.11.2's GPU runtime."""
-    q, k, v = _arrays(plan, dtype=jnp.bfloat16)
+    q, k, v = _arrays(plan, dk=64, dv=64, dtype=jnp.bfloat16)
     rows = np.zeros(q.shape[:-1], np.float32)
     args = dict(query=q, key=k, value=v, dout=np.ones((*q.shape[:-1], v.shape[-1]), jnp.bfloat16), lse=rows,
-                out=np.ones((*q.shape[:-1], v.shape[-1]), np.float32), dlse=rows, plan=plan, window=full_window(plan),
-                row_order=plan.tables.forward_row_order, scale=0.5)  # fmt: skip
+                out=np.ones((*q.shape[:-1], v.shape[-1]), np.float32), dlse=rows, plan=plan, scale=0.5)  # fmt: skip
     change, error, message = DQ_DELTA_ERRORS[name]
     with pytest.raises(error, match=message):
-        _ffi.ffi_backward_dq_delta(**(args | change(args)))
+        _ffi.ffi_scheduled_dq_delta(**(args | change(args)))
 
 
 @native
 @pytest.mark.parametrize("target", ["forward", "dq", "dkv"])
 def test_arc_handlers_refuse_16_bit_results(platform, plan, target, monkeypatch):
-    """The handlers' own check, behind the Python one (bypassed here)."""
-    monkeypatch.setattr(_ffi, "_result_dtype", lambda dtype, kernel, query, name: jnp.dtype(dtype))
+    """The handlers' own check on the results' types (the Python wrappers ask for float32 only)."""
     args = _backward_args(plan)
+    rank, result_type = len(args["query"].shape), _ffi._result_type
+    monkeypatch.setattr(_ffi, "_result_type", lambda like, shape, dtype: result_type(
+        like, shape, jnp.float16 if len(shape) == rank else dtype))  # fmt: skip
     if target == "forward":
         call = lambda: _ffi.ffi_forward(args["query"], args["key"], args["value"], plan, args["window"],  # noqa: E731
-                                        plan.tables.forward_row_order, scale=0.5, out_dtype=jnp.float16)  # fmt: skip
+                                        plan.tables.forward_row_order, scale=0.5)  # fmt: skip
     elif target == "dq":
-        call = lambda: _ffi.ffi_backward_dq(**args, row_order=plan.tables.forward_row_order, scale=0.5,  # noqa: E731
-                                            gradient_dtype=jnp.float16)  # fmt: skip
+        call = lambda: _ffi.ffi_backward_dq(**args, row_order=plan.tables.forward_row_order, scale=0.5)  # noqa: E731
     else:
-        call = lambda: _ffi.ffi_backward_dkv(**args, row_order=plan.tables.backward_row_order, scale=0.5,  # noqa: E731
-                                             gradient_dtype=jnp.float16)  # fmt: skip
-    message = r"must be float32 \(16-bit results come from the tiled CUDA targets\), got float16"
+        call = lambda: _ffi.ffi_backward_dkv(**args, row_order=plan.tables.backward_row_order, scale=0.5)  # noqa: E731
+    message = r"must be float32 \(16-bit results come from the stencil targets\), got float16"
     _expect_invalid_argument(call, message)
 
 

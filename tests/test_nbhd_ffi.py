@@ -306,11 +306,11 @@ def test_modules_report_the_kernels_limits():
     reports = [m.build_info()["limits"] for m, _ in _native.MODULES.values() if m is not None]
     for limits in reports:
         assert tuple(limits["arc_dtypes"]) == ("float32", "bfloat16", "float16")
-        assert tuple(limits["tiled_dtypes"]) == ("bfloat16", "float16")
-        assert tuple(limits["tiled_head_dims"]) == (32, 64, 128)
+        assert tuple(limits["scheduled_dtypes"]) == ("bfloat16", "float16")
+        assert tuple(limits["scheduled_head_dims"]) == (32, 64, 128)
         assert (limits["stencil_max_other_rows"], limits["stencil_max_half"]) == (4, 3)
     limits = _native.kernel_limits()
-    assert [d.name for d in limits.tiled_dtypes] == ["bfloat16", "float16"]
-    assert limits.tiled_head_dims == (32, 64, 128) and limits.stencil_max_half == 3
+    assert [d.name for d in limits.scheduled_dtypes] == ["bfloat16", "float16"]
+    assert limits.scheduled_head_dims == (32, 64, 128) and limits.stencil_max_half == 3
     # 48 KiB of shared memory hold two vectors of Dk + Dv floats per warp.
     assert limits.cuda_arc_max_head_dims == (6144 if _native.HAS_CUDA_EXT else None)

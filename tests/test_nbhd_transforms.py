@@ -170,7 +170,7 @@ def test_export_round_trips_with_the_plan_as_an_argument(plan, qkv):
     np.testing.assert_array_equal(loss, want_loss)
     for a, b in zip(grads, want_grads):
         np.testing.assert_array_equal(a, b)
-    assert set(jax_s2attn.CUSTOM_CALL_TARGETS) >= {*_ffi.TARGETS, *_ffi.TILED_TARGETS, _ffi.DELTA_TARGET}
+    assert set(jax_s2attn.CUSTOM_CALL_TARGETS) >= {*_ffi.TARGETS, *_ffi.SCHEDULED_TARGETS, *_ffi.STENCIL_TARGETS, _ffi.DELTA_TARGET}
 
 
 def test_eager_float64_check_grads_compiles_once(rng):
@@ -229,10 +229,10 @@ def test_fallback_to_the_reference_warns_once(plan, qkv, monkeypatch):
 
 
 def test_registrations_match_target_names():
-    """Both modules register the arc targets, the ring targets and delta, the CUDA module also the tiled,
+    """Both modules register the arc targets, the ring targets and delta, the CUDA module also the
     scheduled and stencil ones."""
     common = (*_ffi.TARGETS, *_ffi.RING_TARGETS, _ffi.DELTA_TARGET)
-    expected = {"cpu": common, "cuda": common + _ffi.TILED_TARGETS + _ffi.SCHEDULED_TARGETS + _ffi.STENCIL_TARGETS}
+    expected = {"cpu": common, "cuda": common + _ffi.SCHEDULED_TARGETS + _ffi.STENCIL_TARGETS}
     for platform, available in _ffi.native_backends().items():
         if not available:
             continue

@@ -177,7 +177,7 @@ def test_wrapping_arcs_and_polar_rings():
 
 def test_row_order_is_longest_first():
     plan = NeighborhoodPlan((31, 64), (31, 64), theta_cutoff=0.3)
-    assert plan.forward_stencil_pairs.size == plan.backward_stencil_pairs.size == 0  # every row is the tiled kernels'
+    assert plan.forward_stencil_pairs.size == plan.backward_stencil_pairs.size == 0  # no row of short arcs
     for table in (plan.forward_arcs, plan.backward_arcs):
         lengths = table.pattern_lengths[table.row_order]
         assert np.all(np.diff(lengths) <= 0)

@@ -1,6 +1,6 @@
 """The scheduled tensor-core kernels between ring grids (ring block schedules, flat fields) on an sm_90 GPU.
 
-The op runs them for 16-bit inputs with ``Dk == Dv`` of 32, 64 or 128 from ``SCHEDULED_MIN_NEIGHBORS`` neighbours
+The op runs them for 16-bit inputs with ``Dk == Dv`` of 32, 64 or 128 from ``RING_SCHEDULED_MIN_NEIGHBORS`` neighbours
 per output point (``"ffi-tiled"`` forces them). Checked against the float64 reference at the 16-bit bar (outputs
 and q, k, v gradients within 1e-2; lse 1e-5) on random and smooth fields, on HEALPix, 3:2 and 2:3 longitude ratios
 and between grid kinds; every result written (poisoned first); gradients the same bits run to run; the handler
@@ -81,8 +81,8 @@ def _check_against_float64(plan, q, k, v, dtype, rng):
 
 def test_the_op_runs_the_scheduled_kernels_between_ring_grids(exact_random):
     wide, narrow = PLANS["healpix_self"](), RingPlan(RingGrid.healpix(8), RingGrid.healpix(8), 0.15)
-    assert wide.num_pairs >= neighborhood.SCHEDULED_MIN_NEIGHBORS * wide.npoints_out
-    assert narrow.num_pairs < neighborhood.SCHEDULED_MIN_NEIGHBORS * narrow.npoints_out
+    assert wide.num_pairs >= neighborhood.RING_SCHEDULED_MIN_NEIGHBORS * wide.npoints_out
+    assert narrow.num_pairs < neighborhood.RING_SCHEDULED_MIN_NEIGHBORS * narrow.npoints_out
     assert _checks.ring_kernel_for("ffi", "cuda", jnp.bfloat16, 64, 64) == "scheduled"
     for plan, target in ((wide, _ffi.SCHEDULED_FORWARD_TARGET), (narrow, _ffi.RING_FORWARD_TARGET)):
         q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in _fields(plan, exact_random))

@@ -1,13 +1,15 @@
 """The scheduled tensor-core kernels (wgmma on the plan's block schedules) on an sm_90 GPU.
 
-``implementation="ffi"`` runs them for 16-bit inputs with ``Dk == Dv`` of 32, 64 or 128 on whole grids; the op is
-checked against float64 oracles at the 16-bit bar (relative error <= 1e-2 for outputs and q, k, v gradients; lse
-float32-exact, 1e-5), on random and smooth fields, in every direction, on three grids, with odd sizes, longitude
-counts that are not multiples of the tile, polar whole rings, several heads and a batch. The targets' results,
-poisoned with NaN first, are all written; their 16-bit results are the float32 ones rounded; gradients are the
-same bits run to run. On the windows of sharded layouts (local blocks with padding, halo-extended key rows, the
-window's schedule picked by a traced index) every partial matches the arc kernels' partial of the same window, and
-the sharded op on one GPU runs them.
+``implementation="ffi"`` runs them for 16-bit inputs with ``Dk == Dv`` of 32, 64 or 128 on whole grids (and
+``"ffi-tiled"``, the tensor-core path, forces them); the op is checked against float64 oracles at the 16-bit bar
+(relative error <= 1e-2 for outputs and q, k, v gradients; lse float32-exact, 1e-5), on random and smooth fields,
+in every direction, on three grids, with odd sizes, longitude counts that are not multiples of the tile, polar
+whole rings, the whole sphere, several heads and a batch, and against the arc kernels at 91x180. The targets'
+results, poisoned with NaN first, are all written; their 16-bit results are the float32 ones rounded; gradients
+are the same bits run to run, on every GPU, and under vmap (stencil rows included); a NaN reaches exactly the rows
+that see it. On the windows of sharded layouts (local blocks with padding, halo-extended key rows, the window's
+schedule picked by a traced index) every partial matches the arc kernels' partial of the same window, and the
+sharded op on one GPU runs them.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ from jax_s2attn.parallel import shard_layout, sharded_neighborhood_attention
 from jax_s2attn.parallel.layout import window_schedules
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_tiled_gpu import NAMES, SMOOTH_CASES, _check, _compiled_vjp, _oracle, _rounded  # noqa: E402
 from test_nbhd_ffi import _Block  # noqa: E402
-from kernel_cases import FORMED_DELTA_TOLERANCE, smooth_field  # noqa: E402
+from test_nbhd_grad import _vjp  # noqa: E402  ((out, lse, dq, dk, dv) of the op)
+from kernel_cases import FORMED_DELTA_TOLERANCE, check_nan_poisoning, smooth_field  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 EQ, LG, LOB = "equiangular", "legendre-gauss", "lobatto"
 DTYPES = [jnp.bfloat16, jnp.float16]
+NAMES = ("out", "lse", "dq", "dk", "dv")
 
 # (in_shape, out_shape, grid_in, grid_out, theta_cutoff), heads; batch 2.
 CASES = [
@@ -47,6 +50,7 @@ CASES = [
     (((36, 72), (12, 24), EQ, EQ, 0.4), 1),  # down, pscale 3
     (((17, 36), (33, 72), EQ, EQ, None), 2),  # up, pscale 2
     (((33, 50), (65, 100), LOB, LOB, 0.15), 1),  # up, pscale 2, odd
+    (((150, 8), (150, 8), EQ, EQ, 3.0), 1),  # the whole sphere: every tile walks 150 key rows' chunks
 ]
 
 
@@ -70,6 +74,30 @@ def on_the_gpu():
         yield
 
 
+def _rounded(x, dtype):
+    """``x`` rounded to ``dtype`` and back to float64: the values both sides compute with."""
+    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float64))
+
+
+@functools.cache
+def _compiled_vjp(plan, implementation):
+    return jax.jit(lambda primals, cotangents: _vjp(plan, implementation, primals, cotangents))
+
+
+def _oracle(plan, primals, cotangents, dense_attention):
+    """Float64 ``(out, lse, dq, dk, dv)`` of the dense masked softmax."""
+    scale = 1.0 / np.sqrt(primals[0].shape[-1])
+    (out, lse), pullback = jax.vjp(lambda q, k, v: dense_attention(q, k, v, plan, scale), *map(jnp.asarray, primals))
+    return (out, lse, *pullback(tuple(map(jnp.asarray, cotangents))))
+
+
+def _check(got, want, rel_error, dtype):
+    """``(out, lse, dq, dk, dv)`` of the op in ``dtype`` (lse float32) within the 16-bit bar of ``want``."""
+    for name, g, w in zip(NAMES, got, want):
+        assert g.dtype == (jnp.float32 if name == "lse" else dtype), name
+        assert rel_error(g, w) <= (1e-5 if name == "lse" else 1e-2), (name, rel_error(g, w))
+
+
 def test_the_op_runs_the_scheduled_kernels_here():
     """On an sm_90 GPU with an sm_90a build (the H200 this suite runs on), "ffi" picks them."""
     for head_dim in (32, 64, 128):
@@ -90,6 +118,14 @@ def test_matches_float64_oracle(case_and_head_dim, exact_random, dense_attention
         as_dtype = lambda xs: tuple(jnp.asarray(x, dtype) for x in xs)  # noqa: E731 (exact: see exact_random)
         got = _compiled_vjp(plan, "ffi")(as_dtype((q, k, v)), as_dtype(cotangents))
         _check(got, want, rel_error, dtype)
+
+
+# (in_shape, out_shape, grid, theta_cutoff) of the smooth-field checks: every direction.
+SMOOTH_CASES = [
+    ((33, 72), (33, 72), EQ, 0.15),
+    ((66, 144), (33, 72), LG, 0.15),  # down, pscale 2
+    ((33, 72), (65, 144), EQ, 0.15),  # up, pscale 2, odd nlat
+]
 
 
 @pytest.mark.parametrize(("geometry", "d"), [(g, 64) for g in SMOOTH_CASES] + [(SMOOTH_CASES[0], d) for d in (32, 128)],
@@ -220,6 +256,126 @@ def test_gradients_are_the_same_bits_run_to_run(exact_random, d):
     for a, b in zip(first, second, strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
+@pytest.mark.parametrize("cutoff", [0.1, None])  # None: the default cutoff
+def test_gradients_of_a_larger_grid_are_the_same_bits_run_to_run(cutoff, exact_random):
+    """Two runs of one compiled program at 65x100 (the second on fresh copies of the inputs) give the same bits:
+    no atomics."""
+    plan = NeighborhoodPlan((65, 100), (65, 100), theta_cutoff=cutoff)
+    primals = tuple(jnp.asarray(exact_random(2, 65, 100, 2, 64), jnp.bfloat16) for _ in range(3))
+    cotangents = (jnp.asarray(exact_random(2, 65, 100, 2, 64), jnp.bfloat16), jnp.zeros((2, 65, 100, 2)))
+    program = _compiled_vjp(plan, "ffi-tiled")
+    first = program(primals, cotangents)
+    second = program(tuple(jnp.array(x, copy=True) for x in primals), cotangents)
+    for name, a, b in zip(NAMES, first, second, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=name)
+
+
+@pytest.mark.parametrize("cutoff", [None, 0.1])
+def test_agrees_with_the_arc_kernels_at_91x180(cutoff, exact_random, rel_error):
+    """The tensor-core path ("ffi-tiled") against the arc kernels ("ffi-arc") on the same bfloat16 inputs: out,
+    lse and the gradients within the 16-bit bar."""
+    plan = NeighborhoodPlan((91, 180), (91, 180), theta_cutoff=cutoff)
+    dtype = jnp.bfloat16
+    primals = tuple(jnp.asarray(exact_random(1, 91, 180, 2, 64), dtype) for _ in range(3))
+    cotangents = (jnp.asarray(exact_random(1, 91, 180, 2, 64), dtype), jnp.asarray(exact_random(1, 91, 180, 2)))
+    scheduled = _compiled_vjp(plan, "ffi-tiled")(primals, cotangents)
+    arc = _compiled_vjp(plan, "ffi-arc")(primals, cotangents)
+    _check(scheduled, arc, rel_error, dtype)
+
+
+@pytest.mark.parametrize("operand", ["q", "k"])
+@pytest.mark.parametrize("kernel", ["scheduled", "arc"])
+def test_nan_poisons_exactly_the_rows_that_see_it(kernel, operand, exact_random):
+    """A NaN in one query (one key) makes that query's (every query that has the key as a
+    neighbour's) out and lse NaN and leaves the others finite: a NaN sum is never read as
+    'no neighbour' (0, -inf)."""
+    plan = NeighborhoodPlan((33, 72), (33, 72), theta_cutoff=0.25)
+    q, k, v = (exact_random(1, 33, 72, 1, 64) for _ in range(3))
+    row, lon = 16, 3
+    (q if operand == "q" else k)[0, row, lon, 0, 5] = np.nan
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    if kernel == "scheduled":
+        out, lse = _ffi.ffi_scheduled_forward(q, k, v, plan, scale=0.125)
+    else:
+        out, lse = _ffi.ffi_forward(q, k, v, plan, local.full_window(plan), plan.tables.forward_row_order,
+                                    scale=0.125)  # fmt: skip
+    check_nan_poisoning(plan, out, lse, row * 72 + lon, operand)
+
+
+def test_the_op_lowers_to_the_scheduled_targets_for_16_bit_inputs_and_to_the_arc_targets_for_float32(exact_random):
+    """On CUDA, implementation="ffi" lowers serially to the scheduled targets (forward, the dq that forms delta,
+    dk/dv) for 16-bit heads of 64, and serially and sharded to the arc targets alone for float32."""
+    plan = NeighborhoodPlan((17, 36), (17, 36))
+    mesh = jax.make_mesh((1, 1), ("lat", "lon"), devices=jax.devices("gpu")[:1])
+    primals = tuple(jnp.asarray(exact_random(2, 17, 36, 2, 64), jnp.bfloat16) for _ in range(3))
+
+    def value_and_grads(attention):
+        def run(primals):
+            out, pullback = jax.vjp(attention, *primals)
+            return out, *pullback(jnp.ones_like(out))
+
+        return jax.jit(run)
+
+    def calls(text, targets):
+        return {t for t in targets if f"@{t}(" in text}
+
+    serial = value_and_grads(lambda q, k, v: jax_s2attn.neighborhood_attention(q, k, v, plan, implementation="ffi"))
+    sharded = value_and_grads(lambda q, k, v: sharded_neighborhood_attention(q, k, v, plan, mesh=mesh,
+                                                                             implementation="ffi"))  # fmt: skip
+    text = serial.lower(primals).as_text()
+    want = {_ffi.SCHEDULED_FORWARD_TARGET, _ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET, _ffi.SCHEDULED_BACKWARD_DKV_TARGET}
+    assert calls(text, _ffi.SCHEDULED_TARGETS) == want and not calls(text, _ffi.TARGETS)
+    wide = tuple(x.astype(jnp.float32) for x in primals)
+    for program in (serial, sharded):
+        text = program.lower(wide).as_text()
+        assert calls(text, _ffi.TARGETS) == set(_ffi.TARGETS)
+        assert not calls(text, (*_ffi.SCHEDULED_TARGETS, *_ffi.STENCIL_TARGETS))
+
+
+def test_the_op_with_stencil_rows_under_vmap_gives_the_batched_bits(exact_random):
+    """At 360x720 (one head) the op leaves the stencil rows to the stencil targets in both walks; vmapped over the
+    batch (the schedules and the stencil pairs then come as copies) its out, lse and gradients are the bits of the
+    batched op's."""
+    plan = NeighborhoodPlan((360, 720), (360, 720))
+    primals = tuple(jnp.asarray(exact_random(2, 360, 720, 1, 32), jnp.bfloat16) for _ in range(3))
+    assert all(neighborhood.uses_stencil_rows(plan, primals[0], "scheduled", walk) for walk in ("forward", "backward"))
+    dout = jnp.asarray(exact_random(2, 360, 720, 1, 32), jnp.bfloat16)
+
+    def attend(q, k, v, dout):
+        (out, lse), pullback = jax.vjp(
+            lambda q, k, v: jax_s2attn.neighborhood_attention(q, k, v, plan, implementation="ffi-tiled",
+                                                              return_residual=True), q, k, v)  # fmt: skip
+        return out, lse, *pullback((dout, jnp.zeros_like(lse)))
+
+    batched = jax.jit(attend)(*primals, dout)
+    vmapped = jax.jit(jax.vmap(attend))(*primals, dout)
+    for name, a, b in zip(NAMES, batched, vmapped, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8), err_msg=name)
+
+
+@pytest.mark.parametrize("implementation", ["ffi-tiled", "ffi-arc"])
+def test_every_gpu_gives_the_same_bits(implementation, exact_random):
+    """Each visible GPU runs the kernels with its own stream's device current (gpu/stream_device.h): the
+    results and gradients on every device are the bits of the first, also when the calling thread's current
+    device is another one (every device but the first). One GPU checks the first device alone."""
+    plan = NeighborhoodPlan((23, 46), (23, 46), theta_cutoff=0.3)
+    shape = (1, 23, 46, 2, 64)
+    dtype = jnp.bfloat16 if implementation == "ffi-tiled" else jnp.float32
+    q, k, v = (jnp.asarray(exact_random(*shape), dtype) for _ in range(3))
+
+    def run(device):
+        args = [jax.device_put(x, device) for x in (q, k, v)]
+        out, vjp = jax.vjp(lambda *a: jax_s2attn.neighborhood_attention(*a, plan, implementation=implementation),
+                           *args)  # fmt: skip
+        assert next(iter(out.devices())) == device
+        return [np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(jnp.ones_like(out)))]
+
+    devices = jax.devices("gpu")
+    first = run(devices[0])
+    for device in devices[1:]:
+        for a, b in zip(run(device), first):
+            np.testing.assert_array_equal(a, b)
+
 
 # (plan geometry, lat parts, lon parts): a self-attention with padding longitudes (36 over 5: blocks of 8, the last of
 # 4), a downsampling over 3 x 4 (halo rows), an upsampling over 2 x 3.
@@ -317,7 +473,7 @@ def test_the_sharded_op_runs_the_scheduled_kernels(exact_random, rel_error):
                     _ffi.SCHEDULED_BACKWARD_DKV_TARGET, _ffi.DELTA_TARGET)  # fmt: skip
         assert all(f"@{target}(" in text for target in windowed), shape
         assert f"@{_ffi.SCHEDULED_BACKWARD_DQ_DELTA_TARGET}(" not in text, shape
-        assert not any(f"@{target}(" in text for target in (*_ffi.TILED_TARGETS, *_ffi.TARGETS)), shape
+        assert not any(f"@{target}(" in text for target in _ffi.TARGETS), shape
         for name, g, w in zip(("out", "dq", "dk", "dv"), sharded(primals), want):
             assert rel_error(g, w) <= 2**-7, f"{shape}: {name}"  # a bfloat16 rounding or two apart
 

@@ -374,7 +374,7 @@ def test_neighborhood_attention_rejects_options(kwargs, error, match):
     [("ffi-tiled", jnp.float32, r"implementation='ffi-tiled' cannot run on cpu"),
      ("ffi", jnp.float64, r"implementation='ffi' cannot run on cpu.*float64"),
      ("ffi-arc", jnp.float64, r"implementation='ffi-arc' cannot run on cpu.*float64")],
-    ids=["tiled-on-cpu", "ffi-float64", "arc-float64"],
+    ids=["tensor-cores-on-cpu", "ffi-float64", "arc-float64"],
 )  # fmt: skip
 def test_neighborhood_attention_rejects_kernels_that_cannot_run(implementation, dtype, match):
     q, k, v = _qkv(dtypes=(dtype,) * 3)

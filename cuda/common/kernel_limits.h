@@ -5,16 +5,13 @@
 
 namespace s2attn {
 
-// Activation dtypes (jax names) of the arc-segment kernels (CPU and CUDA; float32 accumulation) and of the
-// tiled tensor-core kernels (CUDA).
+// Activation dtypes (jax names) of the arc-segment kernels (CPU and CUDA; float32 accumulation).
 inline constexpr const char* kArcDtypes[] = {"float32", "bfloat16", "float16"};
-inline constexpr const char* kTiledDtypes[] = {"bfloat16", "float16"};
 
-// Head dims (Dk == Dv) the tiled kernels are instantiated for (gpu/tiled_attn_dispatch.cuh).
-inline constexpr int kTiledHeadDims[] = {32, 64, 128};
-
-// Head dims (Dk == Dv) the CUDA stencil kernels are instantiated for (gpu/sixteen_bit_dispatch.cuh): those of the
-// tensor-core kernels, beside which they take the rows of short arcs.
+// Activation dtypes and head dims (Dk == Dv) the CUDA stencil kernels are instantiated for
+// (gpu/sixteen_bit_dispatch.cuh): those of the scheduled tensor-core kernels, beside which they take the rows of
+// short arcs.
+inline constexpr const char* kStencilDtypes[] = {"bfloat16", "float16"};
 inline constexpr int kStencilHeadDims[] = {32, 64, 128};
 
 // The shape a row pair of the CUDA stencil kernels must fit (gpu/stencil_attn_kernels.h), which the plan's

@@ -23,8 +23,6 @@ nanobind::tuple TupleOf(const T (&values)[N]) {
 inline nanobind::dict KernelLimits() {
   nanobind::dict limits;
   limits["arc_dtypes"] = TupleOf(kArcDtypes);
-  limits["tiled_dtypes"] = TupleOf(kTiledDtypes);
-  limits["tiled_head_dims"] = TupleOf(kTiledHeadDims);
   limits["stencil_max_other_rows"] = kStencilMaxOtherRows;
   limits["stencil_max_half"] = kStencilMaxHalf;
   limits["scheduled_shape"] = nanobind::make_tuple(kSchedTileRows, kSchedTileCols, kSchedChunkCols);
@@ -67,16 +65,6 @@ void AddRingRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq
   targets[kTargetRingForward] = HandlerCapsule(forward);
   targets[kTargetRingBackwardDq] = HandlerCapsule(backward_dq);
   targets[kTargetRingBackwardDkv] = HandlerCapsule(backward_dkv);
-}
-
-// Adds the tiled targets (CUDA only) to a registrations() dict.
-template <typename Fwd, typename Dq, typename Dkv, typename DqDelta>
-void AddTiledRegistrations(nanobind::dict& targets, Fwd* forward, Dq* backward_dq, Dkv* backward_dkv,
-                           DqDelta* backward_dq_delta) {
-  targets[kTargetTiledForward] = HandlerCapsule(forward);
-  targets[kTargetTiledBackwardDq] = HandlerCapsule(backward_dq);
-  targets[kTargetTiledBackwardDkv] = HandlerCapsule(backward_dkv);
-  targets[kTargetTiledBackwardDqDelta] = HandlerCapsule(backward_dq_delta);
 }
 
 // Adds the stencil targets (CUDA only) to a registrations() dict.

@@ -32,7 +32,7 @@ auto BindAttrs(Binding&& binding) {
 // NaN-filled buffers to the results through them to check that every element is written.
 
 // The tables every target takes after its activations (window, row_order, arc_offsets, arcs,
-// quad_weights), with kStencilPairs the stencil pairs (the tiled targets), then the
+// quad_weights), with kStencilPairs the stencil pairs (the stencil targets), then the
 // operands aliased to results.
 template <bool kStencilPairs, typename Binding>
 auto BindTables(Binding&& binding) {
@@ -50,26 +50,19 @@ auto BindTables(Binding&& binding) {
 }
 
 // jax_s2attn_nbhd_fwd: (q, k, v, window, row_order, arc_offsets, arcs, quad_weights) -> (out, lse);
-// kStencilPairs (jax_s2attn_tiled_fwd, jax_s2attn_stencil_fwd): the stencil pairs after them; kRemainder
-// (jax_s2attn_tiled_fwd): out's rounding remainder after lse.
-template <bool kStencilPairs = false, bool kRemainder = kStencilPairs, typename Binding>
+// kStencilPairs (jax_s2attn_stencil_fwd): the stencil pairs after them.
+template <bool kStencilPairs = false, typename Binding>
 auto BindForward(Binding&& binding) {
-  auto results = BindTables<kStencilPairs>(std::move(binding)
-                                               .template Arg<ffi::AnyBuffer>()   // q
-                                               .template Arg<ffi::AnyBuffer>()   // k
-                                               .template Arg<ffi::AnyBuffer>())  // v
-                     .template Ret<ffi::AnyBuffer>()                             // out (type checked by the handler)
-                     .template Ret<F32Buffer>();                                 // lse
-  if constexpr (kRemainder) {
-    return BindAttrs(std::move(results).template Ret<ffi::AnyBuffer>());  // out_remainder (or empty)
-  } else {
-    return BindAttrs(std::move(results));
-  }
+  return BindAttrs(BindTables<kStencilPairs>(std::move(binding)
+                                                 .template Arg<ffi::AnyBuffer>()   // q
+                                                 .template Arg<ffi::AnyBuffer>()   // k
+                                                 .template Arg<ffi::AnyBuffer>())  // v
+                       .template Ret<ffi::AnyBuffer>()  // out (type checked by the handler)
+                       .template Ret<F32Buffer>());     // lse
 }
 
 // Operands of the backward targets: q, k, v, dout, lse, delta, then the tables; with kDeltaFromOut
-// (jax_s2attn_tiled_bwd_dq_delta, jax_s2attn_stencil_bwd_dq_delta) the forward's out, its rounding remainder (or
-// empty) and dlse in place of delta.
+// (jax_s2attn_stencil_bwd_dq_delta) the forward's float32 out and dlse in place of delta.
 template <bool kDeltaFromOut = false, bool kStencilPairs = false, typename Binding>
 auto BindBackwardArgs(Binding&& binding) {
   auto through_lse = std::move(binding)
@@ -80,16 +73,14 @@ auto BindBackwardArgs(Binding&& binding) {
                          .template Arg<F32Buffer>();      // lse
   if constexpr (kDeltaFromOut) {
     return BindTables<kStencilPairs>(std::move(through_lse)
-                                         .template Arg<ffi::AnyBuffer>()  // out
-                                         .template Arg<ffi::AnyBuffer>()  // out_remainder
-                                         .template Arg<F32Buffer>());     // dlse
+                                         .template Arg<F32Buffer>()    // out
+                                         .template Arg<F32Buffer>());  // dlse
   } else {
     return BindTables<kStencilPairs>(std::move(through_lse).template Arg<F32Buffer>());  // delta
   }
 }
 
-// Gradient results and the forward's out are float32, or on the tiled CUDA targets also the
-// activations' dtype (CheckResultTypes in nbhd_params.h); the handlers check which.
+// Gradient results are float32, or on the stencil targets also the activations' dtype (CheckResultTypes in nbhd_params.h); the handlers check which.
 
 // jax_s2attn_nbhd_bwd_dq: backward operands -> dq.
 template <bool kStencilPairs = false, typename Binding>
@@ -97,7 +88,7 @@ auto BindBackwardDq(Binding&& binding) {
   return BindAttrs(BindBackwardArgs<false, kStencilPairs>(std::move(binding)).template Ret<ffi::AnyBuffer>());
 }
 
-// jax_s2attn_tiled_bwd_dq_delta, jax_s2attn_stencil_bwd_dq_delta: backward operands with out and dlse, and the
+// jax_s2attn_stencil_bwd_dq_delta: backward operands with out and dlse, and the
 // stencil pairs -> (dq, delta).
 template <typename Binding>
 auto BindBackwardDqDelta(Binding&& binding) {
@@ -105,7 +96,7 @@ auto BindBackwardDqDelta(Binding&& binding) {
       BindBackwardArgs<true, true>(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<F32Buffer>());
 }
 
-// jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv); with kStencilPairs (jax_s2attn_tiled_bwd_dkv) the
+// jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv); with kStencilPairs (jax_s2attn_stencil_bwd_dkv) the
 // stencil pairs after them.
 template <bool kStencilPairs = false, typename Binding>
 auto BindBackwardDkv(Binding&& binding) {

@@ -14,20 +14,15 @@ namespace s2attn {
 inline constexpr char kTargetForward[] = "jax_s2attn_nbhd_fwd";
 inline constexpr char kTargetBackwardDq[] = "jax_s2attn_nbhd_bwd_dq";
 inline constexpr char kTargetBackwardDkv[] = "jax_s2attn_nbhd_bwd_dkv";
-// The tiled tensor-core kernels (CUDA only): same operands, with the walk's segment table.
-inline constexpr char kTargetTiledForward[] = "jax_s2attn_tiled_fwd";
-inline constexpr char kTargetTiledBackwardDq[] = "jax_s2attn_tiled_bwd_dq";
-inline constexpr char kTargetTiledBackwardDkv[] = "jax_s2attn_tiled_bwd_dkv";
-// The tiled dq with the forward's out (float32, or in q's type with its remainder) and dlse in place of delta: it
-// forms delta and returns it.
-inline constexpr char kTargetTiledBackwardDqDelta[] = "jax_s2attn_tiled_bwd_dq_delta";
 // The scheduled tensor-core kernels (CUDA, sm_90a): the plan's block schedules instead of its tables.
 inline constexpr char kTargetScheduledForward[] = "jax_s2attn_sched_fwd";
 inline constexpr char kTargetScheduledBackwardDq[] = "jax_s2attn_sched_bwd_dq";
 inline constexpr char kTargetScheduledBackwardDkv[] = "jax_s2attn_sched_bwd_dkv";
 inline constexpr char kTargetScheduledBackwardDqDelta[] = "jax_s2attn_sched_bwd_dq_delta";
-// The stencil kernels alone (CUDA only): the tiled targets' operands, writing only the stencil pairs' rows of
-// results aliased to the scheduled targets' (the rows the scheduled kernels leave out).
+// The stencil kernels (CUDA only): the arc targets' operands with the walk's segment table in place of its arc
+// table and the stencil pairs after them, writing only the stencil pairs' rows of results aliased to the scheduled
+// targets' (the rows the scheduled kernels leave out). The dq_delta one takes the forward's float32 out and dlse in
+// place of delta: it forms delta and returns it.
 inline constexpr char kTargetStencilForward[] = "jax_s2attn_stencil_fwd";
 inline constexpr char kTargetStencilBackwardDq[] = "jax_s2attn_stencil_bwd_dq";
 inline constexpr char kTargetStencilBackwardDkv[] = "jax_s2attn_stencil_bwd_dkv";
@@ -208,7 +203,7 @@ inline const char* DataTypeName(ffi::DataType type) {
 }
 
 // The element type of the results `names` (out, dq, or dk and dv) of `types`: all float32, or, where
-// `narrow_allowed` (the tiled CUDA targets), all of q's dtype `activations`; their type goes to
+// `narrow_allowed` (the stencil targets), all of q's dtype `activations`; their type goes to
 // `*result_type` unless that is null.
 inline ffi::Error CheckResultTypes(const char* names, std::initializer_list<ffi::DataType> types,
                                    ffi::DataType activations, bool narrow_allowed, ElementType* result_type) {
@@ -224,7 +219,7 @@ inline ffi::Error CheckResultTypes(const char* names, std::initializer_list<ffi:
     S2ATTN_CHECK(ok, names << " must be " << all << "float32 or " << all << DataTypeName(activations)
                            << " (the dtype of q), got " << got);
   } else {
-    S2ATTN_CHECK(ok, names << " must be float32 (16-bit results come from the tiled CUDA targets), got " << got);
+    S2ATTN_CHECK(ok, names << " must be float32 (16-bit results come from the stencil targets), got " << got);
   }
   return result_type ? ToElementType(first, result_type) : ffi::Error::Success();
 }

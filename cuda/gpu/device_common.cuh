@@ -1,5 +1,5 @@
-// Device and launch helpers shared by the kernel families in cuda/gpu (the arc-segment kernels of nbhd_attn_*.cu,
-// the tiled tensor-core kernels of tiled_attn_*.cu and the stencil kernels of stencil_attn_*.cu).
+// Device and launch helpers shared by the kernel families in cuda/gpu (the arc-segment kernels of nbhd_attn_*.cu
+// and the stencil kernels of stencil_attn_*.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -107,66 +107,6 @@ inline cudaError_t LaunchRowGrid(void (*kernel)(NbhdAttnGpuParams), cudaStream_t
   }
   return cudaGetLastError();
 }
-
-// Whether a call gives the forward's out in one form (float32, or in T with its remainder) or none: the dq
-// launchers that form delta refuse anything else.
-inline bool ForwardOutInOneForm(const NbhdAttnGpuParams& p) {
-  const bool narrow = p.forward_out_narrow != nullptr;
-  return narrow == (p.forward_out_remainder != nullptr) && !(narrow && p.forward_out != nullptr);
-}
-
-// The forward's out as the dq kernels read it to form delta: float32 (`whole`), or in T as its rounded value
-// (`hi`) plus what that rounding left, rounded to T again (`lo`, PackRemainder's bits): hi + lo carries about
-// twice T's significant bits, which delta needs where dP - delta cancels (fields smooth in position). In
-// float16, lo turns subnormal where |out| < ~4e-3 and carries fewer bits there (bfloat16 has float32's range).
-template <typename T>
-struct ForwardOut {
-  const float* whole;
-  const T* hi;
-  const T* lo;
-
-  // The one the call gives (p.forward_out, or p.forward_out_narrow with p.forward_out_remainder), or none.
-  __device__ __forceinline__ static ForwardOut Of(const NbhdAttnGpuParams& p) {
-    return ForwardOut{p.forward_out, static_cast<const T*>(p.forward_out_narrow),
-                      static_cast<const T*>(p.forward_out_remainder)};
-  }
-  // Whether there is one (else delta is given).
-  __device__ __forceinline__ bool Given() const { return whole != nullptr || hi != nullptr; }
-
-  // hi + lo of two elements, from one register of each.
-  __device__ __forceinline__ static float2 Sum(uint32_t hi_pair, uint32_t lo_pair) {
-    const float2 h = UnpackPair<T>(hi_pair), l = UnpackPair<T>(lo_pair);
-    return make_float2(h.x + l.x, h.y + l.y);
-  }
-
-  // Elements `at` and `at + 1` (`at` even).
-  __device__ __forceinline__ float2 Pair(int64_t at) const {
-    if (whole != nullptr) return __ldg(reinterpret_cast<const float2*>(whole + at));
-    return Sum(__ldg(reinterpret_cast<const uint32_t*>(hi + at)), __ldg(reinterpret_cast<const uint32_t*>(lo + at)));
-  }
-
-  // Elements `at` .. `at + 7` by 16-byte loads (`at` a multiple of 8; the pointers 16-byte aligned, as
-  // TiledAttnSupported and StencilAttnSupported check).
-  __device__ __forceinline__ void Eight(int64_t at, float (&x)[8]) const {
-    if (whole != nullptr) {
-      const float4* src = reinterpret_cast<const float4*>(whole + at);
-      const float4 a = __ldg(src), b = __ldg(src + 1);
-      const float y[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = y[i];
-      return;
-    }
-    const uint4 h = __ldg(reinterpret_cast<const uint4*>(hi + at));
-    const uint4 l = __ldg(reinterpret_cast<const uint4*>(lo + at));
-    const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const float2 pair = Sum(hw[w], lw[w]);
-      x[2 * w] = pair.x;
-      x[2 * w + 1] = pair.y;
-    }
-  }
-};
 
 }  // namespace gpu
 }  // namespace s2attn

@@ -1,8 +1,10 @@
-// Shared-memory barrier objects (PTX mbarrier: sm_80, try_wait sm_90) for the tiled kernels'
-// chunk pipeline. One concern: a phase of a barrier completes after `count` arrivals (of threads,
-// and of threads' cp.async copies once they landed); a waiter then sees everything the arrivers
-// wrote before arriving, copies included. Unlike __syncthreads, a warp waits only for the chunk it
-// needs, so warps of a block can drift apart by a chunk (tiled_attn_device.cuh, ForEachChunk).
+// Shared-memory barrier objects (PTX mbarrier: sm_80, try_wait sm_90). One concern: a phase of a barrier
+// completes after `count` arrivals (of threads, and of threads' cp.async copies once they landed; a phase
+// can also wait for the bytes of tensor-map boxes, tma_sm90.cuh); a waiter then sees everything the arrivers
+// wrote before arriving, copies included. Users: the stencil kernels' staging barrier, on which every thread
+// arrives once for its cp.async copies (.noinc) and once for itself (stencil_attn_device.cuh); the scheduled
+// kernels' rings of full and empty stage barriers, by which a producer warp hands a stage's boxes to its
+// consumer warpgroup and gets the stage back once read (sched_attn_device.cuh).
 //
 // Compiled for the host (tests/cuda_emulation, S2ATTN_HOST_EMULATION), the functions are
 // declared here and implemented by the emulation runtime (copies land at once there).
@@ -10,7 +12,7 @@
 
 #include <cstdint>
 
-#include "gpu/mma_sm80.cuh"
+#include "gpu/cp_async_sm80.cuh"
 
 namespace s2attn {
 namespace gpu {

@@ -11,8 +11,6 @@ NB_MODULE(_s2attn_cuda, m) {
     nanobind::dict targets =
         s2attn::NbhdRegistrations(S2AttnNbhdForwardCuda, S2AttnNbhdBackwardDqCuda, S2AttnNbhdBackwardDkvCuda,
                                   S2AttnDeltaCuda);
-    s2attn::AddTiledRegistrations(targets, S2AttnTiledForwardCuda, S2AttnTiledBackwardDqCuda,
-                                  S2AttnTiledBackwardDkvCuda, S2AttnTiledBackwardDqDeltaCuda);
     s2attn::AddScheduledRegistrations(targets, S2AttnScheduledForwardCuda, S2AttnScheduledBackwardDqCuda,
                                       S2AttnScheduledBackwardDkvCuda, S2AttnScheduledBackwardDqDeltaCuda);
     s2attn::AddStencilRegistrations(targets, S2AttnStencilForwardCuda, S2AttnStencilBackwardDqCuda,

@@ -1,7 +1,6 @@
 // CUDA handlers of the neighbourhood-attention targets (contract: cuda/README.md): the three
-// arc-segment targets, their three tiled tensor-core twins and the three stencil targets, one handler template
-// each, the tiled and the stencil dq that form delta themselves (one template), the three ring targets (the arc
-// kernels between ring grids), and the backward's delta.
+// arc-segment targets and the three stencil targets, one handler template each, the stencil dq that forms delta
+// itself, the three ring targets (the arc kernels between ring grids), and the backward's delta.
 //
 // A handler decodes and validates everything visible on the host (shapes, dtypes, attributes,
 // table sizes), fills one NbhdAttnGpuParams and launches on XLA's stream with its device current
@@ -28,7 +27,6 @@
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/ffi_launch.h"
 #include "gpu/stencil_attn_kernels.h"
-#include "gpu/tiled_attn_kernels.h"
 
 namespace s2attn {
 namespace {
@@ -122,30 +120,8 @@ struct ArcKernels {
   static ffi::Error Check(const NbhdAttnGpuParams&) { return ffi::Error::Success(); }
 };
 
-struct TiledKernels {
-  static constexpr TableForm kForm = TableForm::kSegments;
-  static constexpr const char* kForward = kTargetTiledForward;
-  static constexpr const char* kBackwardDq = kTargetTiledBackwardDq;
-  static constexpr const char* kBackwardDkv = kTargetTiledBackwardDkv;
-  static constexpr const char* kBackwardDqDelta = kTargetTiledBackwardDqDelta;
-  static constexpr bool kNarrowResults = true;
-  static cudaError_t Forward(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnFwd(s, g); }
-  static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDq(s, g); }
-  static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchTiledAttnBwdDkv(s, g); }
-  static ffi::Error Check(const NbhdAttnGpuParams& g) {
-    S2ATTN_CHECK(TiledAttnSupported(g), "the tiled kernels take " << Alternatives(kTiledDtypes)
-                                                                  << " activations with Dk == Dv of "
-                                                                  << Alternatives(kTiledHeadDims)
-                                                                  << " and 16-byte aligned buffers (got Dk = "
-                                                                  << g.head_dim_k << ", Dv = " << g.head_dim_v
-                                                                  << "); use the arc-segment targets "
-                                                                     "(implementation='ffi-arc')");
-    return ffi::Error::Success();
-  }
-};
-
-// The stencil kernels alone: the tiled targets' operands; they write the stencil pairs' rows of results aliased to
-// the scheduled targets' (which write every other row), and nothing else.
+// The stencil kernels: the arc targets' operands with segment tables and the stencil pairs; they write the stencil
+// pairs' rows of results aliased to the scheduled targets' (which write every other row), and nothing else.
 struct StencilKernels {
   static constexpr TableForm kForm = TableForm::kSegments;
   static constexpr const char* kForward = kTargetStencilForward;
@@ -157,7 +133,7 @@ struct StencilKernels {
   static cudaError_t BackwardDq(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchStencilAttnBwdDq(s, g); }
   static cudaError_t BackwardDkv(cudaStream_t s, const NbhdAttnGpuParams& g) { return LaunchStencilAttnBwdDkv(s, g); }
   static ffi::Error Check(const NbhdAttnGpuParams& g) {
-    S2ATTN_CHECK(StencilAttnSupported(g), "the stencil targets take " << Alternatives(kTiledDtypes)
+    S2ATTN_CHECK(StencilAttnSupported(g), "the stencil targets take " << Alternatives(kStencilDtypes)
                                                                       << " activations with Dk == Dv of "
                                                                       << Alternatives(kStencilHeadDims)
                                                                       << ", 16-byte aligned buffers and at least one "
@@ -173,8 +149,8 @@ NbhdAttrs MakeAttrs(float scale, int64_t residues, int64_t shift, int64_t nlat_q
   return NbhdAttrs{scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k};
 }
 
-// The walking row pairs the tiled launchers leave to the stencil kernels (query rows for jax_s2attn_tiled_fwd,
-// _bwd_dq and _bwd_dq_delta, key rows for _bwd_dkv), checked against the call `g` describes. Leading dims are
+// The walking row pairs of the stencil kernels (query rows for jax_s2attn_stencil_fwd, _bwd_dq and _bwd_dq_delta,
+// key rows for _bwd_dkv), checked against the call `g` describes. Leading dims are
 // copies (vmap_method="broadcast_all"); the first copy is read.
 ffi::Error SetStencilPairs(const I32Buffer& stencil_pairs, bool walk_keys, NbhdAttnGpuParams* g) {
   const auto dims = stencil_pairs.dimensions();
@@ -202,14 +178,13 @@ ffi::Error SetStencilPairs(const I32Buffer& stencil_pairs, bool walk_keys, NbhdA
   return ffi::Error::Success();
 }
 
-// out is float32, or on the tiled and stencil kernels also the activations' type (`out_narrow`); `stencil_pairs`
-// (tiled and stencil targets, else null) are the query row pairs of the stencil kernel, and `out_remainder` (tiled
-// only, else null; empty for none) what rounding out to that type left.
+// out is float32, or on the stencil kernels also the activations' type (`out_narrow`); `stencil_pairs` (stencil
+// targets, else null) are the query row pairs of the stencil kernel.
 template <typename Kernels>
 ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                      const I32Buffer& window, const I32Buffer& row_order, const I32Buffer& arc_offsets,
                      const I32Buffer& arcs, const F32Buffer& quad_weights, const I32Buffer* stencil_pairs,
-                     AnyResult& out, F32Result& lse, AnyResult* out_remainder, const NbhdAttrs& attrs) {
+                     AnyResult& out, F32Result& lse, const NbhdAttrs& attrs) {
   NbhdParams p;
   S2ATTN_RETURN_IF_ERROR(DecodeParams(q, k, v, attrs, /*walk_keys=*/false, window.element_count(),
                                       row_order.element_count(), arc_offsets.element_count(), arcs.element_count(),
@@ -219,15 +194,6 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
   ElementType out_type;
   S2ATTN_RETURN_IF_ERROR(
       CheckResultTypes("out", {out->element_type()}, q.element_type(), Kernels::kNarrowResults, &out_type));
-  const bool remainder = out_remainder != nullptr && (*out_remainder)->element_count() > 0;
-  if (remainder) {
-    S2ATTN_RETURN_IF_ERROR(
-        CheckGridArray("out_remainder", (*out_remainder)->dimensions(), p.batch, p.nq_lat, p.nq_lon, p.heads, p.dv));
-    S2ATTN_CHECK(out_type != ElementType::kF32 && (*out_remainder)->element_type() == q.element_type(),
-                 "out_remainder must have the dtype of q, and out too (a float32 out has no remainder), got out "
-                     << DataTypeName(out->element_type()) << " and out_remainder "
-                     << DataTypeName((*out_remainder)->element_type()));
-  }
   S2ATTN_RETURN_IF_ERROR(CheckGpuLimits(p, /*walk_keys=*/false));
   if (out->element_count() == 0 && lse->element_count() == 0) return ffi::Error::Success();
   NbhdAttnGpuParams g = GpuParams(p, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, Kernels::kForm);
@@ -235,7 +201,6 @@ ffi::Error ForwardOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::An
     g.out = static_cast<float*>(out->untyped_data());
   } else {
     g.out_narrow = out->untyped_data();
-    if (remainder) g.out_remainder = (*out_remainder)->untyped_data();
   }
   g.lse_out = lse->typed_data();
   if (stencil_pairs != nullptr) S2ATTN_RETURN_IF_ERROR(SetStencilPairs(*stencil_pairs, /*walk_keys=*/false, &g));
@@ -249,28 +214,17 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                    ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale,
                    int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
   return ForwardOf<ArcKernels>(stream, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, nullptr, out, lse,
-                               nullptr, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
+                               MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_tiled_fwd: the same operands and the stencil pairs; out's remainder after lse.
-ffi::Error TiledForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
-                        I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                        I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse,
-                        AnyResult out_remainder, float scale, int64_t residues, int64_t shift, int64_t nlat_q,
-                        int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
-  return ForwardOf<TiledKernels>(stream, q, k, v, window, row_order, arc_offsets, arcs, quad_weights, &stencil_pairs,
-                                 out, lse, &out_remainder,
-                                 MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
-}
-
-// jax_s2attn_stencil_fwd: the tiled forward's operands; out (float32 or q's type) and lse of the stencil rows.
+// jax_s2attn_stencil_fwd: the arc forward's operands with segment tables and the stencil pairs; out (float32 or q's type) and lse of the stencil rows.
 ffi::Error StencilForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
                           I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
                           I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult out,
                           F32Result lse, float scale, int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q,
                           int64_t nlat_k, int64_t nlon_k) {
   return ForwardOf<StencilKernels>(stream, q, k, v, window, row_order, arc_offsets, arcs, quad_weights,
-                                   &stencil_pairs, out, lse, nullptr,
+                                   &stencil_pairs, out, lse,
                                    MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
@@ -341,18 +295,7 @@ ffi::Error BackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, f
                                   MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_tiled_bwd_dq: the same operands and the stencil pairs.
-ffi::Error TiledBackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window, I32Buffer row_order,
-                           I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights, I32Buffer stencil_pairs,
-                           ffi::RemainingArgs /*aliased_results*/, AnyResult dq, float scale, int64_t residues,
-                           int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
-  return BackwardDqOf<TiledKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
-                                    quad_weights, &stencil_pairs, dq,
-                                    MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
-}
-
-// jax_s2attn_stencil_bwd_dq: the tiled dq's operands; dq of the stencil rows.
+// jax_s2attn_stencil_bwd_dq: the arc dq's operands with segment tables and the stencil pairs; dq of the stencil rows.
 ffi::Error StencilBackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window,
                              I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
@@ -364,7 +307,7 @@ ffi::Error StencilBackwardDq(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                                       MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// dk and dv of any family; `stencil_pairs` (tiled and stencil targets, else null) are the key row pairs of the
+// dk and dv of either family; `stencil_pairs` (stencil targets, else null) are the key row pairs of the
 // stencil kernel.
 template <typename Kernels>
 ffi::Error BackwardDkvOf(cudaStream_t stream, const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -401,19 +344,7 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                    MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_tiled_bwd_dkv: the same operands and the stencil pairs.
-ffi::Error TiledBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                            ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window,
-                            I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
-                            I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dk,
-                            AnyResult dv, float scale, int64_t residues, int64_t shift, int64_t nlat_q,
-                            int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
-  return BackwardDkvOf<TiledKernels>(stream, q, k, v, dout, lse, delta, window, row_order, arc_offsets, arcs,
-                                     quad_weights, &stencil_pairs, dk, dv,
-                                     MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
-}
-
-// jax_s2attn_stencil_bwd_dkv: the tiled dk/dv's operands; dk and dv of the stencil key rows.
+// jax_s2attn_stencil_bwd_dkv: the arc dk/dv's operands with segment tables and the stencil pairs; dk and dv of the stencil key rows.
 ffi::Error StencilBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window,
                               I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
@@ -425,52 +356,30 @@ ffi::Error StencilBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                                        MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_tiled_bwd_dq_delta and jax_s2attn_stencil_bwd_dq_delta: dq forming delta = sum(dout * out, -1) - dlse
-// from the forward's out (float32, or in q's type with its rounding remainder) at each unit's entry and returning it
-// for the dk/dv target, so that the op needs no delta target between the passes; `Kernels` the tiled family (dq of
-// every row, the stencil kernel on the stencil pairs' rows) or the stencil kernels alone (dq and delta of the
-// stencil pairs' rows, the others aliased to the scheduled dq_delta's).
-template <typename Kernels>
-ffi::Error BackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::AnyBuffer dout, F32Buffer lse, ffi::AnyBuffer out, ffi::AnyBuffer out_remainder,
-                           F32Buffer dlse, I32Buffer window, I32Buffer row_order, I32Buffer arc_offsets,
-                           I32Buffer arcs, F32Buffer quad_weights, I32Buffer stencil_pairs,
-                           ffi::RemainingArgs /*aliased_results*/, AnyResult dq, F32Result delta, float scale,
-                           int64_t residues, int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k,
-                           int64_t nlon_k) {
+// jax_s2attn_stencil_bwd_dq_delta: dq of the stencil pairs' rows, forming delta = sum(dout * out, -1) - dlse from
+// the forward's float32 out at each unit's entry and returning it for the dk/dv target (the other rows of both are
+// aliased to the scheduled dq_delta's), so that the op needs no delta target between the passes.
+ffi::Error StencilBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                  ffi::AnyBuffer dout, F32Buffer lse, F32Buffer out, F32Buffer dlse, I32Buffer window,
+                                  I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
+                                  I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
+                                  F32Result delta, float scale, int64_t residues, int64_t shift, int64_t nlat_q,
+                                  int64_t nlon_q, int64_t nlat_k, int64_t nlon_k) {
   NbhdAttnGpuParams g;
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, dlse, "dlse", window, row_order, arc_offsets, arcs,
                                         quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
-                                        /*walk_keys=*/false, Kernels::kForm, &g));
+                                        /*walk_keys=*/false, StencilKernels::kForm, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_v));
-  const bool split = out.element_type() != ffi::DataType::F32;
-  if (split) {
-    S2ATTN_CHECK(out.element_type() == q.element_type() && out_remainder.element_type() == q.element_type(),
-                 "out must be float32, or have the dtype of q with out_remainder of that dtype too, got out "
-                     << DataTypeName(out.element_type()) << " and out_remainder "
-                     << DataTypeName(out_remainder.element_type()));
-    S2ATTN_RETURN_IF_ERROR(CheckGridArray("out_remainder", out_remainder.dimensions(), g.batch, g.nq_lat, g.nq_lon,
-                                          g.heads, g.head_dim_v));
-  } else {
-    S2ATTN_CHECK(out_remainder.element_count() == 0,
-                 "out_remainder must be empty with a float32 out, got " << out_remainder.element_count()
-                                                                        << " elements");
-  }
   S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), /*narrow_allowed=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, -1));
   S2ATTN_RETURN_IF_ERROR(SetStencilPairs(stencil_pairs, /*walk_keys=*/false, &g));
   if (delta->element_count() == 0) return ffi::Error::Success();  // no query rows: dq is empty too
-  if (split) {
-    g.forward_out_narrow = out.untyped_data();
-    g.forward_out_remainder = out_remainder.untyped_data();
-  } else {
-    g.forward_out = out.typed_data<float>();
-  }
+  g.forward_out = out.typed_data();
   g.dlse = dlse.typed_data();
   g.delta_out = delta->typed_data();
-  S2ATTN_RETURN_IF_ERROR(Kernels::Check(g));
-  return LaunchOnStreamDevice(stream, Kernels::kBackwardDqDelta,
-                              [&] { return Kernels::BackwardDq(stream, g); });
+  S2ATTN_RETURN_IF_ERROR(StencilKernels::Check(g));
+  return LaunchOnStreamDevice(stream, StencilKernels::kBackwardDqDelta,
+                              [&] { return StencilKernels::BackwardDq(stream, g); });
 }
 
 ffi::Error Delta(cudaStream_t stream, ffi::AnyBuffer dout, F32Buffer out, F32Buffer dlse,
@@ -602,11 +511,11 @@ ffi::Error RingBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
 }  // namespace
 }  // namespace s2attn
 
-// STENCIL_PAIRS: the targets take the stencil pairs; REMAINDER: the forward returns out's rounding remainder.
-#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, FORWARD, BACKWARD_DQ, BACKWARD_DKV, STENCIL_PAIRS, REMAINDER)            \
+// STENCIL_PAIRS: the targets take the stencil pairs.
+#define S2ATTN_DEFINE_CUDA_HANDLERS(PREFIX, FORWARD, BACKWARD_DQ, BACKWARD_DKV, STENCIL_PAIRS)                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                     \
       PREFIX##ForwardCuda, FORWARD,                                                                                  \
-      (s2attn::BindForward<STENCIL_PAIRS, REMAINDER>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>())));             \
+      (s2attn::BindForward<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>())));                        \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                                                                     \
       PREFIX##BackwardDqCuda, BACKWARD_DQ,                                                                           \
       s2attn::BindBackwardDq<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));                       \
@@ -614,14 +523,10 @@ ffi::Error RingBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
       PREFIX##BackwardDkvCuda, BACKWARD_DKV,                                                                         \
       s2attn::BindBackwardDkv<STENCIL_PAIRS>(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()))
 
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::Forward, s2attn::BackwardDq, s2attn::BackwardDkv, false, false);
-S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnTiled, s2attn::TiledForward, s2attn::TiledBackwardDq, s2attn::TiledBackwardDkv,
-                            true, true);
+S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnNbhd, s2attn::Forward, s2attn::BackwardDq, s2attn::BackwardDkv, false);
 S2ATTN_DEFINE_CUDA_HANDLERS(S2AttnStencil, s2attn::StencilForward, s2attn::StencilBackwardDq,
-                            s2attn::StencilBackwardDkv, true, false);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda, s2attn::BackwardDqDelta<s2attn::TiledKernels>,
-                              s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnStencilBackwardDqDeltaCuda, s2attn::BackwardDqDelta<s2attn::StencilKernels>,
+                            s2attn::StencilBackwardDkv, true);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnStencilBackwardDqDeltaCuda, s2attn::StencilBackwardDqDelta,
                               s2attn::BindBackwardDqDelta(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(S2AttnRingForwardCuda, s2attn::RingForward,
                               s2attn::BindRingForward(xla::ffi::Ffi::Bind().Ctx<s2attn::CudaStream>()));

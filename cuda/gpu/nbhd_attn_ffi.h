@@ -9,19 +9,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDqCuda);
 // jax_s2attn_nbhd_bwd_dkv: (q, k, v, dout, lse, delta, window, row_order, ...) -> (dk, dv)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCuda);
-// jax_s2attn_tiled_fwd / _bwd_dq / _bwd_dkv: the same operands with the walk's segment table in
-// place of its arc table; bfloat16/float16, Dk == Dv in {32, 64, 128} (tiled_attn_kernels.h).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledForwardCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDqCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDkvCuda);
-// jax_s2attn_stencil_fwd / _bwd_dq / _bwd_dkv: the tiled targets' operands (no remainder); only the stencil
-// pairs' rows of their results, which alias the scheduled targets' (stencil_attn_kernels.h).
+// jax_s2attn_stencil_fwd / _bwd_dq / _bwd_dkv: the same operands with the walk's segment table in place of its arc
+// table and the stencil pairs after them; bfloat16/float16, Dk == Dv in {32, 64, 128}; only the stencil pairs'
+// rows of their results, which alias the scheduled targets' (stencil_attn_kernels.h).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDqCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDkvCuda);
-// jax_s2attn_tiled_bwd_dq_delta: (q, k, v, dout, lse, out, dlse, window, row_order, ...) -> (dq, delta); the
-// stencil twin writes the stencil pairs' rows of both, aliased to the scheduled dq_delta's.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnTiledBackwardDqDeltaCuda);
+// jax_s2attn_stencil_bwd_dq_delta: (q, k, v, dout, lse, out, dlse, window, row_order, ...) -> (dq, delta), the
+// stencil pairs' rows of both, aliased to the scheduled dq_delta's.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDqDeltaCuda);
 // jax_s2attn_ring_fwd / _bwd_dq / _bwd_dkv: the arc kernels between ring grids on flat fields (the CPU ring
 // targets' operands: cuda/README.md, "Ring targets").

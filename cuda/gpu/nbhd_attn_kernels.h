@@ -11,7 +11,7 @@
 namespace s2attn {
 
 // Element type of q, k, v and dout. Accumulation is float32, and so is every result but the
-// gradients and the forward's out of the tiled kernels, which may be stored in the activations' type
+// gradients and the forward's out of the stencil kernels, which may be stored in the activations' type
 // (gradient_dtype, out_narrow).
 enum class ActivationType : int { kF32, kBF16, kF16 };
 
@@ -28,14 +28,10 @@ struct NbhdAttnGpuParams {
   const void* dout = nullptr;     // [batch, nq_lat, nq_lon, heads, dv]   (backward)
   const float* lse = nullptr;     // [batch, nq_lat, nq_lon, heads]        (backward)
   const float* delta = nullptr;   // [batch, nq_lat, nq_lon, heads]        (backward)
-  // Tiled dq only, instead of `delta`: the forward's out and the cotangent of lse, from which the kernel
-  // forms delta = sum(dout * out, -1) - dlse of its own queries and writes it to `delta_out`. The out is
-  // float32 (`forward_out`), or in `dtype` with its rounding remainder (`forward_out_narrow` +
-  // `forward_out_remainder`, as the tiled forward writes them with `out_remainder`).
-  const float* forward_out = nullptr;            // [batch, nq_lat, nq_lon, heads, dv]
-  const void* forward_out_narrow = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
-  const void* forward_out_remainder = nullptr;   // [batch, nq_lat, nq_lon, heads, dv]
-  const float* dlse = nullptr;                   // [batch, nq_lat, nq_lon, heads]
+  // Stencil dq only, instead of `delta`: the forward's float32 out and the cotangent of lse, from which the
+  // kernel forms delta = sum(dout * out, -1) - dlse of its own queries and writes it to `delta_out`.
+  const float* forward_out = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
+  const float* dlse = nullptr;         // [batch, nq_lat, nq_lon, heads]
 
   // Tables (device memory; the first copy when the operand holds several).
   const int32_t* window = nullptr;       // [8] q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon
@@ -43,29 +39,22 @@ struct NbhdAttnGpuParams {
   const int32_t* arc_offsets = nullptr;  // [num_patterns + 1]
   const int32_t* arcs = nullptr;         // [num_arcs, 3] = (global row, lo, len) on the other grid
   const float* quad_weights = nullptr;   // [nlat_k] weight of every global key row
-  // Tiled kernels only: pairs of walking rows (2i, 2i + 1; query rows, or key rows for dk/dv) left to the
-  // stencil kernels (stencil_attn_kernels.h), as rows of (first walking row, first row of the other grid it
-  // stages); their rows are the last 2 * num_stencil_pairs ranks of row_order, which the tiled kernel does
-  // not walk. Whole grids only.
+  // Stencil kernels only (stencil_attn_kernels.h): the pairs of walking rows (2i, 2i + 1; query rows, or key rows
+  // for dk/dv) they take, as rows of (first walking row, first row of the other grid it stages); their rows are
+  // the last 2 * num_stencil_pairs ranks of row_order. Whole grids only.
   const int32_t* stencil_pairs = nullptr;  // [num_stencil_pairs, 2]
   int32_t num_stencil_pairs = 0;
 
   // Results (device memory). Unused ones are null.
   float* out = nullptr;      // [batch, nq_lat, nq_lon, heads, dv]
   float* lse_out = nullptr;  // [batch, nq_lat, nq_lon, heads]
-  // Tiled forward only, in place of `out`: out in `dtype`, at half the bytes; what the op returns. With
-  // out_remainder each element is the float32 result rounded to nearest (the bits of a cast); without it the
-  // forward multiplies P rounded once (within about one unit in the last place of that rounding).
+  // Stencil forward only, in place of `out`: out in `dtype` (the float32 result rounded to nearest).
   void* out_narrow = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
-  // With out_narrow (optional; asking for it makes the forward multiply P in two parts): what rounding out to
-  // `dtype` left, rounded to `dtype` again; out_narrow plus it carries about twice dtype's significant bits,
-  // the residual the tiled dq forms delta from.
-  void* out_remainder = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
   void* dq = nullptr;        // like q, of gradient_dtype
-  float* delta_out = nullptr;  // [batch, nq_lat, nq_lon, heads] (tiled dq forming delta)
+  float* delta_out = nullptr;  // [batch, nq_lat, nq_lon, heads] (stencil dq forming delta)
   void* dk = nullptr;        // like k, of gradient_dtype
   void* dv = nullptr;        // like v, of gradient_dtype
-  // kF32, or `dtype` (tiled kernels only): each gradient element is its float32 sum rounded to
+  // kF32, or `dtype` (stencil kernels only): each gradient element is its float32 sum rounded to
   // nearest, the bits a float32 result cast by XLA would have, at half the bytes written.
   ActivationType gradient_dtype = ActivationType::kF32;
 

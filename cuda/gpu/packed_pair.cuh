@@ -42,21 +42,5 @@ __device__ __forceinline__ float2 UnpackPair<__half>(uint32_t pair) {
   return __half22float2(*reinterpret_cast<const __half2*>(&pair));
 }
 
-// What the rounding of PackPair<T>(lo, hi) == `rounded` left of lo and hi, rounded to T again: the two
-// registers together carry about twice T's significant bits (P in two parts: the forwards' P V).
-template <typename T>
-__device__ __forceinline__ uint32_t PackRemainder(float lo, float hi, uint32_t rounded) {
-  const float2 kept = UnpackPair<T>(rounded);
-  return PackPair<T>(lo - kept.x, hi - kept.y);
-}
-
-// PackPair<T>(lo, hi), or with kRemainder what that rounding left (PackRemainder): the two parts of a 16-bit
-// result that also keeps its remainder.
-template <typename T, bool kRemainder>
-__device__ __forceinline__ uint32_t PackPart(float lo, float hi) {
-  const uint32_t rounded = PackPair<T>(lo, hi);
-  return kRemainder ? PackRemainder<T>(lo, hi, rounded) : rounded;
-}
-
 }  // namespace gpu
 }  // namespace s2attn

@@ -1,5 +1,4 @@
-// Host side of the 16-bit kernel families on NbhdAttnGpuParams (the tiled kernels and the stencil kernels): the
-// instantiation that runs a call.
+// Host side of the 16-bit kernels on NbhdAttnGpuParams (the stencil kernels): the instantiation that runs a call.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,7 +12,7 @@
 namespace s2attn {
 namespace gpu {
 
-// Whether a 16-bit family instantiated for head dims `dims` takes this call's types: bfloat16 or float16
+// Whether 16-bit kernels instantiated for head dims `dims` takes this call's types: bfloat16 or float16
 // activations, Dk == Dv in `dims`, gradients of float32 or the activations' type.
 template <size_t N>
 bool SixteenBitTypes(const NbhdAttnGpuParams& p, const int (&dims)[N]) {
@@ -31,8 +30,8 @@ struct SixteenBitVariant {
 };
 
 // Calls launch(SixteenBitVariant<T, D>{}) for T the activations' type (bfloat16 or float16) and D = Dk in
-// {32, 64, 128}, the head dims both families are instantiated for; anything else is cudaErrorInvalidValue (each
-// family's launchers check what else it needs first).
+// {32, 64, 128}, the head dims the kernels are instantiated for; anything else is cudaErrorInvalidValue (the
+// launchers check what else they need first).
 template <typename Launch>
 cudaError_t DispatchSixteenBit(const NbhdAttnGpuParams& p, Launch&& launch) {
   const auto by_dim = [&](auto element) -> cudaError_t {

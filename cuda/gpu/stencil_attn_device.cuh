@@ -1,8 +1,8 @@
 // Building blocks of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu, stencil_attn_dkv.cu): the
 // rows whose arcs are all short (within kMaxHalf longitudes of the point), on CUDA cores. At the default
-// cutoff most rows are such rows (84 % of 721x1440), where the tiled kernels' 64-point units multiply whole
-// 16-column blocks for ~5 neighbours (docs/performance.md); jax_s2attn.plan picks the row
-// pairs, and the tiled launchers run these kernels on them and the tiled ones on every other row.
+// cutoff most rows are such rows (84 % of 721x1440), where a tensor-core tile of 64 points multiplies whole
+// chunks of columns for ~5 neighbours (docs/performance.md); jax_s2attn.plan picks the row pairs, the stencil
+// targets run these kernels on them and the scheduled targets take every other row.
 //
 // A block owns kRows walking rows (one stencil pair: query rows, or key rows for dk/dv) x kLons longitudes of
 // one (batch, head). It stages the <= kMaxOtherRows rows of the other grid the pair sees, kLons + 2 kMaxHalf
@@ -18,9 +18,9 @@
 #include <climits>
 #include <cstdint>
 
+#include "gpu/cp_async_sm80.cuh"
 #include "gpu/device_common.cuh"
 #include "gpu/mbarrier_sm90.cuh"
-#include "gpu/mma_sm80.cuh"
 #include "gpu/sixteen_bit_dispatch.cuh"
 #include "gpu/stencil_attn_kernels.h"
 
@@ -152,10 +152,10 @@ __device__ __forceinline__ void StoreLane(float* dst, const float (&x)[kLaneChan
   }
 }
 
-// x rounded to T, or with kRemainder what that rounding left of it, rounded to T again.
-template <bool kRemainder = false, typename T>
+// x rounded to T.
+template <typename T>
 __device__ __forceinline__ void StoreLane(T* dst, const float (&x)[kLaneChannels]) {
-  const auto pack = [&](int c) { return PackPart<T, kRemainder>(x[c], x[c + 1]); };
+  const auto pack = [&](int c) { return PackPair<T>(x[c], x[c + 1]); };
 #pragma unroll
   for (int c = 0; c < kLaneChannels; c += 8) {
     *reinterpret_cast<uint4*>(dst + c) = make_uint4(pack(c), pack(c + 2), pack(c + 4), pack(c + 6));

@@ -1,6 +1,6 @@
 // Stencil dk/dv: dk and dv of the plan's backward stencil rows (key rows; stencil_attn_device.cuh describes
 // the walk), staging the rows of queries that see them with their lse and delta: p = w exp(s - lse),
-// dv = sum p dout, dk = scale sum p (dout.v - delta) q, as the tiled dk/dv sums them but float32 throughout.
+// dv = sum p dout, dk = scale sum p (dout.v - delta) q, as the scheduled dk/dv sums them but float32 throughout.
 #include "gpu/stencil_attn_device.cuh"
 
 namespace s2attn {

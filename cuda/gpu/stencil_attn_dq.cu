@@ -1,6 +1,6 @@
 // Stencil dq: dq of the plan's stencil rows (stencil_attn_device.cuh describes the walk), walking the same
 // staged K and V as the forward: p = w exp(s - lse), dq = scale sum p (dout.v - delta) k, with delta given or
-// formed from the forward's out (ForwardOut) at entry (and then written for dk/dv), as the tiled dq does.
+// formed from the forward's float32 out at entry (and then written for dk/dv), as the scheduled dq does.
 #include "gpu/stencil_attn_device.cuh"
 
 namespace s2attn {
@@ -19,17 +19,17 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
   LoadLane<T>(dout, static_cast<const T*>(p.dout) + row_at, 1.f);
   // A query without neighbours (lse = -inf): p = exp2(x - inf) = 0.
   const float lse2 = Log2Lse(__ldg(p.lse + at.point));
-  const ForwardOut<T> out = ForwardOut<T>::Of(p);
   float delta;
-  if (out.Given()) {
+  if (p.forward_out != nullptr) {
     // delta = sum(dout * out) - dlse: each lane its channels in order, then the lanes
     float sum = 0.f;
 #pragma unroll
-    for (int c = 0; c < kLaneChannels; c += 8) {
-      float o[8];
-      out.Eight(row_at + c, o);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) sum = fmaf(dout[c + i], o[i], sum);
+    for (int c = 0; c < kLaneChannels; c += 4) {
+      const float4 o = __ldg(reinterpret_cast<const float4*>(p.forward_out + row_at + c));
+      sum = fmaf(dout[c], o.x, sum);
+      sum = fmaf(dout[c + 1], o.y, sum);
+      sum = fmaf(dout[c + 2], o.z, sum);
+      sum = fmaf(dout[c + 3], o.w, sum);
     }
     delta = LaneSum<S::kLanes>(sum) - __ldg(p.dlse + at.point);
     if (at.lane == 0 && at.real) p.delta_out[at.point] = delta;
@@ -73,8 +73,6 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilDq);
 }  // namespace gpu
 
 cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
-  // The forward's out, if given, in one form: float32, or in T with its remainder.
-  if (!gpu::ForwardOutInOneForm(p)) return cudaErrorInvalidValue;
   return gpu::stencil::DispatchStencil(p, [&](auto variant) {
     using V = decltype(variant);
     return gpu::stencil::LaunchStencilDq<typename V::Element, V::kDim>(stream, p);

@@ -49,7 +49,6 @@ __global__ void __launch_bounds__(kThreads, 4) StencilFwdKernel(const NbhdAttnGp
   const bool narrow = p.out == nullptr;  // out in T: the same float32 values, rounded to nearest
   const int64_t at_channel = at.point * D + at.lane * kLaneChannels;
   StoreResult<T>(narrow ? p.out_narrow : p.out, narrow, at_channel, acc);
-  if (p.out_remainder != nullptr) StoreLane<true>(static_cast<T*>(p.out_remainder) + at_channel, acc);
 }
 
 }  // namespace
@@ -66,8 +65,7 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilFwd);
 
 bool StencilAttnSupported(const NbhdAttnGpuParams& p) {
   return gpu::SixteenBitTypes(p, kStencilHeadDims) && p.num_stencil_pairs > 0 && p.stencil_pairs != nullptr &&
-         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.out_narrow, p.forward_out, p.forward_out_narrow,
-                         p.forward_out_remainder});
+         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.out_narrow, p.forward_out});
 }
 
 cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {

@@ -1,7 +1,6 @@
 // Launchers of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu, stencil_attn_dkv.cu): the rows of
-// short arcs, on CUDA cores (NbhdAttnGpuParams::stencil_pairs). The tiled launchers run them after their own
-// kernels; the stencil targets run them alone, beside the scheduled kernels, whose schedule leaves out the pairs'
-// tiles (jax_s2attn.schedule, "Stencil rows"). Plain C++ and CUDA runtime types.
+// short arcs, on CUDA cores (NbhdAttnGpuParams::stencil_pairs). The stencil targets run them beside the scheduled
+// kernels, whose schedule leaves out the pairs' tiles (jax_s2attn.schedule, "Stencil rows"). Plain C++ and CUDA runtime types.
 #pragma once
 
 #include <cuda_runtime_api.h>

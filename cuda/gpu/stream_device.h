@@ -1,6 +1,6 @@
 // The device of XLA's stream made current for one handler's launches.
 //
-// A launch must go to a stream of the current device, and cudaFuncSetAttribute (the tiled kernels'
+// A launch must go to a stream of the current device, and cudaFuncSetAttribute (the scheduled kernels'
 // dynamic shared-memory limit) applies to the current device only. The handlers keep no other
 // per-device state: no cached device properties, no static buffers, no attribute set once per process.
 // So each launch runs with the stream's own device current, whatever device the calling thread had

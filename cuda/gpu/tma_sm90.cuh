@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "gpu/mma_sm80.cuh"
+#include "gpu/cp_async_sm80.cuh"
 
 namespace s2attn {
 namespace gpu {

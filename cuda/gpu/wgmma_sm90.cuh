@@ -32,7 +32,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "gpu/mma_sm80.cuh"
+#include "gpu/cp_async_sm80.cuh"
 
 namespace s2attn {
 namespace gpu {

@@ -1,5 +1,5 @@
 // Staging bandwidth of the H200 (experimental/staging_bandwidth.sh builds and runs it): blocks stream
-// contiguous chunks of a buffer into shared memory, the way the tiled kernels stage K/V windows,
+// contiguous chunks of a buffer into shared memory, the way a kernel stages windows of K/V rows,
 // either with cp.async.cg (16 bytes per thread and copy, `kDepth` chunks in flight) or with
 // tensor-map boxes of kRows x 128 bytes (a chunk of K rows at D = 64 in bf16) issued by one thread,
 // `kDepth` in flight on mbarriers. A buffer smaller than the L2 measures L2 -> shared, a large one

@@ -18,7 +18,7 @@ from . import _ffi
 #: Values of ``implementation`` besides ``None`` (pick per platform, dtype and head dims).
 IMPLEMENTATIONS = ("reference", "ffi", "ffi-arc", "ffi-tiled")
 #: The native kernel each forced ``implementation`` runs ("ffi" chooses per platform).
-_FORCED_KERNELS = {"ffi-arc": "arc"}
+_FORCED_KERNELS = {"ffi-arc": "arc", "ffi-tiled": "scheduled"}
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -34,7 +34,7 @@ def check_implementation(implementation) -> None:
 def _native_reason(implementation: str, platform: str | None, dtype, dk: int, dv: int) -> str | None:
     """Why the native kernels ``implementation`` (one of the "ffi" values) needs cannot run."""
     if implementation == "ffi-tiled":
-        return _ffi.tiled_unavailable_reason(platform, dtype, dk, dv)
+        return _ffi.scheduled_unavailable_reason(platform, dtype, dk, dv)
     arc_dtypes = () if _ffi.kernel_limits() is None else _ffi.kernel_limits().arc_dtypes
     if arc_dtypes and jnp.dtype(dtype) not in arc_dtypes:
         names = _ffi.dtype_names(arc_dtypes)
@@ -52,7 +52,7 @@ def check_runnable(implementation, platform: str, dtype, dk: int, dv: int, *, wh
     if reason is None:
         return
     if implementation == "ffi-tiled":
-        fix = "Use implementation='ffi' (the tiled kernels where they can run, the arc kernels elsewhere) or 'ffi-arc'."
+        fix = "Use implementation='ffi' (the tensor cores where they can run, the arc kernels elsewhere) or 'ffi-arc'."
     else:
         fix = "Use implementation=None or 'reference' (pure JAX: any platform, float64 included)."
     raise ValueError(f"implementation={implementation!r} cannot run {where}: {reason}. {fix}")
@@ -60,18 +60,16 @@ def check_runnable(implementation, platform: str, dtype, dk: int, dv: int, *, wh
 
 def kernel_for(implementation, platform: str | None, dtype, dk: int, dv: int) -> str:
     """What a checked ``implementation`` runs on ``platform``: ``"reference"`` (pure JAX) or
-    the native kernel ``"arc"``, ``"tiled"`` or ``"scheduled"``.
+    the native kernel ``"arc"`` or ``"scheduled"``.
 
     ``None`` takes the native kernels where they can run, the reference elsewhere
     (``platform=None``: a platform without native kernels) and for float64; ``"ffi"``
-    the tensor-core kernels where they can run (CUDA, 16-bit inputs, ``Dk == Dv`` in 32/64/128:
-    the scheduled ones on sm_90 at every one of them, the tiled ones elsewhere) and the arc kernels
-    elsewhere; ``"ffi-arc"`` forces the arc kernels, ``"ffi-tiled"`` the tensor cores.
+    the tensor-core kernels where they can run (an sm_90 GPU with a build for sm_90a, 16-bit inputs,
+    ``Dk == Dv`` in 32/64/128) and the arc kernels elsewhere; ``"ffi-arc"`` forces the arc kernels,
+    ``"ffi-tiled"`` the tensor cores.
     """
     if implementation == "reference":
         return "reference"
-    if implementation == "ffi-tiled":
-        return _ffi.choose_tensor_core_kernel(platform, dtype, dk, dv)
     if implementation in _FORCED_KERNELS:
         return _FORCED_KERNELS[implementation]
     if implementation is None and _native_reason("ffi", platform, dtype, dk, dv) is not None:

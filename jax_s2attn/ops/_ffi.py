@@ -45,18 +45,12 @@ __all__ = [
     "STENCIL_FORWARD_TARGET",
     "STENCIL_TARGETS",
     "TARGETS",
-    "TILED_BACKWARD_DKV_TARGET",
-    "TILED_BACKWARD_DQ_DELTA_TARGET",
-    "TILED_BACKWARD_DQ_TARGET",
-    "TILED_FORWARD_TARGET",
-    "TILED_TARGETS",
     "WindowSchedules",
     "choose_kernel",
     "ensure_registered",
     "export_disabled_checks",
     "ffi_backward_dkv",
     "ffi_backward_dq",
-    "ffi_backward_dq_delta",
     "ffi_delta",
     "ffi_forward",
     "ffi_ring_backward_dkv",
@@ -76,7 +70,6 @@ __all__ = [
     "ring_unavailable_reason",
     "ring_walk_tables",
     "scheduled_unavailable_reason",
-    "tiled_unavailable_reason",
     "unavailable_reason",
 ]
 
@@ -97,17 +90,6 @@ BACKWARD_DQ_TARGET = "jax_s2attn_nbhd_bwd_dq"
 BACKWARD_DKV_TARGET = "jax_s2attn_nbhd_bwd_dkv"
 TARGETS = (FORWARD_TARGET, BACKWARD_DQ_TARGET, BACKWARD_DKV_TARGET)
 
-# The tiled tensor-core kernels: CUDA only, same contract but walking the plan's segment tables.
-TILED_FORWARD_TARGET = "jax_s2attn_tiled_fwd"
-TILED_BACKWARD_DQ_TARGET = "jax_s2attn_tiled_bwd_dq"
-TILED_BACKWARD_DKV_TARGET = "jax_s2attn_tiled_bwd_dkv"
-# The tiled dq that forms delta from the forward's out itself and returns it (the op's
-# backward on whole grids then runs no delta target).
-TILED_BACKWARD_DQ_DELTA_TARGET = "jax_s2attn_tiled_bwd_dq_delta"
-TILED_TARGETS = (
-    TILED_FORWARD_TARGET, TILED_BACKWARD_DQ_TARGET, TILED_BACKWARD_DKV_TARGET, TILED_BACKWARD_DQ_DELTA_TARGET
-)
-
 # The scheduled tensor-core kernels (CUDA, sm_90a): block schedules in place of the plan's tables, of whole grids
 # (the plan's) or of a shard's windows.
 SCHEDULED_FORWARD_TARGET = "jax_s2attn_sched_fwd"
@@ -119,12 +101,13 @@ SCHEDULED_TARGETS = (
     SCHEDULED_BACKWARD_DQ_DELTA_TARGET,
 )  # fmt: skip
 
-# The stencil kernels alone (CUDA): the tiled targets' operands; they write the rows of the stencil pairs into
-# results aliased to a scheduled target's, whose schedule leaves those rows' tiles out (whole grids).
+# The stencil kernels (CUDA): the arc targets' operands with the walk's segment table in place of its arcs and the
+# stencil pairs after them; they write the rows of the stencil pairs into results aliased to a scheduled target's,
+# whose schedule leaves those rows' tiles out (whole grids).
 STENCIL_FORWARD_TARGET = "jax_s2attn_stencil_fwd"
 STENCIL_BACKWARD_DQ_TARGET = "jax_s2attn_stencil_bwd_dq"
 STENCIL_BACKWARD_DKV_TARGET = "jax_s2attn_stencil_bwd_dkv"
-# The stencil dq that forms its rows' delta (the tiled dq_delta's operands), beside the scheduled one.
+# The stencil dq that forms its rows' delta from the forward's float32 out and dlse, beside the scheduled one.
 STENCIL_BACKWARD_DQ_DELTA_TARGET = "jax_s2attn_stencil_bwd_dq_delta"
 STENCIL_TARGETS = (
     STENCIL_FORWARD_TARGET, STENCIL_BACKWARD_DQ_TARGET, STENCIL_BACKWARD_DKV_TARGET, STENCIL_BACKWARD_DQ_DELTA_TARGET
@@ -143,7 +126,7 @@ RING_TARGETS = (RING_FORWARD_TARGET, RING_BACKWARD_DQ_TARGET, RING_BACKWARD_DKV_
 DELTA_TARGET = "jax_s2attn_delta"
 
 #: Every custom-call target a jax_s2attn program may contain (``jax.export`` needs them named).
-CUSTOM_CALL_TARGETS = (*TARGETS, *TILED_TARGETS, *SCHEDULED_TARGETS, *STENCIL_TARGETS, *RING_TARGETS, DELTA_TARGET)
+CUSTOM_CALL_TARGETS = (*TARGETS, *SCHEDULED_TARGETS, *STENCIL_TARGETS, *RING_TARGETS, DELTA_TARGET)
 
 
 def export_disabled_checks() -> list:
@@ -157,11 +140,10 @@ def export_disabled_checks() -> list:
 
 
 #: The native kernel families: ``"arc"`` (arc-segment walk on CUDA cores or the CPU, the
-#: dtypes of :attr:`~jax_s2attn._native.KernelLimits.arc_dtypes` and any head dims),
-#: ``"tiled"`` (tensor cores by mma.sync on the plan's segment tables, see :func:`tiled_unavailable_reason`) and
-#: ``"scheduled"`` (tensor cores by wgmma on block schedules, of whole grids or a shard's windows, see
-#: :func:`scheduled_unavailable_reason`).
-KERNELS = ("arc", "tiled", "scheduled")
+#: dtypes of :attr:`~jax_s2attn._native.KernelLimits.arc_dtypes` and any head dims) and
+#: ``"scheduled"`` (tensor cores by wgmma on block schedules, of whole grids or a shard's windows, beside the
+#: CUDA-core stencil kernels on rows of short arcs; see :func:`scheduled_unavailable_reason`).
+KERNELS = ("arc", "scheduled")
 
 
 def dtype_names(dtypes) -> str:
@@ -208,50 +190,6 @@ def ring_unavailable_reason(platform: str, dtype, dk: int = 1, dv: int = 1) -> s
 def _registrations(module) -> tuple[str, ...]:
     """The target names ``module`` registers (registrations() builds capsules: cached)."""
     return tuple(module.registrations())
-
-
-@functools.cache
-def _missing_tiled_targets(module) -> tuple[str, ...]:
-    """The tiled targets ``module`` does not register (registrations() builds capsules: cached)."""
-    return tuple(sorted(set(TILED_TARGETS) - set(_registrations(module))))
-
-
-def _tiled_build_reason() -> str | None:
-    """Why the CUDA module in use has no tiled kernels; None if it has them."""
-    module, reason = MODULES["cuda"]
-    if module is None:
-        return reason
-    missing = _missing_tiled_targets(module)
-    if missing:
-        return (
-            f"the installed _s2attn_cuda was built without the tiled kernels (no {', '.join(missing)}); "
-            "rebuild jax_s2attn"
-        )
-    return None
-
-
-def tiled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str | None:
-    """Why the tiled tensor-core kernels cannot run inputs of ``dtype`` with heads of
-    ``dk``/``dv`` channels on ``platform``; None if they can.
-
-    They need a CUDA device, a CUDA module built with them, and the dtypes and head dims
-    (``Dk == Dv``) of :func:`kernel_limits`. Every unmet condition is named.
-    """
-    reasons = []
-    if platform != "cuda":
-        reasons.append(f"they run only on CUDA GPUs, not on {platform}")
-    else:
-        build = _tiled_build_reason()
-        if build is not None:
-            reasons.append(build)
-    limits = kernel_limits()
-    if limits is not None:  # without any native module the build reason above says it all
-        if jnp.dtype(dtype) not in limits.tiled_dtypes:
-            reasons.append(f"they take {dtype_names(limits.tiled_dtypes)} inputs, got {jnp.dtype(dtype).name}")
-        if dk != dv or dk not in limits.tiled_head_dims:
-            dims = ", ".join(map(str, limits.tiled_head_dims))
-            reasons.append(f"they need Dk == Dv in ({dims}), got Dk={dk}, Dv={dv}")
-    return f"the tiled kernels cannot run: {'; '.join(reasons)}" if reasons else None
 
 
 @functools.cache
@@ -305,17 +243,10 @@ def scheduled_unavailable_reason(platform: str, dtype, dk: int, dv: int) -> str 
     return f"the scheduled kernels cannot run: {'; '.join(reasons)}" if reasons else None
 
 
-def choose_tensor_core_kernel(platform: str, dtype, dk: int, dv: int) -> str:
-    """The tensor-core family for these inputs: ``"scheduled"`` where it can run, else ``"tiled"``."""
-    return "scheduled" if scheduled_unavailable_reason(platform, dtype, dk, dv) is None else "tiled"
-
-
 def choose_kernel(platform: str, dtype, dk: int, dv: int) -> str:
-    """The native kernel for these inputs on ``platform``: the tensor-core families where they can
-    run (faster; :func:`choose_tensor_core_kernel`), ``"arc"`` (the general path) everywhere else."""
-    if tiled_unavailable_reason(platform, dtype, dk, dv) is None:
-        return choose_tensor_core_kernel(platform, dtype, dk, dv)
-    return "arc"
+    """The native kernel for these inputs on ``platform``: ``"scheduled"`` (tensor cores) where it can run,
+    ``"arc"`` (the general path) everywhere else."""
+    return "scheduled" if scheduled_unavailable_reason(platform, dtype, dk, dv) is None else "arc"
 
 
 def ensure_registered() -> None:
@@ -337,31 +268,20 @@ def ensure_registered() -> None:
 
 
 # ----------------------------------------------------------------------------- FFI calls
-# Per kernel and step: the target and the table it walks, as (offsets, entries) names of
-# PlanTables fields; the entries name is also the plan's host table (residues, shift).
-# Forward and dQ walk the forward (query-owned) table, dK/dV the backward (key-owned) one;
-# the tiled kernels read the same walks cut into segments.
+# Per step of the arc kernels: the target and the table it walks, as (offsets, entries) names of PlanTables fields;
+# the entries name is also the plan's host table (residues, shift). Forward and dQ walk the forward (query-owned)
+# table, dK/dV the backward (key-owned) one.
 _STEPS = {
-    "arc": {
-        "forward": (FORWARD_TARGET, "forward_offsets", "forward_arcs"),
-        "dq": (BACKWARD_DQ_TARGET, "forward_offsets", "forward_arcs"),
-        "dkv": (BACKWARD_DKV_TARGET, "backward_offsets", "backward_arcs"),
-    },
-    "tiled": {
-        "forward": (TILED_FORWARD_TARGET, "forward_segment_offsets", "forward_segments"),
-        "dq": (TILED_BACKWARD_DQ_TARGET, "forward_segment_offsets", "forward_segments"),
-        "dq_delta": (TILED_BACKWARD_DQ_DELTA_TARGET, "forward_segment_offsets", "forward_segments"),
-        "dkv": (TILED_BACKWARD_DKV_TARGET, "backward_segment_offsets", "backward_segments"),
-    },
+    "forward": (FORWARD_TARGET, "forward_offsets", "forward_arcs"),
+    "dq": (BACKWARD_DQ_TARGET, "forward_offsets", "forward_arcs"),
+    "dkv": (BACKWARD_DKV_TARGET, "backward_offsets", "backward_arcs"),
 }
 
 
-def _step(plan, kernel: str, step: str, scale) -> tuple[str, tuple, dict]:
-    """``(target, (offsets, entries) operands, attributes)`` of ``step`` ("forward", "dq",
-    "dkv", or for the tiled kernels "dq_delta") of ``kernel``."""
-    if kernel not in _STEPS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}.")
-    target, offsets, entries = _STEPS[kernel][step]
+def _step(plan, step: str, scale) -> tuple[str, tuple, dict]:
+    """``(target, (offsets, entries) operands, attributes)`` of the arc kernels' ``step`` ("forward", "dq" or
+    "dkv")."""
+    target, offsets, entries = _STEPS[step]
     tables = plan.tables
     operands = (getattr(tables, offsets), getattr(tables, entries))
     return target, operands, _attributes(plan, getattr(plan, entries), scale)
@@ -449,11 +369,8 @@ def _grid_dims(name, x) -> tuple:
     return tuple(lead), nlat, nlon, heads
 
 
-def ffi_forward(
-    query, key, value, plan, window, row_order, *, scale, kernel="arc", poison_results=False, out_dtype=jnp.float32,
-    stencil=False, remainder=False,
-):  # fmt: skip
-    """Forward target: ``(out, lse)`` over the keys inside ``window``, ``lse`` in float32.
+def ffi_forward(query, key, value, plan, window, row_order, *, scale, poison_results=False):
+    """The arc kernels' forward target: ``(out, lse)`` over the keys inside ``window``, both float32.
 
     Activations ``query [..., nq_lat, nq_lon, H, Dk]``, ``key [..., nk_lat, nk_lon, H, Dk]``,
     ``value [..., nk_lat, nk_lon, H, Dv]`` (local blocks, equal leading dims, one dtype);
@@ -461,128 +378,39 @@ def ffi_forward(
     first. Returns ``out [..., nq_lat, nq_lon, H, Dv]`` and ``lse [..., nq_lat, nq_lon, H]``;
     a query without neighbours in the window gets ``out = 0``, ``lse = -inf``.
 
-    ``kernel`` (all three targets) is ``"arc"`` or ``"tiled"`` (:data:`KERNELS`); the caller
-    checks that the tiled kernels can run (:func:`tiled_unavailable_reason`). Beyond the
-    query's rank, shapes and dtypes are checked by the handler (``INVALID_ARGUMENT``).
+    Beyond the query's rank, shapes and dtypes are checked by the handler (``INVALID_ARGUMENT``).
     ``poison_results`` (all three targets) is a test aid: results start as NaN, so any
     element a kernel leaves unwritten shows.
-
-    ``out_dtype``: float32, or with ``kernel="tiled"`` also the activations' dtype, written at half the
-    bytes: what the op returns. With ``remainder`` (the op differentiated: its backward forms delta from the
-    two) each element is the float32 result rounded to nearest (the bits of ``.astype``); without it the
-    kernel multiplies the probabilities rounded once to that dtype (one P·V product instead of two), so out
-    is within about one unit in the last place of that rounding, not its bits (cuda/README.md).
-
-    ``stencil`` (``kernel="tiled"`` only): leave the query rows of ``plan.forward_stencil_pairs`` to the
-    stencil kernel (CUDA cores; rows of short arcs), which needs the whole grids: ``window`` must be
-    :func:`~jax_s2attn.ops.neighborhood.full_window` and ``row_order`` the plan's forward row order,
-    whose last ranks are those rows. Without it the tiled kernel walks every row. The backward targets
-    take it likewise (dk/dv: the key rows of ``plan.backward_stencil_pairs``, the backward row order).
-
-    ``remainder`` (``kernel="tiled"`` with ``out_dtype`` the activations' dtype): also return what rounding
-    out to that dtype left, rounded to it again, as a third result ``(out, lse, out_remainder)``: out plus
-    it carries about twice the dtype's significant bits, enough to form delta from
-    (:func:`ffi_backward_dq_delta`) where a rounded out alone is not.
     """
-    target, walk, attributes = _step(plan, kernel, "forward", scale)
-    dtype = _result_dtype(out_dtype, kernel, query, "out_dtype")
-    if remainder and (kernel != "tiled" or dtype == jnp.float32):
-        raise ValueError("remainder=True needs kernel='tiled' and out_dtype the dtype of query (a 16-bit out).")
+    target, walk, attributes = _step(plan, "forward", scale)
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
     operands = (query, key, value, _index(window), _index(row_order), *walk, plan.quad_weights)
-    operands += _stencil_operand(plan, kernel, stencil, query, key)
-    out_shape = (*lead, nq_lat, nq_lon, heads, value.shape[-1])
-    shapes, dtypes = [out_shape, (*lead, nq_lat, nq_lon, heads)], (dtype, jnp.dtype(jnp.float32))
-    if kernel == "tiled":  # the tiled target's third result: out's remainder, or empty for none
-        shapes.append(out_shape if remainder else (0,))
-        dtypes += (dtype,)
-    out, lse, *rest = _call(target, operands, shapes, attributes, poison_results, dtypes)
-    return (out, lse, rest[0]) if remainder else (out, lse)
+    shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
+    out, lse = _call(target, operands, shapes, attributes, poison_results)
+    return out, lse
 
 
-def _stencil_operand(plan, kernel: str, stencil: bool, query, key, walk: str = "forward") -> tuple:
-    """The stencil pairs operand of the tiled targets (the plan's pairs of ``walk``, "forward" or "backward",
-    or none), after checking that ``stencil`` may be asked for; nothing for the arc targets."""
-    if stencil and kernel != "tiled":
-        raise ValueError("stencil=True needs kernel='tiled' (the stencil rows are part of the tiled targets).")
-    if stencil and (tuple(query.shape[-4:-2]) != plan.out_shape or tuple(key.shape[-4:-2]) != plan.in_shape):
-        raise ValueError(
-            f"stencil=True needs whole grids: query and key of the plan's grids {plan.out_shape} and {plan.in_shape} "
-            f"(got {tuple(query.shape[-4:-2])} and {tuple(key.shape[-4:-2])}); blocks of a sharded grid take none."
-        )
-    if kernel != "tiled":
-        return ()
-    return (getattr(plan.tables, f"{walk}_stencil_pairs") if stencil else np.zeros((0, 2), np.int32),)
-
-
-def ffi_backward_dq(
-    query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False,
-    gradient_dtype=jnp.float32, stencil=False,
-):  # fmt: skip
-    """dQ target (shaped like ``query``) over the keys inside ``window``.
+def ffi_backward_dq(query, key, value, dout, lse, delta, plan, window, row_order, *, scale, poison_results=False):
+    """The arc kernels' dQ target (shaped like ``query``, float32) over the keys inside ``window``.
 
     ``lse`` and ``delta = sum(dout * out, -1)`` are float32 ``[..., nq_lat, nq_lon, H]``
     and global (merged over every key block); ``row_order`` holds local query rows.
-    ``gradient_dtype`` (both backward targets): float32, or with ``kernel="tiled"`` also the
-    activations' dtype, each element the float32 result rounded to nearest (the same bits as
-    ``.astype``), written at half the bytes. ``stencil`` (both dq targets) as in :func:`ffi_forward`.
     """
-    target, walk, attributes = _step(plan, kernel, "dq", scale)
-    dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
-    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
-                plan.quad_weights, *_stencil_operand(plan, kernel, stencil, query, key))
-    (dq,) = _call(target, operands, [query.shape], attributes, poison_results, dtype)
+    target, walk, attributes = _step(plan, "dq", scale)
+    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk, plan.quad_weights)
+    (dq,) = _call(target, operands, [query.shape], attributes, poison_results)
     return dq
 
 
-def ffi_backward_dq_delta(
-    query, key, value, dout, lse, out, dlse, plan, window, row_order, *, scale, poison_results=False,
-    gradient_dtype=jnp.float32, stencil=False, out_remainder=None,
-):  # fmt: skip
-    """The tiled dq that forms delta itself: ``(dq, delta)``.
-
-    As :func:`ffi_backward_dq` with ``kernel="tiled"``, but given the forward's ``out`` and ``dlse``
-    (as :func:`ffi_delta` takes them) in place of delta. ``out`` is float32, or in the activations'
-    dtype with ``out_remainder`` (:func:`ffi_forward` with ``remainder=True``), the two summed. It forms
-    ``delta = sum(dout * out, -1) - dlse`` of every local row, padding included, in a fixed order
-    (not the delta target's: the last bits may differ), uses it, and returns it for
-    :func:`ffi_backward_dkv`. Meant for whole query grids per call; where dq is summed over several
-    key windows (the ring of :mod:`jax_s2attn.parallel`), :func:`ffi_delta` once is cheaper.
-    """
-    target, walk, attributes = _step(plan, "tiled", "dq_delta", scale)
-    dtype = _result_dtype(gradient_dtype, "tiled", query, "gradient_dtype")
-    if out_remainder is None:
-        dout, out, dlse = _delta_operands(dout, out, dlse)
-        out_remainder = jnp.zeros((0,), jnp.float32)
-    else:
-        dout, out, dlse = _delta_operands(dout, out, dlse, query.dtype)
-        out_remainder = jnp.asarray(out_remainder)
-        if out_remainder.dtype != out.dtype or out_remainder.shape != out.shape:
-            raise ValueError(
-                f"out_remainder must be {out.dtype.name} with the shape of out {tuple(out.shape)}, got "
-                f"{out_remainder.dtype.name} {tuple(out_remainder.shape)}."
-            )
-    operands = (query, key, value, dout, lse, out, out_remainder, dlse, _index(window), _index(row_order), *walk,
-                plan.quad_weights, *_stencil_operand(plan, "tiled", stencil, query, key))
-    shapes = [query.shape, dlse.shape]
-    return tuple(_call(target, operands, shapes, attributes, poison_results, (dtype, jnp.dtype(jnp.float32))))
-
-
-def ffi_backward_dkv(
-    query, key, value, dout, lse, delta, plan, window, row_order, *, scale, kernel="arc", poison_results=False,
-    gradient_dtype=jnp.float32, stencil=False,
-):  # fmt: skip
-    """dK/dV target: ``(dk, dv)``, shaped like ``key`` and ``value``.
+def ffi_backward_dkv(query, key, value, dout, lse, delta, plan, window, row_order, *, scale, poison_results=False):
+    """The arc kernels' dK/dV target: ``(dk, dv)``, shaped like ``key`` and ``value``, float32.
 
     Sums over the queries inside ``window`` (walking the transposed table); ``row_order``
-    holds local key rows. ``lse``/``delta``/``gradient_dtype`` as in :func:`ffi_backward_dq`;
-    ``stencil`` as in :func:`ffi_forward`, for the key rows of ``plan.backward_stencil_pairs``.
+    holds local key rows. ``lse``/``delta`` as in :func:`ffi_backward_dq`.
     """
-    target, walk, attributes = _step(plan, kernel, "dkv", scale)
-    dtype = _result_dtype(gradient_dtype, kernel, query, "gradient_dtype")
-    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk,
-                plan.quad_weights, *_stencil_operand(plan, kernel, stencil, query, key, "backward"))
-    dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results, dtype)
+    target, walk, attributes = _step(plan, "dkv", scale)
+    operands = (query, key, value, dout, lse, delta, _index(window), _index(row_order), *walk, plan.quad_weights)
+    dk, dv = _call(target, operands, [key.shape, value.shape], attributes, poison_results)
     return dk, dv
 
 
@@ -727,7 +555,7 @@ def _stencil_rows(target, walk: str, operands, plan, scale, results, dtypes) -> 
     """``results`` of a scheduled call on whole grids whose schedule left out the stencil rows' tiles, with those
     rows (the pairs of :func:`stencil_schedule` of ``walk``) written in place by the stencil target ``target`` on
     the operands before its tables: the scheduled call's activations (and, for the dq that forms delta, the
-    forward's out, an empty remainder and dlse)."""
+    forward's float32 out and dlse)."""
     tables = (getattr(plan.tables, f"{walk}_{name}") for name in ("row_order", "segment_offsets", "segments"))
     pairs = stencil_schedule(plan, walk).pairs
     operands = (*operands, full_window(plan), *tables, plan.quad_weights, pairs)
@@ -812,7 +640,7 @@ def ffi_scheduled_dq_delta(
     results = _scheduled_call(SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (query, key, value, dout, lse, out, dlse),
                               schedule, [query.shape, dlse.shape], attributes, poison_results, dtypes)  # fmt: skip
     if stencil:
-        operands = (query, key, value, dout, lse, out, jnp.zeros((0,), jnp.float32), dlse)  # no out remainder
+        operands = (query, key, value, dout, lse, out, dlse)
         results = _stencil_rows(STENCIL_BACKWARD_DQ_DELTA_TARGET, "forward", operands, plan, scale, results, dtypes)
     return tuple(results)
 
@@ -832,25 +660,6 @@ def ffi_scheduled_dkv(
     if stencil:
         results = _stencil_rows(STENCIL_BACKWARD_DKV_TARGET, "backward", operands, plan, scale, results, dtype)
     return tuple(results)
-
-
-def op_result_dtype(kernel: str, dtype) -> jnp.dtype:
-    """The dtype of the results the op asks of ``kernel`` for activations of ``dtype`` (the gradients,
-    and out): that dtype on the tensor-core kernels (the bits a cast would give,
-    half the bytes), float32 on the arc kernels."""
-    return jnp.dtype(jnp.float32) if kernel == "arc" else jnp.dtype(dtype)
-
-
-def _result_dtype(dtype, kernel: str, query, name: str) -> jnp.dtype:
-    """``dtype`` (the argument ``name``) checked: float32, or the activations' dtype on the tiled kernels."""
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32 or (kernel == "tiled" and dtype == query.dtype):
-        return dtype
-    if kernel == "tiled":
-        allowed = f"float32 or {jnp.dtype(query.dtype).name} (the dtype of query)"
-    else:
-        allowed = "float32 (16-bit results need kernel='tiled')"
-    raise ValueError(f"{name} must be {allowed} for the {kernel} kernels, got {dtype.name}.")
 
 
 # ----------------------------------------------------------------------------- ring grids
@@ -1005,18 +814,18 @@ def ffi_ring_scheduled_dkv(
     return dk.reshape(key.shape), dv.reshape(value.shape)
 
 
-def _delta_operands(dout, out, dlse, out_dtype=jnp.float32) -> tuple:
-    """``(dout, out, dlse)`` as arrays after checking their dtypes and shapes (``out`` of ``out_dtype``);
-    ``dlse`` None becomes zeros."""
+def _delta_operands(dout, out, dlse) -> tuple:
+    """``(dout, out, dlse)`` as arrays after checking their dtypes and shapes (``out`` float32); ``dlse`` None
+    becomes zeros."""
     dout, out = jnp.asarray(dout), jnp.asarray(out)
     lead, nlat, nlon, heads = _grid_dims("dout", dout)
     rows_shape = (*lead, nlat, nlon, heads)
     arc_dtypes = kernel_limits().arc_dtypes  # the delta target takes what the arc kernels take
     if dout.dtype not in arc_dtypes:
         raise TypeError(f"dout must be {dtype_names(arc_dtypes)}, got {dout.dtype.name}.")
-    if out.shape != dout.shape or out.dtype != out_dtype:
+    if out.shape != dout.shape or out.dtype != jnp.float32:
         raise ValueError(
-            f"out must be {jnp.dtype(out_dtype).name} with the shape of dout {tuple(dout.shape)}, "
+            f"out must be float32 with the shape of dout {tuple(dout.shape)}, "
             f"got {out.dtype.name} {tuple(out.shape)}."
         )
     dlse = jnp.zeros(rows_shape, jnp.float32) if dlse is None else jnp.asarray(dlse)

@@ -2,17 +2,15 @@
 of the serial op's native path and of the sharded op (:mod:`jax_s2attn.parallel`).
 
 Each function runs one ``kernel``: ``"reference"`` (pure JAX) or a native kernel family,
-``"arc"``, ``"tiled"`` or ``"scheduled"`` (:data:`jax_s2attn.ops._ffi.KERNELS`; the caller checks that it
-can run; the scheduled kernels also take the window's schedules, :class:`~jax_s2attn.ops._ffi.WindowSchedules`,
-in place of ``row_order``), all with identical semantics, documented in ``cuda/README.md``:
+``"arc"`` or ``"scheduled"`` (:data:`jax_s2attn.ops._ffi.KERNELS`; the caller checks that it can run; the
+scheduled kernels also take the window's schedules, :class:`~jax_s2attn.ops._ffi.WindowSchedules`, in place of
+``row_order``), all with identical semantics, documented in ``cuda/README.md``:
 forward results over a key window merge exactly through their log-sum-exp, and
 the backward pieces are additive over key windows (dq) and query windows (dk, dv)
 given the *global* ``lse`` and ``delta = sum(dout * out)``.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax.numpy as jnp
 
@@ -53,9 +51,9 @@ def _check_kernel(kernel: str) -> None:
         raise ValueError(f"kernel must be 'reference' or one of {_ffi.KERNELS}, got {kernel!r}.")
 
 
-def _local_op(kernel: str, reference_op, native_op, scheduled_op, schedules):
+def _local_op(kernel: str, reference_op, arc_op, scheduled_op, schedules):
     """``reference_op`` for ``"reference"``, ``scheduled_op`` (on ``schedules``, without a row order) for
-    ``"scheduled"``, else the native op bound to ``kernel``."""
+    ``"scheduled"``, ``arc_op`` for ``"arc"``."""
     _check_kernel(kernel)
     if kernel == "reference":
         return reference_op
@@ -68,7 +66,7 @@ def _local_op(kernel: str, reference_op, native_op, scheduled_op, schedules):
             return scheduled_op(*operands, window=window, schedules=schedules, scale=scale)
 
         return scheduled
-    return functools.partial(native_op, kernel=kernel)
+    return arc_op
 
 
 def local_forward(query, key, value, plan, window, row_order, *, scale: float, kernel: str, schedules=None):
@@ -82,7 +80,7 @@ def local_backward_dq(
 ):  # fmt: skip
     """dq (float32) from the keys inside ``window``, given global ``lse`` and ``delta``.
 
-    float32 (the targets' default ``gradient_dtype``) because the callers sum these partial
+    float32 because the callers sum these partial
     gradients over key blocks: rounding each partial to 16 bits would lose precision."""
     fn = _local_op(kernel, reference.reference_local_backward_dq, _ffi.ffi_backward_dq, _ffi.ffi_scheduled_dq,
                    schedules)  # fmt: skip

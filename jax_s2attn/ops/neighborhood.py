@@ -21,8 +21,7 @@ from .ring_reference import reference_ring_attention
 __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
 
 #: ``checkpoint_name`` of the tensors the native forward saves for its backward pass
-#: (query, key, value, output, lse: the output in float32, or on the tiled kernels in the inputs' dtype
-#: followed, after lse, by the remainder of its rounding). Under ``jax.checkpoint`` use
+#: (query, key, value, output, lse; the output in float32). Under ``jax.checkpoint`` use
 #: ``policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)`` so the
 #: native forward is not run a second time in the backward pass.
 RESIDUAL_NAME = "s2attn_residual"
@@ -30,19 +29,16 @@ RESIDUAL_NAME = "s2attn_residual"
 #: Points per batch entry (rows x longitudes x heads) of a walk's stencil pairs from which the op's tensor-core
 #: kernels of that walk leave the pairs to the stencil kernels. A tensor-core kernel and its stencil
 #: kernel run one after the other, so the stencil rows pay only when their work outweighs the tensor-core
-#: kernel's tail on the other (polar) rows; for the tiled kernels on the H200 that holds from about 2^17 points
-#: (360x720 with one head, 216k points, and larger grids gain; measured: docs/performance.md). Batch dims do not
-#: count, so that vmap and batch dims pick the same kernels (and give the same bits).
+#: kernel's tail on the other (polar) rows: on the H200, beside the mma.sync kernels the scheduled ones replaced,
+#: from about 2^17 points (360x720 with one head, 216k points, and larger grids gained; docs/performance.md, which
+#: lists its re-measurement beside the scheduled kernels as open). Batch dims do not count, so that vmap and batch
+#: dims pick the same kernels (and give the same bits).
 STENCIL_MIN_POINTS = 1 << 17
 
-#: Mean neighbours per output point from which the op runs the scheduled tensor-core kernels rather than the tiled
-#: ones where both can run (180x360 -> 360x720 at tc 0.03, 42 neighbours: 0.40 against 0.53 ms f+b on the H200).
-#: Below it the op keeps the tiled kernels. At the default cutoff (23 neighbours; bf16, one H100 run, both beside
-#: the stencil kernels) the scheduled ones are faster in f+b (721x1440 1.279 against 1.379 ms, C 256 in 4 heads
-#: 4.85 against 4.95, 360x720 0.40 against 0.58) but slower in 721x1440's forward alone (0.289 against 0.260 ms),
-#: which their kernels' durations under ncu do not explain; the threshold stays until the op's timeline does
-#: (docs/performance.md, "Open questions").
-SCHEDULED_MIN_NEIGHBORS = 32
+#: Mean neighbours per output point from which the op runs the scheduled tensor-core kernels between ring grids
+#: (below it the ring kernels: there are no stencil kernels for ring grids, and on tiles of 64 points the scheduled
+#: kernels multiply mostly columns outside such short arcs; docs/ring-grids.md).
+RING_SCHEDULED_MIN_NEIGHBORS = 32
 
 
 def neighborhood_attention(
@@ -80,7 +76,7 @@ def neighborhood_attention(
         compute them.
       scale: logit scale, default ``1/sqrt(Dk)`` (as ``jax.nn.dot_product_attention``).
       implementation: which kernels compute it (see "Implementations" below):
-        ``None`` (default), ``"reference"``, ``"ffi"``, ``"ffi-arc"`` or ``"ffi-tiled"``.
+        ``None`` (default), ``"reference"``, ``"ffi"``, ``"ffi-arc"`` or ``"ffi-tiled"`` (the tensor cores).
       return_residual: also return the log-sum-exp ``log sum_j w_j exp(s_j)``.
 
     Returns:
@@ -99,31 +95,22 @@ def neighborhood_attention(
         inputs, any head dims (on CUDA ``Dk + Dv <= 6144``), float32 accumulation, exact
         to float32 round-off. The general native path; between ring grids the ring kernels, the same
         arithmetic on the plan's ring patterns.
-      * tiled kernels (native, CUDA only): neighbouring output points share staged
-        key/value tiles, multiplied on tensor cores; bfloat16 and float16 inputs with
-        ``Dk == Dv`` in 32, 64 or 128 (the instantiated tile shapes). Probabilities and
-        score gradients are rounded to the input dtype before those products, as in
-        flash attention, so results meet the 16-bit bar (1e-2 relative to float64)
-        rather than float32 round-off; ``lse`` stays float32-exact. Differentiated, the
-        forward multiplies the probabilities in two 16-bit parts (the backward forms its
-        delta from that output); undifferentiated, in one, which is faster, so the two
-        outputs of the same inputs may differ by one unit in their last place. Much faster
-        where they apply.
-      * scheduled kernels (native, CUDA sm_90: H100, H200): wgmma on the plan's block schedules
-        (:meth:`~jax_s2attn.NeighborhoodPlan.block_schedule`, built once per plan on the host);
-        bfloat16 and float16 inputs with ``Dk == Dv`` of 32, 64 or 128, whole grids, and between ring grids on
-        the plan's ring block schedules (:func:`~jax_s2attn.ring_schedule.ring_block_schedule`). P is rounded once and out is
-        divided by the row sums of the rounded P, so that the backward's delta (from a float32 out
-        when differentiated) stays consistent on smooth fields; the 16-bit bar as the tiled kernels,
-        ``lse`` float32-exact. Run from :data:`SCHEDULED_MIN_NEIGHBORS` neighbours per output point,
-        where they are faster than the tiled kernels; like those, they leave rows of short arcs to
-        CUDA-core stencil kernels (float32 throughout) from :data:`STENCIL_MIN_POINTS` such points.
+      * scheduled kernels (native, CUDA sm_90: H100, H200; the tensor-core path): wgmma on the plan's block
+        schedules (:meth:`~jax_s2attn.NeighborhoodPlan.block_schedule`, built once per plan on the host);
+        bfloat16 and float16 inputs with ``Dk == Dv`` of 32, 64 or 128, and between ring grids on the plan's ring
+        block schedules (:func:`~jax_s2attn.ring_schedule.ring_block_schedule`, from
+        :data:`RING_SCHEDULED_MIN_NEIGHBORS` neighbours per output point). Probabilities and score gradients are
+        rounded to the input dtype before their products, as in flash attention, so results meet the 16-bit bar
+        (1e-2 relative to float64) rather than float32 round-off; out is divided by the row sums of the rounded
+        probabilities, so that the backward's delta (from a float32 out when differentiated) stays consistent on
+        smooth fields; ``lse`` stays float32-exact. They leave rows of short arcs to CUDA-core stencil kernels
+        (float32 throughout) from :data:`STENCIL_MIN_POINTS` such points. Much faster where they apply.
 
-      ``implementation="ffi"`` runs the tensor-core kernels where they apply (scheduled, else tiled)
-      and the arc kernels everywhere else; ``"ffi-arc"`` forces the arc kernels and ``"ffi-tiled"``
-      the tensor cores (the same choice between their two families). Any ``"ffi*"`` raises a ``ValueError`` naming the reason when its kernels
-      cannot run on the inputs' platform (no native module, float64, or for
-      ``"ffi-tiled"`` not CUDA, not 16-bit, other head dims). ``None`` is ``"ffi"`` on
+      ``implementation="ffi"`` runs the tensor-core kernels where they apply and the arc kernels everywhere
+      else; ``"ffi-arc"`` forces the arc kernels and ``"ffi-tiled"`` the tensor cores. Any ``"ffi*"`` raises a
+      ``ValueError`` naming the reason when its kernels cannot run on the inputs' platform (no native module,
+      float64, or for ``"ffi-tiled"`` not an sm_90 GPU with a build for sm_90a, not 16-bit, other head dims).
+      ``None`` is ``"ffi"`` on
       every platform whose native module is built (:func:`jax_s2attn.native_backends`)
       and ``"reference"`` elsewhere and for float64 inputs. With ``None`` the choice per
       platform is made when the computation is lowered, so a program exported for CUDA
@@ -189,10 +176,10 @@ def _ring_op(query, key, value, plan, *, scale, implementation):
 
 
 def ring_family(plan: RingPlan, kernel: str, implementation: str | None) -> str:
-    """``kernel`` as the op runs it on ``plan``: the scheduled kernels from :data:`SCHEDULED_MIN_NEIGHBORS`
+    """``kernel`` as the op runs it on ``plan``: the scheduled kernels from :data:`RING_SCHEDULED_MIN_NEIGHBORS`
     neighbours per output point or when forced (``"ffi-tiled"``), the ring kernels below, where the scheduled
     ones multiply mostly columns outside the arcs (any other kernel as it is)."""
-    few = plan.num_pairs < SCHEDULED_MIN_NEIGHBORS * plan.npoints_out
+    few = plan.num_pairs < RING_SCHEDULED_MIN_NEIGHBORS * plan.npoints_out
     return "arc" if kernel == "scheduled" and few and implementation != "ffi-tiled" else kernel
 
 
@@ -298,9 +285,7 @@ def _attention(query, key, value, plan, *, scale, implementation):
     caller's ``jit`` it is inlined.
     """
     dtype, dk, dv = query.dtype, query.shape[-1], value.shape[-1]
-    kernels = {
-        p: tensor_core_family(plan, _checks.kernel_for(implementation, p, dtype, dk, dv)) for p in _ffi.NATIVE_PLATFORMS
-    }
+    kernels = {p: _checks.kernel_for(implementation, p, dtype, dk, dv) for p in _ffi.NATIVE_PLATFORMS}
     default = _checks.kernel_for(implementation, None, dtype, dk, dv)  # platforms without native kernels
     # One function object per kernel: platform_dependent traces a shared branch only once.
     functions = {
@@ -315,107 +300,75 @@ def _attention(query, key, value, plan, *, scale, implementation):
     return jax.lax.platform_dependent(query, key, value, plan, default=functions[default], **branches)
 
 
-def tensor_core_family(plan: NeighborhoodPlan, kernel: str) -> str:
-    """``kernel`` as the op runs it on ``plan``: the scheduled kernels from :data:`SCHEDULED_MIN_NEIGHBORS`
-    neighbours per output point, the tiled ones below (any other kernel as it is)."""
-    if kernel == "scheduled" and plan.num_pairs < SCHEDULED_MIN_NEIGHBORS * plan.nlat_out * plan.nlon_out:
-        return "tiled"
-    return kernel
-
-
 # ----------------------------------------------------------------------------- native path
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _native_attention(query, key, value, plan, scale, kernel):
-    """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc", "tiled" or
-    "scheduled"), whole grids; the backward pass runs the same kernel family. The tensor-core forwards write out
-    in the input dtype themselves (no float32 out, no cast after it; differentiated, the tiled one adds its
-    rounding remainder and the scheduled one writes a float32 out)."""
-    out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel, _ffi.op_result_dtype(kernel, query.dtype))
+    """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc" or "scheduled"), whole grids;
+    the backward pass runs the same kernel family. Undifferentiated, the scheduled forward writes out in the input
+    dtype itself (no float32 out, no cast after it); differentiated, it writes a float32 out for delta."""
+    out_dtype = query.dtype if kernel == "scheduled" else jnp.float32
+    out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype)
     return out.astype(query.dtype), lse
 
 
-def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32, remainder=False):
-    stencil = uses_stencil_rows(plan, query, kernel)
+def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32):
     if kernel == "scheduled":
+        stencil = uses_stencil_rows(plan, query, kernel)
         return _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=out_dtype, stencil=stencil)
-    window, rows = full_window(plan), plan.tables.forward_row_order
-    return _ffi.ffi_forward(
-        query, key, value, plan, window, rows, scale=scale, kernel=kernel, out_dtype=out_dtype, stencil=stencil,
-        remainder=remainder,
-    )  # fmt: skip
+    return _ffi.ffi_forward(query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale)
 
 
 def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "forward") -> bool:
     """Whether the op on ``kernel`` leaves ``plan``'s stencil pairs of ``walk`` ("forward": its forward and dq;
-    "backward": its dk/dv) to the stencil kernels for queries shaped like ``query``: on the tensor-core kernels,
-    from :data:`STENCIL_MIN_POINTS` points of the pairs per batch entry (rows x longitudes x heads): the walk's
-    pairs on the tiled kernels, those of whole tiles of the scheduled ones' schedule beside them
-    (:func:`~jax_s2attn.ops._ffi.stencil_schedule`) on the scheduled ones."""
-    if kernel == "tiled":
-        pairs = plan.forward_stencil_pairs if walk == "forward" else plan.backward_stencil_pairs
-    elif kernel == "scheduled":
-        pairs = _ffi.stencil_schedule(plan, walk).pairs
-    else:
+    "backward": its dk/dv) to the stencil kernels for queries shaped like ``query``: on the scheduled kernels, from
+    :data:`STENCIL_MIN_POINTS` points per batch entry (rows x longitudes x heads) of the pairs of whole tiles of
+    their schedule (:func:`~jax_s2attn.ops._ffi.stencil_schedule`)."""
+    if kernel != "scheduled":
         return False
+    pairs = _ffi.stencil_schedule(plan, walk).pairs
     points = 2 * len(pairs) * (plan.nlon_out if walk == "forward" else plan.nlon_in) * query.shape[-2]
     return points >= STENCIL_MIN_POINTS
 
 
 def _native_forward(query, key, value, plan, scale, kernel):
-    # The backward forms delta from out, which a rounded out alone is too coarse for: the arc and scheduled
-    # kernels keep it in float32, the tiled ones write it in the activations' dtype (what the caller gets, no cast
-    # after it) plus the remainder of that rounding (about twice its significant bits together).
-    out_dtype = jnp.float32 if kernel == "scheduled" else _ffi.op_result_dtype(kernel, query.dtype)
-    out, lse, *remainder = _whole_grid_forward(
-        query, key, value, plan, scale, kernel, out_dtype, remainder=kernel == "tiled"
-    )
+    # The backward forms delta from out, which a rounded out is too coarse for: both families keep it in float32.
+    out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel)
     # The outputs are computed from the named values so that a checkpoint policy saving
     # the names can rebuild them too (they feed the caller's own backward pass).
-    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse, *remainder))
-    out, lse = saved[3:5]
+    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
+    out, lse = saved[3:]
     return (out.astype(query.dtype), lse), (saved, plan)
 
 
 def _native_backward(scale, kernel, residuals, cotangents):
-    (query, key, value, out, lse, *remainder), plan = residuals
+    (query, key, value, out, lse), plan = residuals
     dout, dlse = cotangents
-    # delta from the unrounded output (float32, or the tiled forward's two parts), never from a rounded one.
-    # A cotangent of lse adds dlse * p_j to every score gradient, exactly as lowering delta by dlse does.
-    # The native targets sum in a fixed order: the gradients are the same bits in every program. The tensor-core
-    # dq kernels (and the stencil ones beside them) form delta at their entry (one pass over dout and out fewer);
-    # the arc kernels take it from the delta target.
-    gradients = dict(scale=scale, gradient_dtype=_ffi.op_result_dtype(kernel, query.dtype))
+    # delta from the unrounded (float32) output, never from a rounded one. A cotangent of lse adds dlse * p_j to
+    # every score gradient, exactly as lowering delta by dlse does. The native targets sum in a fixed order: the
+    # gradients are the same bits in every program. The scheduled dq kernels (and the stencil ones beside them)
+    # form delta at their entry (one pass over dout and out fewer) and write the gradients in the activations'
+    # dtype (the bits a cast gives, half the bytes); the arc kernels take delta from the delta target.
     if kernel == "scheduled":
+        gradients = dict(scale=scale, gradient_dtype=query.dtype)
         dq, delta = _ffi.ffi_scheduled_dq_delta(query, key, value, dout, lse, out, dlse, plan, **gradients,
                                                 stencil=uses_stencil_rows(plan, query, kernel))  # fmt: skip
         dk, dv = _ffi.ffi_scheduled_dkv(query, key, value, dout, lse, delta, plan, **gradients,
                                         stencil=uses_stencil_rows(plan, query, kernel, "backward"))  # fmt: skip
     else:
-        dq, dk, dv = _segment_table_backward(query, key, value, out, lse, remainder, plan, dout, dlse, kernel,
-                                             gradients)  # fmt: skip
+        dq, dk, dv = _arc_backward(query, key, value, out, lse, plan, dout, dlse, scale)
     plan_cotangent = jax.tree.map(_zero_cotangent, plan)
     return dq.astype(query.dtype), dk.astype(key.dtype), dv.astype(value.dtype), plan_cotangent
 
 
-def _segment_table_backward(query, key, value, out, lse, remainder, plan, dout, dlse, kernel, gradients):
-    """dq, dk and dv of the arc and tiled kernels (the plan's tables, whole-grid windows)."""
-    window = full_window(plan)
-    tables = plan.tables
-    if kernel == "tiled":
-        dq, delta = _ffi.ffi_backward_dq_delta(
-            query, key, value, dout, lse, out, dlse, plan, window, tables.forward_row_order,
-            stencil=uses_stencil_rows(plan, query, kernel), out_remainder=remainder[0], **gradients,
-        )  # fmt: skip
-        gradients["stencil"] = uses_stencil_rows(plan, query, kernel, "backward")
-    else:
-        delta = _ffi.ffi_delta(dout, out, dlse)
-        dq = _ffi.ffi_backward_dq(
-            query, key, value, dout, lse, delta, plan, window, tables.forward_row_order, kernel=kernel, **gradients
-        )
+def _arc_backward(query, key, value, out, lse, plan, dout, dlse, scale):
+    """dq, dk and dv of the arc kernels (the plan's tables, whole-grid windows), float32."""
+    window, tables = full_window(plan), plan.tables
+    delta = _ffi.ffi_delta(dout, out, dlse)
+    dq = _ffi.ffi_backward_dq(query, key, value, dout, lse, delta, plan, window, tables.forward_row_order, scale=scale)
     dk, dv = _ffi.ffi_backward_dkv(
-        query, key, value, dout, lse, delta, plan, window, tables.backward_row_order, kernel=kernel, **gradients
+        query, key, value, dout, lse, delta, plan, window, tables.backward_row_order, scale=scale
     )
     return dq, dk, dv
 

@@ -33,7 +33,7 @@ __all__ = ["RingConfig", "merge_partials", "ring_attention"]
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
     """Static parameters of the ring (hashable); ``kernel`` is what each step runs:
-    ``"reference"``, ``"arc"``, ``"tiled"`` or ``"scheduled"`` (see :mod:`jax_s2attn.ops.local`)."""
+    ``"reference"``, ``"arc"`` or ``"scheduled"`` (see :mod:`jax_s2attn.ops.local`)."""
 
     layout: ShardLayout
     scale: float

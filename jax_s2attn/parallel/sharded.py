@@ -11,7 +11,6 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ..ops import _checks, _ffi
-from ..ops.neighborhood import tensor_core_family
 from ..plan import NeighborhoodPlan
 from .halo import exchange_halo
 from .layout import AxisSplit, ShardLayout, shard_layout
@@ -75,13 +74,13 @@ def _unpadded_view(x, padded: tuple[bool, bool], lat: AxisSplit, lon: AxisSplit)
     return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
-def _mesh_kernel(implementation, mesh: Mesh, plan: NeighborhoodPlan, dtype, dk: int, dv: int) -> str:
-    """What ``implementation`` runs per device on the mesh's platform ("reference", "arc", "tiled" or
-    "scheduled"), chosen as the serial op chooses it for that platform and plan."""
+def _mesh_kernel(implementation, mesh: Mesh, dtype, dk: int, dv: int) -> str:
+    """What ``implementation`` runs per device on the mesh's platform ("reference", "arc" or
+    "scheduled"), chosen as the serial op chooses it for that platform."""
     platform = _ffi.ffi_platform(mesh.devices.flat[0].platform)
     _checks.check_runnable(implementation, platform, dtype, dk, dv, where=f"on this {platform} mesh")
     _checks.warn_if_falling_back(implementation, platform, dtype)
-    return tensor_core_family(plan, _checks.kernel_for(implementation, platform, dtype, dk, dv))
+    return _checks.kernel_for(implementation, platform, dtype, dk, dv)
 
 
 def padded_grid_shapes(plan: NeighborhoodPlan, mesh: Mesh, lat_axis: str = "lat", lon_axis: str = "lon"):
@@ -199,7 +198,7 @@ def sharded_neighborhood_attention(
     _check_batch(mesh, batch_axis, batch)
     if math.prod(batch) * views[0].shape[-2] == 0:  # an empty batch axis or no heads: nothing to compute
         return jnp.zeros((*query.shape[:-1], dv), views[0].dtype)
-    config = RingConfig(layout, scale, _mesh_kernel(implementation, mesh, plan, views[0].dtype, dk, dv))
+    config = RingConfig(layout, scale, _mesh_kernel(implementation, mesh, views[0].dtype, dk, dv))
 
     def spec(lat_part, lon_part):
         return PartitionSpec(*((batch_axis,) + (None,) * (len(batch) - 1) if batch else ()), lat_part, lon_part)

@@ -1,8 +1,8 @@
 // Runtime of the host emulation (see emulation.h). cudaLaunchKernel runs the blocks of a
 // launch one after another (x fastest); the threads of a block are fibers on the calling OS
 // thread, switched round-robin whenever one waits at a barrier or a warp collective, so a run
-// is deterministic and cheap. Warp collectives (shuffles, votes, __syncwarp, mma, ldmatrix)
-// meet at a per-warp gate keyed by their mask; __syncthreads at a per-block barrier. Dynamic
+// is deterministic and cheap. Warp collectives (shuffles, votes, __syncwarp, each warp's share of a
+// wgmma) meet at a per-warp gate keyed by their mask; __syncthreads at a per-block barrier. Dynamic
 // shared memory is a static buffer refilled with NaN before every block (and, under
 // AddressSanitizer, poisoned past the launch's size). The C entry points called from Python are
 // in run_target.cc (the kernels of cuda/gpu) and primitives_selftest.cu (the self-test).
@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "emulation.h"
+#include "gpu/cp_async_sm80.cuh"
 #include "gpu/mbarrier_sm90.cuh"
-#include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/tma_sm90.cuh"
 #include "gpu/wgmma_sm90.cuh"
@@ -167,18 +167,13 @@ void WaitUntil(const char* what, Passed&& passed) {
 
 // ------------------------------------------------------------------ warp collectives
 
-enum class Collective : uint8_t { kShuffle, kVote, kSyncWarp, kMmaBf16, kMmaF16, kLdMatrix, kLdMatrixTrans, kWgmma,
-                                  kWgmmaF16 };
+enum class Collective : uint8_t { kShuffle, kVote, kSyncWarp, kWgmma, kWgmmaF16 };
 
 const char* NameOf(Collective kind) {
   switch (kind) {
     case Collective::kShuffle: return "a shuffle";
     case Collective::kVote: return "a vote";
     case Collective::kSyncWarp: return "__syncwarp";
-    case Collective::kMmaBf16: return "MmaM16N8K16<bf16>";
-    case Collective::kMmaF16: return "MmaM16N8K16<f16>";
-    case Collective::kLdMatrix: return "LdMatrixX4";
-    case Collective::kLdMatrixTrans: return "LdMatrixX4Trans";
     case Collective::kWgmma: return "a wgmma";
     case Collective::kWgmmaF16: return "a wgmma (f16)";
   }
@@ -187,11 +182,7 @@ const char* NameOf(Collective kind) {
 
 // What one lane brings to a collective.
 union LaneInput {
-  uint32_t bits;    // shuffled value, vote predicate
-  const void* row;  // ldmatrix: the shared-memory row this lane addresses
-  struct {
-    uint32_t a[4], b[2];
-  } mma;  // the lane's A and B fragments
+  uint32_t bits;  // shuffled value, vote predicate
   struct WgmmaIssue {
     uint64_t a_desc, b_desc;  // a_desc 0: A in registers
     uint32_t n, trans_b, accumulate;
@@ -203,17 +194,12 @@ union LaneInput {
   } wgmma;
 };
 
-// One meeting of the lanes of a mask. The lane that completes it also computes what the
-// lanes take from it (the whole tile product, or the four 8x8 matrices read at that moment),
-// once instead of once per lane.
+// One meeting of the lanes of a mask. At a wgmma the lane that completes the meeting also computes
+// what the lanes take from it (the warp's rows of the product), once instead of once per lane.
 struct Meeting {
   Collective kind;
   LaneInput lanes[32];
-  union {
-    double product[16][8];       // mma: A * B, without the accumulator
-    uint16_t matrices[4][8][8];  // ldmatrix: matrix, row, column
-    double rows[16][kMaxWgmmaN];  // wgmma: the warp's 16 rows of A * B
-  } result;
+  double rows[16][kMaxWgmmaN];  // wgmma: the warp's 16 rows of A * B
 };
 
 // Lanes named by one mask meet at the gate of that mask. Meetings are double-buffered by the
@@ -227,7 +213,7 @@ struct Gate {
 };
 
 struct Warp {
-  Gate full;                         // mask 0xffffffff: every mma and ldmatrix, most shuffles
+  Gate full;                         // mask 0xffffffff: every wgmma, most shuffles
   std::map<unsigned, Gate> partial;  // the other masks
   unsigned exited = 0;               // lanes whose thread returned from the kernel
 
@@ -251,10 +237,9 @@ unsigned Lane() { return threadIdx.x % 32; }
 // The 16-bit values of a fragment register (`lo` is the lower column or row).
 uint16_t Low(uint32_t reg) { return static_cast<uint16_t>(reg & 0xffffu); }
 uint16_t High(uint32_t reg) { return static_cast<uint16_t>(reg >> 16); }
-uint32_t Pair(uint16_t lo, uint16_t hi) { return uint32_t{lo} | (uint32_t{hi} << 16); }
 
 double Widen(Collective kind, uint16_t bits) {
-  if (kind == Collective::kMmaBf16 || kind == Collective::kWgmma) {
+  if (kind == Collective::kWgmma) {
     __nv_bfloat16_raw raw;
     raw.x = bits;
     return __bfloat162float(__nv_bfloat16(raw));
@@ -264,8 +249,8 @@ double Widen(Collective kind, uint16_t bits) {
   return __half2float(__half(raw));
 }
 
-// The 16 x 16 A tile the lanes' fragments `fragments(lane)` hold in mma.sync's m16n8k16 layout (a
-// warp's share of wgmma's register A is the same layout).
+// The 16 x 16 A tile the lanes' fragments `fragments(lane)` hold: a warp's share of wgmma's register A
+// (layout: wgmma_sm90.cuh, that of mma.sync's m16n8k16 A fragment).
 template <typename Fragments>
 void ReadFragmentsA(const Meeting& m, Fragments&& fragments, double (&a)[16][16]) {
   for (unsigned lane = 0; lane < 32; ++lane) {
@@ -278,39 +263,6 @@ void ReadFragmentsA(const Meeting& m, Fragments&& fragments, double (&a)[16][16]
       a[g][2 * t + 8 + half] = pick(f[2]);
       a[g + 8][2 * t + 8 + half] = pick(f[3]);
     }
-  }
-}
-
-// A 16x16 (row-major) and B 16x8 (k x n) from the 32 lanes' fragments (layouts: mma_sm80.cuh),
-// then their product. Products of 16-bit values are exact in double and the 16-term sums
-// nearly so; each lane adds its accumulator in double and rounds once to float (the hardware
-// sums in float in an unspecified order, so the emulation is at least as accurate).
-void MultiplyTile(Meeting& m) {
-  double a[16][16], b[16][8];
-  ReadFragmentsA(m, [](const LaneInput& in) -> const uint32_t(&)[4] { return in.mma.a; }, a);
-  for (unsigned lane = 0; lane < 32; ++lane) {
-    const unsigned g = lane / 4, t = lane % 4;
-    const auto& f = m.lanes[lane].mma;
-    for (unsigned half = 0; half < 2; ++half) {  // rows of B 2t + half, 2t + 8 + half
-      auto pick = [&](uint32_t reg) { return Widen(m.kind, half ? High(reg) : Low(reg)); };
-      b[2 * t + half][g] = pick(f.b[0]);
-      b[2 * t + 8 + half][g] = pick(f.b[1]);
-    }
-  }
-  for (int row = 0; row < 16; ++row) {
-    for (int col = 0; col < 8; ++col) {
-      double sum = 0.0;
-      for (int k = 0; k < 16; ++k) sum += a[row][k] * b[k][col];
-      m.result.product[row][col] = sum;
-    }
-  }
-}
-
-// Reads the four 8x8 matrices of ldmatrix .x4 (lanes 8i..8i+7 address the rows of matrix i),
-// all at the moment the warp meets, as the hardware does.
-void ReadMatrices(Meeting& m) {
-  for (int i = 0; i < 4; ++i) {
-    for (int row = 0; row < 8; ++row) std::memcpy(m.result.matrices[i][row], m.lanes[8 * i + row].row, 16);
   }
 }
 
@@ -406,7 +358,9 @@ uint16_t MnMajor(const SwizzledTile& tile, int k, int n) {
 }
 
 // The warp's 16 rows of an m64nNk16 product: A (its rows 16 w .. 16 w + 15 of the warpgroup's 64) from
-// the lanes' fragments or from shared memory, B (16 x N) from shared memory.
+// the lanes' fragments or from shared memory, B (16 x N) from shared memory. Products of 16-bit values are
+// exact in double and the 16-term sums nearly so; each lane adds its accumulator in double and rounds once to
+// float (the hardware sums in float in an unspecified order, so the emulation is at least as accurate).
 void MultiplyWarpRows(Meeting& m) {
   const auto& first = m.lanes[0].wgmma.issue;
   for (unsigned lane = 1; lane < 32; ++lane) {
@@ -437,7 +391,7 @@ void MultiplyWarpRows(Meeting& m) {
     for (unsigned n = 0; n < first.n; ++n) {
       double sum = 0.0;
       for (int k = 0; k < 16; ++k) sum += a[row][k] * b[k][n];
-      m.result.rows[row][n] = sum;
+      m.rows[row][n] = sum;
     }
   }
 }
@@ -464,8 +418,6 @@ const Meeting& Meet(unsigned mask, Collective kind, const LaneInput& input) {
   }
   m.lanes[lane] = input;
   if (++gate.arrived == __builtin_popcount(mask)) {
-    if (kind == Collective::kMmaBf16 || kind == Collective::kMmaF16) MultiplyTile(m);
-    if (kind == Collective::kLdMatrix || kind == Collective::kLdMatrixTrans) ReadMatrices(m);
     if (kind == Collective::kWgmma || kind == Collective::kWgmmaF16) MultiplyWarpRows(m);
     gate.arrived = 0;
     ++gate.generation;
@@ -476,7 +428,7 @@ const Meeting& Meet(unsigned mask, Collective kind, const LaneInput& input) {
   return m;
 }
 
-// mma.sync and ldmatrix need all 32 lanes (.sync.aligned). A lane that skips one leaves the
+// A warp's share of a wgmma needs all 32 lanes (.sync.aligned). A lane that skips one leaves the
 // others waiting: that fails when it returns from the kernel or meets them at another kind of
 // collective (or as a deadlock); one that makes up for it by an extra call of the same kind
 // later goes unnoticed, since call sites are not compared.
@@ -649,47 +601,6 @@ namespace s2attn {
 namespace gpu {
 
 namespace {
-template <typename T>
-void EmulatedMma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  constexpr Collective kind = std::is_same_v<T, __nv_bfloat16> ? Collective::kMmaBf16 : Collective::kMmaF16;
-  LaneInput input;
-  for (int i = 0; i < 4; ++i) input.mma.a[i] = a[i];
-  for (int i = 0; i < 2; ++i) input.mma.b[i] = b[i];
-  const Meeting& m = MeetWholeWarp(kind, input);
-  const unsigned g = Lane() / 4, t = Lane() % 4;
-  for (int i = 0; i < 4; ++i) {  // d[i] = (row g + 8 * (i / 2), column 2t + i % 2)
-    d[i] = static_cast<float>(static_cast<double>(d[i]) + m.result.product[g + 8 * (i / 2)][2 * t + i % 2]);
-  }
-}
-
-void EmulatedLdMatrix(Collective kind, uint32_t (&r)[4], const void* shared_row) {
-  CheckShared(NameOf(kind), shared_row, 16);
-  LaneInput input;
-  input.row = shared_row;
-  const Meeting& m = MeetWholeWarp(kind, input);
-  const unsigned g = Lane() / 4, t = Lane() % 4;
-  for (int i = 0; i < 4; ++i) {
-    const auto& x = m.result.matrices[i];
-    // Plain: row g, columns 2t and 2t + 1. Transposed: rows 2t and 2t + 1, column g.
-    r[i] = kind == Collective::kLdMatrix ? Pair(x[g][2 * t], x[g][2 * t + 1]) : Pair(x[2 * t][g], x[2 * t + 1][g]);
-  }
-}
-}  // namespace
-
-template <typename T>
-void MmaM16N8K16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  EmulatedMma<T>(d, a, b);
-}
-template void MmaM16N8K16<__nv_bfloat16>(float (&)[4], const uint32_t (&)[4], const uint32_t (&)[2]);
-template void MmaM16N8K16<__half>(float (&)[4], const uint32_t (&)[4], const uint32_t (&)[2]);
-
-void LdMatrixX4(uint32_t (&r)[4], const void* shared_row) { EmulatedLdMatrix(Collective::kLdMatrix, r, shared_row); }
-
-void LdMatrixX4Trans(uint32_t (&r)[4], const void* shared_row) {
-  EmulatedLdMatrix(Collective::kLdMatrixTrans, r, shared_row);
-}
-
-namespace {
 void EmulatedCopyAsync(const char* name, void* shared_dst, const void* global_src, size_t bytes) {
   CheckShared((std::string(name) + " destination").c_str(), shared_dst, bytes);
   if (reinterpret_cast<uintptr_t>(global_src) % bytes != 0) {
@@ -703,16 +614,6 @@ void EmulatedCopyAsync(const char* name, void* shared_dst, const void* global_sr
 
 void CopyAsync16(void* shared_dst, const void* global_src) {
   EmulatedCopyAsync("CopyAsync16", shared_dst, global_src, 16);
-}
-
-void CopyAsync16OrZero(void* shared_dst, const void* global_src, bool copy) {
-  if (copy) {
-    EmulatedCopyAsync("CopyAsync16OrZero", shared_dst, global_src, 16);
-    return;
-  }
-  CheckShared("CopyAsync16OrZero destination", shared_dst, 16);
-  std::memset(shared_dst, 0, 16);
-  g_scheduler.current->untracked_copies = true;
 }
 
 void CopyAsync4(void* shared_dst, const void* global_src) {
@@ -846,7 +747,7 @@ void EmulatedWgmma(Collective kind, float* d, unsigned n, const uint32_t* a, uin
   PendingWgmma result{d, n / 2, {}};
   const unsigned g = Lane() / 4, t = Lane() % 4;
   for (unsigned i = 0; i < n / 2; ++i) {  // d[i] = (row g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1))
-    const double product = m.result.rows[g + 8 * ((i >> 1) & 1)][8 * (i >> 2) + 2 * t + (i & 1)];
+    const double product = m.rows[g + 8 * ((i >> 1) & 1)][8 * (i >> 2) + 2 * t + (i & 1)];
     result.values[i] = static_cast<float>((accumulate ? static_cast<double>(base[i]) : 0.0) + product);
   }
   fiber.open_group.push_back(result);

@@ -8,25 +8,24 @@
 // fragment layouts, which elements get written) against a float64 reference on machines
 // without a GPU. It says nothing about timing or the GPU memory model.
 //
-// The warp-level tensor-core primitives of cuda/gpu/mma_sm80.cuh (MmaM16N8K16, LdMatrixX4,
-// LdMatrixX4Trans, CopyAsync16, CopyAsync4) are only declared there under S2ATTN_HOST_EMULATION, which
-// this header defines first; emulation.cc implements them as warp collectives: the 32 lanes
-// meet, then each lane takes its fragment per the layouts documented in mma_sm80.cuh.
-// cp.async copies happen at the call, so their arrival on an mbarrier (CopyAsyncArriveOn) is
-// immediate. The mbarrier functions of cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a
-// waiter yields until the phase completed. The Hopper primitives of gpu/wgmma_sm90.cuh and
-// gpu/tma_sm90.cuh likewise: a wgmma is a collective of each warp (its 16 rows of the
-// warpgroup's product; operands in shared memory read through their 128- or 64-byte swizzle at the call; the
-// result lands in the accumulator registers at the WgmmaWait that completes its group, which read NaN
-// until then), a tensor-map box lands at the call (zeros outside the tensor, swizzled as
-// its map says) and counts its bytes on the mbarrier, whose phase then needs both its arrivals and
-// the bytes announced to it. cuTensorMapEncodeTiled, through cudaGetDriverEntryPointByVersion,
-// writes maps only the emulation reads.
+// The cp.async copies of cuda/gpu/cp_async_sm80.cuh (CopyAsync16, CopyAsync4) are only declared
+// there under S2ATTN_HOST_EMULATION, which this header defines first; emulation.cc implements them:
+// they happen at the call, so their arrival on an mbarrier (CopyAsyncArriveOn) is immediate. The
+// mbarrier functions of cuda/gpu/mbarrier_sm90.cuh are emulated the same way: a waiter yields until
+// the phase completed. The Hopper primitives of gpu/wgmma_sm90.cuh and gpu/tma_sm90.cuh likewise: a
+// wgmma is a collective of each warp (its 32 lanes meet and the warp takes its 16 rows of the
+// warpgroup's product, per the register layouts documented in wgmma_sm90.cuh; operands in shared
+// memory read through their 128- or 64-byte swizzle at the call; the result lands in the accumulator
+// registers at the WgmmaWait that completes its group, which read NaN until then), a tensor-map box
+// lands at the call (zeros outside the tensor, swizzled as its map says) and counts its bytes on the
+// mbarrier, whose phase then needs both its arrivals and the bytes announced to it.
+// cuTensorMapEncodeTiled, through cudaGetDriverEntryPointByVersion, writes maps only the emulation
+// reads.
 //
 // Misuse aborts the run with a message naming the block and thread: a thread that returns
 // while others wait for it at __syncthreads or a warp collective (stricter than the hardware,
 // which lets exited threads off some barriers), lanes of one mask meeting at different kinds of
-// collective, a deadlock (listing what each thread waits at), ldmatrix rows or cp.async
+// collective, a deadlock (listing what each thread waits at), cp.async
 // destinations not aligned to their size inside the launch's dynamic shared memory (swizzled tensor-map
 // boxes: 8 rows, 1024 or 512 bytes; wgmma tiles: 1024 bytes), a wgmma not issued alike by all four warps of a
 // whole warpgroup (or by all lanes), wgmma descriptors of other forms than the kernels use (see

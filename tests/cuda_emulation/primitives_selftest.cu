@@ -1,20 +1,20 @@
 // Self-test kernels of the host emulation (tests/test_cuda_emulation_primitives.py): the
-// tensor-core primitives of gpu/mma_sm80.cuh and gpu/wgmma_sm90.cuh, the tensor-map
-// boxes of gpu/tma_sm90.cuh, the barriers of gpu/mbarrier_sm90.cuh,
+// cp.async copies of gpu/cp_async_sm80.cuh, the tensor-core products of gpu/wgmma_sm90.cuh, the
+// tensor-map boxes of gpu/tma_sm90.cuh, the barriers of gpu/mbarrier_sm90.cuh,
 // __syncthreads, __syncwarp, votes and shuffles,
 // checked from Python against numpy. Compiled only for the emulation (emulation.h
 // force-included).
 //
 // The emulated cudaLaunchKernel passes every kernel one NbhdAttnGpuParams, so these kernels
 // read their inputs from q, k, v, dout (and int32 ones from arcs), write `out`, and take the
-// fault to inject from `batch` and the byte offset of their tiles in shared memory from
+// fault to inject from `batch` and the byte offset of their staged data in shared memory from
 // `num_arcs`.
 #include <cstdint>
 
 #include <cuda.h>
 
+#include "gpu/cp_async_sm80.cuh"
 #include "gpu/mbarrier_sm90.cuh"
-#include "gpu/mma_sm80.cuh"
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/tma_sm90.cuh"
 #include "gpu/wgmma_sm90.cuh"
@@ -34,125 +34,53 @@ namespace {
 // Bugs the failure tests inject; the emulation must abort on each (values shared with Python).
 enum Fault : int64_t {
   kNoFault = 0,
-  kLaneSkipsMma = 1,           // lane 5 skips the second mma
-  kMisalignedLdMatrixRow = 2,  // lane 3 gives a row address 8 bytes off
-  kCopyAsyncToGlobal = 3,      // CopyAsync16 into global memory
-  kThreadSkipsSyncthreads = 4,  // thread 70 returns before the first __syncthreads
-  kThreadWaitsForItsWarp = 5,    // thread 70 waits at __syncwarp while its warp waits at __syncthreads
-  kThreadSkipsArrival = 6,       // thread 70 does not arrive on the "written" barrier of round 1
-  kUninitialisedBarrier = 7,     // the barriers are never initialised
-  kCopyNotTracked = 8,           // the copies of TileMmaKernel are not put on its barrier
-  kThreadArrivesTwice = 9,       // thread 70 arrives twice on the "written" barrier of round 0
-  kCopiesArriveTwice = 10,       // lane 7 puts its copies on TileMmaKernel's barrier twice
-  kBoxMisaligned = 11,           // WgmmaKernel's first box lands 512 bytes off its 1024-byte alignment
-  kLaneOtherDescriptor = 12,     // lane 3 of WgmmaKernel gives another B descriptor
-  kWarpSkipsWgmma = 13,          // warp 2 of WgmmaKernel skips its last wgmma
-  kNoWgmmaWait = 14              // WgmmaKernel commits its wgmmas but never waits for them
+  kCopyAsyncToGlobal = 1,       // CopyAsync16 into global memory
+  kThreadSkipsSyncthreads = 2,  // thread 70 returns before the first __syncthreads
+  kThreadWaitsForItsWarp = 3,   // thread 70 waits at __syncwarp while its warp waits at __syncthreads
+  kThreadSkipsArrival = 4,      // thread 70 does not arrive on the "written" barrier of round 1
+  kUninitialisedBarrier = 5,    // the barriers are never initialised
+  kCopyNotTracked = 6,          // the copies of StagedCopyKernel are not put on its barrier
+  kThreadArrivesTwice = 7,      // thread 70 arrives twice on the "written" barrier of round 0
+  kCopiesArriveTwice = 8,       // lane 7 puts its copies on StagedCopyKernel's barrier twice
+  kBoxMisaligned = 9,           // WgmmaKernel's first box lands 512 bytes off its 1024-byte alignment
+  kLaneOtherDescriptor = 10,    // lane 3 of WgmmaKernel gives another B descriptor
+  kWarpSkipsWgmma = 11,         // warp 2 of WgmmaKernel skips its last wgmma
+  kNoWgmmaWait = 12             // WgmmaKernel commits its wgmmas but never waits for them
 };
 
-constexpr int kTileElements = 16 * 16;
-constexpr int kTileBytes = kTileElements * 2;  // one 16x16 tile of 16-bit values
+constexpr int kStagedPieces = 64;  // of 16 bytes (CopyAsync16): two per lane
+constexpr int kStagedWords = 32;   // of 4 bytes (CopyAsync4): one per lane
 
 // Two 16-bit values as one fragment register, `lo` in the low half.
 __device__ __forceinline__ uint32_t Pair(uint16_t lo, uint16_t hi) { return uint32_t{lo} | (uint32_t{hi} << 16); }
 
-// One warp; the layouts of mma_sm80.cuh taken literally, without ldmatrix: fragments of A (q,
-// 16x16 row-major) and B (k, 16x8 stored [k][n]) read from global memory, C (dout) and
-// D (out) 16x8 float.
-__global__ void MmaLayoutKernel(NbhdAttnGpuParams p) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const auto* a = static_cast<const uint16_t*>(p.q);
-  const auto* b = static_cast<const uint16_t*>(p.k);
-  auto at = [&](int row, int col) { return Pair(a[row * 16 + col], a[row * 16 + col + 1]); };
-  auto bt = [&](int k, int n) { return Pair(b[k * 8 + n], b[(k + 1) * 8 + n]); };
-  const uint32_t a_frag[4] = {at(g, 2 * t), at(g + 8, 2 * t), at(g, 2 * t + 8), at(g + 8, 2 * t + 8)};
-  const uint32_t b_frag[2] = {bt(2 * t, g), bt(2 * t + 8, g)};
-  const auto* c = static_cast<const float*>(p.dout);
-  float d[4];
-  for (int e = 0; e < 4; ++e) d[e] = c[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2];
-  if (p.dtype == ActivationType::kBF16) {
-    MmaM16N8K16<__nv_bfloat16>(d, a_frag, b_frag);
-  } else {
-    MmaM16N8K16<__half>(d, a_frag, b_frag);
-  }
-  for (int e = 0; e < 4; ++e) p.out[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d[e];
-}
-
-// One warp; lane l gives the address of row rows[l] (arcs) of a 32x8 matrix of 16-bit
-// values (q) staged in shared memory, and writes its 4 registers of ldmatrix .x4 then of
-// .x4.trans to out[8 l .. 8 l + 7] (uint32).
-__global__ void LdMatrixLayoutKernel(NbhdAttnGpuParams p) {
+// One warp stages q (kStagedPieces x 16 bytes, by CopyAsync16) and dout (kStagedWords floats, by
+// CopyAsync4) in shared memory, the way the stencil kernels stage their windows: every lane puts its copies
+// on a barrier (CopyAsyncArriveOn, .noinc) and arrives itself, then waits. At p.num_arcs: the barrier
+// (8 bytes, padded to 16), the pieces, the words. out gets them back (the pieces' bytes, then the words),
+// each lane writing what lane 31 - lane copied, so that a barrier that did not wait for the copies would
+// hand over NaN (shared memory starts as NaN).
+__global__ void StagedCopyKernel(NbhdAttnGpuParams p) {
   const int lane = threadIdx.x % 32;
-  auto* staged = reinterpret_cast<uint16_t*>(SharedBytes());
-  for (int e = lane; e < 32 * 8; e += 32) staged[e] = static_cast<const uint16_t*>(p.q)[e];
-  __syncwarp();
-  uint32_t plain[4], transposed[4];
-  const uint16_t* row = staged + 8 * p.arcs[lane];
-  LdMatrixX4(plain, row);
-  LdMatrixX4Trans(transposed, row);
-  auto* words = reinterpret_cast<uint32_t*>(p.out) + 8 * lane;
-  for (int i = 0; i < 4; ++i) {
-    words[i] = plain[i];
-    words[4 + i] = transposed[i];
-  }
-}
-
-// One warp. A (q) is 16x16 row-major, Bt (k) is 16x16 stored [n][k], B (v) 16x16 stored
-// [k][n], C (dout) 16x16 float. out[0] = C + A Bt^T through plain ldmatrix (the layout of
-// K in S = Q K^T), out[1] = C + A B through ldmatrix .trans (the layout of V in O = P V); both
-// as two m16n8k16 tiles (n 0..7 and 8..15).
-template <typename T>
-__global__ void TileMmaKernel(NbhdAttnGpuParams p) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  // At p.num_arcs: the barrier the copies land on, then (16 bytes in) the tiles.
   auto* landed = reinterpret_cast<uint64_t*>(SharedBytes() + p.num_arcs);
-  char* tiles = SharedBytes() + p.num_arcs + 16;
+  auto* pieces = reinterpret_cast<uint4*>(SharedBytes() + p.num_arcs + 16);
+  auto* words = reinterpret_cast<float*>(pieces + kStagedPieces);
   if (lane == 0) MbarrierInit(landed, 64);  // every lane: its copies landed, then its own arrival
   __syncwarp();
-  const void* sources[3] = {p.q, p.k, p.v};
-  for (int tile = 0; tile < 3; ++tile) {  // 32 chunks of 16 bytes per tile: one per lane
-    void* destination = tiles + tile * kTileBytes + 16 * lane;
+  const auto* source = static_cast<const uint4*>(p.q);
+  for (int piece = lane; piece < kStagedPieces; piece += 32) {
+    void* destination = pieces + piece;
     if (p.batch == kCopyAsyncToGlobal) destination = p.out;
-    CopyAsync16(destination, static_cast<const char*>(sources[tile]) + 16 * lane);
+    CopyAsync16(destination, source + piece);
   }
+  CopyAsync4(words + lane, static_cast<const float*>(p.dout) + lane);
   if (p.batch != kCopyNotTracked) CopyAsyncArriveOn(landed);
   if (p.batch == kCopiesArriveTwice && lane == 7) CopyAsyncArriveOn(landed);
   MbarrierArrive(landed);
   MbarrierWait(landed, 0);
-
-  // ldmatrix .x4: lane 8i + r addresses row r of 8x8 matrix i. For A and for B (rows = k) the
-  // matrices are (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15); for Bt (rows = n)
-  // (0-7, 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15), so that r[0..1] / r[2..3] are the B
-  // fragments of n 0..7 / 8..15 in both cases.
-  const int i = lane / 8, r = lane % 8;
-  const auto* a_tile = reinterpret_cast<const T*>(tiles);
-  const auto* bt_tile = reinterpret_cast<const T*>(tiles + kTileBytes);
-  const auto* b_tile = reinterpret_cast<const T*>(tiles + 2 * kTileBytes);
-  const int k_major = ((i % 2) * 8 + r) * 16 + (i / 2) * 8;  // A and B
-  const int n_major = ((i / 2) * 8 + r) * 16 + (i % 2) * 8;  // Bt
-  uint32_t a[4], bt[4], b[4];
-  const char* a_row = reinterpret_cast<const char*>(a_tile + k_major);
-  if (p.batch == kMisalignedLdMatrixRow && lane == 3) a_row += 8;
-  LdMatrixX4(a, a_row);
-  LdMatrixX4(bt, bt_tile + n_major);
-  LdMatrixX4Trans(b, b_tile + k_major);
-
-  const auto* c = static_cast<const float*>(p.dout);
-  for (int product = 0; product < 2; ++product) {
-    const uint32_t* fragments = product == 0 ? bt : b;
-    for (int n_tile = 0; n_tile < 2; ++n_tile) {
-      if (p.batch == kLaneSkipsMma && lane == 5 && product == 0 && n_tile == 1) continue;
-      int element[4];  // of d[e] in the 16x16 result: row g + 8 (e / 2), column 8 n_tile + 2t + e % 2
-      float d[4];
-      for (int e = 0; e < 4; ++e) {
-        element[e] = (g + 8 * (e / 2)) * 16 + 8 * n_tile + 2 * t + e % 2;
-        d[e] = c[element[e]];
-      }
-      const uint32_t b_pair[2] = {fragments[2 * n_tile], fragments[2 * n_tile + 1]};
-      MmaM16N8K16<T>(d, a, b_pair);
-      for (int e = 0; e < 4; ++e) p.out[product * kTileElements + element[e]] = d[e];
-    }
-  }
+  auto* out = reinterpret_cast<uint4*>(p.out);
+  for (int piece = 31 - lane; piece < kStagedPieces; piece += 32) out[piece] = pieces[piece];
+  reinterpret_cast<float*>(out + kStagedPieces)[31 - lane] = words[31 - lane];
 }
 
 // Blocks of 128 threads (4 warps); block b centres its 128 values of q (float): out = x - mean,
@@ -174,7 +102,7 @@ __global__ void BlockCentreKernel(NbhdAttnGpuParams p) {
 }
 
 // Blocks of 128 threads (4 warps) pass `rounds` (dout as an int) rows of 128 floats (q) through
-// a ring of two shared-memory rows with mbarriers, the way the tiled kernels' chunk pipeline does:
+// a ring of two shared-memory rows with mbarriers, the way the scheduled kernels' stage rings do:
 // round r waits until every thread is done reading the row of round r - 2, writes its value,
 // arrives on "written", waits for the row to be complete and writes the value of thread 127 - tid
 // to out. Warps drift apart by up to a round; a barrier that did not wait would read NaN (shared
@@ -340,41 +268,18 @@ cudaError_t Launch(void (*kernel)(s2attn::NbhdAttnGpuParams), const s2attn::Nbhd
 
 }  // namespace
 
-// dtype: 1 bf16, 2 f16 (ActivationType). a: 16x16, b: 16x8 [k][n], c, d: 16x8 float.
-extern "C" int RunMmaLayout(int dtype, const void* a, const void* b, const float* c, float* d) {
+// tile: kStagedPieces x 16 bytes; words: kStagedWords floats; out: the same, one after the other. Sets
+// the kernel's dynamic shared memory limit to `shared_limit`, then launches with `shared_bytes`, the
+// staged data `shared_offset` bytes in.
+extern "C" int RunStagedCopy(const void* tile, const float* words, void* out, int64_t shared_offset,
+                             int64_t shared_bytes, int shared_limit, int64_t fault) {
   s2attn::NbhdAttnGpuParams p;
-  p.dtype = static_cast<s2attn::ActivationType>(dtype);
-  p.q = a;
-  p.k = b;
-  p.dout = c;
-  p.out = d;
-  return Launch(s2attn::gpu::MmaLayoutKernel, p, 1, 32, 0);
-}
-
-// matrix: 32x8 16-bit values; rows: 32 int32 (a row per lane); out: 32x8 uint32.
-extern "C" int RunLdMatrixLayout(const void* matrix, const int32_t* rows, uint32_t* out) {
-  s2attn::NbhdAttnGpuParams p;
-  p.q = matrix;
-  p.arcs = rows;
-  p.out = reinterpret_cast<float*>(out);
-  return Launch(s2attn::gpu::LdMatrixLayoutKernel, p, 1, 32, 32 * 8 * sizeof(uint16_t));
-}
-
-// dtype: 1 bf16, 2 f16 (ActivationType). Sets the kernel's dynamic shared memory limit to
-// `shared_limit`, then launches with `shared_bytes`, the tiles `shared_offset` bytes in.
-extern "C" int RunTileMma(int dtype, const void* a, const void* bt, const void* b, const float* c, float* out,
-                          int64_t shared_offset, int64_t shared_bytes, int shared_limit, int64_t fault) {
-  s2attn::NbhdAttnGpuParams p;
-  p.dtype = static_cast<s2attn::ActivationType>(dtype);
-  p.q = a;
-  p.k = bt;
-  p.v = b;
-  p.dout = c;
-  p.out = out;
+  p.q = tile;
+  p.dout = words;
+  p.out = static_cast<float*>(out);
   p.batch = fault;
   p.num_arcs = shared_offset;
-  auto* kernel = p.dtype == s2attn::ActivationType::kBF16 ? s2attn::gpu::TileMmaKernel<__nv_bfloat16>
-                                                           : s2attn::gpu::TileMmaKernel<__half>;
+  auto* kernel = s2attn::gpu::StagedCopyKernel;
   const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_limit);
   if (status != cudaSuccess) {
     cudaGetLastError();  // clears it for the next test

@@ -1,6 +1,6 @@
-// C entry points of the CUDA launchers for Python (ctypes): one call of forward, dq, dkv, the tiled dq
-// that forms delta, a ring target, a scheduled target, the scheduled dq that forms delta, or delta on the default
-// stream.
+// C entry points of the CUDA launchers for Python (ctypes): one call of forward, dq, dkv (the arc kernels or the
+// stencil targets), the stencil dq that forms delta, a ring target, a scheduled target, the scheduled dq that forms
+// delta, or delta on the default stream.
 // Shared by the host emulation (tests/test_cuda_emulated.py, g++) and the standalone GPU harness
 // (tests/gpu_kernel_sanitizer.py, nvcc): pointers are host memory in the first and device memory in the second,
 // except `sizes`, which is always host memory.
@@ -10,7 +10,6 @@
 #include "gpu/nbhd_attn_kernels.h"
 #include "gpu/sched_attn_kernels.h"
 #include "gpu/stencil_attn_kernels.h"
-#include "gpu/tiled_attn_kernels.h"
 
 namespace {
 
@@ -53,80 +52,62 @@ s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q,
 
 }  // namespace
 
-// target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv) of the arc-segment kernels;
-// 3, 4, 5 the same of the tiled kernels, whose `arc_offsets`/`arcs` carry the segment table
-// (num_arcs = its row count); 6, 7, 8 the same of the stencil targets (the stencil pairs' rows alone). sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
+// target: 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk, dv) of the arc-segment kernels; 3, 4, 5 the same of
+// the stencil targets, whose `arc_offsets`/`arcs` carry the walk's segment table (num_arcs = its row count) and
+// which write only the rows of `stencil_pairs`. sizes: batch, heads, dk, dv, nq_lat, nq_lon, nk_lat, nk_lon,
 // nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
 // of the activations and of the gradient results (the forward's lse and result0 out are float32).
-// `result2`: null, or for the tiled or stencil forward out in `dtype`, in place of a float32 out (result0 null);
-// `result3`: null, or with result2 what rounding out to `dtype` left (out_remainder).
-// `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the tiled targets, the walking row pairs left to
-// the stencil kernels (the last 2 * num_pairs ranks of row_order); for the stencil targets, the pairs they walk.
+// `result2`: null, or for the stencil forward out in `dtype`, in place of a float32 out (result0 null).
+// `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the stencil targets, the walking row pairs they walk
+// (the last 2 * num_pairs ranks of row_order).
 // Returns the launcher's cudaError_t.
 extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
                                  const void* v, const void* dout, const float* lse, const float* delta,
                                  const int32_t* window, const int32_t* row_order, const int32_t* arc_offsets,
                                  const int32_t* arcs, const float* quad_weights, void* result0, void* result1,
-                                 void* result2, void* result3, const int64_t* sizes, float scale,
-                                 const int32_t* stencil_pairs, int64_t num_pairs) {
-  if (target < 0 || target > 8 || (result2 != nullptr && target % 3 != 0) || (result2 != nullptr && target == 0)) {
-    return cudaErrorInvalidValue;
-  }
-  if (result3 != nullptr && result2 == nullptr) return cudaErrorInvalidValue;
+                                 void* result2, const int64_t* sizes, float scale, const int32_t* stencil_pairs,
+                                 int64_t num_pairs) {
+  if (target < 0 || target > 5 || (result2 != nullptr && target != 3)) return cudaErrorInvalidValue;
   if (num_pairs != 0 && target < 3) return cudaErrorInvalidValue;
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
                                          arcs, quad_weights, sizes, scale);
   p.delta = delta;
   p.stencil_pairs = stencil_pairs;
   p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
-  const int family = target / 3;  // 0 arc, 1 tiled, 2 stencil
+  const bool stencil = target >= 3;
   switch (target % 3) {
     case 0:
       p.out = static_cast<float*>(result0);
       p.lse_out = static_cast<float*>(result1);
       p.out_narrow = result2;
-      p.out_remainder = result3;
-      return family == 2   ? s2attn::LaunchStencilAttnFwd(nullptr, p)
-             : family == 1 ? s2attn::LaunchTiledAttnFwd(nullptr, p)
-                           : s2attn::LaunchNbhdAttnFwd(nullptr, p);
+      return stencil ? s2attn::LaunchStencilAttnFwd(nullptr, p) : s2attn::LaunchNbhdAttnFwd(nullptr, p);
     case 1:
       p.dq = result0;
-      return family == 2   ? s2attn::LaunchStencilAttnBwdDq(nullptr, p)
-             : family == 1 ? s2attn::LaunchTiledAttnBwdDq(nullptr, p)
-                           : s2attn::LaunchNbhdAttnBwdDq(nullptr, p);
+      return stencil ? s2attn::LaunchStencilAttnBwdDq(nullptr, p) : s2attn::LaunchNbhdAttnBwdDq(nullptr, p);
     default:
       p.dk = result0;
       p.dv = result1;
-      return family == 2   ? s2attn::LaunchStencilAttnBwdDkv(nullptr, p)
-             : family == 1 ? s2attn::LaunchTiledAttnBwdDkv(nullptr, p)
-                           : s2attn::LaunchNbhdAttnBwdDkv(nullptr, p);
+      return stencil ? s2attn::LaunchStencilAttnBwdDkv(nullptr, p) : s2attn::LaunchNbhdAttnBwdDkv(nullptr, p);
   }
 }
 
-// The dq that forms delta (the targets jax_s2attn_tiled_bwd_dq_delta, `family` 1, and
-// jax_s2attn_stencil_bwd_dq_delta, `family` 2): target 4's or 7's arguments with the forward's out and dlse in place
-// of delta; results dq and delta. The out is float32 (`remainder` null), or in `dtype` with its rounding remainder.
-extern "C" int RunDqFormingDelta(int family, int dtype, int gradient_dtype, const void* q, const void* k,
-                                 const void* v, const void* dout, const float* lse, const void* forward_out,
-                                 const void* remainder, const float* dlse, const int32_t* window,
-                                 const int32_t* row_order, const int32_t* arc_offsets, const int32_t* arcs,
-                                 const float* quad_weights, void* dq, float* delta, const int64_t* sizes,
-                                 float scale, const int32_t* stencil_pairs, int64_t num_pairs) {
+// The stencil dq that forms delta (the target jax_s2attn_stencil_bwd_dq_delta): target 4's arguments with the
+// forward's float32 out and dlse in place of delta; results dq and delta.
+extern "C" int RunStencilDqFormingDelta(int dtype, int gradient_dtype, const void* q, const void* k, const void* v,
+                                        const void* dout, const float* lse, const float* forward_out,
+                                        const float* dlse, const int32_t* window, const int32_t* row_order,
+                                        const int32_t* arc_offsets, const int32_t* arcs, const float* quad_weights,
+                                        void* dq, float* delta, const int64_t* sizes, float scale,
+                                        const int32_t* stencil_pairs, int64_t num_pairs) {
   s2attn::NbhdAttnGpuParams p = ParamsOf(dtype, gradient_dtype, q, k, v, dout, lse, window, row_order, arc_offsets,
                                          arcs, quad_weights, sizes, scale);
   p.stencil_pairs = stencil_pairs;
   p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
-  if (remainder == nullptr) {
-    p.forward_out = static_cast<const float*>(forward_out);
-  } else {
-    p.forward_out_narrow = forward_out;
-    p.forward_out_remainder = remainder;
-  }
+  p.forward_out = forward_out;
   p.dlse = dlse;
   p.dq = dq;
   p.delta_out = delta;
-  if (family == 1) return s2attn::LaunchTiledAttnBwdDq(nullptr, p);
-  return family == 2 ? s2attn::LaunchStencilAttnBwdDq(nullptr, p) : cudaErrorInvalidValue;
+  return s2attn::LaunchStencilAttnBwdDq(nullptr, p);
 }
 
 // A ring target (the arc kernels between ring grids): `kind` 0 forward (results out, lse), 1 dq (dq), 2 dkv (dk,

@@ -1,9 +1,7 @@
-"""Segment tables and the numpy emulation of the tiled kernels' walk."""
+"""The plan's segment tables (the arcs merged per walking row, which the stencil kernels read)."""
 
-import importlib.util
 import math
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -16,17 +14,10 @@ from jax_s2attn.plan import ArcTable, SegmentTable
 sys.path.insert(0, str(Path(__file__).parent))
 from kernel_cases import psi_pairs  # noqa: E402
 
-# The walk's replay lives with the benchmark that reports its statistics.
-_SPEC = importlib.util.spec_from_file_location("tile_walk", Path(__file__).parents[1] / "benchmarks" / "tile_walk.py")
-tile_walk = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(tile_walk)
-BLOCK, TILE, WARP = tile_walk.BLOCK, tile_walk.TILE, tile_walk.WARP
-computed_pairs, tile_pairs, tile_statistics = tile_walk.computed_pairs, tile_walk.tile_pairs, tile_walk.tile_statistics
-
 FULL = 2 * math.pi  # a cutoff that takes in the whole sphere
 
 # (in_shape, out_shape, grid_in, grid_out, cutoff): every direction, grid and cutoff kind, odd
-# latitude counts, and longitude counts below, between and above multiples of TILE = 64.
+# latitude counts, and longitude counts below, between and above multiples of 64.
 CONFIGS = [
     ((13, 24), (13, 24), "equiangular", "equiangular", None),
     ((13, 24), (13, 24), "equiangular", "equiangular", 0.25),
@@ -62,10 +53,6 @@ def _config_id(c):
     return f"{c[0]}->{c[1]}-{c[2]}-{c[3]}-{c[4]}"
 
 
-def _codes(walk, other, num_other):
-    return np.sort(walk.astype(np.int64) * num_other + other)
-
-
 def _walks(plan):
     """``(segment table, walking shape, other shape, expected (walk, other) pairs)`` of both walks."""
     query, key = psi_pairs(plan)
@@ -75,29 +62,31 @@ def _walks(plan):
     ]
 
 
+def _segment_codes(table: SegmentTable, walk_shape, other_shape) -> np.ndarray:
+    """``walk * (other points) + other`` of every pair ``table`` lists, sorted (duplicates kept): point ``(h, w)``
+    reads ``len_r`` longitudes from ``lo_r + S*(w // R)`` of each of its row's segments, ``r = w % R``."""
+    (nlat, nlon), r = walk_shape, table.residues
+    w = np.arange(nlon)
+    codes = [np.zeros(0, np.int64)]
+    for h in range(nlat):
+        for segment in table.segments[table.offsets[h] : table.offsets[h + 1]].astype(np.int64):
+            start = segment[1 : 1 + r][w % r] + table.shift * (w // r)
+            length = segment[1 + r :][w % r]
+            j = np.arange(length.max(initial=0))
+            keep = j[None, :] < length[:, None]
+            other = segment[0] * table.nlon + (start[:, None] + j[None, :]) % table.nlon
+            walk = np.broadcast_to((h * nlon + w)[:, None], keep.shape)
+            codes.append(walk[keep] * math.prod(other_shape) + other[keep])
+    return np.sort(np.concatenate(codes))
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
-def test_walk_covers_every_pair_exactly_once(config):
+def test_segments_cover_every_pair_exactly_once(config):
     plan = NeighborhoodPlan(*config)
     for table, walk_shape, other_shape, (walk, other) in _walks(plan):
-        expected = _codes(walk, other, math.prod(other_shape))
+        expected = np.sort(walk.astype(np.int64) * math.prod(other_shape) + other)
         assert expected.size == plan.num_pairs and np.all(np.diff(expected) > 0)
-        result = tile_pairs(table, *walk_shape)
-        np.testing.assert_array_equal(_codes(*result.pairs.T, math.prod(other_shape)), expected)
-        assert result.computed_pairs >= expected.size
-        # The vectorised block count of tile_statistics agrees with the block-by-block walk.
-        assert computed_pairs(table, *walk_shape) == result.computed_pairs
-
-
-@pytest.mark.parametrize("config", [CONFIGS[9], CONFIGS[14], CONFIGS[18]], ids=_config_id)
-def test_walk_of_a_longitude_window(config):
-    plan = NeighborhoodPlan(*config)
-    for table, (nlat, nlon), _, _ in _walks(plan):
-        everything = tile_pairs(table, nlat, nlon).pairs
-        start, stop = 3, nlon - 5
-        inside = (everything[:, 0] % nlon >= start) & (everything[:, 0] % nlon < stop)
-        window = tile_pairs(table, nlat, nlon, lon_range=(start, stop)).pairs
-        np.testing.assert_array_equal(np.sort(window[:, 0] * 10**9 + window[:, 1]),
-                                      np.sort(everything[inside, 0] * 10**9 + everything[inside, 1]))
+        np.testing.assert_array_equal(_segment_codes(table, walk_shape, other_shape), expected)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=_config_id)
@@ -170,26 +159,12 @@ def test_device_segment_tables(config):
     assert jax.tree.unflatten(tree, leaves).tables.backward_segments is tables.backward_segments
 
 
-def test_hand_counted_window_walk():
-    # One walking row of 200 longitudes, R = S = 1, one segment: point w reads longitudes
-    # w-1, w, w+1 (lo = 199, len = 3) of other row 0 (200 longitudes).
-    table = SegmentTable(np.array([0, 1], np.int32), np.array([[0, 199, 3]], np.int32), 1, 1, 200)
-    # CTAs 0-2 (64 points each): starts w0+199 .. w0+262, window of 66 columns; warp u's
-    # band is [16u, 16u + 18), which touches blocks u and u + 1 (block 4 starts at 64 < 66):
-    # 4 warps * 2 blocks = 8 blocks per CTA. CTA 3 (points 192-199): window of 10 columns,
-    # one block. (3*8 + 1) blocks * 16 rows * 16 columns = 6400 computed pairs.
-    walk = tile_pairs(table, 1, 200)
-    assert walk.computed_pairs == computed_pairs(table, 1, 200) == 25 * WARP * BLOCK == 6400
-    w = np.arange(200)
-    expected = np.concatenate([np.stack([w, (w + d) % 200], axis=1) for d in (-1, 0, 1)])
-    np.testing.assert_array_equal(_codes(*walk.pairs.T, 200), _codes(*expected.T, 200))
-
-
-def test_hand_counted_walk_of_two_residues():
+def test_segments_of_two_residues_sit_side_by_side():
     # R = 2, S = 1: walking longitude w (200 of them) reads other longitudes q (100) with
     # |w - 2q| <= 2: even w = 2p reads q = p-1..p+1, odd w = 2p+1 reads q = p, p+1. The arc
     # table stores them wrapped, (lo, len) = (99, 3) and (0, 2); the segment unwraps the odd
-    # residue to lo = 100 so that both sit side by side.
+    # residue to lo = 100 so that both sit side by side (stored wrapped, the odd residue would
+    # start at p, and a tile's union of arcs would span the whole ring).
     arcs = ArcTable(
         offsets=np.array([0, 1, 2], np.int32),
         arcs=np.array([[0, 99, 3], [0, 0, 2]], np.int32),
@@ -200,63 +175,6 @@ def test_hand_counted_walk_of_two_residues():
     )
     table = SegmentTable.from_arcs(arcs)
     np.testing.assert_array_equal(table.segments, [[0, 99, 100, 3, 2]])
-    # CTAs 0-2: points p = 32t .. 32t+31 of each residue start at 99+p and 100+p, both reach
-    # 132+32t: a window of 34 columns. Warp u (p = 8u .. 8u+7) has the band [8u, 8u + 10):
-    # blocks {0}, {0, 1}, {1}, {1, 2} = 6 blocks. CTA 3 (points 192-199): window [195, 201),
-    # one block. (3*6 + 1) * 256 = 4864 computed pairs. Stored wrapped, the odd residue would
-    # start at p: a window from 0 to 132+32t >= 100, i.e. the whole ring for every warp.
-    walk = tile_pairs(table, 1, 200)
-    assert walk.computed_pairs == computed_pairs(table, 1, 200) == 19 * WARP * BLOCK == 4864
     w, q = np.meshgrid(np.arange(200), np.arange(100), indexing="ij")
     reads = np.isin((w - 2 * q) % 200, [0, 1, 2, 198, 199])
-    np.testing.assert_array_equal(_codes(*walk.pairs.T, 100), _codes(w[reads], q[reads], 100))
-
-
-def test_hand_counted_ring_mode_at_exactly_one_ring():
-    # 64 walking longitudes, each reading only itself on a 64-longitude ring (lo = 0, len = 1):
-    # the union [0, 64) is exactly one ring, so the CTA stages in ring mode (width 64) and
-    # every warp's band is the whole ring: 4 warps * 4 blocks * 256 = 4096 computed pairs.
-    # (A window of 64 columns would have let each warp multiply its own block only: 1024.)
-    table = SegmentTable(np.array([0, 1], np.int32), np.array([[0, 0, 1]], np.int32), 1, 1, 64)
-    walk = tile_pairs(table, 1, 64)
-    assert walk.computed_pairs == computed_pairs(table, 1, 64) == 4096
-    np.testing.assert_array_equal(np.sort(walk.pairs[:, 0] * 64 + walk.pairs[:, 1]), np.arange(64) * 65)
-
-
-def test_hand_counted_ring_walk():
-    # 4 x 8 grid, whole sphere: every point of walking row h reads all 8 longitudes of each of
-    # the 4 rows (lo = 0, len = 8). One CTA per row (8 points, all in warp 0); starts 0..7, so
-    # the union [0, 15) spans the ring: ring mode, width 8, one block of warp 0 per segment.
-    # 4 rows * 4 segments * 1 block * 256 = 4096 computed, 32 * 32 = 1024 useful pairs.
-    plan = NeighborhoodPlan((4, 8), (4, 8), theta_cutoff=FULL)
-    assert TILE == 64 and WARP * BLOCK == 256
-    assert tile_statistics(plan) == {
-        "useful_pairs": 1024,
-        "computed_pairs_forward": 4096,
-        "computed_pairs_backward": 4096,
-        "utilization_forward": 0.25,
-        "utilization_backward": 0.25,
-    }
-
-
-def test_walk_rejects_a_mismatched_grid():
-    plan = NeighborhoodPlan((12, 144), (6, 72))
-    with pytest.raises(ValueError, match="walking rows"):
-        tile_pairs(plan.forward_segments, 12, 72)
-    with pytest.raises(ValueError, match="nlon_walk=144"):
-        computed_pairs(plan.forward_segments, 6, 144)
-    with pytest.raises(ValueError, match="lon_range"):
-        tile_pairs(plan.forward_segments, 6, 72, lon_range=(5, 5))
-
-
-def test_statistics_quarter_degree():
-    plan = NeighborhoodPlan((721, 1440), (721, 1440), theta_cutoff=0.03)
-    start = time.perf_counter()
-    stats = tile_statistics(plan)
-    elapsed = time.perf_counter() - start
-    print(f"721x1440 tc 0.03: {stats} in {elapsed:.2f} s")
-    assert elapsed < 10.0
-    assert stats["useful_pairs"] == 616_883_040
-    for walk in ("forward", "backward"):
-        assert stats[f"computed_pairs_{walk}"] % (WARP * BLOCK) == 0
-        assert 0.2 < stats[f"utilization_{walk}"] < 1
+    np.testing.assert_array_equal(_segment_codes(table, (1, 200), (1, 100)), np.sort(w[reads] * 100 + q[reads]))
