@@ -441,6 +441,27 @@ def test_stencil_launchers_refuse_a_call_without_pairs(launch_status, rng):
     _refused_by_stencil_launchers(launch_status, case, pairs=np.zeros((0, 2), np.int32))
 
 
+def test_stencil_launchers_refuse_more_pairs_than_rows(launch_status, rng):
+    case = prepare_case(rng, STENCIL_PLANS["self"](), 1, 2, 64, 64, "bfloat16")
+    rows = case.plan.nlat_out  # = nlat_in: either walk
+    _refused_by_stencil_launchers(launch_status, case, pairs=np.zeros((rows // 2 + 1, 2), np.int32))
+
+
+def test_stencil_forward_launcher_takes_exactly_one_out(launch_status, rng):
+    """Both outs (float32 and in the activations' type), or neither: cudaErrorInvalidValue, nothing written."""
+    case = prepare_case(rng, STENCIL_PLANS["self"](), 1, 1, 64, 64, "bfloat16")
+    q, k, v, *_, window = case.inputs
+    pairs = np.ascontiguousarray(case.plan.forward_stencil_pairs, np.int32)
+    both = (np.full((*q.shape[:4], 64), np.nan, np.float32), np.full(q.shape, np.nan, q.dtype))
+    for out, narrow in [(None, None), both]:
+        lse = np.full(q.shape[:4], np.nan, np.float32)
+        status = launch_status(STENCIL_TARGET_OFFSET + FORWARD, "bfloat16", case.sizes, case.scale, q, k, v, None,
+                               None, None, window, case.fwd_order, case.plan.forward_segments, case.plan.quad_weights,
+                               out, lse, narrow, stencil_pairs=pairs)  # fmt: skip
+        assert status == CUDA_ERROR_INVALID_VALUE and np.isnan(lse).all()
+        assert all(np.isnan(np.asarray(x, np.float32)).all() for x in (out, narrow) if x is not None)
+
+
 @pytest.mark.parametrize(
     ("dims", "dtype"),
     [((48, 48), "bfloat16"), ((64, 32), "float16"), ((32, 64), "bfloat16"), ((256, 256), "float16"),
@@ -487,21 +508,23 @@ def test_kernels_under_address_sanitizer(tmp_path):
 @pytest.mark.parametrize(("kernel", "dtype"), [("arc", "float32"),
                                                ("scheduled", "bfloat16"),
                                                ("scheduled+stencil", "float16")])  # fmt: skip
-@pytest.mark.parametrize("operand", ["q", "k"])
+@pytest.mark.parametrize("operand", ["q", "k", "v"])
 def test_forward_propagates_nan(emulator, emulated_library, rng, kernel, dtype, operand):
     """A NaN in one query (one key) makes that query's (every query that has that key as a
     neighbour's) output row and lse NaN, and leaves the others finite: NaN never turns into a
-    plausible zero. On the scheduled kernels beside the stencil rows, the NaN point lies on a stencil row
-    (its key's queries in stencil rows and in the scheduled kernels' rows)."""
+    plausible zero. A NaN in one value makes that channel of the outputs that see it NaN; on the scheduled
+    kernels it may also reach that channel of queries whose chunks hold the value without seeing it (0 · NaN in
+    P·V), never lse or another channel. On the scheduled kernels beside the stencil rows, the NaN point lies on a
+    stencil row (its key's queries in stencil rows and in the scheduled kernels' rows)."""
     stencil = kernel == "scheduled+stencil"
     plan = STENCIL_PLANS["self-17x72"]() if stencil else PLANS["self"]()
     case = prepare_case(rng, plan, 1, 1, 64, 64, dtype)
-    q, k = case.inputs[:2]
+    q, k, v = case.inputs[:3]
     nlon = q.shape[2]
     pairs = _ffi.stencil_schedule(plan, "forward").pairs if stencil else None
     row = int(pairs[len(pairs) // 2, 0]) if stencil else plan.out_shape[0] // 2  # a middle (stencil) row
     point = row * nlon + 3  # a query (key) point of that row
-    array = q if operand == "q" else k
+    array = {"q": q, "k": k, "v": v}[operand]
     array[0, point // nlon, point % nlon, 0, 5] = np.nan
     if kernel == "arc":
         results = run_case(case, emulator)
@@ -509,7 +532,7 @@ def test_forward_propagates_nan(emulator, emulated_library, rng, kernel, dtype, 
     else:
         forward, _ = scheduled_schedules(case, stencil)
         out, lse = run_scheduled_kind(emulated_library, case, "forward", np.float32, forward, stencil_pairs=pairs)
-    check_nan_poisoning(plan, out, lse, point, operand)
+    check_nan_poisoning(plan, out, lse, point, operand, value_confined=kernel != "scheduled")
 
 
 # ------------------------------------------------------------------ scheduled tensor-core kernels
@@ -670,6 +693,7 @@ def test_scheduled_windows_of_a_layout(emulated_library, rng, shapes, lat_parts,
         picked = [BlockSchedule(s.tiles[index], s.tile_offsets[index], s.chunks, s.records, *s[4:]) for s in sets]
         bar = tolerance_of("scheduled", "bfloat16")
         verify_case(case, run_scheduled_windows(emulated_library, case, schedules=picked), bar, out_tolerance=bar)
+
 
 @pytest.mark.parametrize("windows", WINDOWS[1:3], ids=lambda w: f"q{w[0]}-k{w[1]}")
 def test_scheduled_windows_padding_stays_zero_with_extreme_logits(emulated_library, rng, windows):

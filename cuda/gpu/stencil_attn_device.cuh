@@ -281,10 +281,12 @@ static_assert(sizeof(kStencilHeadDims) == 3 * sizeof(int) && kStencilHeadDims[0]
               "DispatchSixteenBit instantiates exactly the stencil head dims of common/kernel_limits.h");
 
 // A stencil target: launch(SixteenBitVariant<T, D>{}) for the call's type and head dim, where
-// StencilAttnSupported holds.
-template <typename Launch>
+// StencilAttnSupported holds and the pairs' rows fit the walking grid (query rows, or key rows for
+// `kKeyWalk`).
+template <bool kKeyWalk = false, typename Launch>
 cudaError_t DispatchStencil(const NbhdAttnGpuParams& p, Launch&& launch) {
-  return StencilAttnSupported(p) ? DispatchSixteenBit(p, launch) : cudaErrorInvalidValue;
+  const bool fits = 2 * int64_t{p.num_stencil_pairs} <= (kKeyWalk ? p.nk_lat : p.nq_lat);
+  return StencilAttnSupported(p) && fits ? DispatchSixteenBit(p, launch) : cudaErrorInvalidValue;
 }
 
 }  // namespace stencil

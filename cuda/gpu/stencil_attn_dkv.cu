@@ -64,7 +64,8 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilDkv);
 }  // namespace gpu
 
 cudaError_t LaunchStencilAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p) {
-  return gpu::stencil::DispatchStencil(p, [&](auto variant) {
+  if (p.dk == nullptr || p.dv == nullptr) return cudaErrorInvalidValue;
+  return gpu::stencil::DispatchStencil</*kKeyWalk=*/true>(p, [&](auto variant) {
     using V = decltype(variant);
     return gpu::stencil::LaunchStencilDkv<typename V::Element, V::kDim>(stream, p);
   });

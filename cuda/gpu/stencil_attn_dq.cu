@@ -73,6 +73,11 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilDq);
 }  // namespace gpu
 
 cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  // delta given, or formed from the forward's out and dlse and written to delta_out.
+  const bool forming = p.forward_out != nullptr;
+  if (p.dq == nullptr || (forming ? p.dlse == nullptr || p.delta_out == nullptr : p.delta == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   return gpu::stencil::DispatchStencil(p, [&](auto variant) {
     using V = decltype(variant);
     return gpu::stencil::LaunchStencilDq<typename V::Element, V::kDim>(stream, p);

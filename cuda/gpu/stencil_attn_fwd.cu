@@ -69,6 +69,8 @@ bool StencilAttnSupported(const NbhdAttnGpuParams& p) {
 }
 
 cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {
+  // Exactly one out: float32 or in the activations' type.
+  if ((p.out == nullptr) == (p.out_narrow == nullptr) || p.lse_out == nullptr) return cudaErrorInvalidValue;
   return gpu::stencil::DispatchStencil(p, [&](auto variant) {
     using V = decltype(variant);
     return gpu::stencil::LaunchStencilFwd<typename V::Element, V::kDim>(stream, p);

@@ -1,6 +1,7 @@
 // Launchers of the stencil kernels (stencil_attn_fwd.cu, stencil_attn_dq.cu, stencil_attn_dkv.cu): the rows of
 // short arcs, on CUDA cores (NbhdAttnGpuParams::stencil_pairs). The stencil targets run them beside the scheduled
-// kernels, whose schedule leaves out the pairs' tiles (jax_s2attn.schedule, "Stencil rows"). Plain C++ and CUDA runtime types.
+// kernels, whose schedule leaves out the pairs' tiles (jax_s2attn.schedule, "Stencil rows"). Plain C++ and CUDA
+// runtime types.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -43,7 +44,9 @@ bool StencilAttnSupported(const NbhdAttnGpuParams& p);
 
 // The stencil targets: the launchers above for the call's type and head dim, writing only the rows of
 // p.stencil_pairs (out or out_narrow and lse_out; dq, with p.delta, or given the forward's out and dlse also
-// delta_out; dk and dv); cudaErrorInvalidValue where StencilAttnSupported is false.
+// delta_out; dk and dv); cudaErrorInvalidValue where StencilAttnSupported is false, where the pairs' rows are
+// more than the walking grid's, or where a result (the forward: exactly one of out and out_narrow) or the dq's
+// delta (or forward out, dlse and delta_out) is missing.
 cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
 cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p);
 cudaError_t LaunchStencilAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p);
