@@ -157,14 +157,24 @@ def psi_pairs(plan: NeighborhoodPlan) -> tuple[np.ndarray, np.ndarray]:
     return np.broadcast_to(query, key.shape).ravel(), np.broadcast_to(key, query.shape).ravel()
 
 
-def check_nan_poisoning(plan: NeighborhoodPlan, out, lse, point: int, operand: str) -> None:
-    """Asserts that a NaN placed in global query (``operand="q"``) or key (``"k"``) point ``point``
-    made exactly the query rows that see it NaN in ``out`` and ``lse`` (that query; every query with
-    that key as a neighbour) and left every other row finite."""
+def check_nan_poisoning(
+    plan: NeighborhoodPlan, out, lse, point: int, operand: str, channel: int = 5, value_confined: bool = True
+) -> None:  # fmt: skip
+    """Asserts that a NaN placed in channel ``channel`` of global query (``operand="q"``), key (``"k"``) or value
+    (``"v"``) point ``point`` made exactly the query rows that see it NaN (that query; every query with that key
+    as a neighbour): their ``out`` and ``lse`` (a query or key), or their ``out`` in that channel (a value, which
+    no score reads), and left everything else finite. Without ``value_confined`` a value's NaN may also reach
+    that channel of queries that do not see it (the tensor-core kernels' P·V multiplies a chunk's every column,
+    0 · NaN for the columns outside a query's arcs); lse and the other channels stay finite."""
     queries = plan.nlat_out * plan.nlon_out
-    poisoned = neighbour_mask(plan)[:, point] if operand == "k" else np.arange(queries) == point
+    poisoned = np.arange(queries) == point if operand == "q" else neighbour_mask(plan)[:, point]
     out, lse = np.asarray(out).reshape(queries, -1), np.asarray(lse).reshape(queries)
     assert poisoned.any()
+    if operand == "v":
+        others = np.arange(out.shape[1]) != channel
+        assert np.isnan(out[poisoned, channel]).all() and np.isfinite(out[:, others]).all()
+        assert np.isfinite(lse).all() and (not value_confined or np.isfinite(out[~poisoned]).all())
+        return
     assert np.isnan(out[poisoned]).all() and np.isnan(lse[poisoned]).all()
     assert np.isfinite(out[~poisoned]).all() and np.isfinite(lse[~poisoned]).all()
 
