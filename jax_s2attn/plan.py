@@ -59,8 +59,7 @@ class ArcTable(NamedTuple):
       offsets: ``[num_patterns + 1]`` CSR offsets into ``arcs``.
       arcs: ``[num_arcs, 3]`` rows of ``(row, lo, len)``, rows ascending per pattern.
       row_order: ``[rows]`` rows of the walking grid, most neighbours first
-        (summed over the row's residues): the kernels' schedule. The table's stencil
-        rows (:func:`stencil_pairs`, short arcs) come last, ascending.
+        (summed over the row's residues): the arc kernels' schedule.
       residues: ``R``; pattern of point ``(h, w)`` is ``h*R + w % R``.
       shift: ``S``; arcs of point ``(h, w)`` start ``S*(w // R)`` longitudes later.
       nlon: longitudes of the grid the arcs run on.
@@ -190,13 +189,6 @@ def stencil_pairs(table: SegmentTable) -> np.ndarray:
     # A pair of rows without arcs (never in a plan: every query has a neighbour) stages from row 0.
     pair_first = np.where(pair_first > last.max(initial=0), 0, pair_first)
     return np.stack([even[keep], pair_first[keep]], axis=1).astype(np.int32).reshape(-1, 2)
-
-
-def _stencil_rows_last(row_order: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    """``row_order`` with the rows of ``pairs`` moved to its end (ascending), the others' order kept."""
-    stencil = np.zeros(row_order.size, bool)
-    stencil[pairs[:, 0]] = stencil[pairs[:, 0] + 1] = True
-    return np.concatenate([row_order[~stencil[row_order]], np.flatnonzero(stencil)]).astype(np.int32)
 
 
 class PlanTables(NamedTuple):
@@ -578,9 +570,6 @@ def _build_plan(key: _PlanKey) -> NeighborhoodPlan:
 
     forward_segments, backward_segments = SegmentTable.from_arcs(forward), SegmentTable.from_arcs(backward)
     forward_stencil_pairs, backward_stencil_pairs = stencil_pairs(forward_segments), stencil_pairs(backward_segments)
-    # The stencil pairs' rows (short arcs) go last in the row orders the arc kernels walk.
-    forward = forward._replace(row_order=_stencil_rows_last(forward.row_order, forward_stencil_pairs))
-    backward = backward._replace(row_order=_stencil_rows_last(backward.row_order, backward_stencil_pairs))
     for arcs, segments in [(forward, forward_segments), (backward, backward_segments)]:
         # The device tables share the arc arrays when R == 1, which relies on this.
         if arcs.residues == 1 and not (

@@ -150,7 +150,8 @@ def test_unknown_implementation_lists_the_choices():
 )
 def test_forcing_the_tensor_cores_on_cpu_names_the_reason_and_the_fix(dtype, dk, match):
     q, k, v = (jax.device_put(x, jax.devices("cpu")[0]) for x in _arrays(dtype, dk, dk))
-    with pytest.raises(ValueError, match=r"implementation='ffi-tiled' cannot run on cpu: the scheduled kernels") as info:
+    match = r"implementation='ffi-tiled' cannot run on cpu: the scheduled kernels"
+    with pytest.raises(ValueError, match=match) as info:
         neighborhood_attention(q, k, v, PLAN, implementation="ffi-tiled")
     assert info.match(match)
     assert info.match(r"Use implementation='ffi' .* or 'ffi-arc'\.")
@@ -162,6 +163,7 @@ def test_forcing_the_tensor_cores_on_a_cpu_mesh_names_the_mesh():
     match = "implementation='ffi-tiled' cannot run on this cpu mesh: the scheduled kernels"
     with pytest.raises(ValueError, match=match):
         sharded_neighborhood_attention(q, k, v, PLAN, mesh=mesh, implementation="ffi-tiled")
+
 
 def test_forcing_a_native_kernel_with_float64_points_to_the_reference():
     q, k, v = _arrays(F64, 4, 4)
@@ -366,6 +368,7 @@ def test_export_for_cpu_and_cuda_chooses_per_platform(scheduled_build):
     module = _exported_module("ffi", BF16, 64, 64, ["cpu", "cuda"])
     assert _calls(module, _ffi.SCHEDULED_TARGETS) == OP_SCHEDULED_TARGETS
     assert _calls(module, _ffi.TARGETS) == set(_ffi.TARGETS)
+
 
 # ----------------------------------------------------------------------------- a window's scheduled operands
 

@@ -229,7 +229,7 @@ def test_arc_handlers_refuse_16_bit_results(platform, plan, target, monkeypatch)
         call = lambda: _ffi.ffi_backward_dq(**args, row_order=plan.tables.forward_row_order, scale=0.5)  # noqa: E731
     else:
         call = lambda: _ffi.ffi_backward_dkv(**args, row_order=plan.tables.backward_row_order, scale=0.5)  # noqa: E731
-    message = r"must be float32 \(16-bit results come from the stencil targets\), got float16"
+    message = r"must be float32 \(16-bit results come from the scheduled and stencil targets\), got float16"
     _expect_invalid_argument(call, message)
 
 

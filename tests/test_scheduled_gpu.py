@@ -256,6 +256,7 @@ def test_gradients_are_the_same_bits_run_to_run(exact_random, d):
     for a, b in zip(first, second, strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
+
 @pytest.mark.parametrize("cutoff", [0.1, None])  # None: the default cutoff
 def test_gradients_of_a_larger_grid_are_the_same_bits_run_to_run(cutoff, exact_random):
     """Two runs of one compiled program at 65x100 (the second on fresh copies of the inputs) give the same bits:

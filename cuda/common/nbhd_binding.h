@@ -80,7 +80,8 @@ auto BindBackwardArgs(Binding&& binding) {
   }
 }
 
-// Gradient results are float32, or on the stencil targets also the activations' dtype (CheckResultTypes in nbhd_params.h); the handlers check which.
+// Gradient results are float32, or on the stencil targets also the activations' dtype (CheckResultTypes in
+// nbhd_params.h); the handlers check which.
 
 // jax_s2attn_nbhd_bwd_dq: backward operands -> dq.
 template <bool kStencilPairs = false, typename Binding>

@@ -219,7 +219,8 @@ inline ffi::Error CheckResultTypes(const char* names, std::initializer_list<ffi:
     S2ATTN_CHECK(ok, names << " must be " << all << "float32 or " << all << DataTypeName(activations)
                            << " (the dtype of q), got " << got);
   } else {
-    S2ATTN_CHECK(ok, names << " must be float32 (16-bit results come from the stencil targets), got " << got);
+    S2ATTN_CHECK(ok, names << " must be float32 (16-bit results come from the scheduled and stencil targets), got "
+                           << got);
   }
   return result_type ? ToElementType(first, result_type) : ffi::Error::Success();
 }

@@ -217,7 +217,8 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                                MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_stencil_fwd: the arc forward's operands with segment tables and the stencil pairs; out (float32 or q's type) and lse of the stencil rows.
+// jax_s2attn_stencil_fwd: the arc forward's operands with segment tables and the stencil pairs; out (float32 or q's
+// type) and lse of the stencil rows.
 ffi::Error StencilForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer window,
                           I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
                           I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult out,
@@ -344,7 +345,8 @@ ffi::Error BackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                    MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_stencil_bwd_dkv: the arc dk/dv's operands with segment tables and the stencil pairs; dk and dv of the stencil key rows.
+// jax_s2attn_stencil_bwd_dkv: the arc dk/dv's operands with segment tables and the stencil pairs; dk and dv of the
+// stencil key rows.
 ffi::Error StencilBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::AnyBuffer dout, F32Buffer lse, F32Buffer delta, I32Buffer window,
                               I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,

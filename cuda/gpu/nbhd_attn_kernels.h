@@ -35,13 +35,13 @@ struct NbhdAttnGpuParams {
 
   // Tables (device memory; the first copy when the operand holds several).
   const int32_t* window = nullptr;       // [8] q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon
-  const int32_t* row_order = nullptr;    // [local rows of the walking grid], longest first (a plan's stencil rows last)
+  const int32_t* row_order = nullptr;    // [local rows of the walking grid], longest first (the arc kernels)
   const int32_t* arc_offsets = nullptr;  // [num_patterns + 1]
   const int32_t* arcs = nullptr;         // [num_arcs, 3] = (global row, lo, len) on the other grid
   const float* quad_weights = nullptr;   // [nlat_k] weight of every global key row
   // Stencil kernels only (stencil_attn_kernels.h): the pairs of walking rows (2i, 2i + 1; query rows, or key rows
-  // for dk/dv) they take, as rows of (first walking row, first row of the other grid it stages); their rows are
-  // the last 2 * num_stencil_pairs ranks of row_order. Whole grids only.
+  // for dk/dv) they take, as rows of (first walking row, first row of the other grid it stages); a pair's rank in
+  // it orders the blocks. Whole grids only.
   const int32_t* stencil_pairs = nullptr;  // [num_stencil_pairs, 2]
   int32_t num_stencil_pairs = 0;
 

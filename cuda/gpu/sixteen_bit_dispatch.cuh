@@ -12,7 +12,7 @@
 namespace s2attn {
 namespace gpu {
 
-// Whether 16-bit kernels instantiated for head dims `dims` takes this call's types: bfloat16 or float16
+// Whether 16-bit kernels instantiated for head dims `dims` take this call's types: bfloat16 or float16
 // activations, Dk == Dv in `dims`, gradients of float32 or the activations' type.
 template <size_t N>
 bool SixteenBitTypes(const NbhdAttnGpuParams& p, const int (&dims)[N]) {

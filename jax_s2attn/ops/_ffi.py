@@ -120,7 +120,7 @@ RING_BACKWARD_DQ_TARGET = "jax_s2attn_ring_bwd_dq"
 RING_BACKWARD_DKV_TARGET = "jax_s2attn_ring_bwd_dkv"
 RING_TARGETS = (RING_FORWARD_TARGET, RING_BACKWARD_DQ_TARGET, RING_BACKWARD_DKV_TARGET)
 
-# The backward's delta = sum(dout * out, -1) - dlse: both modules, every kernel family. A target
+# The backward's delta = sum(dout * out, -1) - dlse: both modules, the arc kernels and the sharded op. A target
 # of its own because XLA fuses that reduction differently in different programs (changing its
 # last bit, and so the gradients'); the kernels sum in an order fixed by Dv alone.
 DELTA_TARGET = "jax_s2attn_delta"

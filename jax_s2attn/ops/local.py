@@ -29,8 +29,7 @@ __all__ = [
 
 
 def local_row_order(plan: NeighborhoodPlan, walk: str, lat0, nrows: int):
-    """Local rows ``0..nrows-1`` of a block starting at global row ``lat0``, in the plan's order (longest first,
-    its stencil rows last).
+    """Local rows ``0..nrows-1`` of a block starting at global row ``lat0``, in the plan's order (longest first).
 
     ``walk`` is ``"forward"`` (query rows; forward and dq) or ``"backward"`` (key
     rows; dk/dv). ``lat0`` may be traced (it differs per device under ``shard_map``);

@@ -29,10 +29,10 @@ RESIDUAL_NAME = "s2attn_residual"
 #: Points per batch entry (rows x longitudes x heads) of a walk's stencil pairs from which the op's tensor-core
 #: kernels of that walk leave the pairs to the stencil kernels. A tensor-core kernel and its stencil
 #: kernel run one after the other, so the stencil rows pay only when their work outweighs the tensor-core
-#: kernel's tail on the other (polar) rows: on the H200, beside the mma.sync kernels the scheduled ones replaced,
-#: from about 2^17 points (360x720 with one head, 216k points, and larger grids gained; docs/performance.md, which
-#: lists its re-measurement beside the scheduled kernels as open). Batch dims do not count, so that vmap and batch
-#: dims pick the same kernels (and give the same bits).
+#: kernel's tail on the other (polar) rows: on the H200, measured beside the mma.sync kernels of
+#: docs/performance.md ("Why not mma.sync"), from about 2^17 points (360x720 with one head, 216k points, and larger
+#: grids gained); its measurement beside the scheduled kernels is open there. Batch dims do not count, so that vmap
+#: and batch dims pick the same kernels (and give the same bits).
 STENCIL_MIN_POINTS = 1 << 17
 
 #: Mean neighbours per output point from which the op runs the scheduled tensor-core kernels between ring grids
@@ -314,6 +314,8 @@ def _native_attention(query, key, value, plan, scale, kernel):
 
 
 def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32):
+    """``(out, lse)`` of ``kernel`` on whole grids: the scheduled forward's out in ``out_dtype`` (float32 or the
+    input dtype), the arc forward's in float32."""
     if kernel == "scheduled":
         stencil = uses_stencil_rows(plan, query, kernel)
         return _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=out_dtype, stencil=stencil)

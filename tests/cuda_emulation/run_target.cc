@@ -58,8 +58,7 @@ s2attn::NbhdAttnGpuParams ParamsOf(int dtype, int gradient_dtype, const void* q,
 // nlat_q, nlon_q, nlat_k, nlon_k, residues, shift, num_arcs. dtype and gradient_dtype: ActivationType
 // of the activations and of the gradient results (the forward's lse and result0 out are float32).
 // `result2`: null, or for the stencil forward out in `dtype`, in place of a float32 out (result0 null).
-// `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the stencil targets, the walking row pairs they walk
-// (the last 2 * num_pairs ranks of row_order).
+// `stencil_pairs` ([num_pairs, 2]; null and 0 for none): for the stencil targets, the walking row pairs they walk.
 // Returns the launcher's cudaError_t.
 extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, const void* q, const void* k,
                                  const void* v, const void* dout, const float* lse, const float* delta,
