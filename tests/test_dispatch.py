@@ -100,11 +100,54 @@ def test_the_build_and_the_devices_decide_whether_the_scheduled_kernels_run(monk
     kernels."""
     module = object()
     monkeypatch.setitem(_ffi.MODULES, "cuda", (module, "available"))
-    monkeypatch.setattr(_ffi, "_scheduled_build_facts", lambda m: (sm90a, capabilities) if m is module else None)
+    facts = (sm90a, ("90a",), capabilities)
+    monkeypatch.setattr(_ffi, "_cuda_build_facts", lambda m: facts if m is module else None)
     reason = _ffi._scheduled_build_reason()
     assert (reason is None) == (match is None)
     if match is not None:
         assert re.search(match, reason), reason
+
+
+# (architectures built, compute capability) -> whether the build has kernels for that device.
+ARCHITECTURE_CASES = [
+    (("90a",), "9.0", True),
+    (("90a",), "8.0", False),  # the default build on an A100
+    (("90a",), "10.0", False),  # arch-specific code runs on its own version only
+    (("80", "90a"), "8.6", True),  # sm_80 machine code runs on 8.x
+    (("80", "90a"), "10.0", True),  # and its PTX, compiled by the driver, on anything newer
+    (("86-real",), "8.0", False),
+    (("86-real",), "9.0", False),  # machine code only: no PTX to compile
+    (("80-virtual",), "12.0", True),
+    (("100f",), "10.3", True),
+    (("100f",), "12.0", False),
+    (("native",), "7.5", True),  # unreadable: not refused here
+    (("90a",), "unknown", True),
+]
+
+
+@pytest.mark.parametrize(("architectures", "capability", "expected"), ARCHITECTURE_CASES)
+def test_which_devices_a_build_has_kernels_for(architectures, capability, expected):
+    assert _ffi.has_kernels_for(architectures, capability) is expected
+
+
+@native
+def test_a_gpu_without_kernels_in_the_build_is_named_before_lowering(monkeypatch):
+    """An A100 with the default build (sm_90a): the native CUDA kernels are unavailable, with the fix named;
+    implementation=None takes the reference there (with a warning), "ffi" is refused at trace time."""
+    module = object()
+    monkeypatch.setitem(_ffi.MODULES, "cuda", (module, "available"))
+    monkeypatch.setattr(_ffi, "_cuda_build_facts", lambda m: (True, ("90a",), ("8.0",)))
+    reason = _ffi.unavailable_reason("cuda", 64, 64)
+    assert "has kernels for 90a (CMAKE_CUDA_ARCHITECTURES), none for this process's GPUs of compute capability 8.0" \
+        in reason
+    assert 'CMAKE_CUDA_ARCHITECTURES="80;90a"' in reason
+    assert _checks.kernel_for(None, "cuda", BF16, 64, 64) == "reference"
+    with pytest.raises(ValueError, match="implementation='ffi' cannot run on cuda: the installed _s2attn_cuda has"):
+        _checks.check_runnable("ffi", "cuda", BF16, 64, 64, where="on cuda")
+    monkeypatch.setattr(_ffi, "_cuda_build_facts", lambda m: (True, ("80", "90a"), ("8.0",)))
+    assert _ffi.unavailable_reason("cuda", 64, 64) is None
+    monkeypatch.setattr(_ffi, "_cuda_build_facts", lambda m: (True, ("90a",), None))  # no device to ask
+    assert _ffi.unavailable_reason("cuda", 64, 64) is None
 
 
 # (implementation, platform, dtype, Dk) -> what runs, with the native modules of both platforms

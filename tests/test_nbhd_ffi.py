@@ -314,3 +314,6 @@ def test_modules_report_the_kernels_limits():
     assert limits.scheduled_head_dims == (32, 64, 128) and limits.stencil_max_half == 3
     # 48 KiB of shared memory hold two vectors of Dk + Dv floats per warp.
     assert limits.cuda_arc_max_head_dims == (6144 if _native.HAS_CUDA_EXT else None)
+    if _native.HAS_CUDA_EXT:  # what Python compares with the devices' compute capabilities (_ffi.has_kernels_for)
+        architectures = _native.MODULES["cuda"][0].build_info()["limits"]["cuda_architectures"]
+        assert architectures and all(a.strip() for a in architectures.split(","))

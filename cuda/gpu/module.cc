@@ -22,6 +22,7 @@ NB_MODULE(_s2attn_cuda, m) {
     nanobind::dict limits = s2attn::KernelLimits();
     limits["cuda_arc_max_head_dims"] = s2attn::NbhdAttnMaxHeadDims();
     limits["scheduled_sm90a"] = s2attn::SchedAttnBuiltForSm90a();
+    limits["cuda_architectures"] = S2ATTN_CUDA_ARCHITECTURES;  // CMAKE_CUDA_ARCHITECTURES, comma-separated
     nanobind::dict info = s2attn::BuildInfo(limits);
     info["cuda_runtime_version"] = s2attn::CudaRuntimeVersion();
     return info;

@@ -165,6 +165,8 @@ def unavailable_reason(platform: str, dk: int = 1, dv: int = 1) -> str | None:
     module, reason = MODULES[platform]
     if module is None:
         return reason
+    if platform == "cuda" and (devices := _cuda_devices_reason()) is not None:
+        return devices
     limit = kernel_limits().cuda_arc_max_head_dims if platform == "cuda" else None
     if limit is not None and dk + dv > limit:
         return f"the CUDA kernels support Dk + Dv <= {limit}, got Dk={dk}, Dv={dv}"
@@ -193,15 +195,67 @@ def _registrations(module) -> tuple[str, ...]:
 
 
 @functools.cache
-def _scheduled_build_facts(module) -> tuple[bool, tuple[str, ...] | None]:
-    """Whether ``module`` was built for sm_90a, and the compute capabilities of this process's CUDA devices
+def _cuda_build_facts(module) -> tuple[bool, tuple[str, ...] | None, tuple[str, ...] | None]:
+    """Whether the CUDA ``module`` was built for sm_90a, the architectures it was built for (CMake's spelling, as
+    its build_info() reports them; None if it does not) and the compute capabilities of this process's CUDA devices
     (None without a CUDA backend to ask): fixed for a process, so asked once."""
-    sm90a = bool(module.build_info()["limits"].get("scheduled_sm90a", False))
+    limits = module.build_info()["limits"]
+    sm90a = bool(limits.get("scheduled_sm90a", False))
+    built = limits.get("cuda_architectures")
+    architectures = None if built is None else tuple(a for a in str(built).split(",") if a)
     try:
         devices = jax.devices("cuda")
     except RuntimeError:
-        return sm90a, None
-    return sm90a, tuple(sorted({str(getattr(d, "compute_capability", "unknown")) for d in devices}))
+        return sm90a, architectures, None
+    return sm90a, architectures, tuple(sorted({str(getattr(d, "compute_capability", "unknown")) for d in devices}))
+
+
+def has_kernels_for(architectures, capability: str) -> bool:
+    """Whether a CUDA build for ``architectures`` (CMake's spelling: ``"80"``, ``"90a"``, ``"100f"``,
+    ``"86-real"``, ``"80-virtual"``) has kernels for a device of compute ``capability`` (``"8.6"``): machine code
+    of its major version and a lower or equal minor one, or PTX of a lower or equal version (which the driver
+    compiles); arch-specific code (``"90a"``) runs on its own version only, family code (``"100f"``) on its major
+    version. True where either cannot be read (``"native"``, an unknown capability): not refused here."""
+    try:
+        major, minor = (int(x) for x in capability.split("."))
+        parsed = []
+        for arch in architectures:
+            name, _, kind = arch.partition("-")
+            suffix = name[-1] if name[-1:] in ("a", "f") else ""
+            parsed.append((divmod(int(name.removesuffix(suffix)), 10), suffix, kind))
+    except ValueError:
+        return True
+    for version, suffix, kind in parsed:
+        same_major = version[0] == major and version[1] <= minor
+        if suffix == "a":
+            runs = version == (major, minor)
+        elif suffix == "f":
+            runs = same_major
+        else:
+            runs = (kind != "virtual" and same_major) or (kind != "real" and version <= (major, minor))
+        if runs:
+            return True
+    return False
+
+
+def _cuda_devices_reason() -> str | None:
+    """Why this process's CUDA devices have no kernels in the installed CUDA module (built for other
+    architectures); None if they have, or where it cannot tell (no device to ask, a module that does not say)."""
+    module, _ = MODULES["cuda"]
+    if module is None:
+        return None
+    _, architectures, capabilities = _cuda_build_facts(module)
+    if architectures is None or capabilities is None:
+        return None
+    missing = [c for c in capabilities if not has_kernels_for(architectures, c)]
+    if not missing:
+        return None
+    example = missing[0].replace(".", "")
+    return (
+        f"the installed _s2attn_cuda has kernels for {', '.join(architectures)} (CMAKE_CUDA_ARCHITECTURES), none for "
+        f"this process's GPUs of compute capability {', '.join(missing)}; rebuild jax_s2attn with their architecture "
+        f'added, e.g. CMAKE_CUDA_ARCHITECTURES="{example};90a"'
+    )
 
 
 def _scheduled_build_reason() -> str | None:
@@ -211,7 +265,7 @@ def _scheduled_build_reason() -> str | None:
     module, reason = MODULES["cuda"]
     if module is None:
         return reason
-    sm90a, capabilities = _scheduled_build_facts(module)
+    sm90a, _, capabilities = _cuda_build_facts(module)
     if not sm90a:
         return "the installed _s2attn_cuda was not built for sm_90a (CMAKE_CUDA_ARCHITECTURES=90a)"
     if capabilities is None or capabilities == ("9.0",):
