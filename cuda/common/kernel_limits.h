@@ -8,12 +8,6 @@ namespace s2attn {
 // Activation dtypes (jax names) of the arc-segment kernels (CPU and CUDA; float32 accumulation).
 inline constexpr const char* kArcDtypes[] = {"float32", "bfloat16", "float16"};
 
-// Activation dtypes and head dims (Dk == Dv) the CUDA stencil kernels are instantiated for
-// (gpu/sixteen_bit_dispatch.cuh): those of the scheduled tensor-core kernels, beside which they take the rows of
-// short arcs.
-inline constexpr const char* kStencilDtypes[] = {"bfloat16", "float16"};
-inline constexpr int kStencilHeadDims[] = {32, 64, 128};
-
 // The shape a row pair of the CUDA stencil kernels must fit (gpu/stencil_attn_kernels.h), which the plan's
 // stencil pairs follow: the pair stages at most kStencilMaxOtherRows consecutive rows of the other grid, and
 // every arc of its points lies within kStencilMaxHalf longitudes of the point (a 7-column window, sized for
@@ -33,5 +27,11 @@ inline constexpr int kSchedTileRuns = 8;
 inline constexpr int kSchedRunPoints = 8;
 inline constexpr int kSchedHeadDims[] = {32, 64, 128};
 inline constexpr const char* kSchedDtypes[] = {"bfloat16", "float16"};
+
+// Activation dtypes and head dims (Dk == Dv) the CUDA stencil kernels are instantiated for
+// (gpu/sixteen_bit_dispatch.cuh): those of the scheduled tensor-core kernels, beside which they take the rows of
+// short arcs.
+inline constexpr const auto& kStencilDtypes = kSchedDtypes;
+inline constexpr const auto& kStencilHeadDims = kSchedHeadDims;
 
 }  // namespace s2attn
