@@ -5,8 +5,9 @@ kernels once their points per batch entry (rows x longitudes x heads of the pair
 reach ``jax_s2attn.ops.neighborhood.STENCIL_MIN_POINTS``; below it the scheduled kernels take every row. The stencil
 kernels run after the scheduled ones, so on small problems their time adds almost whole. Per grid and head count this
 times the op (bf16, 64 channels a head, batch 1) forward and forward+backward with the gate at 1 (stencil rows
-wherever the plan has them) and out of reach (no stencil rows), in one process, and prints the points the gate
-compares and the ratio: the gate belongs between the largest point count that lost and the smallest that gained.
+wherever the plan has them) and out of reach (no stencil rows), in one process, after checking that the two settings
+lower to programs with and without the stencil targets, and prints the points the gate compares and the ratio: the
+gate belongs between the largest point count that lost and the smallest that gained.
 
 Usage (on an sm_90 GPU with the CUDA build): ``python -P benchmarks/stencil_gate.py [--grids 180x360 360x720 ...]
 [--heads 1 2 3 4] [--reps 15] [--csv PATH]``.
@@ -15,8 +16,10 @@ Usage (on an sm_90 GPU with the CUDA build): ``python -P benchmarks/stencil_gate
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
+import re
 import sys
 
 import jax
@@ -47,26 +50,51 @@ def gate_points(plan: jax_s2attn.NeighborhoodPlan, heads: int, walk: str) -> int
     return 2 * len(_ffi.stencil_schedule(plan, walk).pairs) * nlon * heads
 
 
-def _times(plan, heads: int, gate: int, reps: int) -> tuple[float, float]:
-    """Forward and forward+backward ms of the op on ``implementation="ffi"`` with ``STENCIL_MIN_POINTS = gate``
-    (read when the op is traced, so each gate gets its own jitted functions)."""
+@contextlib.contextmanager
+def gate_at(points: int):
+    """Sets ``STENCIL_MIN_POINTS`` for the ops traced inside, and restores it after. The op reads the gate when it
+    is traced, and jax reuses traces of the op's inner functions across ``jit`` objects: both ends clear jax's
+    caches."""
     saved = neighborhood.STENCIL_MIN_POINTS
-    neighborhood.STENCIL_MIN_POINTS = gate
+    neighborhood.STENCIL_MIN_POINTS = points
+    jax.clear_caches()
     try:
-        attend = lambda q, k, v, p: jax_s2attn.neighborhood_attention(q, k, v, p, implementation="ffi")
-        loss = lambda q, k, v, p, g: jnp.vdot(attend(q, k, v, p).astype(jnp.float32), g)
-        forward = jax.jit(attend)
-        both = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        rng = np.random.default_rng(0)
-        shape = (plan.nlat_in, plan.nlon_in, heads, HEAD_DIM)
-        sets = []
-        for _ in range(2):
-            q, k, v, g = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4))
-            sets.append((q, k, v, g))
-        fwd = median_ms(forward, [(q, k, v, plan) for q, k, v, _ in sets], reps)
-        fb = median_ms(both, [(q, k, v, plan, g) for q, k, v, g in sets], reps)
+        yield
     finally:
         neighborhood.STENCIL_MIN_POINTS = saved
+        jax.clear_caches()
+
+
+def _op_functions():
+    """The op on ``implementation="ffi"`` jitted: forward, and forward+backward (``value_and_grad`` of a vdot)."""
+    attend = lambda q, k, v, p: jax_s2attn.neighborhood_attention(q, k, v, p, implementation="ffi")
+    loss = lambda q, k, v, p, g: jnp.vdot(attend(q, k, v, p).astype(jnp.float32), g)
+    return jax.jit(attend), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def _inputs(plan, heads: int, count: int) -> list[tuple]:
+    rng = np.random.default_rng(0)
+    shape = (plan.nlat_in, plan.nlon_in, heads, HEAD_DIM)
+    return [tuple(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4)) for _ in range(count)]
+
+
+def stencil_targets(plan, heads: int, points: int) -> list[str]:
+    """The stencil custom calls of the op's forward+backward for CUDA with the gate at ``points`` (lowered, not
+    run: any host can say it), so that a run checks it timed what it meant to."""
+    with gate_at(points):
+        q, k, v, g = _inputs(plan, heads, 1)[0]
+        both = _op_functions()[1]
+        text = both.trace(q, k, v, plan, g).lower(lowering_platforms=("cuda",)).as_text()
+    return sorted(set(re.findall(r"jax_s2attn_stencil_[a-z_]+", text)))
+
+
+def _times(plan, heads: int, points: int, reps: int) -> tuple[float, float]:
+    """Forward and forward+backward ms of the op on ``implementation="ffi"`` with the gate at ``points``."""
+    with gate_at(points):
+        forward, both = _op_functions()
+        sets = _inputs(plan, heads, 2)
+        fwd = median_ms(forward, [(q, k, v, plan) for q, k, v, _ in sets], reps)
+        fb = median_ms(both, [(q, k, v, plan, g) for q, k, v, g in sets], reps)
     return fwd, fb
 
 
@@ -94,6 +122,10 @@ def main() -> None:
             if max(points) == 0:
                 print(f"{nlat}x{nlon} has no stencil rows; skipped")
                 break
+            for points_gate, expected in ((NEVER, False), (1, True)):
+                targets = stencil_targets(plan, heads, points_gate)
+                if bool(targets) != expected:
+                    sys.exit(f"{nlat}x{nlon}, {heads} heads, gate {points_gate}: stencil targets {targets}")
             fwd_none, fb_none = _times(plan, heads, NEVER, args.reps)
             fwd_stencil, fb_stencil = _times(plan, heads, 1, args.reps)
             row = (f"{nlat}x{nlon}", heads, *points, fwd_none, fwd_stencil, fb_none, fb_stencil, fb_stencil / fb_none)

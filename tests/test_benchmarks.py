@@ -187,6 +187,19 @@ def test_row_widths_bands_outside_the_stencil_pairs():
     assert bands_outside(4, np.array([[0, 1], [2, 3]])) == []
 
 
+@pytest.mark.skipif(not jax_s2attn.native_backends().get("cuda"), reason="needs the CUDA module (CI builds it)")
+def test_stencil_gate_times_the_op_with_and_without_the_stencil_rows():
+    # The op reads the gate when traced and jax reuses the traces of its inner functions: without clearing jax's
+    # caches the second setting would lower to the first one's program and time it again.
+    stencil_gate = _benchmark_module("stencil_gate")
+    plan, gate = NeighborhoodPlan((17, 36), (17, 36)), jax_s2attn.ops.neighborhood.STENCIL_MIN_POINTS
+    assert stencil_gate.gate_points(plan, 2, "forward") == 2 * stencil_gate.gate_points(plan, 1, "forward") > 0
+    stencil = ["jax_s2attn_stencil_bwd_dkv", "jax_s2attn_stencil_bwd_dq_delta", "jax_s2attn_stencil_fwd"]
+    for points, expected in ((stencil_gate.NEVER, []), (1, stencil), (stencil_gate.NEVER, [])):
+        assert stencil_gate.stencil_targets(plan, 1, points) == expected, points
+    assert jax_s2attn.ops.neighborhood.STENCIL_MIN_POINTS == gate  # restored
+
+
 def test_torch_harmonics_build_leaves_a_wheels_prebuilt_extensions_behind(tmp_path):
     build = _benchmark_module("build_torch_harmonics")
     attention = tmp_path / "wheel" / "torch_harmonics" / "attention"
