@@ -107,6 +107,8 @@ def main() -> None:
     args = parser.parse_args()
     if any(h < 1 for h in args.heads):
         parser.error(f"--heads must be positive; got {args.heads}")
+    if jax.default_backend() != "gpu":
+        parser.error(f"needs a CUDA GPU; jax's default backend is {jax.default_backend()}")
     reason = _ffi.unavailable_reason("cuda", HEAD_DIM, HEAD_DIM)
     if reason is not None:
         parser.error(f"needs a CUDA GPU the build has kernels for: {reason}")

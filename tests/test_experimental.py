@@ -1,17 +1,25 @@
 """The measuring programs of ``experimental/`` compile for their GPU: each runs only on an sm_90 GPU
 (``bash experimental/<program>.sh``), so CI checks that its script builds it and links it against the CUDA
 runtime. mainloop_primitives also needs the CUTLASS headers of nvidia-cutlass (``make test`` installs them); its
-script finds them through this interpreter ($PYTHON)."""
+script finds them through this interpreter ($PYTHON). tile_fixed_cost.py times the scheduled targets on
+doctored schedules: its doctoring is checked here, on the host."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+
+import jax_s2attn
+from jax_s2attn.ops import _ffi
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,3 +33,41 @@ def test_program_builds(tmp_path, program):
                             env={**os.environ, "TMPDIR": str(tmp_path), "PYTHON": sys.executable})  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / program).stat().st_size > 0
+
+
+def _tile_fixed_cost():
+    sys.path.insert(0, str(ROOT / "experimental"))
+    try:
+        import tile_fixed_cost
+    finally:
+        sys.path.pop(0)
+    return tile_fixed_cost
+
+
+def test_tile_fixed_cost_walks_each_tiles_chunks_again():
+    experiment = _tile_fixed_cost()
+    plan = jax_s2attn.NeighborhoodPlan((17, 36), (17, 36), theta_cutoff=0.3)
+    for walk in ("forward", "backward"):
+        schedule = plan.block_schedule(walk)
+        walked = experiment.repeated(schedule, 3)
+        offsets, walked_offsets = schedule.tile_offsets, walked.tile_offsets
+        assert len(walked_offsets) == len(offsets) and walked_offsets[-1] == 3 * offsets[-1]
+        for tile in range(len(offsets) - 1):
+            chunks = schedule.chunks[offsets[tile] : offsets[tile + 1]]
+            assert (walked.chunks[walked_offsets[tile] : walked_offsets[tile + 1]] == np.tile(chunks, (3, 1))).all()
+        assert (walked.records == schedule.records).all() and (walked.tiles == schedule.tiles).all()
+
+
+@pytest.mark.skipif(not jax_s2attn.native_backends().get("cuda"), reason="needs the CUDA module (CI builds it)")
+def test_tile_fixed_cost_lowers_the_walked_schedules():
+    # The targets read the schedules when traced: each factor must lower to its own chunk table, and the plan's
+    # own schedule come back after.
+    experiment = _tile_fixed_cost()
+    plan = jax_s2attn.NeighborhoodPlan((17, 36), (17, 36), theta_cutoff=0.3)
+    chunks = len(plan.block_schedule("forward").chunks)
+    q = jnp.zeros((17, 36, 1, 64), jnp.bfloat16)
+    forward = lambda q, k, v, p: _ffi.ffi_scheduled_forward(q, k, v, p, scale=0.125)
+    for factor in (1, 2, 1):
+        with experiment.chunks_walked(factor):
+            text = jax.jit(forward).trace(q, q, q, plan).lower(lowering_platforms=("cuda",)).as_text()
+        assert set(re.findall(r"tensor<(\d+)x6xi32>", text)) == {str(factor * chunks)}, factor
