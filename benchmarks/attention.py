@@ -175,7 +175,7 @@ def _arc_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
     }
 
 
-def _scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
+def scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
     """Median ms of the scheduled forward (out in float32, as differentiated), dq, dkv and delta targets, each
     alone, the backward ones fed with the forward's lse and a delta of its out, and the dq that forms delta
     (``dq_delta``, what the op runs in place of dq and delta); each with the stencil targets on the plan's tile
@@ -374,7 +374,7 @@ def main() -> None:
             column = "reference" if kernel == "reference" else f"ffi_{kernel}"
             row.update({f"{column}_fwd_ms": fwd, f"{column}_fwdbwd_ms": both, f"{column}_device_bytes": memory})
             if kernel != "reference":
-                runs = _scheduled_target_runs if kernel == "scheduled" else _arc_target_runs
+                runs = scheduled_target_runs if kernel == "scheduled" else _arc_target_runs
                 targets = runs(plan, reps, input_sets)
                 row.update({f"{column}_{target}_target_ms": ms for target, ms in targets.items()})
         if f"ffi_{ffi_kernel}_fwd_ms" in row:

@@ -21,6 +21,7 @@ import csv
 import os
 import re
 import sys
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ NEVER = 1 << 62  # a gate no problem reaches
 
 
 def _grid(text: str) -> tuple[int, int]:
+    """``--grids``' ``NLATxNLON``."""
     try:
         nlat, nlon = (int(part) for part in text.lower().split("x"))
     except ValueError:
@@ -51,14 +53,14 @@ def gate_points(plan: jax_s2attn.NeighborhoodPlan, heads: int, walk: str) -> int
 
 
 @contextlib.contextmanager
-def gate_at(points: int):
+def gate_at(points: int) -> Iterator[None]:
     """Sets ``STENCIL_MIN_POINTS`` for the ops traced inside, and restores it after. The op reads the gate when it
     is traced, and jax reuses traces of the op's inner functions across ``jit`` objects: both ends clear jax's
     caches."""
     saved = neighborhood.STENCIL_MIN_POINTS
-    neighborhood.STENCIL_MIN_POINTS = points
-    jax.clear_caches()
     try:
+        neighborhood.STENCIL_MIN_POINTS = points
+        jax.clear_caches()
         yield
     finally:
         neighborhood.STENCIL_MIN_POINTS = saved
@@ -72,13 +74,14 @@ def _op_functions():
     return jax.jit(attend), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def _inputs(plan, heads: int, count: int) -> list[tuple]:
+def _inputs(plan: jax_s2attn.NeighborhoodPlan, heads: int, count: int) -> list[tuple]:
+    """``count`` sets of (q, k, v, dout), bf16 standard normal, ``heads`` heads of ``HEAD_DIM`` channels."""
     rng = np.random.default_rng(0)
     shape = (plan.nlat_in, plan.nlon_in, heads, HEAD_DIM)
     return [tuple(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(4)) for _ in range(count)]
 
 
-def stencil_targets(plan, heads: int, points: int) -> list[str]:
+def stencil_targets(plan: jax_s2attn.NeighborhoodPlan, heads: int, points: int) -> list[str]:
     """The stencil custom calls of the op's forward+backward for CUDA with the gate at ``points`` (lowered, not
     run: any host can say it), so that a run checks it timed what it meant to."""
     with gate_at(points):
@@ -88,7 +91,7 @@ def stencil_targets(plan, heads: int, points: int) -> list[str]:
     return sorted(set(re.findall(r"jax_s2attn_stencil_[a-z_]+", text)))
 
 
-def _times(plan, heads: int, points: int, reps: int) -> tuple[float, float]:
+def _times(plan: jax_s2attn.NeighborhoodPlan, heads: int, points: int, reps: int) -> tuple[float, float]:
     """Forward and forward+backward ms of the op on ``implementation="ffi"`` with the gate at ``points``."""
     with gate_at(points):
         forward, both = _op_functions()
@@ -109,9 +112,9 @@ def main() -> None:
         parser.error(f"--heads must be positive; got {args.heads}")
     if jax.default_backend() != "gpu":
         parser.error(f"needs a CUDA GPU; jax's default backend is {jax.default_backend()}")
-    reason = _ffi.unavailable_reason("cuda", HEAD_DIM, HEAD_DIM)
+    reason = _ffi.scheduled_unavailable_reason("cuda", "bfloat16", HEAD_DIM, HEAD_DIM)
     if reason is not None:
-        parser.error(f"needs a CUDA GPU the build has kernels for: {reason}")
+        parser.error(f"needs a GPU the scheduled kernels run on: {reason}")
 
     rows = []
     header = ("grid", "heads", "gate_points_fwd", "gate_points_bwd", "fwd_ms_no_stencil", "fwd_ms_stencil",

@@ -4,7 +4,8 @@ A block of the scheduled kernels owns one tile: it enters, sets up its barriers,
 dout for dk/dv), waits for its first chunk, walks its chunks and writes its results. Per target this times the
 custom call (``benchmarks/attention.py``'s targets alone: the forward with a float32 out, the dq that forms
 delta, dk/dv) on the plan's schedules as they are and with every tile's chunks walked two and three times in a row
-(the same chunks again: the results are wrong, the work per chunk is the same), and fits ``t = intercept + slope *
+(the same chunks again: the results are wrong, the arithmetic per chunk is the same, and the walked-again chunks'
+K and V come from the L2), and fits ``t = intercept + slope *
 factor``. ``slope / chunks`` is what a chunk costs, ``intercept / tiles`` what a tile costs once (with the
 launch's few microseconds), and their ratio the tile's cost in chunks' time: what blocks that walk several tiles,
 overlapping one tile's fixed cost with another's chunks, could hide (docs/performance.md, "What the next rounds are
@@ -22,6 +23,7 @@ import argparse
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +35,7 @@ from jax_s2attn.ops.neighborhood import uses_stencil_rows
 from jax_s2attn.schedule import BlockSchedule
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from attention import _scheduled_target_runs  # noqa: E402
+from attention import scheduled_target_runs  # noqa: E402
 
 FACTORS = (1, 2, 3)
 HEAD_DIM = 64
@@ -48,11 +50,11 @@ def repeated(schedule: BlockSchedule, factor: int) -> BlockSchedule:
     # Chunk i of a tile with n chunks at `first` appears at positions first * factor + r * n + i, r < factor.
     index = np.concatenate([np.tile(np.arange(offsets[t], offsets[t + 1]), factor) for t in range(len(counts))])
     tile_offsets = np.concatenate([[0], np.cumsum(counts * factor)]).astype(np.int32)
-    return schedule._replace(chunks=schedule.chunks[index.astype(np.int64)], tile_offsets=tile_offsets)
+    return schedule._replace(chunks=schedule.chunks[index], tile_offsets=tile_offsets)
 
 
 @contextlib.contextmanager
-def chunks_walked(factor: int):
+def chunks_walked(factor: int) -> Iterator[None]:
     """Plans' block schedules with every tile's chunks walked ``factor`` times, for the ops traced inside (jax's
     caches cleared at both ends: the schedules are read when the targets are traced)."""
     original = jax_s2attn.NeighborhoodPlan.block_schedule
@@ -60,9 +62,9 @@ def chunks_walked(factor: int):
     def block_schedule(plan, walk, **shape):
         return repeated(original(plan, walk, **shape), factor)
 
-    jax_s2attn.NeighborhoodPlan.block_schedule = block_schedule
-    jax.clear_caches()
     try:
+        jax_s2attn.NeighborhoodPlan.block_schedule = block_schedule
+        jax.clear_caches()
         yield
     finally:
         jax_s2attn.NeighborhoodPlan.block_schedule = original
@@ -84,7 +86,7 @@ def main() -> None:
         parser.error(f"needs a GPU the scheduled kernels run on: {reason}")
 
     print(f"{'grid':>10} {'target':>9} {'tiles':>7} {'chunks':>8} " + " ".join(f"{f'x{f} ms':>9}" for f in FACTORS)
-          + f" {'ns/chunk':>9} {'ns/tile':>8} {'tile/chunk':>10} {'fit resid':>9}")  # fmt: skip
+          + f" {'ns/chunk':>9} {'ns/tile':>8} {'tile/chunk':>10} {'resid ms':>9}")  # fmt: skip
     rng = np.random.default_rng(0)
     for nlat, nlon in grids:
         plan = jax_s2attn.NeighborhoodPlan((nlat, nlon), (nlat, nlon), theta_cutoff=args.theta_cutoff)
@@ -95,16 +97,16 @@ def main() -> None:
         times = {}
         for factor in FACTORS:
             with chunks_walked(factor):
-                times[factor] = _scheduled_target_runs(plan, args.reps, input_sets)
+                times[factor] = scheduled_target_runs(plan, args.reps, input_sets)
         for target, walk in TARGETS.items():
             tile_rows, tile_cols, chunk_cols = _ffi.kernel_limits().scheduled_shape
             schedule = plan.block_schedule(walk, tile_rows=tile_rows, tile_cols=tile_cols, chunk_cols=chunk_cols)
             tiles, chunks = len(schedule.tile_offsets) - 1, int(schedule.tile_offsets[-1])
-            t = np.array([times[f][target] for f in FACTORS])
-            slope, intercept = np.polyfit(FACTORS, t, 1)
-            residual = float(np.abs(np.polyval((slope, intercept), FACTORS) - t).max())
+            ms = np.array([times[factor][target] for factor in FACTORS])
+            slope, intercept = np.polyfit(FACTORS, ms, 1)
+            residual = float(np.abs(np.polyval((slope, intercept), FACTORS) - ms).max())  # ms
             per_chunk, per_tile = slope / chunks * 1e6, intercept / tiles * 1e6  # ns
-            print(f"{nlat}x{nlon:<6} {target:>9} {tiles:>7} {chunks:>8} " + " ".join(f"{x:>9.4f}" for x in t)
+            print(f"{nlat}x{nlon:<6} {target:>9} {tiles:>7} {chunks:>8} " + " ".join(f"{value:>9.4f}" for value in ms)
                   + f" {per_chunk:>9.3f} {per_tile:>8.2f} {per_tile / per_chunk:>10.1f} {residual:>9.4f}")  # fmt: skip
 
 
