@@ -176,16 +176,19 @@ def _arc_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
 
 
 def scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
-    """Median ms of the scheduled forward (out in float32, as differentiated), dq, dkv and delta targets, each
-    alone, the backward ones fed with the forward's lse and a delta of its out, and the dq that forms delta
-    (``dq_delta``, what the op runs in place of dq and delta); each with the stencil targets on the plan's tile
-    stencil pairs where the op runs them."""
+    """Median ms of the scheduled forward (out in the activations' dtype and in float32, as differentiated), dq, dkv
+    and delta targets, each alone, the backward ones fed with the forward's lse and a delta of a float32 out of
+    every row, and the dq that forms delta (``dq_delta``, what the op runs in place of dq and delta, fed as the op
+    feeds it); each with the stencil targets on the plan's tile stencil pairs where the op runs them."""
     q0 = input_sets[0][0]
     scale = float(q0.shape[-1]) ** -0.5
     stencil = {walk: uses_stencil_rows(plan, q0, "scheduled", walk) for walk in ("forward", "backward")}
     gradients = dict(scale=scale, gradient_dtype=q0.dtype)
-    forward = jax.jit(lambda q, k, v, p: _ffi.ffi_scheduled_forward(q, k, v, p, scale=scale,
-                                                                    stencil=stencil["forward"]))  # fmt: skip
+    forward = jax.jit(lambda q, k, v, p: _ffi.ffi_scheduled_forward(
+        q, k, v, p, scale=scale, out_dtype=q.dtype, float32_out=True, stencil=stencil["forward"]))  # fmt: skip
+    # A float32 out of every row (beside the stencil rows the op's float32 out holds the scheduled rows only).
+    full_out = jax.jit(lambda q, k, v, p: _ffi.ffi_scheduled_forward(q, k, v, p, scale=scale,
+                                                                     stencil=stencil["forward"])[0])  # fmt: skip
     dq = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dq(q, k, v, g, lse, delta, p, **gradients,
                                                                          stencil=stencil["forward"]))  # fmt: skip
     dkv = jax.jit(lambda q, k, v, g, lse, delta, p: _ffi.ffi_scheduled_dkv(q, k, v, g, lse, delta, p, **gradients,
@@ -193,10 +196,11 @@ def scheduled_target_runs(plan, reps: int, input_sets) -> dict[str, float]:
     delta = jax.jit(_ffi.ffi_delta)
     delta_sets, backward_sets, forming_sets = [], [], []
     for q, k, v, g in input_sets:
-        out, lse = forward(q, k, v, plan)
+        _, lse, out32 = forward(q, k, v, plan)
+        out = full_out(q, k, v, plan)
         delta_sets.append((g, out))
         backward_sets.append((q, k, v, g, lse, delta(g, out), plan))
-        forming_sets.append((q, k, v, g, lse, out, jnp.zeros_like(lse), plan))
+        forming_sets.append((q, k, v, g, lse, out32, jnp.zeros_like(lse), plan))
     times = {
         "forward": median_ms(forward, [(q, k, v, plan) for q, k, v, _ in input_sets], reps),
         "dq": median_ms(dq, backward_sets, reps),

@@ -63,6 +63,7 @@ from kernel_cases import (  # noqa: E402
     run_scheduled_kind,
     run_scheduled_windows,
     scheduled_schedules,
+    stencil_rows_of,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
@@ -246,7 +247,9 @@ def main(argv=None) -> int:
                                                                    DeviceMemory(cupy), pairs)  # fmt: skip
                         given, _ = run_scheduled_kind(lib, case, "dq", np.float32, forward, lse, delta,
                                                       DeviceMemory(cupy), pairs)  # fmt: skip
-                        verify_dq_forming_delta(case, out, dlse, {"dq": dq, "delta": delta, "dq_given_delta": given})
+                        rows = stencil_rows_of(pairs, case.plan.nlat_out) if stencil else None
+                        verify_dq_forming_delta(case, out, dlse, {"dq": dq, "delta": delta, "dq_given_delta": given},
+                                                rows)  # fmt: skip
                     print(f"ok   {name}")
                     continue
                 verify_case(case, run_case(case, launch), tolerance_of(kernel, case.dtype))

@@ -55,11 +55,16 @@ DTYPES = {"float32": (0, np.float32), "bfloat16": (1, ml_dtypes.bfloat16), "floa
 # further.
 FORWARD, DQ, DKV = 0, 1, 2
 STENCIL_TARGET_OFFSET = 3
-# The stencil dq that forms delta itself (run_target.cc's RunStencilDqFormingDelta): a launch of it takes (the
-# forward's float32 out, dlse) in place of delta and gives (dq, delta).
+# The stencil dq that forms delta itself (run_target.cc's RunStencilDqFormingDelta): a launch of it takes dlse in
+# place of delta and gives (dq, delta), delta from its own probabilities.
 STENCIL_DQ_FORMING_DELTA = 6
-# Its delta against float64, per row relative to sum |dout * out| + |dlse| (float32 sums of Dv terms).
+# The scheduled dq's delta (formed from the forward's float32 out) against float64, per row relative to
+# sum |dout * out| + |dlse| (float32 sums of Dv terms).
 FORMED_DELTA_TOLERANCE = 1e-6
+# The stencil dq's delta = sum_j p_j (dout . v_j) - dlse and its dq = scale (sum_j p_j (dout . v_j) k_j - delta
+# sum_j p_j k_j), float32 sums over the neighbours: against float64's delta and the dq given that delta, per row
+# relative to |dout| max_j |v_j| + |dlse| (which bounds every |p_j dout . v_j| sum), times scale max |k| for dq.
+STENCIL_FORMED_TOLERANCE = 1e-5
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
 # the bar is float32 round-off for every storage dtype.
 TOLERANCE = 2e-5
@@ -419,7 +424,7 @@ def call_run_target(
     r2=None, stencil_pairs=None,
 ) -> int:  # fmt: skip
     """Calls ``RunNbhdAttnTarget`` (or for ``target`` STENCIL_DQ_FORMING_DELTA ``RunStencilDqFormingDelta``, ``delta``
-    then ``(forward out, dlse)``) of ``lib`` (ctypes) with the arguments of a launch callable and returns its
+    then dlse) of ``lib`` (ctypes) with the arguments of a launch callable and returns its
     cudaError_t. ``address(array)`` gives the buffer address the kernels use for a (non-None) numpy array;
     ``table`` is an ArcTable (arc targets) or a SegmentTable (stencil targets). The gradient results' type is that
     of ``r0`` (the forward's lse and ``r0`` out are float32); ``r2`` as a launch's ``result2``; ``stencil_pairs``
@@ -433,9 +438,8 @@ def call_run_target(
     forming_delta = target == STENCIL_DQ_FORMING_DELTA
     if forming_delta and r2 is not None:
         raise ValueError("the dq that forms delta has two results")
-    row_inputs = delta if forming_delta else (delta,)  # (forward out, dlse) or (delta,)
     results = (r0, r1) if forming_delta else (r0, r1, r2)
-    arrays = (q, k, v, dout, lse, *row_inputs, window, row_order, table.offsets, rows, weights, *results)
+    arrays = (q, k, v, dout, lse, delta, window, row_order, table.offsets, rows, weights, *results)
     result_type = np.float32 if r0 is None else r0.dtype
     gradient_dtype = next(code for code, storage in DTYPES.values() if np.dtype(storage) == result_type)
     pointers = [ctypes.c_void_p(None if a is None else address(a)) for a in arrays]
@@ -445,18 +449,60 @@ def call_run_target(
     return lib.RunNbhdAttnTarget(ctypes.c_int(target), *types, *pointers, *tail)
 
 
-def verify_dq_forming_delta(case: KernelCase, out: np.ndarray, dlse: np.ndarray, results: dict[str, np.ndarray]):
-    """Every element written; delta = sum(dout * out, -1) - dlse of every local row to FORMED_DELTA_TOLERANCE; dq
-    (``results["dq"]``, of the dq that formed ``results["delta"]``) the bits of ``results["dq_given_delta"]``, the
-    dq given that delta."""
+def stencil_rows_of(pairs: np.ndarray, nlat: int) -> np.ndarray:
+    """The rows of stencil ``pairs`` (each pair's first row and the next) of a grid of ``nlat`` rows, as a mask."""
+    rows = np.zeros(nlat, bool)
+    rows[pairs[:, 0]] = rows[pairs[:, 0] + 1] = True
+    return rows
+
+
+def verify_dq_forming_delta(
+    case: KernelCase, out: np.ndarray, dlse: np.ndarray, results: dict[str, np.ndarray], stencil_rows=None
+):  # fmt: skip
+    """Every element written; on the scheduled dq's rows delta = sum(dout * out, -1) - dlse to FORMED_DELTA_TOLERANCE
+    and dq (``results["dq"]``, of the dq that formed ``results["delta"]``) the bits of ``results["dq_given_delta"]``,
+    the dq given that delta. ``stencil_rows`` (bool ``[nlat]`` of the query grid; whole grids): the stencil dq's
+    rows, whose delta comes from its own probabilities (not from ``out``): checked by
+    :func:`verify_stencil_formed_delta`."""
     for name, result in results.items():
-        assert not np.isnan(result).any(), f"{name}: some elements were never written"
+        assert not np.isnan(np.asarray(result, np.float32)).any(), f"{name}: some elements were never written"
+    rows = np.zeros(case.sizes[4], bool) if stencil_rows is None else np.asarray(stencil_rows)
     terms = case.inputs[3].astype(np.float64) * out.astype(np.float64)
     expected = terms.sum(-1) - dlse
     bound = FORMED_DELTA_TOLERANCE * (np.abs(terms).sum(-1) + np.abs(dlse))
-    excess = np.abs(results["delta"] - expected) - bound
+    excess = (np.abs(results["delta"] - expected) - bound)[:, ~rows]
     assert (excess <= 0).all(), f"delta: error exceeds its bound by up to {excess.max():.2e}"
-    assert results["dq"].tobytes() == results["dq_given_delta"].tobytes(), "dq: not the bits of the dq given its delta"
+    dq, given = (np.asarray(results[name]) for name in ("dq", "dq_given_delta"))
+    assert dq[:, ~rows].tobytes() == given[:, ~rows].tobytes(), "dq: not the bits of the dq given its delta"
+    if rows.any():
+        verify_stencil_formed_delta(case, dlse, results, rows)
+
+
+def verify_stencil_formed_delta(case: KernelCase, dlse: np.ndarray, results: dict[str, np.ndarray], rows) -> None:
+    """:func:`check_stencil_formed_delta` on ``case``'s whole grids against its float64 delta (for dlse 0) less
+    ``dlse``: ``results["delta"]``, ``results["dq"]`` and ``results["dq_given_delta"]`` on the query ``rows``."""
+    assert case.plan.out_shape == tuple(case.sizes[4:6]), "whole grids only"
+    q, k, v, dout = case.inputs[:4]
+    expected = case.inputs[5].astype(np.float64) - dlse
+    check_stencil_formed_delta(results["delta"], results["dq"], results["dq_given_delta"], expected, dout, k, v,
+                               dlse, case.scale, rows)  # fmt: skip
+
+
+def check_stencil_formed_delta(delta, dq, dq_given, expected_delta, dout, k, v, dlse, scale, rows) -> None:
+    """On the query ``rows`` (bool ``[nlat]`` of arrays ``[batch, nlat, nlon, heads, ...]``), those of the stencil
+    dq that forms delta from its own probabilities: ``delta`` within STENCIL_FORMED_TOLERANCE of
+    ``expected_delta`` (float64's sum_j p_j (dout . v_j) - dlse), and ``dq`` within it of ``dq_given``, the dq
+    given that delta (one rounding of the result's dtype more where it is not float32)."""
+    dout, k, v, dlse, delta = (np.asarray(x, np.float64) for x in (dout, k, v, dlse, delta))
+    size = np.sqrt((dout**2).sum(-1)) * np.sqrt((v**2).sum(-1)).max()  # bounds |dout . v_j|
+    excess = (np.abs(delta - expected_delta) - STENCIL_FORMED_TOLERANCE * (size + np.abs(dlse)))[:, rows]
+    assert (excess <= 0).all(), f"stencil delta: error exceeds its bound by up to {excess.max():.2e}"
+    result_type = np.asarray(dq).dtype
+    dq, dq_given = (np.asarray(x, np.float64) for x in (dq, dq_given))
+    rounding = 0.0 if result_type == np.float32 else float(np.finfo(result_type).eps) * np.abs(dq_given)
+    bound = (STENCIL_FORMED_TOLERANCE * scale * np.abs(k).max() * (size + np.abs(delta)))[..., None] + rounding
+    excess = (np.abs(dq - dq_given) - bound)[:, rows]
+    assert (excess <= 0).all(), f"stencil dq: error exceeds its bound by up to {excess.max():.2e}"
 
 
 # Kinds of RunScheduledTarget (run_target.cc).
@@ -565,7 +611,7 @@ def run_scheduled_dq_forming_delta(
     )  # fmt: skip
     assert status == 0, f"scheduled dq forming delta: launcher returned cudaError {status}"
     if stencil_pairs is not None:
-        _run_stencil_kind(lib, case, "dq_delta", results, lse, (out, dlse), memory, stencil_pairs)
+        _run_stencil_kind(lib, case, "dq_delta", results, lse, dlse, memory, stencil_pairs)
     memory.finish(results)
     return results
 
@@ -573,7 +619,7 @@ def run_scheduled_dq_forming_delta(
 def _run_stencil_kind(lib, case: KernelCase, kind: str, results, lse, delta, memory, stencil_pairs) -> None:
     """The stencil target of ``kind`` on ``case``'s whole grids, writing the rows of ``stencil_pairs`` into
     ``results`` (a scheduled kind's, in ``memory``); ``kind`` "dq_delta" is the dq that forms delta, ``delta`` then
-    ``(forward out, dlse)``."""
+    dlse."""
     q, k, v, dout, *_, window = case.inputs
     walk_keys = kind == "dkv"
     table = case.plan.backward_segments if walk_keys else case.plan.forward_segments

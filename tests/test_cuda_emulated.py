@@ -75,6 +75,7 @@ from kernel_cases import (  # noqa: E402
     run_scheduled_kind,
     run_scheduled_windows,
     scheduled_schedules,
+    stencil_rows_of,
     tolerance_of,
     verify_case,
     verify_dq_forming_delta,
@@ -347,8 +348,8 @@ def _stencil_results(case, kind: str, gradient_type=np.float32) -> tuple:
 def _stencil_status(launch_status, case, kind: str, results, table=None, pairs=None, inputs=None) -> int:
     """The status of stencil ``kind`` (as for :func:`_stencil_results`) alone on ``case``'s arrays (whole grids),
     writing ``results``: walking ``table`` (the plan's segment table of the walk by default) and the rows of
-    ``pairs`` (the plan's stencil pairs of the walk by default; the dq that forms delta takes the case's
-    expected out and dlse 0). ``inputs``: the case's inputs, or others."""
+    ``pairs`` (the plan's stencil pairs of the walk by default; the dq that forms delta takes dlse 0).
+    ``inputs``: the case's inputs, or others."""
     q, k, v, dout, lse, delta, window = inputs or case.inputs
     walk = "backward" if kind == "dkv" else "forward"
     table = getattr(case.plan, f"{walk}_segments") if table is None else table
@@ -359,17 +360,9 @@ def _stencil_status(launch_status, case, kind: str, results, table=None, pairs=N
     if kind == "forward":
         dout = lse = delta = None
     elif kind == "dq_delta":
-        out = np.ascontiguousarray(case.expected["out"], np.float32)
-        delta = (out, np.zeros(out.shape[:4], np.float32))
+        delta = np.zeros(q.shape[:4], np.float32)  # dlse
     return launch_status(target, case.dtype, case.sizes, case.scale, q, k, v, dout, lse, delta, window, order, table,
                          case.plan.quad_weights, *results, stencil_pairs=np.ascontiguousarray(pairs, np.int32))
-
-
-def _rows_of(pairs: np.ndarray, nlat: int) -> np.ndarray:
-    """The rows of ``pairs`` (each pair's first row and the next) of a grid of ``nlat`` rows, as a mask."""
-    rows = np.zeros(nlat, bool)
-    rows[pairs[:, 0]] = rows[pairs[:, 0] + 1] = True
-    return rows
 
 
 @pytest.mark.parametrize("walk", ["forward", "backward"])
@@ -385,7 +378,7 @@ def test_stencil_rows_with_corrupted_tables_stay_in_bounds(launch_status, rng, w
     kind = "forward" if walk == "forward" else "dkv"
     table, pairs = getattr(plan, f"{walk}_segments"), getattr(plan, f"{walk}_stencil_pairs")
     assert pairs.size, "the plan must leave rows to the stencil kernels"
-    rows = _rows_of(pairs, plan.nlat_out if walk == "forward" else plan.nlat_in)
+    rows = stencil_rows_of(pairs, plan.nlat_out if walk == "forward" else plan.nlat_in)
     extreme = table.segments.copy()
     for h in np.flatnonzero(rows):
         extreme[table.offsets[h] : table.offsets[h + 1], 1:] = np.iinfo(np.int32).max
@@ -824,10 +817,11 @@ def test_scheduled_beside_the_stencil_rows_matches_float64(emulated_library, rng
 @pytest.mark.parametrize(("plan_name", "d", "dtype"), SCHEDULED_STENCIL_CASES,
                          ids=[f"{p}-d{d}-{t}" for p, d, t in SCHEDULED_STENCIL_CASES])  # fmt: skip
 def test_scheduled_dq_forms_delta_beside_the_stencil_rows(emulated_library, rng, plan_name, d, dtype):
-    """The scheduled dq that forms delta on the schedule without the stencil rows' tiles, then the stencil dq
-    forming those rows' delta into the same results, from the forward's float32 out and dlse (not zero): delta of
-    every point within FORMED_DELTA_TOLERANCE of float64, dq the bits of the two dq given that delta, every element
-    of both written (NaN-poisoned first)."""
+    """The scheduled dq that forms delta on the schedule without the stencil rows' tiles, from the forward's float32
+    out and dlse (not zero), then the stencil dq forming those rows' delta into the same results from its own
+    probabilities: every element of both written (NaN-poisoned first); on the scheduled rows delta within
+    FORMED_DELTA_TOLERANCE of float64 and dq the bits of the scheduled dq given that delta, on the stencil rows both
+    within STENCIL_FORMED_TOLERANCE of float64's delta and of the stencil dq given that delta."""
     plan = STENCIL_PLANS[plan_name]()
     pairs = _ffi.stencil_schedule(plan, "forward").pairs
     case = prepare_case(rng, plan, 2, 2, d, d, dtype)
@@ -839,7 +833,8 @@ def test_scheduled_dq_forms_delta_beside_the_stencil_rows(emulated_library, rng,
     dq, delta = run_scheduled_dq_forming_delta(emulated_library, case, np.float32, forward, lse, out, dlse,
                                                stencil_pairs=pairs)  # fmt: skip
     (dq_given, _) = run("dq", lse=lse, delta=delta)
-    verify_dq_forming_delta(case, out, dlse, {"dq": dq, "delta": delta, "dq_given_delta": dq_given})
+    verify_dq_forming_delta(case, out, dlse, {"dq": dq, "delta": delta, "dq_given_delta": dq_given},
+                            stencil_rows_of(pairs, plan.nlat_out))  # fmt: skip
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])

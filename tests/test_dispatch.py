@@ -320,8 +320,8 @@ def _attention(q, k, v, plan):
 
 _SAVING_RESIDUALS = jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)
 # Programs running the op, and whether they differentiate it: the scheduled forward writes out in the activations'
-# dtype where the op is not differentiated (no float32 out, no cast), and in float32 where it is (the backward
-# forms delta from it).
+# dtype (no float32 out, no cast), and where the op is differentiated the same out in float32 beside it (the
+# backward forms delta from it).
 FORWARD_OUT_TYPES = {
     "alone": (_attention, False),
     "vmap": (jax.vmap(_attention, in_axes=(0, 0, 0, None)), False),
@@ -335,16 +335,17 @@ FORWARD_OUT_TYPES = {
 @native
 @pytest.mark.parametrize("name", FORWARD_OUT_TYPES)
 def test_export_for_cuda_writes_out_in_the_input_dtype_unless_differentiated(scheduled_build, name):
-    """The scheduled forward writes out in bfloat16 itself (no float32 out, no cast) where the op is not
-    differentiated, in float32 where it is. One forward either way."""
+    """The scheduled forward writes out in bfloat16 itself (no cast), and where the op is differentiated the same out
+    in float32 as a third result. One forward either way."""
     if not _ffi.HAS_CUDA_EXT:
         pytest.skip("the CUDA module is not built")
     program, differentiated = FORWARD_OUT_TYPES[name]
     module = _exported_module("ffi", BF16, 64, 64, ["cuda"], program)
     out_shape = "2x" + "x".join(map(str, PLAN.out_shape)) + "x2x64"
     rows = out_shape.removesuffix("x64")
-    out, lse = _forward_result_types(module, _ffi.SCHEDULED_FORWARD_TARGET).strip("()").split(", ")
-    assert (out, lse) == (f"tensor<{out_shape}x{'f32' if differentiated else 'bf16'}>", f"tensor<{rows}xf32>")
+    results = _forward_result_types(module, _ffi.SCHEDULED_FORWARD_TARGET).strip("()").split(", ")
+    expected = [f"tensor<{out_shape}xbf16>", f"tensor<{rows}xf32>"] + [f"tensor<{out_shape}xf32>"] * differentiated
+    assert results == expected
 
 
 STENCIL_PLAN = NeighborhoodPlan((65, 100), (65, 100))

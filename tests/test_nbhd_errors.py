@@ -190,6 +190,15 @@ def test_scheduled_result_dtypes_are_checked_before_lowering(plan, target):
         call(**common, **args)
 
 
+@native
+def test_the_scheduled_forward_refuses_a_float32_copy_beside_a_float32_out(plan):
+    """float32_out=True (out also in float32, the third result) needs an out in the activations' dtype: a ValueError
+    naming both arguments, before anything is lowered."""
+    q, k, v = _arrays(plan, dk=64, dv=64, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"float32_out=True needs out_dtype=bfloat16 .* got out_dtype=float32"):
+        _ffi.ffi_scheduled_forward(q, k, v, plan, scale=0.5, float32_out=True)
+
+
 # (change of the arguments, error, message) for the scheduled dq that forms delta.
 DQ_DELTA_ERRORS = {
     "gradient-dtype": (lambda a: dict(gradient_dtype=jnp.float16), ValueError, "gradient_dtype must be float32 or bf"),

@@ -32,7 +32,13 @@ from jax_s2attn.parallel.layout import window_schedules
 sys.path.insert(0, str(Path(__file__).parent))
 from test_nbhd_ffi import _Block  # noqa: E402
 from test_nbhd_grad import _vjp  # noqa: E402  ((out, lse, dq, dk, dv) of the op)
-from kernel_cases import FORMED_DELTA_TOLERANCE, check_nan_poisoning, smooth_field  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    FORMED_DELTA_TOLERANCE,
+    check_nan_poisoning,
+    check_stencil_formed_delta,
+    smooth_field,
+    stencil_rows_of,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -550,14 +556,41 @@ def test_targets_beside_the_stencil_rows_match_float64(case, dtype, exact_random
         assert n.tobytes() == rounded.tobytes(), f"{name}: not the float32 result rounded"
 
 
+@pytest.mark.parametrize("stencil", [False, True], ids=["scheduled", "scheduled+stencil"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", STENCIL_CASES, ids=str)
+def test_the_forward_writes_out_in_both_dtypes(case, dtype, stencil, exact_random):
+    """The forward with float32_out (what the differentiated op runs), results poisoned with NaN first: out and lse
+    the bits of the forward with an out of the activations' dtype alone, out_f32 the bits of the forward with a
+    float32 out on every row the scheduled kernels take, and beside the stencil rows those rows of out_f32 left
+    unwritten (the stencil dq forms their delta without it)."""
+    geometry, heads, d = case
+    plan = NeighborhoodPlan(*geometry)
+    q, k, v = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), dtype) for _ in range(3))
+    run = functools.partial(_ffi.ffi_scheduled_forward, q, k, v, plan, scale=0.125, poison_results=True,
+                            stencil=stencil)  # fmt: skip
+    out, lse, out_f32 = (np.asarray(x) for x in run(out_dtype=dtype, float32_out=True))
+    narrow, narrow_lse = (np.asarray(x) for x in run(out_dtype=dtype))
+    wide = np.asarray(run()[0])
+    assert out.tobytes() == narrow.tobytes() and lse.tobytes() == narrow_lse.tobytes(), "not the forward's bits"
+    rows = np.zeros(plan.nlat_out, bool)
+    if stencil:
+        rows = stencil_rows_of(_ffi.stencil_schedule(plan, "forward").pairs, plan.nlat_out)
+        assert rows.any(), "the case must have stencil rows"
+    assert np.isnan(out_f32[:, rows]).all(), "out_f32: the stencil rows were written"
+    assert out_f32[:, ~rows].tobytes() == wide[:, ~rows].tobytes(), "out_f32: not the float32 forward's bits"
+
+
 @pytest.mark.parametrize("gradients", ["float32", "activations"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", STENCIL_CASES, ids=str)
 def test_the_dq_that_forms_delta_beside_the_stencil_rows(case, dtype, gradients, exact_random):
     """The scheduled dq that forms delta on the schedule without the stencil rows' tiles writes dq and delta of
-    exactly the other rows (poisoned with NaN first, the stencil rows stay NaN); the stencil dq forming delta
-    fills exactly those rows of the same results: every element written, delta within FORMED_DELTA_TOLERANCE of
-    float64 on every row, dq the bits of the two dq targets given that delta, and the same bits run to run."""
+    exactly the other rows (poisoned with NaN first, the stencil rows stay NaN); the stencil dq forming delta from
+    its own probabilities fills exactly those rows of the same results: every element written; on the scheduled
+    rows delta within FORMED_DELTA_TOLERANCE of float64 and dq the bits of the scheduled dq given that delta, on the
+    stencil rows both within STENCIL_FORMED_TOLERANCE of float64's delta and of the stencil dq given it; the same
+    bits run to run."""
     geometry, heads, d = case
     plan = NeighborhoodPlan(*geometry)
     q, dout = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), dtype) for _ in range(2))
@@ -583,8 +616,11 @@ def test_the_dq_that_forms_delta_beside_the_stencil_rows(case, dtype, gradients,
                                   poison_results=True, stencil=True)  # fmt: skip
     dq, delta, given = (np.asarray(x) for x in (dq, delta, given))
     assert not np.isnan(np.asarray(dq, np.float32)).any() and not np.isnan(delta).any(), "unwritten elements"
-    _assert_formed_delta(delta, dout, out, dlse)
-    assert dq.tobytes() == given.tobytes(), "dq: not the bits of the dq given its delta"
+    scheduled_rows = (slice(None), ~stencil_rows)
+    _assert_formed_delta(*(np.asarray(x)[scheduled_rows] for x in (delta, dout, out, dlse)))
+    assert dq[scheduled_rows].tobytes() == given[scheduled_rows].tobytes(), "dq: not the bits of the dq given delta"
+    expected = (np.asarray(dout, np.float64) * np.asarray(out, np.float64)).sum(-1) - np.asarray(dlse, np.float64)
+    check_stencil_formed_delta(delta, dq, given, expected, dout, k, v, dlse, 0.125, stencil_rows)
     assert all(np.asarray(a).tobytes() == b.tobytes() for a, b in zip(again, (dq, delta))), "not the same bits"
 
 

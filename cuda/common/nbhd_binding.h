@@ -61,23 +61,17 @@ auto BindForward(Binding&& binding) {
                        .template Ret<F32Buffer>());     // lse
 }
 
-// Operands of the backward targets: q, k, v, dout, lse, delta, then the tables; with kDeltaFromOut
-// (jax_s2attn_stencil_bwd_dq_delta) the forward's float32 out and dlse in place of delta.
-template <bool kDeltaFromOut = false, bool kStencilPairs = false, typename Binding>
+// Operands of the backward targets: q, k, v, dout, lse, delta (jax_s2attn_stencil_bwd_dq_delta: dlse), then the
+// tables.
+template <bool kStencilPairs = false, typename Binding>
 auto BindBackwardArgs(Binding&& binding) {
-  auto through_lse = std::move(binding)
-                         .template Arg<ffi::AnyBuffer>()  // q
-                         .template Arg<ffi::AnyBuffer>()  // k
-                         .template Arg<ffi::AnyBuffer>()  // v
-                         .template Arg<ffi::AnyBuffer>()  // dout
-                         .template Arg<F32Buffer>();      // lse
-  if constexpr (kDeltaFromOut) {
-    return BindTables<kStencilPairs>(std::move(through_lse)
-                                         .template Arg<F32Buffer>()    // out
-                                         .template Arg<F32Buffer>());  // dlse
-  } else {
-    return BindTables<kStencilPairs>(std::move(through_lse).template Arg<F32Buffer>());  // delta
-  }
+  return BindTables<kStencilPairs>(std::move(binding)
+                                       .template Arg<ffi::AnyBuffer>()  // q
+                                       .template Arg<ffi::AnyBuffer>()  // k
+                                       .template Arg<ffi::AnyBuffer>()  // v
+                                       .template Arg<ffi::AnyBuffer>()  // dout
+                                       .template Arg<F32Buffer>()       // lse
+                                       .template Arg<F32Buffer>());     // delta, or dlse
 }
 
 // Gradient results are float32, or on the stencil targets also the activations' dtype (CheckResultTypes in
@@ -86,22 +80,22 @@ auto BindBackwardArgs(Binding&& binding) {
 // jax_s2attn_nbhd_bwd_dq: backward operands -> dq.
 template <bool kStencilPairs = false, typename Binding>
 auto BindBackwardDq(Binding&& binding) {
-  return BindAttrs(BindBackwardArgs<false, kStencilPairs>(std::move(binding)).template Ret<ffi::AnyBuffer>());
+  return BindAttrs(BindBackwardArgs<kStencilPairs>(std::move(binding)).template Ret<ffi::AnyBuffer>());
 }
 
-// jax_s2attn_stencil_bwd_dq_delta: backward operands with out and dlse, and the
-// stencil pairs -> (dq, delta).
+// jax_s2attn_stencil_bwd_dq_delta: backward operands with dlse in place of delta, and the stencil pairs -> (dq,
+// delta).
 template <typename Binding>
 auto BindBackwardDqDelta(Binding&& binding) {
   return BindAttrs(
-      BindBackwardArgs<true, true>(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<F32Buffer>());
+      BindBackwardArgs<true>(std::move(binding)).template Ret<ffi::AnyBuffer>().template Ret<F32Buffer>());
 }
 
 // jax_s2attn_nbhd_bwd_dkv: backward operands -> (dk, dv); with kStencilPairs (jax_s2attn_stencil_bwd_dkv) the
 // stencil pairs after them.
 template <bool kStencilPairs = false, typename Binding>
 auto BindBackwardDkv(Binding&& binding) {
-  return BindAttrs(BindBackwardArgs<false, kStencilPairs>(std::move(binding))
+  return BindAttrs(BindBackwardArgs<kStencilPairs>(std::move(binding))
                        .template Ret<ffi::AnyBuffer>()
                        .template Ret<ffi::AnyBuffer>());
 }

@@ -358,11 +358,11 @@ ffi::Error StencilBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                                        MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_stencil_bwd_dq_delta: dq of the stencil pairs' rows, forming delta = sum(dout * out, -1) - dlse from
-// the forward's float32 out at each unit's entry and returning it for the dk/dv target (the other rows of both are
-// aliased to the scheduled dq_delta's), so that the op needs no delta target between the passes.
+// jax_s2attn_stencil_bwd_dq_delta: dq of the stencil pairs' rows, forming delta = sum_j p_j (dout . v_j) - dlse
+// from the walk's own probabilities (no forward out) and returning it for the dk/dv target (the other rows of both
+// are aliased to the scheduled dq_delta's), so that the op needs no delta target between the passes.
 ffi::Error StencilBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                  ffi::AnyBuffer dout, F32Buffer lse, F32Buffer out, F32Buffer dlse, I32Buffer window,
+                                  ffi::AnyBuffer dout, F32Buffer lse, F32Buffer dlse, I32Buffer window,
                                   I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,
                                   I32Buffer stencil_pairs, ffi::RemainingArgs /*aliased_results*/, AnyResult dq,
                                   F32Result delta, float scale, int64_t residues, int64_t shift, int64_t nlat_q,
@@ -371,12 +371,10 @@ ffi::Error StencilBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::An
   S2ATTN_RETURN_IF_ERROR(DecodeBackward(q, k, v, dout, lse, dlse, "dlse", window, row_order, arc_offsets, arcs,
                                         quad_weights, MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k),
                                         /*walk_keys=*/false, StencilKernels::kForm, &g));
-  S2ATTN_RETURN_IF_ERROR(CheckGridArray("out", out.dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, g.head_dim_v));
   S2ATTN_RETURN_IF_ERROR(SetDqResult(dq, q.element_type(), /*narrow_allowed=*/true, &g));
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("delta", delta->dimensions(), g.batch, g.nq_lat, g.nq_lon, g.heads, -1));
   S2ATTN_RETURN_IF_ERROR(SetStencilPairs(stencil_pairs, /*walk_keys=*/false, &g));
   if (delta->element_count() == 0) return ffi::Error::Success();  // no query rows: dq is empty too
-  g.forward_out = out.typed_data();
   g.dlse = dlse.typed_data();
   g.delta_out = delta->typed_data();
   S2ATTN_RETURN_IF_ERROR(StencilKernels::Check(g));

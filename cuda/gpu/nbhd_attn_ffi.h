@@ -15,7 +15,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnNbhdBackwardDkvCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilForwardCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDqCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDkvCuda);
-// jax_s2attn_stencil_bwd_dq_delta: (q, k, v, dout, lse, out, dlse, window, row_order, ...) -> (dq, delta), the
+// jax_s2attn_stencil_bwd_dq_delta: (q, k, v, dout, lse, dlse, window, row_order, ...) -> (dq, delta), the
 // stencil pairs' rows of both, aliased to the scheduled dq_delta's.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(S2AttnStencilBackwardDqDeltaCuda);
 // jax_s2attn_ring_fwd / _bwd_dq / _bwd_dkv: the arc kernels between ring grids on flat fields (the CPU ring

@@ -28,10 +28,9 @@ struct NbhdAttnGpuParams {
   const void* dout = nullptr;     // [batch, nq_lat, nq_lon, heads, dv]   (backward)
   const float* lse = nullptr;     // [batch, nq_lat, nq_lon, heads]        (backward)
   const float* delta = nullptr;   // [batch, nq_lat, nq_lon, heads]        (backward)
-  // Stencil dq only, instead of `delta`: the forward's float32 out and the cotangent of lse, from which the
-  // kernel forms delta = sum(dout * out, -1) - dlse of its own queries and writes it to `delta_out`.
-  const float* forward_out = nullptr;  // [batch, nq_lat, nq_lon, heads, dv]
-  const float* dlse = nullptr;         // [batch, nq_lat, nq_lon, heads]
+  // Stencil dq only, instead of `delta`: the cotangent of lse, from which and its walk's probabilities the kernel
+  // forms delta = sum_j p_j (dout . v_j) - dlse of its own queries and writes it to `delta_out`.
+  const float* dlse = nullptr;  // [batch, nq_lat, nq_lon, heads]
 
   // Tables (device memory; the first copy when the operand holds several).
   const int32_t* window = nullptr;       // [8] q_lat0, q_lon0, q_nlat, q_nlon, k_lat0, k_lon0, k_nlat, k_nlon

@@ -186,6 +186,7 @@ struct Problem {
   float* delta_out;
   bool f32_results;  // results in float32, else in the activations' type
   void* out;
+  float* out_f32;  // forward: null, or beside an `out` in the activations' type the same out in float32
   float* lse_out;
   void* dq;
   void* dk;
@@ -705,10 +706,10 @@ __device__ __forceinline__ void FenceScoreGroup(int group, float (&scores)[N], f
 }
 
 // Stores the thread's rows of a 64 x kD float32 accumulator (the first kD columns of d), times `factor`, into `to`
-// ([slab points, kD] of the walking grid; float32 or T by p.f32_results).
+// ([slab points, kD] of the walking grid; float32 where `f32`, else T).
 template <typename T, int kD, int N>
 __device__ __forceinline__ void StoreRows(const Problem& p, const ThreadPoints& points, void* to, const float (&d)[N],
-                                          const float (&factor)[2]) {
+                                          const float (&factor)[2], bool f32) {
   static_assert(N >= kD / 2, "an accumulator of kD columns or more");
   const Slab slab = SlabOf(p);
   const int t = threadIdx.x % 4;
@@ -716,7 +717,7 @@ __device__ __forceinline__ void StoreRows(const Problem& p, const ThreadPoints& 
   for (int h = 0; h < 2; ++h) {
     if (!points.real[h]) continue;
     const size_t at = PointIndex(p, slab, p.nlat_walk, p.nlon_walk, points.row, points.lon[h]) * kD + 2 * t;
-    if (p.f32_results) {
+    if (f32) {
       float* row = static_cast<float*>(to) + at;
 #pragma unroll
       for (int j = 0; j < kD / 8; ++j) {
@@ -780,7 +781,8 @@ __device__ void ConsumeForward(const Problem& p, Shared<T, Kind::kForward, kD>& 
           !(l[h] == 0.f) ? (m[h] + log2f(l[h])) * kLn2 : kNegInf;  // no neighbour: -inf; a NaN sum stays NaN
     }
   }
-  StoreRows<T, kD>(p, points, p.out, o, inverse);
+  StoreRows<T, kD>(p, points, p.out, o, inverse, p.f32_results);
+  if (p.out_f32 != nullptr) StoreRows<T, kD>(p, points, p.out_f32, o, inverse, true);
 }
 
 // dq forming delta: delta = sum(dout * out, -1) - dlse of the thread's two walking points (0 off the grid). A
@@ -862,7 +864,7 @@ __device__ void ConsumeDq(const Problem& p, Shared<T, Kind::kDq, kD>& s, int til
       [&](int group) { FenceScoreGroup(group, scores, dp); },
       [&] { sm90::FenceRegisters(dq); });
   const float scale[2] = {p.scale, p.scale};
-  StoreRows<T, kD>(p, points, p.dq, dq, scale);
+  StoreRows<T, kD>(p, points, p.dq, dq, scale, p.f32_results);
 }
 
 // dk and dv of the consumer warpgroup over a tile of keys, walking the backward schedule: per chunk of 32 queries
@@ -919,8 +921,8 @@ __device__ void ConsumeDkv(const Problem& p, Shared<T, Kind::kDkv, kD>& s, int t
         sm90::FenceRegisters(dv);
       });
   const float scale[2] = {p.scale, p.scale}, one[2] = {1.f, 1.f};
-  StoreRows<T, kD>(p, points, p.dk, dk, scale);
-  StoreRows<T, kD>(p, points, p.dv, dv, one);
+  StoreRows<T, kD>(p, points, p.dk, dk, scale, p.f32_results);
+  StoreRows<T, kD>(p, points, p.dv, dv, one, p.f32_results);
 }
 
 // The results of a tile without chunks (its points see no other point): zeros, and lse -inf.
@@ -929,7 +931,8 @@ __device__ void WriteEmpty(const Problem& p, int tile) {
   const ThreadPoints points = PointsOf(p, tile);
   const float zeros[kD / 2] = {}, factor[2] = {1.f, 1.f};
   if constexpr (kKind == Kind::kForward) {
-    StoreRows<T, kD>(p, points, p.out, zeros, factor);
+    StoreRows<T, kD>(p, points, p.out, zeros, factor, p.f32_results);
+    if (p.out_f32 != nullptr) StoreRows<T, kD>(p, points, p.out_f32, zeros, factor, true);
     const Slab slab = SlabOf(p);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -938,14 +941,14 @@ __device__ void WriteEmpty(const Problem& p, int tile) {
       }
     }
   } else if constexpr (kKind == Kind::kDq) {
-    StoreRows<T, kD>(p, points, p.dq, zeros, factor);
+    StoreRows<T, kD>(p, points, p.dq, zeros, factor, p.f32_results);
     if (p.delta_out != nullptr) {  // dk/dv reads every point's delta, these too
       float delta[2];
       FormDelta<T, kD>(p, points, delta);
     }
   } else {
-    StoreRows<T, kD>(p, points, p.dk, zeros, factor);
-    StoreRows<T, kD>(p, points, p.dv, zeros, factor);
+    StoreRows<T, kD>(p, points, p.dk, zeros, factor, p.f32_results);
+    StoreRows<T, kD>(p, points, p.dv, zeros, factor, p.f32_results);
   }
 }
 
@@ -1052,7 +1055,7 @@ cudaError_t LaunchKind(cudaStream_t stream, const SchedAttnParams& g) {
   p.lse = g.lse, p.delta = g.delta;
   p.dout = g.dout, p.forward_out = g.forward_out, p.dlse = g.dlse, p.delta_out = g.delta_out;
   p.f32_results = g.result_dtype == ActivationType::kF32;
-  p.out = g.out, p.lse_out = g.lse_out, p.dq = g.dq, p.dk = g.dk, p.dv = g.dv;
+  p.out = g.out, p.out_f32 = g.out_f32, p.lse_out = g.lse_out, p.dq = g.dq, p.dk = g.dk, p.dv = g.dv;
 
   Maps maps;
   const void* walk_data[2] = {walk_keys ? g.k : g.q, walk_keys ? g.v : (kKind == Kind::kForward ? g.q : g.dout)};

@@ -217,9 +217,12 @@ ffi::Error SetResultType(const char* names, std::initializer_list<ffi::DataType>
   return ffi::Error::Success();
 }
 
+// jax_s2attn_sched_fwd: (out, lse), or with a third result (out, lse, out_f32): out in the activations' type and
+// the same out in float32, what the backward forms delta from (the differentiated op's primal and residual).
 ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, I32Buffer tiles,
                    I32Buffer tile_offsets, I32Buffer chunks, I32Buffer records, F32Buffer quad_weights,
-                   ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, float scale, int64_t classes,
+                   ffi::RemainingArgs /*aliased_results*/, AnyResult out, F32Result lse, ffi::RemainingRets more,
+                   float scale, int64_t classes,
                    int64_t shift, int64_t nlat_q, int64_t nlon_q, int64_t nlat_k, int64_t nlon_k, int64_t ring_nlon,
                    int64_t tile_rows, int64_t tile_cols, int64_t chunk_cols, int64_t stencil_tiles, bool ring_grids) {
   SchedAttnParams g;
@@ -231,6 +234,16 @@ ffi::Error Forward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   S2ATTN_RETURN_IF_ERROR(CheckGridArray("lse", lse->dimensions(), g.batch, nlat_q, nlon_q, g.heads, -1));
   S2ATTN_RETURN_IF_ERROR(SetResultType("out", {out->element_type()}, q.element_type(), &g));
   g.out = out->untyped_data(), g.lse_out = lse->typed_data();
+  S2ATTN_CHECK(more.size() <= 1, "the forward has two or three results (out, lse[, out_f32]), got " << 2 + more.size());
+  if (more.size() == 1) {
+    const auto out_f32 = more.get<ffi::AnyBuffer>(0);
+    if (!out_f32.has_value()) return out_f32.error();
+    S2ATTN_CHECK(g.result_dtype != ActivationType::kF32 && (*out_f32)->element_type() == ffi::DataType::F32,
+                 "out_f32 (the third result) is float32 beside an out in the dtype of q");
+    S2ATTN_RETURN_IF_ERROR(
+        CheckGridArray("out_f32", (*out_f32)->dimensions(), g.batch, nlat_q, nlon_q, g.heads, g.head_dim));
+    g.out_f32 = (*out_f32)->typed_data<float>();
+  }
   return LaunchOnStreamDevice(stream, kTargetScheduledForward, [&] { return LaunchSchedAttnFwd(stream, g); });
 }
 
@@ -325,7 +338,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                                     .Arg<xla::ffi::AnyBuffer>()   // k
                                                     .Arg<xla::ffi::AnyBuffer>())  // v
                                .Ret<xla::ffi::AnyBuffer>()                        // out
-                               .Ret<s2attn::F32Buffer>()));                       // lse
+                               .Ret<s2attn::F32Buffer>()                          // lse
+                               .RemainingRets()));                                // [out_f32]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     S2AttnScheduledBackwardDqCuda, s2attn::BackwardDq,

@@ -60,6 +60,8 @@ struct SchedAttnParams {
   float scale = 1.f;
   // Results.
   void* out = nullptr;        // forward: [batch, nlat_q, nlon_q, heads, D] of result_dtype
+  // forward, beside an `out` in `dtype`: null, or the same out in float32 (what the backward forms delta from)
+  float* out_f32 = nullptr;
   float* lse_out = nullptr;   // forward: like lse
   void* dq = nullptr;         // like q, of result_dtype
   void* dk = nullptr;         // like k, of result_dtype

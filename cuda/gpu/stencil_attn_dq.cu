@@ -1,6 +1,6 @@
 // Stencil dq: dq of the plan's stencil rows (stencil_attn_device.cuh describes the walk), walking the same
-// staged K and V as the forward: p = w exp(s - lse), dq = scale sum p (dout.v - delta) k, with delta given or
-// formed from the forward's float32 out at entry (and then written for dk/dv), as the scheduled dq does.
+// staged K and V as the forward: p = w exp(s - lse), dq = scale sum p (dout.v - delta) k, with delta given, or
+// formed from the walk's own probabilities (kFormsDelta) and then written for dk/dv.
 #include "gpu/stencil_attn_device.cuh"
 
 namespace s2attn {
@@ -8,7 +8,10 @@ namespace gpu {
 namespace stencil {
 namespace {
 
-template <typename T, int D>
+// kFormsDelta: delta = sum p (dout.v) - dlse, the exact delta since the walk's p are the forward's (float32,
+// never rounded), so the kernel needs no forward out: dq = scale (sum p (dout.v) k - delta sum p k), the two sums
+// and delta's accumulated in one walk, in a fixed order.
+template <typename T, int D, bool kFormsDelta>
 __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpuParams p) {
   using S = Shape<D>;
   Staged<T, D>& s = *reinterpret_cast<Staged<T, D>*>(DynamicShared());
@@ -19,26 +22,12 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
   LoadLane<T>(dout, static_cast<const T*>(p.dout) + row_at, 1.f);
   // A query without neighbours (lse = -inf): p = exp2(x - inf) = 0.
   const float lse2 = Log2Lse(__ldg(p.lse + at.point));
-  float delta;
-  if (p.forward_out != nullptr) {
-    // delta = sum(dout * out) - dlse: each lane its channels in order, then the lanes
-    float sum = 0.f;
-#pragma unroll
-    for (int c = 0; c < kLaneChannels; c += 4) {
-      const float4 o = __ldg(reinterpret_cast<const float4*>(p.forward_out + row_at + c));
-      sum = fmaf(dout[c], o.x, sum);
-      sum = fmaf(dout[c + 1], o.y, sum);
-      sum = fmaf(dout[c + 2], o.z, sum);
-      sum = fmaf(dout[c + 3], o.w, sum);
-    }
-    delta = LaneSum<S::kLanes>(sum) - __ldg(p.dlse + at.point);
-    if (at.lane == 0 && at.real) p.delta_out[at.point] = delta;
-  } else {
-    delta = __ldg(p.delta + at.point);
-  }
+  const float given_delta = kFormsDelta ? 0.f : __ldg(p.delta + at.point);
   MbarrierWait(&s.landed, 0);
 
-  float acc[kLaneChannels] = {};
+  // acc: sum p (dout.v - delta) k given delta; forming it, sum p (dout.v) k beside weighted = sum p k.
+  float acc[kLaneChannels] = {}, weighted[kFormsDelta ? kLaneChannels : 1] = {};
+  float formed = 0.f;  // sum p (dout.v)
 #pragma unroll 1
   for (int i = 0; i < kMaxOtherRows; ++i) {
     const StagedArc arc = ArcOfRow(at, i);
@@ -49,10 +38,27 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
       LoadLane<T>(k, k_row + j * S::kStride, 1.f);
       const float probability = Exp2(LaneDot<S::kLanes>(q, k) + arc.log2_weight - lse2);
       LoadLane<T>(v, v_row + j * S::kStride, 1.f);
-      const float ds = probability * (LaneDot<S::kLanes>(dout, v) - delta);
+      const float dp = LaneDot<S::kLanes>(dout, v);
+      if constexpr (kFormsDelta) {
+        const float pdp = probability * dp;
+        formed = fmaf(probability, dp, formed);
 #pragma unroll
-      for (int c = 0; c < kLaneChannels; ++c) acc[c] = fmaf(ds, k[c], acc[c]);
+        for (int c = 0; c < kLaneChannels; ++c) {
+          acc[c] = fmaf(pdp, k[c], acc[c]);
+          weighted[c] = fmaf(probability, k[c], weighted[c]);
+        }
+      } else {
+        const float ds = probability * (dp - given_delta);
+#pragma unroll
+        for (int c = 0; c < kLaneChannels; ++c) acc[c] = fmaf(ds, k[c], acc[c]);
+      }
     }
+  }
+  if constexpr (kFormsDelta) {
+    const float delta = formed - __ldg(p.dlse + at.point);
+#pragma unroll
+    for (int c = 0; c < kLaneChannels; ++c) acc[c] = fmaf(-delta, weighted[c], acc[c]);
+    if (at.lane == 0 && at.real) p.delta_out[at.point] = delta;
   }
   if (!at.real) return;
 #pragma unroll
@@ -64,7 +70,8 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
 
 template <typename T, int D>
 cudaError_t LaunchStencilDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
-  return LaunchPairs<T, D>(StencilDqKernel<T, D>, stream, p);
+  return p.dlse != nullptr ? LaunchPairs<T, D>(StencilDqKernel<T, D, true>, stream, p)
+                           : LaunchPairs<T, D>(StencilDqKernel<T, D, false>, stream, p);
 }
 
 S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilDq);
@@ -73,9 +80,9 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilDq);
 }  // namespace gpu
 
 cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p) {
-  // delta given, or formed from the forward's out and dlse and written to delta_out.
-  const bool forming = p.forward_out != nullptr;
-  if (p.dq == nullptr || (forming ? p.dlse == nullptr || p.delta_out == nullptr : p.delta == nullptr)) {
+  // delta given, or formed from the walk's probabilities and dlse and written to delta_out.
+  const bool forming = p.dlse != nullptr;
+  if (p.dq == nullptr || (forming ? p.delta_out == nullptr : p.delta == nullptr)) {
     return cudaErrorInvalidValue;
   }
   return gpu::stencil::DispatchStencil(p, [&](auto variant) {

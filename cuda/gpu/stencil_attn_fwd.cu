@@ -65,7 +65,7 @@ S2ATTN_INSTANTIATE_STENCIL_LAUNCHER(LaunchStencilFwd);
 
 bool StencilAttnSupported(const NbhdAttnGpuParams& p) {
   return gpu::SixteenBitTypes(p, kStencilHeadDims) && p.num_stencil_pairs > 0 && p.stencil_pairs != nullptr &&
-         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.out_narrow, p.forward_out});
+         gpu::Aligned16({p.q, p.k, p.v, p.dout, p.out_narrow});
 }
 
 cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p) {

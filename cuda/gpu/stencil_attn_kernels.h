@@ -26,7 +26,8 @@ constexpr int kMaxHalf = kStencilMaxHalf;
 template <typename T, int D>
 cudaError_t LaunchStencilFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
 
-// dq (and, given the forward's out and dlse in place of delta, delta_out) of the same rows; the same requirements.
+// dq (and, given dlse in place of delta, delta formed from the walk's probabilities into delta_out) of the same
+// rows; the same requirements.
 template <typename T, int D>
 cudaError_t LaunchStencilDq(cudaStream_t stream, const NbhdAttnGpuParams& p);
 
@@ -43,10 +44,10 @@ cudaError_t LaunchStencilDkv(cudaStream_t stream, const NbhdAttnGpuParams& p);
 bool StencilAttnSupported(const NbhdAttnGpuParams& p);
 
 // The stencil targets: the launchers above for the call's type and head dim, writing only the rows of
-// p.stencil_pairs (out or out_narrow and lse_out; dq, with p.delta, or given the forward's out and dlse also
-// delta_out; dk and dv); cudaErrorInvalidValue where StencilAttnSupported is false, where the pairs' rows are
-// more than the walking grid's, or where a result (the forward: exactly one of out and out_narrow) or the dq's
-// delta (or forward out, dlse and delta_out) is missing.
+// p.stencil_pairs (out or out_narrow and lse_out; dq, with p.delta, or given dlse also delta_out; dk and dv);
+// cudaErrorInvalidValue where StencilAttnSupported is false, where the pairs' rows are more than the walking
+// grid's, or where a result (the forward: exactly one of out and out_narrow) or the dq's delta (or delta_out
+// beside dlse) is missing.
 cudaError_t LaunchStencilAttnFwd(cudaStream_t stream, const NbhdAttnGpuParams& p);
 cudaError_t LaunchStencilAttnBwdDq(cudaStream_t stream, const NbhdAttnGpuParams& p);
 cudaError_t LaunchStencilAttnBwdDkv(cudaStream_t stream, const NbhdAttnGpuParams& p);

@@ -107,7 +107,7 @@ SCHEDULED_TARGETS = (
 STENCIL_FORWARD_TARGET = "jax_s2attn_stencil_fwd"
 STENCIL_BACKWARD_DQ_TARGET = "jax_s2attn_stencil_bwd_dq"
 STENCIL_BACKWARD_DKV_TARGET = "jax_s2attn_stencil_bwd_dkv"
-# The stencil dq that forms its rows' delta from the forward's float32 out and dlse, beside the scheduled one.
+# The stencil dq that forms its rows' delta from its own probabilities and dlse, beside the scheduled one.
 STENCIL_BACKWARD_DQ_DELTA_TARGET = "jax_s2attn_stencil_bwd_dq_delta"
 STENCIL_TARGETS = (
     STENCIL_FORWARD_TARGET, STENCIL_BACKWARD_DQ_TARGET, STENCIL_BACKWARD_DKV_TARGET, STENCIL_BACKWARD_DQ_DELTA_TARGET
@@ -608,8 +608,7 @@ def _scheduled_attributes(schedule, scale, query_grid, key_grid, stencil_tiles=0
 def _stencil_rows(target, walk: str, operands, plan, scale, results, dtypes) -> tuple:
     """``results`` of a scheduled call on whole grids whose schedule left out the stencil rows' tiles, with those
     rows (the pairs of :func:`stencil_schedule` of ``walk``) written in place by the stencil target ``target`` on
-    the operands before its tables: the scheduled call's activations (and, for the dq that forms delta, the
-    forward's float32 out and dlse)."""
+    the operands before its tables: the scheduled call's activations (and, for the dq that forms delta, dlse)."""
     tables = (getattr(plan.tables, f"{walk}_{name}") for name in ("row_order", "segment_offsets", "segments"))
     pairs = stencil_schedule(plan, walk).pairs
     operands = (*operands, full_window(plan), *tables, plan.quad_weights, pairs)
@@ -626,8 +625,8 @@ def _scheduled_result_dtype(dtype, query, name: str) -> jnp.dtype:
 
 
 def ffi_scheduled_forward(
-    query, key, value, plan, *, scale, out_dtype=jnp.float32, poison_results=False, window=None, schedules=None,
-    stencil=False,
+    query, key, value, plan, *, scale, out_dtype=jnp.float32, float32_out=False, poison_results=False, window=None,
+    schedules=None, stencil=False,
 ):  # fmt: skip
     """The scheduled forward target: ``(out, lse)`` of whole grids (``query [..., nlat_out, nlon_out, H, D]``,
     ``key``/``value [..., nlat_in, nlon_in, H, D]``) on ``plan``'s forward block schedule, or of a shard's local
@@ -641,19 +640,30 @@ def ffi_scheduled_forward(
     the activations' dtype (the float32 result rounded to nearest). The caller checks that the kernels can
     run (:func:`scheduled_unavailable_reason`); the handler checks shapes and dtypes.
 
+    ``float32_out`` (with ``out_dtype`` the activations' dtype): ``(out, lse, out_f32)``, the same out also in
+    float32, what the differentiated op keeps for delta, written by the same kernel.
+
     ``stencil`` (all three scheduled targets; whole grids): the stencil kernels take the rows of the plan's
     :meth:`~jax_s2attn.NeighborhoodPlan.tile_stencil_pairs` (the stencil target, writing into the scheduled
-    call's results), the scheduled kernels every other row.
+    call's results), the scheduled kernels every other row. ``out_f32`` then holds the scheduled rows only (the
+    stencil rows are left unwritten: the stencil dq forms their delta from its own probabilities,
+    :func:`ffi_scheduled_dq_delta`).
     """
     dtype = _scheduled_result_dtype(out_dtype, query, "out_dtype")
+    if float32_out and dtype != jnp.dtype(query.dtype):
+        raise ValueError(f"float32_out=True needs out_dtype={jnp.dtype(query.dtype).name} (the dtype of query): the "
+                         f"float32 out is the third result, got out_dtype={dtype.name}.")  # fmt: skip
     schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, window, schedules, stencil)
     lead, nq_lat, nq_lon, heads = _grid_dims("query", query)
-    shapes = [(*lead, nq_lat, nq_lon, heads, value.shape[-1]), (*lead, nq_lat, nq_lon, heads)]
-    dtypes = (dtype, jnp.dtype(jnp.float32))
+    out_shape = (*lead, nq_lat, nq_lon, heads, value.shape[-1])
+    shapes = [out_shape, (*lead, nq_lat, nq_lon, heads)] + [out_shape] * float32_out
+    dtypes = (dtype, jnp.dtype(jnp.float32)) + (jnp.dtype(jnp.float32),) * float32_out
     results = _scheduled_call(SCHEDULED_FORWARD_TARGET, (query, key, value), schedule, shapes, attributes,
                               poison_results, dtypes)  # fmt: skip
     if stencil:
-        results = _stencil_rows(STENCIL_FORWARD_TARGET, "forward", (query, key, value), plan, scale, results, dtypes)
+        written = _stencil_rows(STENCIL_FORWARD_TARGET, "forward", (query, key, value), plan, scale, results[:2],
+                                dtypes[:2])  # fmt: skip
+        results = [*written, *results[2:]]
     return tuple(results)
 
 
@@ -685,8 +695,10 @@ def ffi_scheduled_dq_delta(
     them) in place of delta: each block forms ``delta = sum(dout * out, -1) - dlse`` of its query tile at its
     entry, in a fixed order (not the delta target's: the last bits may differ), uses it, and returns it for
     :func:`ffi_scheduled_dkv`, so that the op needs no delta target between the passes. With ``stencil`` the
-    stencil target forms the delta of the stencil rows the same way. Where dq is summed over key windows (the
-    sharded op), :func:`ffi_delta` forms delta instead."""
+    stencil target forms the delta of the stencil rows as ``sum_j p_j (dout . v_j) - dlse`` from its own (float32,
+    never rounded) probabilities, without reading ``out`` there, and its dq as ``scale (sum_j p_j (dout . v_j) k_j -
+    delta sum_j p_j k_j)`` (equal to the dq given that delta up to float32 round-off, not in every bit). Where dq
+    is summed over key windows (the sharded op), :func:`ffi_delta` forms delta instead."""
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
     schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, stencil=stencil)
     dout, out, dlse = _delta_operands(dout, out, dlse)
@@ -694,7 +706,7 @@ def ffi_scheduled_dq_delta(
     results = _scheduled_call(SCHEDULED_BACKWARD_DQ_DELTA_TARGET, (query, key, value, dout, lse, out, dlse),
                               schedule, [query.shape, dlse.shape], attributes, poison_results, dtypes)  # fmt: skip
     if stencil:
-        operands = (query, key, value, dout, lse, out, dlse)
+        operands = (query, key, value, dout, lse, dlse)
         results = _stencil_rows(STENCIL_BACKWARD_DQ_DELTA_TARGET, "forward", operands, plan, scale, results, dtypes)
     return tuple(results)
 

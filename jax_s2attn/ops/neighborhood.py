@@ -21,7 +21,8 @@ from .ring_reference import reference_ring_attention
 __all__ = ["RESIDUAL_NAME", "neighborhood_attention"]
 
 #: ``checkpoint_name`` of the tensors the native forward saves for its backward pass
-#: (query, key, value, output, lse; the output in float32). Under ``jax.checkpoint`` use
+#: (query, key, value, output, lse; the output in float32, and on the scheduled kernels also in the
+#: activations' dtype, which they write beside it). Under ``jax.checkpoint`` use
 #: ``policy=jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME)`` so the
 #: native forward is not run a second time in the backward pass.
 RESIDUAL_NAME = "s2attn_residual"
@@ -336,12 +337,21 @@ def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "f
 
 def _native_forward(query, key, value, plan, scale, kernel):
     # The backward forms delta from out, which a rounded out is too coarse for: both families keep it in float32.
-    out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel)
-    # The outputs are computed from the named values so that a checkpoint policy saving
-    # the names can rebuild them too (they feed the caller's own backward pass).
-    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out, lse))
-    out, lse = saved[3:]
-    return (out.astype(query.dtype), lse), (saved, plan)
+    # The scheduled forward writes it beside out in the activations' dtype (no cast after it); beside the stencil
+    # rows it writes the scheduled rows' only, the stencil dq forming its rows' delta from its own probabilities.
+    # The outputs are computed from the named values so that a checkpoint policy saving the names can rebuild them
+    # too (they feed the caller's own backward pass).
+    if kernel == "scheduled":
+        stencil = uses_stencil_rows(plan, query, kernel)
+        out, lse, out32 = _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=query.dtype,
+                                                     float32_out=True, stencil=stencil)  # fmt: skip
+        out = checkpoint_name(out, RESIDUAL_NAME)
+    else:
+        out32, lse = _whole_grid_forward(query, key, value, plan, scale, kernel)
+    saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out32, lse))
+    out32, lse = saved[3:]
+    out = out if kernel == "scheduled" else out32.astype(query.dtype)
+    return (out, lse), (saved, plan)
 
 
 def _native_backward(scale, kernel, residuals, cotangents):

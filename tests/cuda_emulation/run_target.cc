@@ -90,11 +90,11 @@ extern "C" int RunNbhdAttnTarget(int target, int dtype, int gradient_dtype, cons
   }
 }
 
-// The stencil dq that forms delta (the target jax_s2attn_stencil_bwd_dq_delta): target 4's arguments with the
-// forward's float32 out and dlse in place of delta; results dq and delta.
+// The stencil dq that forms delta (the target jax_s2attn_stencil_bwd_dq_delta): target 4's arguments with dlse
+// in place of delta; results dq and delta.
 extern "C" int RunStencilDqFormingDelta(int dtype, int gradient_dtype, const void* q, const void* k, const void* v,
-                                        const void* dout, const float* lse, const float* forward_out,
-                                        const float* dlse, const int32_t* window, const int32_t* row_order,
+                                        const void* dout, const float* lse, const float* dlse,
+                                        const int32_t* window, const int32_t* row_order,
                                         const int32_t* arc_offsets, const int32_t* arcs, const float* quad_weights,
                                         void* dq, float* delta, const int64_t* sizes, float scale,
                                         const int32_t* stencil_pairs, int64_t num_pairs) {
@@ -102,7 +102,6 @@ extern "C" int RunStencilDqFormingDelta(int dtype, int gradient_dtype, const voi
                                          arcs, quad_weights, sizes, scale);
   p.stencil_pairs = stencil_pairs;
   p.num_stencil_pairs = static_cast<int32_t>(num_pairs);
-  p.forward_out = forward_out;
   p.dlse = dlse;
   p.dq = dq;
   p.delta_out = delta;
