@@ -2,7 +2,7 @@
 
 A block of the scheduled kernels owns one tile: it enters, sets up its barriers, stages its own points (q; q and
 dout for dk/dv), waits for its first chunk, walks its chunks and writes its results. Per target this times the
-custom call (``benchmarks/attention.py``'s targets alone: the forward with a float32 out, the dq that forms
+custom call (``benchmarks/attention.py``'s targets alone: the forward as differentiated, the dq that forms
 delta, dk/dv) on the plan's schedules as they are and with every tile's chunks walked two and three times in a row
 (the same chunks again: the results are wrong, the arithmetic per chunk is the same, and the walked-again chunks'
 K and V come from the L2), and fits ``t = intercept + slope *

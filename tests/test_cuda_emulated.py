@@ -931,3 +931,23 @@ def test_ring_kernels_with_corrupted_tables_stay_in_bounds(emulated_library, rng
             results = run_ring_kind(emulated_library, case, kind, tables=(_ffi.RingWalkTables(*tables), sizes))
             if corrupt >= 2:  # garbage rings or ring order may leave points unvisited: only bounds hold there
                 assert not any(np.isnan(result).any() for result in results if result is not None), corrupt
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT_DTYPES)
+def test_the_stencil_dq_forming_delta_stays_float32_accurate_beside_a_key_offset(emulated_library, rng, dtype):
+    """Values smooth in position (dP - delta nearly cancels) and a key channel common to every key far above the
+    others (k_0 = -31, the rest about 1; every logit about -120, so that lse carries float32 round-off): the
+    stencil dq that forms delta from its own probabilities holds its rows' dq within 1e-4 of float64, given
+    float32 lse as the op gives it (a delta not divided by the probabilities' own sum: 7e-4 to 1e-3)."""
+    plan = STENCIL_PLANS["self-17x72"]()
+    pairs = _ffi.stencil_schedule(plan, "forward").pairs
+    case = prepare_case(rng, plan, 2, 2, 64, 64, dtype, smooth_values=True, logit_offset=-120.0)
+    assert np.abs(case.inputs[1][..., 0].astype(np.float32)).min() > 30, "the keys must share a large channel"
+    forward, _ = scheduled_schedules(case, stencil=True)
+    out, lse = run_scheduled_kind(emulated_library, case, "forward", np.float32, forward, stencil_pairs=pairs)
+    dq, _ = run_scheduled_dq_forming_delta(emulated_library, case, np.float32, forward, lse, out,
+                                           np.zeros_like(lse), stencil_pairs=pairs)  # fmt: skip
+    rows = stencil_rows_of(pairs, plan.nlat_out)
+    expected = case.expected["dq"]
+    error = np.abs(dq - expected).max(axis=(0, 2, 3, 4)) / np.abs(expected).max()
+    assert (error[rows] <= 1e-4).all(), f"stencil rows: {error[rows].max():.2e}"

@@ -21,8 +21,8 @@ inline constexpr char kTargetScheduledBackwardDkv[] = "jax_s2attn_sched_bwd_dkv"
 inline constexpr char kTargetScheduledBackwardDqDelta[] = "jax_s2attn_sched_bwd_dq_delta";
 // The stencil kernels (CUDA only): the arc targets' operands with the walk's segment table in place of its arc
 // table and the stencil pairs after them, writing only the stencil pairs' rows of results aliased to the scheduled
-// targets' (the rows the scheduled kernels leave out). The dq_delta one takes the forward's float32 out and dlse in
-// place of delta: it forms delta and returns it.
+// targets' (the rows the scheduled kernels leave out). The dq_delta one takes dlse in place of delta: it forms
+// delta from its own probabilities and returns it.
 inline constexpr char kTargetStencilForward[] = "jax_s2attn_stencil_fwd";
 inline constexpr char kTargetStencilBackwardDq[] = "jax_s2attn_stencil_bwd_dq";
 inline constexpr char kTargetStencilBackwardDkv[] = "jax_s2attn_stencil_bwd_dkv";

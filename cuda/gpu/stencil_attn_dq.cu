@@ -8,9 +8,11 @@ namespace gpu {
 namespace stencil {
 namespace {
 
-// kFormsDelta: delta = sum p (dout.v) - dlse, the exact delta since the walk's p are the forward's (float32,
-// never rounded), so the kernel needs no forward out: dq = scale (sum p (dout.v) k - delta sum p k), the two sums
-// and delta's accumulated in one walk, in a fixed order.
+// kFormsDelta: delta = sum p (dout.v) / sum p - dlse from the walk's own p (the forward's, float32, never rounded),
+// so the kernel needs no forward out, and dq = scale (sum p (dout.v) k - delta sum p k), the sums accumulated in
+// one walk in a fixed order. Divided by the p's own sum, as a delta from an out divided by its own sums is, delta
+// stays consistent with those p where lse carries float32 round-off: a key channel common to every key then
+// cancels from dq to float32 round-off (sum p (dout.v) over sum p against delta, both times sum p k).
 template <typename T, int D, bool kFormsDelta>
 __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpuParams p) {
   using S = Shape<D>;
@@ -27,7 +29,7 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
 
   // acc: sum p (dout.v - delta) k given delta; forming it, sum p (dout.v) k beside weighted = sum p k.
   float acc[kLaneChannels] = {}, weighted[kFormsDelta ? kLaneChannels : 1] = {};
-  float formed = 0.f;  // sum p (dout.v)
+  float formed = 0.f, mass = 0.f;  // sum p (dout.v), sum p
 #pragma unroll 1
   for (int i = 0; i < kMaxOtherRows; ++i) {
     const StagedArc arc = ArcOfRow(at, i);
@@ -42,6 +44,7 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
       if constexpr (kFormsDelta) {
         const float pdp = probability * dp;
         formed = fmaf(probability, dp, formed);
+        mass += probability;
 #pragma unroll
         for (int c = 0; c < kLaneChannels; ++c) {
           acc[c] = fmaf(pdp, k[c], acc[c]);
@@ -55,7 +58,9 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
     }
   }
   if constexpr (kFormsDelta) {
-    const float delta = formed - __ldg(p.dlse + at.point);
+    // No neighbour (or every p underflowed): delta = -dlse, dq = 0; a NaN sum stays NaN.
+    const float mean = mass == 0.f ? 0.f : formed / mass;
+    const float delta = mean - __ldg(p.dlse + at.point);
 #pragma unroll
     for (int c = 0; c < kLaneChannels; ++c) acc[c] = fmaf(-delta, weighted[c], acc[c]);
     if (at.lane == 0 && at.real) p.delta_out[at.point] = delta;

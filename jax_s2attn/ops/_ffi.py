@@ -636,8 +636,8 @@ def ffi_scheduled_forward(
 
     P is rounded once to the activations' dtype for P·V and out divided by the row sums of that rounded P
     (a delta formed from a float32 out then agrees with the backward's probabilities on smooth fields);
-    ``lse`` comes from float32 sums. ``out_dtype``: float32 (what the differentiated op keeps for delta) or
-    the activations' dtype (the float32 result rounded to nearest). The caller checks that the kernels can
+    ``lse`` comes from float32 sums. ``out_dtype``: float32 (what the backward forms delta from) or the
+    activations' dtype (the float32 result rounded to nearest). The caller checks that the kernels can
     run (:func:`scheduled_unavailable_reason`); the handler checks shapes and dtypes.
 
     ``float32_out`` (with ``out_dtype`` the activations' dtype): ``(out, lse, out_f32)``, the same out also in
@@ -695,10 +695,10 @@ def ffi_scheduled_dq_delta(
     them) in place of delta: each block forms ``delta = sum(dout * out, -1) - dlse`` of its query tile at its
     entry, in a fixed order (not the delta target's: the last bits may differ), uses it, and returns it for
     :func:`ffi_scheduled_dkv`, so that the op needs no delta target between the passes. With ``stencil`` the
-    stencil target forms the delta of the stencil rows as ``sum_j p_j (dout . v_j) - dlse`` from its own (float32,
-    never rounded) probabilities, without reading ``out`` there, and its dq as ``scale (sum_j p_j (dout . v_j) k_j -
-    delta sum_j p_j k_j)`` (equal to the dq given that delta up to float32 round-off, not in every bit). Where dq
-    is summed over key windows (the sharded op), :func:`ffi_delta` forms delta instead."""
+    stencil target forms the delta of the stencil rows as ``sum_j p_j (dout . v_j) / sum_j p_j - dlse`` from its own
+    (float32, never rounded) probabilities, without reading ``out`` there, and its dq as ``scale (sum_j p_j (dout .
+    v_j) k_j - delta sum_j p_j k_j)`` (equal to the dq given that delta up to float32 round-off, not in every bit).
+    Where dq is summed over key windows (the sharded op), :func:`ffi_delta` forms delta instead."""
     dtype = _scheduled_result_dtype(gradient_dtype, query, "gradient_dtype")
     schedule, attributes = _scheduled_operands(plan, "forward", scale, query, key, stencil=stencil)
     dout, out, dlse = _delta_operands(dout, out, dlse)

@@ -307,8 +307,8 @@ def _attention(query, key, value, plan, *, scale, implementation):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _native_attention(query, key, value, plan, scale, kernel):
     """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc" or "scheduled"), whole grids;
-    the backward pass runs the same kernel family. Undifferentiated, the scheduled forward writes out in the input
-    dtype itself (no float32 out, no cast after it); differentiated, it writes a float32 out for delta."""
+    the backward pass runs the same kernel family. The scheduled forward writes out in the input dtype itself (no
+    float32 out, no cast after it); differentiated, also a float32 out for delta (:func:`_native_forward`)."""
     out_dtype = query.dtype if kernel == "scheduled" else jnp.float32
     out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype)
     return out.astype(query.dtype), lse
@@ -359,9 +359,10 @@ def _native_backward(scale, kernel, residuals, cotangents):
     dout, dlse = cotangents
     # delta from the unrounded (float32) output, never from a rounded one. A cotangent of lse adds dlse * p_j to
     # every score gradient, exactly as lowering delta by dlse does. The native targets sum in a fixed order: the
-    # gradients are the same bits in every program. The scheduled dq kernels (and the stencil ones beside them)
-    # form delta at their entry (one pass over dout and out fewer) and write the gradients in the activations'
-    # dtype (the bits a cast gives, half the bytes); the arc kernels take delta from the delta target.
+    # gradients are the same bits in every program. The scheduled dq kernels form delta at their entry (one pass
+    # over dout and out fewer; beside them the stencil dq forms its rows' from its own probabilities, reading no
+    # out) and write the gradients in the activations' dtype (the bits a cast gives, half the bytes); the arc
+    # kernels take delta from the delta target.
     if kernel == "scheduled":
         gradients = dict(scale=scale, gradient_dtype=query.dtype)
         dq, delta = _ffi.ffi_scheduled_dq_delta(query, key, value, dout, lse, out, dlse, plan, **gradients,
