@@ -499,7 +499,7 @@ def check_stencil_formed_delta(delta, dq, dq_given, expected_delta, dout, k, v, 
     assert (excess <= 0).all(), f"stencil delta: error exceeds its bound by up to {excess.max():.2e}"
     result_type = np.asarray(dq).dtype
     dq, dq_given = (np.asarray(x, np.float64) for x in (dq, dq_given))
-    rounding = 0.0 if result_type == np.float32 else float(np.finfo(result_type).eps) * np.abs(dq_given)
+    rounding = 0.0 if result_type == np.float32 else float(ml_dtypes.finfo(result_type).eps) * np.abs(dq_given)
     bound = (STENCIL_FORMED_TOLERANCE * scale * np.abs(k).max() * (size + np.abs(delta)))[..., None] + rounding
     excess = (np.abs(dq - dq_given) - bound)[:, rows]
     assert (excess <= 0).all(), f"stencil dq: error exceeds its bound by up to {excess.max():.2e}"

@@ -566,7 +566,8 @@ def test_the_forward_writes_out_in_both_dtypes(case, dtype, stencil, exact_rando
     unwritten (the stencil dq forms their delta without it)."""
     geometry, heads, d = case
     plan = NeighborhoodPlan(*geometry)
-    q, k, v = (jnp.asarray(exact_random(2, *plan.out_shape, heads, d), dtype) for _ in range(3))
+    q = jnp.asarray(exact_random(2, *plan.out_shape, heads, d), dtype)
+    k, v = (jnp.asarray(exact_random(2, *plan.in_shape, heads, d), dtype) for _ in range(2))
     run = functools.partial(_ffi.ffi_scheduled_forward, q, k, v, plan, scale=0.125, poison_results=True,
                             stencil=stencil)  # fmt: skip
     out, lse, out_f32 = (np.asarray(x) for x in run(out_dtype=dtype, float32_out=True))

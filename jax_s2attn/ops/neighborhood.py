@@ -30,11 +30,11 @@ RESIDUAL_NAME = "s2attn_residual"
 #: Points per batch entry (rows x longitudes x heads) of a walk's stencil pairs from which the op's tensor-core
 #: kernels of that walk leave the pairs to the stencil kernels. A tensor-core kernel and its stencil
 #: kernel run one after the other, so the stencil rows pay only when their work outweighs the tensor-core
-#: kernel's tail on the other (polar) rows: on the H200, measured beside the mma.sync kernels of
-#: docs/performance.md ("Why not mma.sync"), from about 2^17 points (360x720 with one head, 216k points, and larger
-#: grids gained); its measurement beside the scheduled kernels is open there. Batch dims do not count, so that vmap
-#: and batch dims pick the same kernels (and give the same bits).
-STENCIL_MIN_POINTS = 1 << 17
+#: kernel's tail on the other (polar) rows: beside the scheduled kernels (benchmarks/stencil_gate.py, an H100),
+#: forward+backward lost 10 % at 53k points (180x360, one head) and gained 14 % at 107k (two heads) and from 17 %
+#: at 216k and above (docs/performance.md, "Stencil kernels for rows of short arcs"). Batch dims do not count, so
+#: that vmap and batch dims pick the same kernels (and give the same bits).
+STENCIL_MIN_POINTS = 1 << 16
 
 #: Mean neighbours per output point from which the op runs the scheduled tensor-core kernels between ring grids
 #: (below it the ring kernels: there are no stencil kernels for ring grids, and on tiles of 64 points the scheduled
