@@ -61,9 +61,10 @@ STENCIL_DQ_FORMING_DELTA = 6
 # The scheduled dq's delta (formed from the forward's float32 out) against float64, per row relative to
 # sum |dout * out| + |dlse| (float32 sums of Dv terms).
 FORMED_DELTA_TOLERANCE = 1e-6
-# The stencil dq's delta = sum_j p_j (dout . v_j) - dlse and its dq = scale (sum_j p_j (dout . v_j) k_j - delta
-# sum_j p_j k_j), float32 sums over the neighbours: against float64's delta and the dq given that delta, per row
-# relative to |dout| max_j |v_j| + |dlse| (which bounds every |p_j dout . v_j| sum), times scale max |k| for dq.
+# The stencil dq's delta = sum_j p_j (dout . v_j) / sum_j p_j - dlse and its dq = scale (sum_j p_j (dout . v_j) k_j -
+# delta sum_j p_j k_j), float32 sums over the neighbours: against float64's delta (whose p sum to one) and the dq
+# given that delta, per row relative to |dout| max_j |v_j| + |dlse| (which bounds every |p_j dout . v_j| sum), times
+# scale max |k| for dq.
 STENCIL_FORMED_TOLERANCE = 1e-5
 # The arc kernels accumulate in float32 and the reference sees the same (rounded) inputs, so
 # the bar is float32 round-off for every storage dtype.

@@ -358,8 +358,8 @@ ffi::Error StencilBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                                        MakeAttrs(scale, residues, shift, nlat_q, nlon_q, nlat_k, nlon_k));
 }
 
-// jax_s2attn_stencil_bwd_dq_delta: dq of the stencil pairs' rows, forming delta = sum_j p_j (dout . v_j) - dlse
-// from the walk's own probabilities (no forward out) and returning it for the dk/dv target (the other rows of both
+// jax_s2attn_stencil_bwd_dq_delta: dq of the stencil pairs' rows, forming delta = sum_j p_j (dout . v_j) / sum_j
+// p_j - dlse from the walk's own probabilities (no forward out) and returning it for the dk/dv target (the other rows of both
 // are aliased to the scheduled dq_delta's), so that the op needs no delta target between the passes.
 ffi::Error StencilBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                   ffi::AnyBuffer dout, F32Buffer lse, F32Buffer dlse, I32Buffer window,

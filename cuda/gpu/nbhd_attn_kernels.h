@@ -29,7 +29,7 @@ struct NbhdAttnGpuParams {
   const float* lse = nullptr;     // [batch, nq_lat, nq_lon, heads]        (backward)
   const float* delta = nullptr;   // [batch, nq_lat, nq_lon, heads]        (backward)
   // Stencil dq only, instead of `delta`: the cotangent of lse, from which and its walk's probabilities the kernel
-  // forms delta = sum_j p_j (dout . v_j) - dlse of its own queries and writes it to `delta_out`.
+  // forms delta = sum_j p_j (dout . v_j) / sum_j p_j - dlse of its own queries and writes it to `delta_out`.
   const float* dlse = nullptr;  // [batch, nq_lat, nq_lon, heads]
 
   // Tables (device memory; the first copy when the operand holds several).

@@ -31,8 +31,8 @@ RESIDUAL_NAME = "s2attn_residual"
 #: kernels of that walk leave the pairs to the stencil kernels. A tensor-core kernel and its stencil
 #: kernel run one after the other, so the stencil rows pay only when their work outweighs the tensor-core
 #: kernel's tail on the other (polar) rows: beside the scheduled kernels (benchmarks/stencil_gate.py, an H100),
-#: forward+backward lost 10 % at 53k points (180x360, one head) and gained 14 % at 107k (two heads) and from 17 %
-#: at 216k and above (docs/performance.md, "Stencil kernels for rows of short arcs"). Batch dims do not count, so
+#: forward+backward lost 10 % at 53k points (180x360, one head) and gained 14 % at 107k (two heads) and 17-30 %
+#: from 160k (docs/performance.md, "Stencil kernels for rows of short arcs"). Batch dims do not count, so
 #: that vmap and batch dims pick the same kernels (and give the same bits).
 STENCIL_MIN_POINTS = 1 << 16
 
