@@ -359,8 +359,8 @@ ffi::Error StencilBackwardDkv(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
 }
 
 // jax_s2attn_stencil_bwd_dq_delta: dq of the stencil pairs' rows, forming delta = sum_j p_j (dout . v_j) / sum_j
-// p_j - dlse from the walk's own probabilities (no forward out) and returning it for the dk/dv target (the other rows of both
-// are aliased to the scheduled dq_delta's), so that the op needs no delta target between the passes.
+// p_j - dlse from the walk's own probabilities (no forward out) and returning it for the dk/dv target (the other
+// rows of both are aliased to the scheduled dq_delta's), so that the op needs no delta target between the passes.
 ffi::Error StencilBackwardDqDelta(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                   ffi::AnyBuffer dout, F32Buffer lse, F32Buffer dlse, I32Buffer window,
                                   I32Buffer row_order, I32Buffer arc_offsets, I32Buffer arcs, F32Buffer quad_weights,

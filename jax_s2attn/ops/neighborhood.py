@@ -309,18 +309,23 @@ def _native_attention(query, key, value, plan, scale, kernel):
     """``(out in the input dtype, lse float32)`` from the native ``kernel`` ("arc" or "scheduled"), whole grids;
     the backward pass runs the same kernel family. The scheduled forward writes out in the input dtype itself (no
     float32 out, no cast after it); differentiated, also a float32 out for delta (:func:`_native_forward`)."""
-    out_dtype = query.dtype if kernel == "scheduled" else jnp.float32
-    out, lse = _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype)
-    return out.astype(query.dtype), lse
+    out, lse, _ = _whole_grid_forward(query, key, value, plan, scale, kernel, differentiated=False)
+    return out, lse
 
 
-def _whole_grid_forward(query, key, value, plan, scale, kernel, out_dtype=jnp.float32):
-    """``(out, lse)`` of ``kernel`` on whole grids: the scheduled forward's out in ``out_dtype`` (float32 or the
-    input dtype), the arc forward's in float32."""
+def _whole_grid_forward(query, key, value, plan, scale, kernel, differentiated):
+    """``(out, lse, out32)`` of ``kernel`` on whole grids: out in the input dtype, and where ``differentiated`` the
+    float32 out the backward forms delta from (else None). The scheduled forward writes both itself (beside the
+    stencil rows out32 holds the scheduled rows only: the stencil dq forms its rows' delta from its own
+    probabilities); the arc forward writes float32, cast after it."""
     if kernel == "scheduled":
         stencil = uses_stencil_rows(plan, query, kernel)
-        return _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=out_dtype, stencil=stencil)
-    return _ffi.ffi_forward(query, key, value, plan, full_window(plan), plan.tables.forward_row_order, scale=scale)
+        results = _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=query.dtype,
+                                             float32_out=differentiated, stencil=stencil)  # fmt: skip
+        return results if differentiated else (*results, None)
+    out32, lse = _ffi.ffi_forward(query, key, value, plan, full_window(plan), plan.tables.forward_row_order,
+                                  scale=scale)  # fmt: skip
+    return out32.astype(query.dtype), lse, out32
 
 
 def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "forward") -> bool:
@@ -337,20 +342,13 @@ def uses_stencil_rows(plan: NeighborhoodPlan, query, kernel: str, walk: str = "f
 
 def _native_forward(query, key, value, plan, scale, kernel):
     # The backward forms delta from out, which a rounded out is too coarse for: both families keep it in float32.
-    # The scheduled forward writes it beside out in the activations' dtype (no cast after it); beside the stencil
-    # rows it writes the scheduled rows' only, the stencil dq forming its rows' delta from its own probabilities.
+    out, lse, out32 = _whole_grid_forward(query, key, value, plan, scale, kernel, differentiated=True)
     # The outputs are computed from the named values so that a checkpoint policy saving the names can rebuild them
-    # too (they feed the caller's own backward pass).
-    if kernel == "scheduled":
-        stencil = uses_stencil_rows(plan, query, kernel)
-        out, lse, out32 = _ffi.ffi_scheduled_forward(query, key, value, plan, scale=scale, out_dtype=query.dtype,
-                                                     float32_out=True, stencil=stencil)  # fmt: skip
-        out = checkpoint_name(out, RESIDUAL_NAME)
-    else:
-        out32, lse = _whole_grid_forward(query, key, value, plan, scale, kernel)
+    # too (they feed the caller's own backward pass): the scheduled kernels' out is named itself, the arc kernels'
+    # is the cast of the named float32 out.
     saved = tuple(checkpoint_name(x, RESIDUAL_NAME) for x in (query, key, value, out32, lse))
     out32, lse = saved[3:]
-    out = out if kernel == "scheduled" else out32.astype(query.dtype)
+    out = checkpoint_name(out, RESIDUAL_NAME) if kernel == "scheduled" else out32.astype(query.dtype)
     return (out, lse), (saved, plan)
 
 
