@@ -26,7 +26,7 @@ from jax_s2attn.schedule import (
 )  # fmt: skip
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_cases import expand_runs_schedule, psi_pairs  # noqa: E402
+from kernel_cases import expand_runs_schedule, psi_pairs, stencil_rows_of  # noqa: E402
 
 # (in_shape, out_shape, grid, theta_cutoff): self-attention at small, medium and whole-ring cutoffs,
 # other grids, downsampling by 2, 3 and 128, upsampling by 2 and 4, odd sizes, nlon not a multiple of the tile.
@@ -240,8 +240,7 @@ def test_a_schedule_beside_the_stencil_rows_covers_every_other_row_once(shapes, 
         stencil_pairs = plan.tile_stencil_pairs(walk, tile_rows=tile_rows)
         s = plan.block_schedule(walk, tile_rows=tile_rows, stencil=True)
         assert len(stencil_pairs) > 0 or shapes == ((65, 144), (65, 144)) and tile_rows == 3, walk
-        stencil_rows = np.zeros(walk_shape[0], bool)
-        stencil_rows[stencil_pairs[:, 0]] = stencil_rows[stencil_pairs[:, 0] + 1] = True
+        stencil_rows = stencil_rows_of(stencil_pairs, walk_shape[0])
         tile_rows_listed = (s.tiles[:, :1] + np.arange(tile_rows)).clip(max=walk_shape[0] - 1)
         assert not stencil_rows[tile_rows_listed].any(), f"{walk}: a listed tile holds a stencil row"
         tiles_per_row = -(-walk_shape[1] // s.tile_cols)
@@ -311,8 +310,7 @@ def test_the_stencil_schedule_is_the_tile_shape_of_fewer_chunks(shape, flat):
         assert chosen.schedule.chunks.shape[0] == min(rows.chunks.shape[0], one_row.chunks.shape[0])
         tile_rows, tile_cols = (1, 64) if flat else (4, 16)
         np.testing.assert_array_equal(chosen.pairs, plan.tile_stencil_pairs(walk, tile_rows=tile_rows))
-        stencil_rows = np.zeros(shape[0], bool)
-        stencil_rows[chosen.pairs[:, 0]] = stencil_rows[chosen.pairs[:, 0] + 1] = True
+        stencil_rows = stencil_rows_of(chosen.pairs, shape[0])
         stencil_bands = np.unique(np.flatnonzero(stencil_rows) // tile_rows).size  # tiles of stencil rows only
         assert chosen.stencil_tiles == stencil_bands * -(-shape[1] // tile_cols)
         if not flat:

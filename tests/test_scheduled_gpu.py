@@ -604,8 +604,7 @@ def test_the_dq_that_forms_delta_beside_the_stencil_rows(case, dtype, gradients,
                                  [q.shape, lse.shape], attributes, True,
                                  (result_dtype, jnp.dtype(jnp.float32)))  # fmt: skip
     pairs = _ffi.stencil_schedule(plan, "forward").pairs
-    stencil_rows = np.zeros(plan.nlat_out, bool)
-    stencil_rows[pairs[:, 0]] = stencil_rows[pairs[:, 0] + 1] = True
+    stencil_rows = stencil_rows_of(pairs, plan.nlat_out)
     for name, x in zip(("dq", "delta"), alone, strict=True):
         unwritten = np.isnan(np.asarray(x, np.float32)).reshape(2, plan.nlat_out, -1)
         assert (unwritten.all(axis=(0, 2)) == stencil_rows).all(), f"{name}: NaN rows are not the stencil rows"
