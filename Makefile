@@ -25,6 +25,9 @@ TORCH_HARMONICS := torch-harmonics==0.9.3
 # The CuTe/CUTLASS headers that experimental/mainloop_primitives.sh builds against (tests/test_experimental.py): only
 # the headers are used, hence --no-deps (its metadata asks for cuda-python, scipy and graph tools).
 CUTLASS_HEADERS := nvidia-cutlass==4.2.0.0
+# cuobjdump and the nvdisasm it runs, which benchmarks/sass_loops.py reads kernels' SASS with
+# (tests/test_benchmarks.py); nvcc alone lacks both.
+CUOBJDUMP := nvidia-cuda-cuobjdump==13.5.37 nvidia-cuda-nvdisasm==13.5.37
 
 PIP := $(BIN)/python -m pip
 PIP_QUIET := --quiet --disable-pip-version-check
@@ -87,6 +90,8 @@ $(VENV)/.installed-test-$(CUDA_TEST): $(SOURCES) Makefile | $(VENV)/.build-tools
 	$(PIP) install $(PIP_QUIET) --no-deps "$(TORCH_HARMONICS)"
 	@echo "jax_s2attn: installing $(CUTLASS_HEADERS) (headers only) for the experimental programs' build test"
 	$(PIP) install $(PIP_QUIET) --no-deps "$(CUTLASS_HEADERS)"
+	@echo "jax_s2attn: installing $(CUOBJDUMP) for the SASS loop counts' test"
+	$(PIP) install $(PIP_QUIET) --no-deps $(CUOBJDUMP)
 	@touch $(call covered,test fast demo,$(CUDA_TEST))
 
 # --- what runs ------------------------------------------------------------------------------------------

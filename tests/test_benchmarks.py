@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -311,6 +312,89 @@ def test_schedule_shapes_reports_every_shape(tmp_path):
         chunks, useful = int(row[3]), float(row[5])
         assert useful == pytest.approx(plan.num_pairs / (chunks * r * c * w), abs=5e-4)
         assert 0 < useful <= 1
+
+
+# A cuobjdump -sass listing in its layout: an outer loop (0x0050-0x00b0) around an inner one (0x0070-0x00a0), a
+# predicated branch, and the branch to itself after EXIT that ends every kernel.
+SASS_LISTING = """
+\tcode for sm_90a
+\t\tFunction : _Z6NestedPKfPfii
+\t.headerflags\t@"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;                 /* 0x00000a00ff017b82 */
+        /*0010*/                   S2R R0, SR_TID.X ;                     /* 0x0000000000007919 */
+        /*0020*/                   ISETP.GE.AND P0, PT, R0, 0x1, PT ;     /* 0x000000010000780c */
+        /*0030*/              @!P0 EXIT ;                                 /* 0x000000000000894d */
+        /*0040*/                   MOV R4, RZ ;                           /* 0x000000ff00047202 */
+        /*0050*/                   IADD3 R2, R2, 0x1, RZ ;                /* 0x0000000102027810 */
+        /*0060*/                   MOV R3, RZ ;                           /* 0x000000ff00037202 */
+        /*0070*/                   LDG.E R5, desc[UR4][R6.64] ;           /* 0x0000000406057981 */
+        /*0080*/                   FFMA R4, R4, R5, 1 ;                   /* 0x3f80000004047423 */
+        /*0090*/                   ISETP.GE.AND P1, PT, R3, R9, PT ;      /* 0x000000090300720c */
+        /*00a0*/              @!P1 BRA 0x70 ;                             /* 0xfffffffc0000a947 */
+        /*00b0*/                   @P0 BRA 0x50 ;                         /* 0xfffffffc0000a947 */
+        /*00c0*/                   STG.E desc[UR4][R8.64], R4 ;           /* 0x0000000408007986 */
+        /*00d0*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*00e0*/                   BRA 0xe0;                              /* 0xfffffffc00fc7947 */
+\t\t..........
+\t\tFunction : _Z5Otherv
+        /*0000*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_sass_loops_finds_each_loop_and_its_opcodes():
+    sass_loops = _benchmark_module("sass_loops")
+    functions = sass_loops.kernels(SASS_LISTING)
+    assert list(functions) == ["_Z6NestedPKfPfii", "_Z5Otherv"]
+    assert len(functions["_Z6NestedPKfPfii"]) == 15 and functions["_Z5Otherv"] == [(0, "EXIT")]
+    inner, outer = sass_loops.loops(functions["_Z6NestedPKfPfii"])
+    assert (inner.start, inner.end, inner.instructions, inner.innermost) == (0x70, 0xA0, 4, True)
+    assert inner.opcodes == {"LDG": 1, "FFMA": 1, "ISETP": 1, "BRA": 1}
+    assert (outer.start, outer.end, outer.instructions, outer.innermost) == (0x50, 0xB0, 7, False)
+    assert outer.opcodes["BRA"] == 2 and "STG" not in outer.opcodes
+    assert sass_loops.opcode("@!P1 BRA 0x70") == "BRA" and sass_loops.opcode("LDG.E.128 R4, [R2]") == "LDG"
+    assert sass_loops.opcode("@!PT LDS RZ, [RZ]") == "@!PT"  # padding that never executes, not a shared load
+    assert "_Z5Otherv" not in sass_loops.report(SASS_LISTING, "Nested")
+    with pytest.raises(ValueError, match="--kernel"):
+        sass_loops.report(SASS_LISTING, "NoSuchKernel")
+
+
+def test_sass_loops_names_the_fix_without_cuobjdump(monkeypatch):
+    sass_loops = _benchmark_module("sass_loops")
+    assert sass_loops.find_cuobjdump("/opt/cuda/bin/cuobjdump") == "/opt/cuda/bin/cuobjdump"
+    monkeypatch.setattr(sass_loops.shutil, "which", lambda name: None)
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # no wheel: importing it raises ImportError
+    with pytest.raises(ValueError, match="nvidia-cuda-cuobjdump"):
+        sass_loops.find_cuobjdump()
+
+
+NESTED_KERNEL = """
+__global__ void Nested(const float* x, float* y, int n) {
+  float acc = 0.f;
+#pragma unroll 1
+  for (int i = 0; i < n; ++i) {
+#pragma unroll 1
+    for (int j = 0; j < 8; ++j) acc = fmaf(acc, x[8 * i + j], 1.f);
+    y[i] = acc;
+  }
+}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
+def test_sass_loops_reads_a_compiled_kernel(tmp_path):
+    # cuobjdump comes from the toolkit or the nvidia-cuda-cuobjdump wheel that `make test` installs.
+    source = tmp_path / "nested.cu"
+    source.write_text(NESTED_KERNEL)
+    lines = _run("sass_loops.py", str(source), "--kernel", "Nested", cwd=tmp_path).splitlines()
+    assert re.match(r"_Z6NestedPKfPfi: \d+ instructions", lines[0])
+    loops = [line for line in lines[1:] if line.startswith("  loop ")]
+    inner = [line for line in loops if "innermost" in line]
+    outer = [line for line in loops if "outer" in line]
+    assert len(inner) == 1 and len(outer) == 1, lines
+    # The inner loop loads and multiplies; the outer one also stores y[i].
+    assert "LDG" in inner[0] and "FFMA" in inner[0] and "STG" not in inner[0]
+    assert "STG" in outer[0]
 
 
 # The FlexAttention peer (benchmarks/flex_attention.py), checked on the CPU with FlexAttention's eager path: its
