@@ -27,6 +27,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARCH = "sm_90a"
 
+_ARCH = re.compile(r"^\s*code for (sm_\w+)")
 _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
 # "/*0040*/                   @!P0 FFMA R4, R5, R6, R4 ;" -> address 0x40, the text before ';'.
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);")
@@ -46,40 +47,47 @@ class Loop:
 
 def opcode(instruction: str) -> str:
     """The base opcode of one SASS instruction: ``@!P0 FFMA.FTZ R1, ...`` -> ``FFMA``. An instruction guarded by
-    ``@!PT`` (never true: the compiler's padding, such as the ``LDS RZ, [RZ]`` before cp.async copies) is ``@!PT``:
-    it takes an issue slot and does nothing."""
+    ``@!PT`` or ``@!UPT`` (never true: the compiler's padding, such as the ``LDS RZ, [RZ]`` before cp.async copies)
+    is its guard: it takes an issue slot and does nothing."""
     words = instruction.split()
-    if words and words[0] == "@!PT":
-        return "@!PT"
+    if words and words[0] in ("@!PT", "@!UPT"):
+        return words[0]
     if words and words[0].startswith("@"):  # predicate guard
         words = words[1:]
     return words[0].split(".")[0] if words else ""
 
 
-def kernels(sass: str) -> dict[str, list[tuple[int, str]]]:
-    """Every function of cuobjdump's ``-sass`` listing: mangled name -> [(address, instruction)] in order."""
-    functions: dict[str, list[tuple[int, str]]] = {}
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    """Every function of cuobjdump's ``-sass`` listing: mangled name -> [(address, instruction)] in order. A name
+    that comes again (a listing of several architectures) gets the architecture of its section: ``name [sm_80]``."""
+    found: dict[str, list[tuple[int, str]]] = {}
     current: list[tuple[int, str]] | None = None
+    arch = ""
     for line in sass.splitlines():
-        if match := _FUNCTION.match(line):
-            current = functions.setdefault(match.group(1), [])
+        if match := _ARCH.match(line):
+            arch = match.group(1)
+        elif match := _FUNCTION.match(line):
+            name = match.group(1)
+            current = found.setdefault(name if name not in found else f"{name} [{arch}]", [])
         elif current is not None and (match := _INSTRUCTION.match(line)):
             current.append((int(match.group(1), 16), match.group(2).strip()))
-    return functions
+    return found
 
 
 def loops(instructions: list[tuple[int, str]]) -> list[Loop]:
-    """The loops of one function: each backward branch (BRA to an earlier address) closes one, from its target
-    through the branch. A loop that holds no other loop is innermost."""
+    """The loops of one function: a backward branch (BRA to an earlier address) closes one, from its target (the
+    loop's head) through the last branch back to that head (a ``continue`` adds another). A loop that holds no other
+    loop is innermost. Structured code nests its loops; indirect branches (BRX, JMX) and calls are not followed."""
     index = {address: i for i, (address, _) in enumerate(instructions)}
-    spans = []
+    last_back_edge: dict[int, int] = {}  # head's index -> the last branch back to it
     for i, (address, text) in enumerate(instructions):
         if opcode(text) != "BRA" or not (target := _BRANCH_TARGET.search(text)):
             continue
         start = int(target.group(1), 16)
         # start == address: the branch to itself after a kernel's last EXIT, not a loop of the program.
         if start < address and start in index:
-            spans.append((index[start], i))
+            last_back_edge[index[start]] = i
+    spans = sorted(last_back_edge.items())
     found = []
     for first, last in spans:
         body = instructions[first : last + 1]
@@ -122,7 +130,10 @@ def compile_cubin(source: pathlib.Path, directory: pathlib.Path) -> pathlib.Path
     cubin = directory / (source.stem + ".cubin")
     command = ["nvcc", "-std=c++17", f"-arch={ARCH}", "-I", str(ROOT / "cuda"), "-cubin", "-o", str(cubin),
                str(source)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RuntimeError("nvcc is not on PATH: install the CUDA toolkit, or pass a .cubin") from None
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed on {source}:\n{result.stderr[-4000:]}")
     return cubin
@@ -132,7 +143,7 @@ def report(sass: str, kernel_pattern: str) -> str:
     """The loops of every kernel whose mangled name matches ``kernel_pattern`` (a regular expression), as text."""
     pattern = re.compile(kernel_pattern)
     lines = []
-    for name, instructions in kernels(sass).items():
+    for name, instructions in functions(sass).items():
         if not pattern.search(name):
             continue
         lines.append(f"{name}: {len(instructions)} instructions")

@@ -314,8 +314,10 @@ def test_schedule_shapes_reports_every_shape(tmp_path):
         assert 0 < useful <= 1
 
 
-# A cuobjdump -sass listing in its layout: an outer loop (0x0050-0x00b0) around an inner one (0x0070-0x00a0), a
-# predicated branch, and the branch to itself after EXIT that ends every kernel.
+# A cuobjdump -sass listing in its layout: an outer loop (0x0050-0x00d0) around an inner one (0x0070-0x00c0) that
+# has a forward branch (0x0090) and two branches back to its head (a `continue` at 0x00a0), predicated branches,
+# padding that never executes, the branch to itself after EXIT that ends every kernel, and a second architecture's
+# section that repeats a name.
 SASS_LISTING = """
 \tcode for sm_90a
 \t\tFunction : _Z6NestedPKfPfii
@@ -328,31 +330,40 @@ SASS_LISTING = """
         /*0050*/                   IADD3 R2, R2, 0x1, RZ ;                /* 0x0000000102027810 */
         /*0060*/                   MOV R3, RZ ;                           /* 0x000000ff00037202 */
         /*0070*/                   LDG.E R5, desc[UR4][R6.64] ;           /* 0x0000000406057981 */
-        /*0080*/                   FFMA R4, R4, R5, 1 ;                   /* 0x3f80000004047423 */
-        /*0090*/                   ISETP.GE.AND P1, PT, R3, R9, PT ;      /* 0x000000090300720c */
-        /*00a0*/              @!P1 BRA 0x70 ;                             /* 0xfffffffc0000a947 */
-        /*00b0*/                   @P0 BRA 0x50 ;                         /* 0xfffffffc0000a947 */
-        /*00c0*/                   STG.E desc[UR4][R8.64], R4 ;           /* 0x0000000408007986 */
-        /*00d0*/                   EXIT ;                                 /* 0x000000000000794d */
-        /*00e0*/                   BRA 0xe0;                              /* 0xfffffffc00fc7947 */
+        /*0080*/                @P2 BRA 0xb0 ;                            /* 0x0000000000082947 */
+        /*0090*/              @!PT LDS RZ, [RZ] ;                         /* 0x00000000fffff984 */
+        /*00a0*/                @P3 BRA 0x70 ;                            /* 0xfffffffc0000b947 */
+        /*00b0*/                   FFMA R4, R4, R5, 1 ;                   /* 0x3f80000004047423 */
+        /*00c0*/              @!P1 BRA 0x70 ;                             /* 0xfffffffc0000a947 */
+        /*00d0*/                   @P0 BRA.U 0x50 ;                       /* 0xfffffffc0000a947 */
+        /*00e0*/                   STG.E desc[UR4][R8.64], R4 ;           /* 0x0000000408007986 */
+        /*00f0*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*0100*/                   BRA 0x100;                             /* 0xfffffffc00fc7947 */
 \t\t..........
 \t\tFunction : _Z5Otherv
         /*0000*/                   EXIT ;                                 /* 0x000000000000794d */
+\tcode for sm_80
+\t\tFunction : _Z5Otherv
+        /*0000*/              @!UPT UMOV UR4, 0x1 ;                       /* 0x0000000100047882 */
+        /*0010*/                   EXIT ;                                 /* 0x000000000000794d */
 """
 
 
 def test_sass_loops_finds_each_loop_and_its_opcodes():
     sass_loops = _benchmark_module("sass_loops")
-    functions = sass_loops.kernels(SASS_LISTING)
-    assert list(functions) == ["_Z6NestedPKfPfii", "_Z5Otherv"]
-    assert len(functions["_Z6NestedPKfPfii"]) == 15 and functions["_Z5Otherv"] == [(0, "EXIT")]
-    inner, outer = sass_loops.loops(functions["_Z6NestedPKfPfii"])
-    assert (inner.start, inner.end, inner.instructions, inner.innermost) == (0x70, 0xA0, 4, True)
-    assert inner.opcodes == {"LDG": 1, "FFMA": 1, "ISETP": 1, "BRA": 1}
-    assert (outer.start, outer.end, outer.instructions, outer.innermost) == (0x50, 0xB0, 7, False)
-    assert outer.opcodes["BRA"] == 2 and "STG" not in outer.opcodes
+    functions = sass_loops.functions(SASS_LISTING)
+    assert list(functions) == ["_Z6NestedPKfPfii", "_Z5Otherv", "_Z5Otherv [sm_80]"]
+    assert len(functions["_Z6NestedPKfPfii"]) == 17 and functions["_Z5Otherv"] == [(0, "EXIT")]
+    assert functions["_Z5Otherv [sm_80]"] == [(0, "@!UPT UMOV UR4, 0x1"), (0x10, "EXIT")]
+    outer, inner = sass_loops.loops(functions["_Z6NestedPKfPfii"])
+    # The inner loop runs from its head to the last branch back to it; the forward branch opens none.
+    assert (inner.start, inner.end, inner.instructions, inner.innermost) == (0x70, 0xC0, 6, True)
+    assert inner.opcodes == {"BRA": 3, "LDG": 1, "@!PT": 1, "FFMA": 1}
+    assert (outer.start, outer.end, outer.instructions, outer.innermost) == (0x50, 0xD0, 9, False)
+    assert outer.opcodes["BRA"] == 4 and "STG" not in outer.opcodes
     assert sass_loops.opcode("@!P1 BRA 0x70") == "BRA" and sass_loops.opcode("LDG.E.128 R4, [R2]") == "LDG"
-    assert sass_loops.opcode("@!PT LDS RZ, [RZ]") == "@!PT"  # padding that never executes, not a shared load
+    assert sass_loops.opcode("@!UPT UMOV UR4, 0x1") == "@!UPT"
+    assert sass_loops.loops(functions["_Z5Otherv"]) == []
     assert "_Z5Otherv" not in sass_loops.report(SASS_LISTING, "Nested")
     with pytest.raises(ValueError, match="--kernel"):
         sass_loops.report(SASS_LISTING, "NoSuchKernel")
