@@ -27,7 +27,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARCH = "sm_90a"
 
-_ARCH = re.compile(r"^\s*code for (sm_\w+)")
+_SECTION_ARCH = re.compile(r"^\s*code for (sm_\w+)")
 _FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)")
 # "/*0040*/                   @!P0 FFMA R4, R5, R6, R4 ;" -> address 0x40, the text before ';'.
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);")
@@ -64,7 +64,7 @@ def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
     current: list[tuple[int, str]] | None = None
     arch = ""
     for line in sass.splitlines():
-        if match := _ARCH.match(line):
+        if match := _SECTION_ARCH.match(line):
             arch = match.group(1)
         elif match := _FUNCTION.match(line):
             name = match.group(1)
