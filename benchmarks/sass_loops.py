@@ -125,10 +125,17 @@ def disassemble(cubin: pathlib.Path, cuobjdump: str) -> str:
     return result.stdout
 
 
+def include_dir(source: pathlib.Path) -> pathlib.Path:
+    """The ``cuda/`` folder ``source`` lies in, so that another tree's kernel compiles against that tree's headers;
+    this tree's for a source elsewhere."""
+    return next((parent for parent in source.resolve().parents if parent.name == "cuda"), ROOT / "cuda")
+
+
 def compile_cubin(source: pathlib.Path, directory: pathlib.Path) -> pathlib.Path:
-    """``source`` compiled for sm_90a as the package's build compiles it (C++17, ``cuda/`` on the include path)."""
+    """``source`` compiled for sm_90a as the package's build compiles it (C++17, its ``cuda/`` on the include
+    path)."""
     cubin = directory / (source.stem + ".cubin")
-    command = ["nvcc", "-std=c++17", f"-arch={ARCH}", "-I", str(ROOT / "cuda"), "-cubin", "-o", str(cubin),
+    command = ["nvcc", "-std=c++17", f"-arch={ARCH}", "-I", str(include_dir(source)), "-cubin", "-o", str(cubin),
                str(source)]  # fmt: skip
     try:
         result = subprocess.run(command, capture_output=True, text=True)

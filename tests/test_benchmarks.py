@@ -379,12 +379,14 @@ def test_sass_loops_names_the_fix_without_cuobjdump(monkeypatch):
 
 
 NESTED_KERNEL = """
+#include "gpu/nested_steps.cuh"
+
 __global__ void Nested(const float* x, float* y, int n) {
   float acc = 0.f;
 #pragma unroll 1
   for (int i = 0; i < n; ++i) {
 #pragma unroll 1
-    for (int j = 0; j < 8; ++j) acc = fmaf(acc, x[8 * i + j], 1.f);
+    for (int j = 0; j < kSteps; ++j) acc = fmaf(acc, x[kSteps * i + j], 1.f);
     y[i] = acc;
   }
 }
@@ -394,8 +396,11 @@ __global__ void Nested(const float* x, float* y, int n) {
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CI has it)")
 def test_sass_loops_reads_a_compiled_kernel(tmp_path):
-    # cuobjdump comes from the toolkit or the nvidia-cuda-cuobjdump wheel that `make test` installs.
-    source = tmp_path / "nested.cu"
+    # cuobjdump comes from the toolkit or the nvidia-cuda-cuobjdump wheel that `make test` installs. The kernel
+    # lies in another tree's cuda/gpu and includes a header only that tree has (as an A/B's base tree does).
+    (tmp_path / "cuda" / "gpu").mkdir(parents=True)
+    (tmp_path / "cuda" / "gpu" / "nested_steps.cuh").write_text("constexpr int kSteps = 8;\n")
+    source = tmp_path / "cuda" / "gpu" / "nested.cu"
     source.write_text(NESTED_KERNEL)
     lines = _run("sass_loops.py", str(source), "--kernel", "Nested", cwd=tmp_path).splitlines()
     assert re.match(r"_Z6NestedPKfPfi: \d+ instructions", lines[0])
