@@ -814,6 +814,25 @@ def test_scheduled_beside_the_stencil_rows_matches_float64(emulated_library, rng
         assert narrow[name].tobytes() == wide[name].astype(narrow[name].dtype).tobytes(), name
 
 
+@pytest.mark.parametrize("logit_gain", [1.0 / 64, 16.0, 64.0])
+def test_the_stencil_forward_is_float32_accurate_at_any_logit_spread(emulated_library, rng, logit_gain):
+    """The stencil forward moves a point's running maximum only where a logit passes it by more than the rescale
+    slack: with logits nearly equal (q / 64: no move after a point's first neighbour), spread over tens of log2
+    units (q times 16: moves at irregular neighbours, different for the points of a warp) and over hundreds (q times
+    64: rises past float32's range above a maximum that did not move), out and lse of the stencil rows stay within
+    float32 round-off of float64."""
+    plan = STENCIL_PLANS["self-17x72"]()
+    pairs = _ffi.stencil_schedule(plan, "forward").pairs
+    case = prepare_case(rng, plan, 1, 2, 64, 64, "bfloat16", logit_gain=logit_gain)
+    forward, _ = scheduled_schedules(case, stencil=True)
+    out, lse = run_scheduled_kind(emulated_library, case, "forward", np.float32, forward, stencil_pairs=pairs)
+    rows = stencil_rows_of(pairs, plan.nlat_out)
+    expected_out, expected_lse = case.expected["out"][:, rows], case.expected["lse"][:, rows]
+    out_error = np.abs(out[:, rows] - expected_out).max() / np.abs(expected_out).max()
+    lse_error = np.abs(lse[:, rows] - expected_lse).max() / np.abs(expected_lse).max()
+    assert out_error <= 2e-5 and lse_error <= 2e-6, (out_error, lse_error)
+
+
 @pytest.mark.parametrize(("plan_name", "d", "dtype"), SCHEDULED_STENCIL_CASES,
                          ids=[f"{p}-d{d}-{t}" for p, d, t in SCHEDULED_STENCIL_CASES])  # fmt: skip
 def test_scheduled_dq_forms_delta_beside_the_stencil_rows(emulated_library, rng, plan_name, d, dtype):

@@ -21,6 +21,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -__builtin_huge_valf();
 
+// How far (log2 units) the online softmaxes of the forward kernels (scheduled and stencil) let a logit rise
+// above its running maximum before the maximum moves: the maxima move, and the accumulators are rescaled,
+// only on rises beyond it (P <= 2^8, far inside fp16's range and float32's).
+constexpr float kRescaleSlackLog2 = 8.f;
+
 // Largest grid extent in y and z; larger grids are split into several launches. A macro only
 // so that the CPU emulation tests (tests/cuda_emulation) can exercise the split with a small one.
 #ifndef S2ATTN_MAX_GRID_YZ

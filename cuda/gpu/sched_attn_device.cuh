@@ -460,10 +460,6 @@ __device__ __forceinline__ void Mask(float (&s)[kChunk / 2], const Problem& p, c
   if (!(info.flags & kFull)) ApplyMask(s, MaskOf(p, info, warp, points.u, points.step, t));
 }
 
-// How far (log2 units) a row's logits may rise above its running maximum before the maximum moves: the
-// maxima move, and O is rescaled, only on rises beyond it (P <= 2^8, far inside fp16's range and float32's).
-constexpr float kRescaleSlackLog2 = 8.f;
-
 // The online softmax of a chunk's scores in place (s becomes P, not yet rounded), logits in log2 units
 // scale_log2 * s + bias: the maxima (lazily, kRescaleSlackLog2) and the float32 sums (lse's) move on;
 // `correction` is what O and the rounded P's row sums must be multiplied by.

@@ -59,14 +59,14 @@ static_assert(sizeof(Staged<__half, 32, true>) <= 48 * 1024 && sizeof(Staged<__h
               "stencil blocks fit the default 48 KiB of shared memory");
 
 // Whether the call is what the stencil rows need: whole grids (no sharding windows, no padding), one
-// residue and shift (arcs relative to their point), equal longitude counts.
+// residue and shift (arcs relative to their point), equal longitude counts. Lane i % 8 of the warp compares
+// window value i with the whole grids' (0, 0, nlat, nlon) of q, then of k; every lane must call it.
 __device__ __forceinline__ bool WholeGrids(const NbhdAttnGpuParams& p) {
-  const Windows w = ReadDeviceWindows(p);
-  const auto whole = [](const GridWindow& g, int32_t local_lat, int32_t local_lon, int32_t nlat, int32_t nlon) {
-    return g.lat0 == 0 && g.lon0 == 0 && g.nlat == nlat && g.nlon == nlon && local_lat == nlat && local_lon == nlon;
-  };
-  return whole(w.q, p.nq_lat, p.nq_lon, p.nlat_q, p.nlon_q) && whole(w.k, p.nk_lat, p.nk_lon, p.nlat_k, p.nlon_k) &&
-         p.nlon_q == p.nlon_k && p.residues == 1 && p.shift == 1;
+  const int i = threadIdx.x % 8;
+  const int32_t extent = i & 4 ? (i & 1 ? p.nlon_k : p.nlat_k) : (i & 1 ? p.nlon_q : p.nlat_q);
+  const bool lane_whole = __ldg(p.window + i) == (i & 2 ? extent : 0);
+  const bool unpadded = p.nq_lat == p.nlat_q && p.nq_lon == p.nlon_q && p.nk_lat == p.nlat_k && p.nk_lon == p.nlon_k;
+  return __all_sync(0xffffffffu, lane_whole) && unpadded && p.nlon_q == p.nlon_k && p.residues == 1 && p.shift == 1;
 }
 
 // One arc of a point in the staged window: staged row, column of the first neighbour relative to the
@@ -92,19 +92,16 @@ __device__ __forceinline__ WalkGrids GridsOf(const NbhdAttnGpuParams& p) {
 // The arc of segment (other_row, lo, len) for points of a pair whose staged rows start at `other0`, or an
 // empty one where it does not fit the stencil (never for the plan's pairs; a corrupted table stays in
 // bounds). The plan's rule (jax_s2attn.plan): the arc starts `lo` (or lo - nlon past kMaxHalf)
-// longitudes from its point and must end within kMaxHalf.
-template <bool kKeyWalk>
-__device__ __forceinline__ StagedArc ArcOf(const int32_t* segment, int32_t other0, const WalkGrids& grids,
-                                           const NbhdAttnGpuParams& p) {
-  const int32_t other_row = __ldg(segment), lo = __ldg(segment + 1), len = __ldg(segment + 2);
+// longitudes from its point and must end within kMaxHalf. Its log2_weight is the caller's (StartBlock).
+__device__ __forceinline__ StagedArc ArcOf(int32_t other_row, int32_t lo, int32_t len, int32_t other0,
+                                           const WalkGrids& grids) {
   const int32_t start = lo > kMaxHalf ? lo - grids.other_nlon : lo;
   // Each bound alone first, so that no sum of table values can overflow.
   const bool fits = other_row >= other0 && other_row - other0 < kMaxOtherRows && other_row < grids.other_nlat &&
                     start >= -kMaxHalf && start <= kMaxHalf && len >= 0 && len <= 2 * kMaxHalf + 1 &&
                     start + len - 1 <= kMaxHalf;
   if (!fits) return StagedArc{0, 0, 0, 0.f};
-  const float log2_weight = kKeyWalk ? 0.f : log2f(__ldg(p.quad_weights + other_row));
-  return StagedArc{other_row - other0, kMaxHalf + start, len, log2_weight};
+  return StagedArc{other_row - other0, kMaxHalf + start, len, 0.f};
 }
 
 // A lane's 16 channels of a row (two 16-byte pieces), widened, times `scale`.
@@ -122,6 +119,15 @@ __device__ __forceinline__ void LoadLane(float (&x)[kLaneChannels], const T* row
       x[8 * h + 2 * w + 1] = y.y * scale;
     }
   }
+}
+
+// Makes x opaque to the compiler, so that it keeps the widened values in registers rather than widening
+// them again inside the walk (which it otherwise may do to save registers).
+__device__ __forceinline__ void KeepWidened(float (&x)[kLaneChannels]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+  for (int c = 0; c < kLaneChannels; ++c) asm volatile("" : "+f"(x[c]));
+#endif
 }
 
 // Sum over the point's kLanes lanes (consecutive lanes of one warp; every lane takes part) in a fixed
@@ -202,6 +208,24 @@ __device__ __forceinline__ WalkPoint StartBlock(const NbhdAttnGpuParams& p, Stag
   const int32_t nlon = grids.other_nlon;
   const int32_t lon0 = static_cast<int32_t>(blockIdx.x) * S::kLons;
 
+  WalkPoint w;
+  w.lane = threadIdx.x % S::kLanes;
+  const int point_in_block = threadIdx.x / S::kLanes;
+  const int32_t row = row0 + point_in_block / S::kLons, lon = lon0 + point_in_block % S::kLons;
+  w.column0 = point_in_block % S::kLons;
+  w.real = row < grids.nlat && lon < grids.nlon;
+  w.row = min(row, grids.nlat - 1);
+  w.point = ((int64_t{batch} * grids.nlat + w.row) * grids.nlon + min(lon, grids.nlon - 1)) * heads + head;
+  // The row's arc offsets and the staged rows' quadrature weights, read before the copies are issued and used
+  // after them, so that their latency hides behind the copies' (the arcs themselves, which need the offsets,
+  // are read after the copies). Lane i of a warp's kMaxOtherRows lanes takes arc i of its row and, for the
+  // query walks, the weight of staged row i (clamped into the key grid; rows past it are never read).
+  const bool whole = WholeGrids(p);
+  const int32_t raw_begin = __ldg(p.arc_offsets + w.row), raw_end = __ldg(p.arc_offsets + w.row + 1);
+  const int lane_row = static_cast<int>(threadIdx.x % kMaxOtherRows);
+  const float staged_weight =
+      kKeyWalk ? 1.f : __ldg(p.quad_weights + max(min(other0 + lane_row, min(grids.other_nlat, p.nlat_k) - 1), 0));
+
   if (threadIdx.x == 0) MbarrierInit(&s.landed, 2 * kThreads);
   __syncthreads();
   const int64_t row_points = int64_t{nlon} * heads;  // (point, head) indices per row
@@ -224,37 +248,48 @@ __device__ __forceinline__ WalkPoint StartBlock(const NbhdAttnGpuParams& p, Stag
       if (lon < 0) lon += nlon;
     }
     const int64_t at = int64_t{lon} * heads;  // (point, head) index less other_first
+    // Pointers stepped a row at a time (one 64-bit add a copy), only to rows that are staged.
     const T* a_at = a + at * D + 8 * piece;
     const T* b_at = b + at * D + 8 * piece;
+    const float* lse_at = kKeyWalk ? p.lse + other_first + at : nullptr;
+    const float* delta_at = kKeyWalk ? p.delta + other_first + at : nullptr;
 #pragma unroll
     for (int r = 0; r < kMaxOtherRows; ++r) {
       if (r >= rows) break;
-      CopyAsync16(&s.a[r][col][8 * piece], a_at + r * row_points * D);
-      CopyAsync16(&s.b[r][col][8 * piece], b_at + r * row_points * D);
+      if (r > 0) {
+        a_at += row_points * D;
+        b_at += row_points * D;
+        if (kKeyWalk) {
+          lse_at += row_points;
+          delta_at += row_points;
+        }
+      }
+      CopyAsync16(&s.a[r][col][8 * piece], a_at);
+      CopyAsync16(&s.b[r][col][8 * piece], b_at);
       if (kKeyWalk && piece == 0) {
-        CopyAsync4(&s.lse[r][col], p.lse + other_first + at + r * row_points);
-        CopyAsync4(&s.delta[r][col], p.delta + other_first + at + r * row_points);
+        CopyAsync4(&s.lse[r][col], lse_at);
+        CopyAsync4(&s.delta[r][col], delta_at);
       }
     }
   }
   CopyAsyncArriveOn(&s.landed);
   MbarrierArrive(&s.landed);
 
-  WalkPoint w;
-  w.lane = threadIdx.x % S::kLanes;
-  const int point_in_block = threadIdx.x / S::kLanes;
-  const int32_t row = row0 + point_in_block / S::kLons, lon = lon0 + point_in_block % S::kLons;
-  w.column0 = point_in_block % S::kLons;
-  w.real = row < grids.nlat && lon < grids.nlon;
-  w.row = min(row, grids.nlat - 1);
-  w.point = ((int64_t{batch} * grids.nlat + w.row) * grids.nlon + min(lon, grids.nlon - 1)) * heads + head;
-  const bool whole = WholeGrids(p);
-  const int32_t segments = static_cast<int32_t>(min(p.num_arcs, int64_t{INT32_MAX}));  // bounds every copy
-  const int32_t end = min(max(__ldg(p.arc_offsets + w.row + 1), 0), segments);
-  const int32_t begin = min(max(__ldg(p.arc_offsets + w.row), 0), end);
-  const int32_t arc = begin + static_cast<int32_t>(threadIdx.x % kMaxOtherRows);
-  w.lane_arc = whole && arc < end ? ArcOf<kKeyWalk>(p.arcs + 3 * int64_t{arc}, other0, grids, p)
-                                  : StagedArc{0, 0, 0, 0.f};
+  const int32_t segments = static_cast<int32_t>(min(p.num_arcs, int64_t{INT32_MAX}));  // bounds every read
+  const int32_t end = min(max(raw_end, 0), segments);
+  const int32_t begin = min(max(raw_begin, 0), end);
+  const int32_t arc = begin + lane_row;
+  if (whole && arc < end) {
+    const int32_t* segment = p.arcs + 3 * int64_t{arc};
+    w.lane_arc = ArcOf(__ldg(segment), __ldg(segment + 1), __ldg(segment + 2), other0, grids);
+  } else {
+    w.lane_arc = StagedArc{0, 0, 0, 0.f};
+  }
+  if (!kKeyWalk) {  // the key row's weight, from the lane of this group that read it (the key walk's is its own)
+    const float log2_weight = log2f(staged_weight);
+    const int group = static_cast<int>(threadIdx.x % 32) - lane_row;
+    w.lane_arc.log2_weight = __shfl_sync(0xffffffffu, log2_weight, group + w.lane_arc.row);
+  }
   return w;
 }
 

@@ -17,6 +17,8 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDkvKernel(const NbhdAttnGp
   float k[kLaneChannels], v[kLaneChannels];
   LoadLane<T>(k, static_cast<const T*>(p.k) + row_at, p.scale * kLog2e);
   LoadLane<T>(v, static_cast<const T*>(p.v) + row_at, 1.f);
+  KeepWidened(k);
+  KeepWidened(v);
   const float log2_weight = log2f(__ldg(p.quad_weights + at.row));  // the key's own row
   MbarrierWait(&s.landed, 0);
 
@@ -27,15 +29,17 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDkvKernel(const NbhdAttnGp
     const int32_t column = at.column0 + arc.column;
     const T* q_row = &s.a[arc.row][column][at.lane * kLaneChannels];
     const T* dout_row = &s.b[arc.row][column][at.lane * kLaneChannels];
+    const float* lse_row = &s.lse[arc.row][column];
+    const float* delta_row = &s.delta[arc.row][column];
     for (int32_t j = 0; j < arc.len; ++j) {
       // A query without neighbours (lse = -inf) never has this key as one; its p would be exp2(-inf) = 0.
-      const float lse2 = Log2Lse(s.lse[arc.row][column + j]);
+      const float lse2 = Log2Lse(lse_row[j]);
       float x[kLaneChannels];
       LoadLane<T>(x, q_row + j * S::kStride, 1.f);
       const float probability = Exp2(LaneDot<S::kLanes>(k, x) + log2_weight - lse2);
       float dout[kLaneChannels];
       LoadLane<T>(dout, dout_row + j * S::kStride, 1.f);
-      const float ds = probability * (LaneDot<S::kLanes>(v, dout) - s.delta[arc.row][column + j]);
+      const float ds = probability * (LaneDot<S::kLanes>(v, dout) - delta_row[j]);
 #pragma unroll
       for (int c = 0; c < kLaneChannels; ++c) {
         dv[c] = fmaf(probability, dout[c], dv[c]);

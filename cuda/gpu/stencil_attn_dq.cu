@@ -24,7 +24,9 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
   LoadLane<T>(dout, static_cast<const T*>(p.dout) + row_at, 1.f);
   // A query without neighbours (lse = -inf): p = exp2(x - inf) = 0.
   const float lse2 = Log2Lse(__ldg(p.lse + at.point));
+  // delta given, or dlse to form it with: read before the walk, so that no load waits after it.
   const float given_delta = kFormsDelta ? 0.f : __ldg(p.delta + at.point);
+  const float dlse = kFormsDelta ? __ldg(p.dlse + at.point) : 0.f;
   MbarrierWait(&s.landed, 0);
 
   // acc: sum p (dout.v - delta) k given delta; forming it, sum p (dout.v) k beside weighted = sum p k.
@@ -60,7 +62,7 @@ __global__ void __launch_bounds__(kThreads, 2) StencilDqKernel(const NbhdAttnGpu
   if constexpr (kFormsDelta) {
     // No neighbour (or every p underflowed): delta = -dlse, dq = 0; a NaN sum stays NaN.
     const float mean = mass == 0.f ? 0.f : formed / mass;
-    const float delta = mean - __ldg(p.dlse + at.point);
+    const float delta = mean - dlse;
 #pragma unroll
     for (int c = 0; c < kLaneChannels; ++c) acc[c] = fmaf(-delta, weighted[c], acc[c]);
     if (at.lane == 0 && at.real) p.delta_out[at.point] = delta;

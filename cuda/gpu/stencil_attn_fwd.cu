@@ -9,7 +9,10 @@ namespace stencil {
 namespace {
 
 // Online softmax in log2 units with the quadrature weight as a bias: x = log2(e) * scale * q.k + log2(w),
-// p = exp2(x - m), lse = ln(2) * (m + log2(l)).
+// p = exp2(x - m), lse = ln(2) * (m + log2(l)). m moves only where a logit passes it by more than
+// kRescaleSlackLog2, so most neighbours cost no rescaling of acc and l. Then p <= 2^8, and acc and l are
+// sums of at most 2^8 times as much as with m the running maximum: the same softmax to float32 round-off
+// wherever |v| stays below ~2^115 (a point has at most kMaxOtherRows (2 kMaxHalf + 1) = 28 neighbours).
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 4) StencilFwdKernel(const NbhdAttnGpuParams p) {
   using S = Shape<D>;
@@ -29,14 +32,20 @@ __global__ void __launch_bounds__(kThreads, 4) StencilFwdKernel(const NbhdAttnGp
     for (int32_t j = 0; j < arc.len; ++j) {
       float x[kLaneChannels];
       LoadLane<T>(x, k_row + j * S::kStride, 1.f);
-      const float logit = LaneDot<S::kLanes>(q, x) + arc.log2_weight, m_new = fmaxf(m, logit);
-      const float base = m_new == kNegInf ? 0.f : m_new;  // nothing seen yet: p = 0
-      const float decay = Exp2(m - base), weight = Exp2(logit - base);
-      m = m_new;
-      l = fmaf(l, decay, weight);
+      const float logit = LaneDot<S::kLanes>(q, x) + arc.log2_weight;
+      if (logit > m + kRescaleSlackLog2) {  // the point's first finite (or +inf) logit, then rarely
+        const float decay = Exp2(m - logit);  // 0 while m = -inf
+        m = logit;
+        l *= decay;
+#pragma unroll
+        for (int c = 0; c < kLaneChannels; ++c) acc[c] *= decay;
+      }
+      // Nothing seen yet (m = -inf, so logit = -inf or NaN): p = 0, or NaN from a NaN logit.
+      const float weight = Exp2(logit - (m == kNegInf ? 0.f : m));
+      l += weight;
       LoadLane<T>(x, v_row + j * S::kStride, 1.f);
 #pragma unroll
-      for (int c = 0; c < kLaneChannels; ++c) acc[c] = fmaf(acc[c], decay, weight * x[c]);
+      for (int c = 0; c < kLaneChannels; ++c) acc[c] = fmaf(weight, x[c], acc[c]);
     }
   }
   if (!at.real) return;
