@@ -68,6 +68,14 @@ S2ATTN_HOST_DEVICE Windows ReadWindows(const int32_t* window) {
   return Windows{{window[0], window[1], window[2], window[3]}, {window[4], window[5], window[6], window[7]}};
 }
 
+// Value `i` of the `window` operand where both windows are whole grids, q of nlat_q x nlon_q and k of
+// nlat_k x nlon_k: (0, 0, nlat_q, nlon_q, 0, 0, nlat_k, nlon_k).
+S2ATTN_HOST_DEVICE int32_t WholeWindowValue(int i, int32_t nlat_q, int32_t nlon_q, int32_t nlat_k, int32_t nlon_k) {
+  const int field = i % 4;
+  if (field < 2) return 0;  // lat0, lon0
+  return i < 4 ? (field == 2 ? nlat_q : nlon_q) : (field == 2 ? nlat_k : nlon_k);
+}
+
 // Where the walking point at global (lat, lon) reads its arcs: the pattern index into
 // arc_offsets and the longitude offset S*(lon / R) added to every arc start.
 // offset < nlon_other for every valid table (cuda/README.md).

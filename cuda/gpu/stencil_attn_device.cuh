@@ -60,11 +60,10 @@ static_assert(sizeof(Staged<__half, 32, true>) <= 48 * 1024 && sizeof(Staged<__h
 
 // Whether the call is what the stencil rows need: whole grids (no sharding windows, no padding), one
 // residue and shift (arcs relative to their point), equal longitude counts. Lane i % 8 of the warp compares
-// window value i with the whole grids' (0, 0, nlat, nlon) of q, then of k; every lane must call it.
+// window value i with the whole grids'; every lane must call it.
 __device__ __forceinline__ bool WholeGrids(const NbhdAttnGpuParams& p) {
   const int i = threadIdx.x % 8;
-  const int32_t extent = i & 4 ? (i & 1 ? p.nlon_k : p.nlat_k) : (i & 1 ? p.nlon_q : p.nlat_q);
-  const bool lane_whole = __ldg(p.window + i) == (i & 2 ? extent : 0);
+  const bool lane_whole = __ldg(p.window + i) == WholeWindowValue(i, p.nlat_q, p.nlon_q, p.nlat_k, p.nlon_k);
   const bool unpadded = p.nq_lat == p.nlat_q && p.nq_lon == p.nlon_q && p.nk_lat == p.nlat_k && p.nk_lon == p.nlon_k;
   return __all_sync(0xffffffffu, lane_whole) && unpadded && p.nlon_q == p.nlon_k && p.residues == 1 && p.shift == 1;
 }
